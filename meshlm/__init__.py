@@ -1,0 +1,1 @@
+"""meshlm: the CLI and the local-mesh launcher. Imports the pieces; no piece imports it."""

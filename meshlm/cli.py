@@ -1,0 +1,47 @@
+"""`meshlm` console script. Each subcommand lives in its own module and is imported lazily,
+so `meshlm status` never pays for importing torch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module with `add_arguments(parser)` and `run(args) -> int`
+COMMANDS: dict[str, tuple[str, str]] = {
+    "xds-server": ("meshlm.cmd_xds", "run the xDS control plane"),
+    "status": ("meshlm.cmd_status", "show sync status of every sidecar"),
+    "serve": ("meshlm.cmd_serve", "serve a model over gRPC"),
+    "generate": ("meshlm.cmd_generate", "stream a generation from a runtime or sidecar"),
+    "policy": ("meshlm.cmd_policy", "compile or test the authz policy"),
+    "sidecar": ("meshlm.cmd_sidecar", "run one Envoy sidecar"),
+    "rollout": ("meshlm.cmd_rollout", "start or steer a canary rollout"),
+    "demo": ("meshlm.cmd_demo", "run the local mesh demo"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="meshlm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    # Parse only the command name first, then let its module own the rest of the arguments.
+    if not argv or argv[0] not in COMMANDS:
+        parser.parse_args(argv)
+        return 2
+    module_name, help_text = COMMANDS[argv[0]]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        print(f"meshlm {argv[0]}: not available in this build", file=sys.stderr)
+        return 2
+    cmd = argparse.ArgumentParser(prog=f"meshlm {argv[0]}", description=help_text)
+    module.add_arguments(cmd)
+    return int(module.run(cmd.parse_args(argv[1:])) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""FlatBuffers wire schemas, flatc-generated code and a validating codec."""

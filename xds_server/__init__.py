@@ -1,0 +1,1 @@
+"""The xDS control plane: desired state, resources, snapshots, ADS, sync status, rollouts."""
