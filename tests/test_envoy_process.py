@@ -5,6 +5,12 @@ import urllib.request
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.ports import free_port
 
+HCM = (
+    "type.googleapis.com/envoy.extensions.filters.network."
+    "http_connection_manager.v3.HttpConnectionManager"
+)
+ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+
 
 def test_static_envoy_serves_direct_response_and_stops() -> None:
     port = free_port()
@@ -20,7 +26,7 @@ def test_static_envoy_serves_direct_response_and_stops() -> None:
                                 {
                                     "name": "envoy.filters.network.http_connection_manager",
                                     "typed_config": {
-                                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                                        "@type": HCM,
                                         "stat_prefix": "t",
                                         "route_config": {
                                             "virtual_hosts": [
@@ -42,9 +48,7 @@ def test_static_envoy_serves_direct_response_and_stops() -> None:
                                         "http_filters": [
                                             {
                                                 "name": "envoy.filters.http.router",
-                                                "typed_config": {
-                                                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-                                                },
+                                                "typed_config": {"@type": ROUTER},
                                             }
                                         ],
                                     },
