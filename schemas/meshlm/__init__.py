@@ -1,0 +1,1 @@
+"""flatc output (never hand-edited): regenerate with `python -m schemas.build`."""
