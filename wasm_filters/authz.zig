@@ -1,0 +1,419 @@
+//! meshlm authz: a proxy-wasm HTTP filter written against the ABI 0.2.1 directly.
+//!
+//! Per request: API key (`x-api-key` or `authorization: Bearer`) -> SHA-256 -> tenant (constant
+//! time compare) -> allow rules for this service's methods -> per-tenant token bucket in shared
+//! data (compare-and-swap) -> verified `x-meshlm-tenant` / `x-meshlm-priority` headers.
+//! The configuration is JSON compiled by `wasm_filters/policy.py`; it holds key hashes only.
+//! Fails closed: a bad configuration is refused in proxy_on_configure (Envoy NACKs it) and a
+//! stream without a loaded policy is denied.
+//! Build: `python -m wasm_filters.build` (zig from PyPI `ziglang`).
+
+const std = @import("std");
+const Sha256 = std.crypto.hash.sha2.Sha256;
+
+// ---- host imports (proxy-wasm ABI 0.2.1, module "env") ----
+extern "env" fn proxy_log(level: u32, msg: [*]const u8, len: usize) u32;
+extern "env" fn proxy_get_buffer_bytes(kind: u32, start: usize, max: usize, out: *?[*]u8, out_len: *usize) u32;
+extern "env" fn proxy_get_header_map_value(map: u32, key: [*]const u8, key_len: usize, out: *?[*]u8, out_len: *usize) u32;
+extern "env" fn proxy_replace_header_map_value(map: u32, key: [*]const u8, key_len: usize, val: [*]const u8, val_len: usize) u32;
+extern "env" fn proxy_remove_header_map_value(map: u32, key: [*]const u8, key_len: usize) u32;
+extern "env" fn proxy_send_local_response(code: u32, details: [*]const u8, details_len: usize, body: [*]const u8, body_len: usize, headers: [*]const u8, headers_len: usize, grpc_status: i32) u32;
+extern "env" fn proxy_get_shared_data(key: [*]const u8, key_len: usize, out: *?[*]u8, out_len: *usize, cas: *u32) u32;
+extern "env" fn proxy_set_shared_data(key: [*]const u8, key_len: usize, val: [*]const u8, val_len: usize, cas: u32) u32;
+extern "env" fn proxy_define_metric(kind: u32, name: [*]const u8, name_len: usize, out_id: *u32) u32;
+extern "env" fn proxy_increment_metric(id: u32, offset: i64) u32;
+extern "env" fn proxy_get_current_time_nanoseconds(out: *u64) u32;
+
+const OK: u32 = 0;
+const NOT_FOUND: u32 = 1;
+const CAS_MISMATCH: u32 = 8;
+const REQUEST_HEADERS: u32 = 0;
+const PLUGIN_CONFIGURATION: u32 = 7;
+const COUNTER: u32 = 0;
+const LOG_DEBUG: u32 = 1;
+const LOG_INFO: u32 = 2;
+const LOG_WARN: u32 = 3;
+const LOG_ERROR: u32 = 4;
+const CONTINUE: u32 = 0;
+const STOP_ITERATION: u32 = 1;
+const NO_GRPC_STATUS: i32 = -1;
+
+const gpa = std.heap.wasm_allocator;
+/// Everything the host hands us (header values, config bytes, shared data) lives here and is
+/// dropped at the end of each exported call: the host never keeps pointers into our memory.
+var scratch = std.heap.ArenaAllocator.init(std.heap.wasm_allocator);
+
+// ---- configuration (the JSON compiled by policy.py) ----
+const RateLimitJson = struct { max_tokens: u64, tokens_per_fill: u64, fill_interval_ms: u64 };
+const TenantJson = struct {
+    name: []const u8,
+    priority: []const u8,
+    key_sha256: []const []const u8,
+    allow: []const []const u8,
+    rate_limit: ?RateLimitJson = null,
+};
+const ConfigJson = struct {
+    version: u32,
+    service: []const u8,
+    method_prefix: []const u8,
+    tenants: []const TenantJson,
+};
+
+const Tenant = struct {
+    json: TenantJson,
+    keys: []const [32]u8,
+    bucket_key: []const u8,
+    m_allowed: u32 = 0,
+    m_forbidden: u32 = 0,
+    m_limited: u32 = 0,
+};
+const Policy = struct { cfg: ConfigJson, tenants: []Tenant };
+
+const Root = struct {
+    arena: std.heap.ArenaAllocator,
+    policy: ?Policy = null,
+};
+
+var roots: std.AutoHashMapUnmanaged(u32, *Root) = .empty;
+var stream_root: std.AutoHashMapUnmanaged(u32, u32) = .empty;
+var m_missing: u32 = 0;
+var m_unknown: u32 = 0;
+var m_no_policy: u32 = 0;
+var globals_defined = false;
+
+fn log(level: u32, comptime fmt: []const u8, args: anytype) void {
+    var buf: [512]u8 = undefined;
+    const msg = std.fmt.bufPrint(&buf, "meshlm_authz: " ++ fmt, args) catch buf[0..];
+    _ = proxy_log(level, msg.ptr, msg.len);
+}
+
+fn metric(name: []const u8) u32 {
+    var id: u32 = 0;
+    if (proxy_define_metric(COUNTER, name.ptr, name.len, &id) != OK) return 0;
+    return id;
+}
+
+fn bump(id: u32) void {
+    if (id != 0) _ = proxy_increment_metric(id, 1);
+}
+
+// ---- exports: lifecycle ----
+export fn proxy_abi_version_0_2_1() void {}
+
+export fn proxy_on_memory_allocate(size: usize) ?[*]u8 {
+    const mem = scratch.allocator().alloc(u8, @max(size, 1)) catch return null;
+    return mem.ptr;
+}
+
+export fn proxy_on_vm_start(_: u32, _: usize) u32 {
+    return 1;
+}
+
+export fn proxy_on_context_create(id: u32, parent: u32) void {
+    if (parent == 0) {
+        const root = gpa.create(Root) catch return;
+        root.* = .{ .arena = std.heap.ArenaAllocator.init(gpa) };
+        roots.put(gpa, id, root) catch gpa.destroy(root);
+    } else {
+        stream_root.put(gpa, id, parent) catch {};
+    }
+}
+
+export fn proxy_on_done(_: u32) u32 {
+    return 1;
+}
+
+export fn proxy_on_delete(id: u32) void {
+    _ = stream_root.remove(id);
+    if (roots.fetchRemove(id)) |kv| {
+        kv.value.arena.deinit();
+        gpa.destroy(kv.value);
+    }
+}
+
+export fn proxy_on_configure(root_id: u32, size: usize) u32 {
+    defer _ = scratch.reset(.{ .retain_with_limit = 64 * 1024 });
+    const root = roots.get(root_id) orelse return 0;
+    if (!globals_defined) {
+        m_missing = metric("meshlm_authz.denied.missing_key");
+        m_unknown = metric("meshlm_authz.denied.unknown_key");
+        m_no_policy = metric("meshlm_authz.denied.no_policy");
+        globals_defined = true;
+    }
+    var ptr: ?[*]u8 = null;
+    var len: usize = 0;
+    if (size == 0 or proxy_get_buffer_bytes(PLUGIN_CONFIGURATION, 0, size, &ptr, &len) != OK or ptr == null) {
+        log(LOG_ERROR, "rejected configuration: empty (every request will be denied)", .{});
+        return 0;
+    }
+    var arena = std.heap.ArenaAllocator.init(gpa);
+    const policy = parsePolicy(arena.allocator(), ptr.?[0..len]) catch |e| {
+        arena.deinit();
+        log(LOG_ERROR, "rejected configuration: {s}", .{@errorName(e)});
+        return 0;
+    };
+    // Swap in the new policy; a failed reconfigure above kept the last good one.
+    root.arena.deinit();
+    root.arena = arena;
+    root.policy = policy;
+    for (policy.tenants) |*t| initBucket(t);
+    log(LOG_INFO, "policy loaded for service {s}: {d} tenants", .{ policy.cfg.service, policy.tenants.len });
+    return 1;
+}
+
+fn validName(s: []const u8) bool {
+    if (s.len == 0 or s.len > 64) return false;
+    for (s) |c| if (!(std.ascii.isAlphanumeric(c) or c == '_' or c == '-')) return false;
+    return true;
+}
+
+fn parsePolicy(a: std.mem.Allocator, raw: []const u8) !Policy {
+    const cfg = try std.json.parseFromSliceLeaky(ConfigJson, a, raw, .{ .allocate = .alloc_always });
+    if (cfg.version != 1) return error.UnsupportedVersion;
+    if (!validName(cfg.service)) return error.BadService;
+    const tenants = try a.alloc(Tenant, cfg.tenants.len);
+    for (cfg.tenants, tenants, 0..) |tj, *t, i| {
+        if (!validName(tj.name)) return error.BadTenantName;
+        if (!validName(tj.priority)) return error.BadPriority;
+        if (tj.key_sha256.len == 0) return error.TenantWithoutKeys;
+        const keys = try a.alloc([32]u8, tj.key_sha256.len);
+        for (tj.key_sha256, keys) |hex, *k| {
+            if (hex.len != 64) return error.BadKeyHash;
+            _ = std.fmt.hexToBytes(k, hex) catch return error.BadKeyHash;
+        }
+        for (tenants[0..i]) |prev| {
+            if (std.mem.eql(u8, prev.json.name, tj.name)) return error.DuplicateTenant;
+            for (prev.keys) |pk| for (keys) |k| if (std.mem.eql(u8, &pk, &k)) return error.DuplicateKeyHash;
+        }
+        if (tj.rate_limit) |rl| {
+            if (rl.max_tokens == 0 or rl.tokens_per_fill == 0 or rl.fill_interval_ms == 0) return error.BadRateLimit;
+            if (rl.fill_interval_ms > 86_400_000) return error.BadRateLimit;
+        }
+        t.* = .{
+            .json = tj,
+            .keys = keys,
+            .bucket_key = try std.fmt.allocPrint(a, "meshlm_authz.bucket.{s}.{s}", .{ cfg.service, tj.name }),
+        };
+        var buf: [160]u8 = undefined;
+        t.m_allowed = metric(try std.fmt.bufPrint(&buf, "meshlm_authz.allowed.{s}", .{tj.name}));
+        t.m_forbidden = metric(try std.fmt.bufPrint(&buf, "meshlm_authz.denied.forbidden.{s}", .{tj.name}));
+        t.m_limited = metric(try std.fmt.bufPrint(&buf, "meshlm_authz.denied.rate_limited.{s}", .{tj.name}));
+    }
+    return .{ .cfg = cfg, .tenants = tenants };
+}
+
+// ---- token bucket in shared data: 16 bytes, tokens (u64 LE) + last fill time ns (u64 LE) ----
+const Bucket = struct { tokens: u64, last_ns: u64 };
+
+fn now_ns() u64 {
+    var t: u64 = 0;
+    _ = proxy_get_current_time_nanoseconds(&t);
+    return t;
+}
+
+fn readBucket(key: []const u8, cas: *u32) ?Bucket {
+    var ptr: ?[*]u8 = null;
+    var len: usize = 0;
+    cas.* = 0;
+    if (proxy_get_shared_data(key.ptr, key.len, &ptr, &len, cas) != OK) return null;
+    if (ptr == null or len != 16) return null;
+    const b = ptr.?[0..16];
+    return .{ .tokens = std.mem.readInt(u64, b[0..8], .little), .last_ns = std.mem.readInt(u64, b[8..16], .little) };
+}
+
+fn writeBucket(key: []const u8, b: Bucket, cas: u32) u32 {
+    var buf: [16]u8 = undefined;
+    std.mem.writeInt(u64, buf[0..8], b.tokens, .little);
+    std.mem.writeInt(u64, buf[8..16], b.last_ns, .little);
+    return proxy_set_shared_data(key.ptr, key.len, &buf, buf.len, cas);
+}
+
+/// Create a full bucket once. Runs in every worker's configure, before that worker takes
+/// traffic; an existing bucket (a policy update on a live sidecar) keeps its tokens.
+fn initBucket(t: *const Tenant) void {
+    const rl = t.json.rate_limit orelse return;
+    var cas: u32 = 0;
+    if (readBucket(t.bucket_key, &cas) == null)
+        _ = writeBucket(t.bucket_key, .{ .tokens = rl.max_tokens, .last_ns = now_ns() }, cas);
+}
+
+/// Take one token; returns 0 when allowed, otherwise the seconds until the next refill.
+fn takeToken(t: *const Tenant) u64 {
+    const rl = t.json.rate_limit orelse return 0;
+    const interval = rl.fill_interval_ms * std.time.ns_per_ms;
+    var attempt: u32 = 0;
+    while (attempt < 64) : (attempt += 1) {
+        const now = now_ns();
+        var cas: u32 = 0;
+        var b = readBucket(t.bucket_key, &cas) orelse Bucket{ .tokens = rl.max_tokens, .last_ns = now };
+        if (now > b.last_ns) {
+            const fills = (now - b.last_ns) / interval;
+            if (fills > 0) {
+                b.tokens +|= fills *| rl.tokens_per_fill;
+                b.last_ns += fills * interval;
+            }
+        }
+        b.tokens = @min(b.tokens, rl.max_tokens); // also clamps after a policy lowered max_tokens
+        if (b.tokens == 0) {
+            const wait = (b.last_ns +| interval) -| now;
+            return @max(1, (wait + std.time.ns_per_s - 1) / std.time.ns_per_s);
+        }
+        b.tokens -= 1;
+        // Another worker changed the bucket since we read it: read again (shared data CAS).
+        const rc = writeBucket(t.bucket_key, b, cas);
+        if (rc == OK) return 0;
+        if (rc != CAS_MISMATCH) break;
+    }
+    log(LOG_WARN, "token bucket for tenant {s} contended, denying", .{t.json.name});
+    return 1;
+}
+
+// ---- per request ----
+fn header(name: []const u8) ?[]const u8 {
+    var ptr: ?[*]u8 = null;
+    var len: usize = 0;
+    if (proxy_get_header_map_value(REQUEST_HEADERS, name.ptr, name.len, &ptr, &len) != OK) return null;
+    if (ptr == null or len == 0) return null;
+    return ptr.?[0..len];
+}
+
+fn setHeader(name: []const u8, value: []const u8) void {
+    _ = proxy_replace_header_map_value(REQUEST_HEADERS, name.ptr, name.len, value.ptr, value.len);
+}
+
+fn removeHeader(name: []const u8) void {
+    _ = proxy_remove_header_map_value(REQUEST_HEADERS, name.ptr, name.len);
+}
+
+const ows = " \t";
+
+/// The presented key: `x-api-key`, else `authorization: Bearer <key>` (scheme case-insensitive,
+/// RFC 7235). Empty means missing.
+fn presentedKey() []const u8 {
+    if (header("x-api-key")) |v| return std.mem.trim(u8, v, ows);
+    if (header("authorization")) |v| {
+        const s = std.mem.trim(u8, v, ows);
+        if (s.len > 7 and std.ascii.startsWithIgnoreCase(s, "bearer") and (s[6] == ' ' or s[6] == '\t'))
+            return std.mem.trim(u8, s[7..], ows);
+    }
+    return "";
+}
+
+fn findTenant(p: *const Policy, key: []const u8) ?*const Tenant {
+    var digest: [32]u8 = undefined;
+    Sha256.hash(key, &digest, .{});
+    // Compare against every hash so the time taken does not say which tenant matched.
+    var found: ?*const Tenant = null;
+    for (p.tenants) |*t| for (t.keys) |*k| {
+        if (std.crypto.timing_safe.eql([32]u8, digest, k.*)) found = t;
+    };
+    return found;
+}
+
+/// `*` matches any run of bytes; everything else matches itself.
+fn glob(pattern: []const u8, s: []const u8) bool {
+    var p: usize = 0;
+    var i: usize = 0;
+    var star: ?usize = null;
+    var mark: usize = 0;
+    while (i < s.len) {
+        if (p < pattern.len and pattern[p] == '*') {
+            star = p;
+            p += 1;
+            mark = i;
+        } else if (p < pattern.len and pattern[p] == s[i]) {
+            p += 1;
+            i += 1;
+        } else if (star) |st| {
+            p = st + 1;
+            mark += 1;
+            i = mark;
+        } else return false;
+    }
+    while (p < pattern.len and pattern[p] == '*') p += 1;
+    return p == pattern.len;
+}
+
+fn methodOf(cfg: *const ConfigJson, path: []const u8) []const u8 {
+    const q = std.mem.indexOfScalar(u8, path, '?') orelse path.len;
+    const p = path[0..q];
+    if (std.mem.startsWith(u8, p, cfg.method_prefix)) return p[cfg.method_prefix.len..];
+    return p;
+}
+
+const Deny = struct { code: u32, grpc: i32, details: []const u8, msg: []const u8 };
+
+fn deny(d: Deny, is_grpc: bool, retry_after: u64) u32 {
+    var hbuf: [64]u8 = undefined;
+    var headers: []const u8 = &[_]u8{ 0, 0, 0, 0 };
+    if (retry_after > 0) {
+        // Header map serialization of ABI 0.2.1: count, (key len, value len)*, then "key\0value\0"*.
+        var val: [20]u8 = undefined;
+        const v = std.fmt.bufPrint(&val, "{d}", .{retry_after}) catch "1";
+        const k = "retry-after";
+        std.mem.writeInt(u32, hbuf[0..4], 1, .little);
+        std.mem.writeInt(u32, hbuf[4..8], k.len, .little);
+        std.mem.writeInt(u32, hbuf[8..12], @intCast(v.len), .little);
+        @memcpy(hbuf[12 .. 12 + k.len], k);
+        hbuf[12 + k.len] = 0;
+        @memcpy(hbuf[13 + k.len .. 13 + k.len + v.len], v);
+        hbuf[13 + k.len + v.len] = 0;
+        headers = hbuf[0 .. 14 + k.len + v.len];
+    }
+    _ = proxy_send_local_response(d.code, d.details.ptr, d.details.len, d.msg.ptr, d.msg.len, headers.ptr, headers.len, if (is_grpc) d.grpc else NO_GRPC_STATUS);
+    return STOP_ITERATION;
+}
+
+const NO_POLICY = Deny{ .code = 503, .grpc = 14, .details = "meshlm_authz_no_policy", .msg = "authz policy not loaded" };
+const MISSING = Deny{ .code = 401, .grpc = 16, .details = "meshlm_authz_missing_key", .msg = "missing api key" };
+const UNKNOWN = Deny{ .code = 401, .grpc = 16, .details = "meshlm_authz_unknown_key", .msg = "unknown api key" };
+const FORBIDDEN = Deny{ .code = 403, .grpc = 7, .details = "meshlm_authz_forbidden", .msg = "tenant may not call this method" };
+const LIMITED = Deny{ .code = 429, .grpc = 8, .details = "meshlm_authz_rate_limited", .msg = "tenant rate limit exceeded" };
+
+export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
+    defer _ = scratch.reset(.{ .retain_with_limit = 256 * 1024 });
+    const ctype = header("content-type") orelse "";
+    const is_grpc = std.mem.startsWith(u8, ctype, "application/grpc");
+    const root_id = stream_root.get(ctx) orelse 0;
+    const root = roots.get(root_id) orelse {
+        bump(m_no_policy);
+        log(LOG_ERROR, "no root context for stream; denying", .{});
+        return deny(NO_POLICY, is_grpc, 0);
+    };
+    const p = if (root.policy) |*pp| pp else {
+        bump(m_no_policy);
+        log(LOG_ERROR, "no valid policy loaded; denying", .{});
+        return deny(NO_POLICY, is_grpc, 0);
+    };
+    const key = presentedKey();
+    if (key.len == 0) {
+        bump(m_missing);
+        return deny(MISSING, is_grpc, 0);
+    }
+    const t = findTenant(p, key) orelse {
+        bump(m_unknown);
+        return deny(UNKNOWN, is_grpc, 0);
+    };
+    const method = methodOf(&p.cfg, header(":path") orelse "");
+    var allowed = false;
+    for (t.json.allow) |pat| {
+        if (glob(pat, method)) allowed = true;
+    }
+    if (!allowed) {
+        bump(t.m_forbidden);
+        log(LOG_DEBUG, "tenant {s} denied method (forbidden)", .{t.json.name});
+        return deny(FORBIDDEN, is_grpc, 0);
+    }
+    const wait_s = takeToken(t);
+    if (wait_s > 0) {
+        bump(t.m_limited);
+        return deny(LIMITED, is_grpc, wait_s);
+    }
+    // The credential stays at the edge; identity headers are ours, never the client's.
+    removeHeader("x-api-key");
+    removeHeader("authorization");
+    setHeader("x-meshlm-tenant", t.json.name);
+    setHeader("x-meshlm-priority", t.json.priority);
+    bump(t.m_allowed);
+    return CONTINUE;
+}
