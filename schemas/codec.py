@@ -1,0 +1,504 @@
+"""Encode and decode the inference messages, with validation.
+
+Every `decode_*` first runs the verifier (`schemas.verify`) and then checks values and limits;
+anything wrong raises `WireError(field, message)` — never another exception, never a silent
+out-of-bounds read. Encoders reuse one flatbuffers.Builder per thread. Token arrays come back as
+zero-copy numpy int32 views of the received buffer.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import flatbuffers
+import numpy as np
+
+from schemas.meshlm import inference_generated as fb
+from schemas.verify import Field, Table, WireError, verify
+
+__all__ = [
+    "ChatMessage",
+    "ErrorInfo",
+    "GenerateRequest",
+    "Limits",
+    "ModelInfo",
+    "TokenChunk",
+    "WireError",
+    "decode_generate_request",
+    "decode_info_request",
+    "decode_model_info",
+    "decode_token_chunk",
+    "encode_generate_request",
+    "encode_info_request",
+    "encode_model_info",
+    "encode_token_chunk",
+]
+
+# The verifier's view of inference.fbs: fields in slot order (tests compare it with the .fbs).
+CHAT_MESSAGE = Table(
+    "ChatMessage",
+    (Field("role", "string", required=True), Field("content", "string", required=True)),
+)
+GENERATE_REQUEST = Table(
+    "GenerateRequest",
+    (
+        Field("request_id", "string"),
+        Field("model", "string"),
+        Field("prompt", "string"),
+        Field("prompt_token_ids", "vector", 4),
+        Field("messages", "tables", table=CHAT_MESSAGE),
+        Field("max_new_tokens", "scalar", 4),
+        Field("temperature", "scalar", 4),
+        Field("top_p", "scalar", 4),
+        Field("top_k", "scalar", 4),
+        Field("seed", "scalar", 8),
+        Field("stop", "strings"),
+        Field("priority", "scalar", 4),
+    ),
+)
+ERROR = Table(
+    "Error", (Field("code", "scalar", 4), Field("message", "string"), Field("field", "string"))
+)
+TOKEN_CHUNK = Table(
+    "TokenChunk",
+    (
+        Field("request_id", "string"),
+        Field("index", "scalar", 4),
+        Field("token_ids", "vector", 4),
+        Field("text_delta", "string"),
+        Field("finish_reason", "scalar", 1),
+        Field("queue_wait_us", "scalar", 8),
+        Field("ttft_us", "scalar", 8),
+        Field("error", "table", table=ERROR),
+    ),
+)
+INFO_REQUEST = Table("InfoRequest", ())
+MODEL_INFO = Table(
+    "ModelInfo",
+    (
+        Field("name", "string"),
+        Field("precision", "string"),
+        Field("version", "string"),
+        Field("context_length", "scalar", 4),
+        Field("vocab_size", "scalar", 4),
+    ),
+)
+
+FINISH_REASONS: tuple[str | None, ...] = (None, "stop", "length", "cancelled", "error")
+_FINISH_CODE = {name: code for code, name in enumerate(FINISH_REASONS)}
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a server accepts. context_length / vocab_size are filled in from the loaded model."""
+
+    max_buffer_bytes: int = 4 << 20
+    max_prompt_bytes: int = 256 << 10
+    max_prompt_tokens: int = 1 << 16
+    max_messages: int = 256
+    max_stop: int = 16
+    max_stop_bytes: int = 256
+    max_id_bytes: int = 256
+    context_length: int | None = None
+    vocab_size: int | None = None
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str = ""
+    model: str = ""
+    prompt: str | None = None
+    prompt_token_ids: Any = None  # sequence of int, or a numpy int32 array once decoded
+    messages: list[ChatMessage] | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    priority: int | None = None
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    code: int
+    message: str
+    field: str = ""
+
+
+@dataclass
+class TokenChunk:
+    request_id: str
+    index: int
+    token_ids: Any  # numpy int32 array (decoded) or a list of int
+    text_delta: str
+    finish_reason: str | None = None
+    queue_wait_us: int = 0
+    ttft_us: int | None = None
+    error: ErrorInfo | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    precision: str
+    version: str
+    context_length: int
+    vocab_size: int = 0
+
+
+_tls = threading.local()
+
+
+def _builder() -> flatbuffers.Builder:
+    b = getattr(_tls, "builder", None)
+    if b is None:
+        b = _tls.builder = flatbuffers.Builder(1024)
+    else:
+        b.Clear()
+    return b
+
+
+def _finish(b: flatbuffers.Builder, root: int) -> bytes:
+    b.Finish(root)
+    return bytes(memoryview(b.Bytes)[b.Head() :])
+
+
+def _str(b: flatbuffers.Builder, s: str | None) -> int:
+    return b.CreateString(s) if s else 0
+
+
+def _int32_vector(b: flatbuffers.Builder, values: Any) -> int:
+    return b.CreateNumpyVector(np.asarray(values, dtype="<i4").ravel())
+
+
+def _text(raw: bytes | None) -> str:
+    # The verifier already proved UTF-8; generated accessors hand back bytes.
+    return raw.decode("utf-8") if raw else ""
+
+
+# --- GenerateRequest -------------------------------------------------------------------------
+
+
+def encode_generate_request(req: GenerateRequest) -> bytes:
+    b = _builder()
+    rid, model, prompt = _str(b, req.request_id), _str(b, req.model), _str(b, req.prompt)
+    ids = _int32_vector(b, req.prompt_token_ids) if req.prompt_token_ids is not None else 0
+    msgs = 0
+    if req.messages is not None:
+        offs = []
+        for m in req.messages:
+            role, content = b.CreateString(m.role), b.CreateString(m.content)
+            fb.ChatMessageStart(b)
+            fb.ChatMessageAddRole(b, role)
+            fb.ChatMessageAddContent(b, content)
+            offs.append(fb.ChatMessageEnd(b))
+        msgs = _offset_vector(b, offs)
+    stop = _offset_vector(b, [b.CreateString(s) for s in req.stop]) if req.stop else 0
+    fb.GenerateRequestStart(b)
+    for slot_add, value in (
+        (fb.GenerateRequestAddRequestId, rid),
+        (fb.GenerateRequestAddModel, model),
+        (fb.GenerateRequestAddPrompt, prompt),
+        (fb.GenerateRequestAddPromptTokenIds, ids),
+        (fb.GenerateRequestAddMessages, msgs),
+        (fb.GenerateRequestAddStop, stop),
+    ):
+        if value:
+            slot_add(b, value)
+    fb.GenerateRequestAddMaxNewTokens(b, req.max_new_tokens)
+    fb.GenerateRequestAddTemperature(b, req.temperature)
+    fb.GenerateRequestAddTopP(b, req.top_p)
+    fb.GenerateRequestAddTopK(b, req.top_k)
+    if req.seed is not None:
+        fb.GenerateRequestAddSeed(b, req.seed)
+    if req.priority is not None:
+        fb.GenerateRequestAddPriority(b, req.priority)
+    return _finish(b, fb.GenerateRequestEnd(b))
+
+
+def _offset_vector(b: flatbuffers.Builder, offsets: list[int]) -> int:
+    b.StartVector(4, len(offsets), 4)
+    for off in reversed(offsets):
+        b.PrependUOffsetTRelative(off)
+    return b.EndVector()
+
+
+def decode_generate_request(buf: bytes, limits: Limits = DEFAULT_LIMITS) -> GenerateRequest:
+    """Verify and validate a GenerateRequest; raise WireError naming the field at fault."""
+    verify(buf, GENERATE_REQUEST, limits.max_buffer_bytes)
+    t = fb.GenerateRequest.GetRootAs(buf, 0)
+    req = GenerateRequest(
+        request_id=_text(t.RequestId()),
+        model=_text(t.Model()),
+        prompt=None if t.Prompt() is None else _text(t.Prompt()),
+        prompt_token_ids=None if t.PromptTokenIdsIsNone() else _ids(t.PromptTokenIdsAsNumpy()),
+        messages=None
+        if t.MessagesIsNone()
+        else [
+            ChatMessage(_text(m.Role()), _text(m.Content()))
+            for m in (t.Messages(i) for i in range(t.MessagesLength()))
+        ],
+        max_new_tokens=t.MaxNewTokens(),
+        temperature=t.Temperature(),
+        top_p=t.TopP(),
+        top_k=t.TopK(),
+        seed=t.Seed(),
+        stop=[_text(t.Stop(i)) for i in range(t.StopLength())],
+        priority=t.Priority(),
+    )
+    validate_generate_request(req, limits)
+    return req
+
+
+def _ids(a: Any) -> np.ndarray:
+    # GetVectorAsNumpy returns 0 for an empty vector's absent data on some paths; normalise.
+    return a if isinstance(a, np.ndarray) else np.zeros(0, dtype="<i4")
+
+
+def validate_generate_request(req: GenerateRequest, limits: Limits = DEFAULT_LIMITS) -> None:
+    """Value checks shared by the decoder and by callers that build requests in Python."""
+    for name in ("request_id", "model"):
+        if len(getattr(req, name).encode()) > limits.max_id_bytes:
+            raise WireError(name, f"longer than {limits.max_id_bytes} bytes")
+    given = [
+        name
+        for name in ("prompt", "prompt_token_ids", "messages")
+        if getattr(req, name) is not None
+    ]
+    if len(given) != 1:
+        raise WireError(
+            "prompt",
+            "exactly one of prompt, prompt_token_ids, messages must be set"
+            + (f" (got {', '.join(given)})" if given else ""),
+        )
+    if req.prompt is not None:
+        if not req.prompt:
+            raise WireError("prompt", "is empty")
+        if len(req.prompt.encode()) > limits.max_prompt_bytes:
+            raise WireError("prompt", f"longer than {limits.max_prompt_bytes} bytes")
+    if req.prompt_token_ids is not None:
+        ids = np.asarray(req.prompt_token_ids)
+        max_tokens = min(limits.max_prompt_tokens, limits.context_length or 1 << 30)
+        if ids.size == 0:
+            raise WireError("prompt_token_ids", "is empty")
+        if ids.size > max_tokens:
+            raise WireError("prompt_token_ids", f"{ids.size} tokens exceed the limit {max_tokens}")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or (limits.vocab_size is not None and hi >= limits.vocab_size):
+            bad = lo if lo < 0 else hi
+            raise WireError(
+                "prompt_token_ids", f"token id {bad} is outside [0, {limits.vocab_size or '2^31'})"
+            )
+    if req.messages is not None:
+        if not req.messages:
+            raise WireError("messages", "is empty")
+        if len(req.messages) > limits.max_messages:
+            raise WireError("messages", f"more than {limits.max_messages} messages")
+        total = 0
+        for i, m in enumerate(req.messages):
+            if m.role not in ROLES:
+                roles = ", ".join(sorted(ROLES))
+                raise WireError(f"messages[{i}].role", f"{m.role[:32]!r} is not one of {roles}")
+            total += len(m.content.encode())
+        if total > limits.max_prompt_bytes:
+            raise WireError("messages", f"contents longer than {limits.max_prompt_bytes} bytes")
+    max_new = limits.context_length or 1 << 16
+    if not 1 <= req.max_new_tokens <= max_new:
+        raise WireError("max_new_tokens", f"{req.max_new_tokens} is outside [1, {max_new}]")
+    if not (math.isfinite(req.temperature) and 0.0 <= req.temperature <= 100.0):
+        raise WireError("temperature", f"{req.temperature} is outside [0, 100]")
+    if not (math.isfinite(req.top_p) and 0.0 < req.top_p <= 1.0):
+        raise WireError("top_p", f"{req.top_p} is outside (0, 1]")
+    max_k = limits.vocab_size or 1 << 20
+    if not 0 <= req.top_k <= max_k:
+        raise WireError("top_k", f"{req.top_k} is outside [0, {max_k}]")
+    if len(req.stop) > limits.max_stop:
+        raise WireError("stop", f"more than {limits.max_stop} stop sequences")
+    for i, s in enumerate(req.stop):
+        if not s or len(s.encode()) > limits.max_stop_bytes:
+            raise WireError(f"stop[{i}]", f"must be 1..{limits.max_stop_bytes} bytes")
+    if req.priority is not None and not -1000 <= req.priority <= 1000:
+        raise WireError("priority", f"{req.priority} is outside [-1000, 1000]")
+
+
+# --- TokenChunk (one per streamed event: keep it cheap) --------------------------------------
+
+
+# A fixed layout for the common case (no error table), written with one struct.pack instead of
+# ~30 Builder calls: root offset, vtable (8 slots), then the table at byte 28 so its uint64 fields
+# are 8-aligned, then token_ids, text_delta and request_id. The verifier accepts it like any other
+# FlatBuffer; tests decode it with the flatc-generated reader.
+_CHUNK_HEAD = struct.Struct("<I10H4xiQQIIIIIb3x")
+_CHUNK_TABLE = 28
+_CHUNK_DATA = 72
+
+
+def encode_token_chunk(
+    request_id: str,
+    index: int,
+    token_ids: Any,
+    text_delta: str,
+    finish_reason: str | None = None,
+    queue_wait_us: int = 0,
+    ttft_us: int | None = None,
+    error: ErrorInfo | None = None,
+) -> bytes:
+    if error is not None:
+        return encode_token_chunk_builder(
+            request_id, index, token_ids, text_delta, finish_reason, queue_wait_us, ttft_us, error
+        )
+    n = len(token_ids)
+    text = text_delta.encode("utf-8")
+    rid = request_id.encode("utf-8")
+    text_pos = _CHUNK_DATA + 4 + 4 * n
+    rid_pos = text_pos + 4 + ((len(text) + 4) & ~3)
+    head = _CHUNK_HEAD.pack(
+        _CHUNK_TABLE,
+        20,  # vtable size: 4 + 2 * 8 slots
+        44,  # table size
+        20,  # request_id
+        24,  # index
+        28,  # token_ids
+        32,  # text_delta
+        40,  # finish_reason
+        4,  # queue_wait_us
+        12 if ttft_us is not None else 0,  # ttft_us (optional scalar: absent = null)
+        0,  # error
+        _CHUNK_TABLE - 4,  # soffset to the vtable at byte 4
+        queue_wait_us,
+        ttft_us or 0,
+        rid_pos - (_CHUNK_TABLE + 20),
+        index,
+        _CHUNK_DATA - (_CHUNK_TABLE + 28),
+        text_pos - (_CHUNK_TABLE + 32),
+        0,
+        _FINISH_CODE[finish_reason],
+    )
+    return b"".join(
+        (
+            head,
+            struct.pack(f"<I{n}i", n, *token_ids),
+            _string_bytes(text),
+            len(rid).to_bytes(4, "little"),
+            rid,
+            b"\0",  # the last string needs no padding: truncating any byte breaks the buffer
+        )
+    )
+
+
+def _string_bytes(raw: bytes) -> bytes:
+    return len(raw).to_bytes(4, "little") + raw + b"\0" * (4 - (len(raw) & 3))
+
+
+def encode_token_chunk_builder(
+    request_id: str,
+    index: int,
+    token_ids: Any,
+    text_delta: str,
+    finish_reason: str | None = None,
+    queue_wait_us: int = 0,
+    ttft_us: int | None = None,
+    error: ErrorInfo | None = None,
+) -> bytes:
+    """The same message through flatbuffers.Builder (used when an Error table is attached)."""
+    b = _builder()
+    err = 0
+    if error is not None:
+        msg, fld = _str(b, error.message), _str(b, error.field)
+        fb.ErrorStart(b)
+        fb.ErrorAddCode(b, error.code)
+        if msg:
+            fb.ErrorAddMessage(b, msg)
+        if fld:
+            fb.ErrorAddField(b, fld)
+        err = fb.ErrorEnd(b)
+    text = _str(b, text_delta)
+    rid = _str(b, request_id)
+    b.StartVector(4, len(token_ids), 4)
+    for t in reversed(token_ids):
+        b.PrependInt32(t)
+    ids = b.EndVector()
+    fb.TokenChunkStart(b)
+    if rid:
+        fb.TokenChunkAddRequestId(b, rid)
+    fb.TokenChunkAddIndex(b, index)
+    fb.TokenChunkAddTokenIds(b, ids)
+    if text:
+        fb.TokenChunkAddTextDelta(b, text)
+    fb.TokenChunkAddFinishReason(b, _FINISH_CODE[finish_reason])
+    fb.TokenChunkAddQueueWaitUs(b, queue_wait_us)
+    if ttft_us is not None:
+        fb.TokenChunkAddTtftUs(b, ttft_us)
+    if err:
+        fb.TokenChunkAddError(b, err)
+    return _finish(b, fb.TokenChunkEnd(b))
+
+
+def decode_token_chunk(buf: bytes, max_size: int = DEFAULT_LIMITS.max_buffer_bytes) -> TokenChunk:
+    verify(buf, TOKEN_CHUNK, max_size)
+    t = fb.TokenChunk.GetRootAs(buf, 0)
+    code = t.FinishReason()
+    if not 0 <= code < len(FINISH_REASONS):
+        raise WireError("finish_reason", f"unknown value {code}")
+    e = t.Error()
+    return TokenChunk(
+        request_id=_text(t.RequestId()),
+        index=t.Index(),
+        token_ids=_ids(t.TokenIdsAsNumpy()),
+        text_delta=_text(t.TextDelta()),
+        finish_reason=FINISH_REASONS[code],
+        queue_wait_us=t.QueueWaitUs(),
+        ttft_us=t.TtftUs(),
+        error=None if e is None else ErrorInfo(e.Code(), _text(e.Message()), _text(e.Field())),
+    )
+
+
+# --- Info ------------------------------------------------------------------------------------
+
+
+def encode_info_request() -> bytes:
+    b = _builder()
+    fb.InfoRequestStart(b)
+    return _finish(b, fb.InfoRequestEnd(b))
+
+
+def decode_info_request(buf: bytes) -> None:
+    verify(buf, INFO_REQUEST, 1 << 16)
+
+
+def encode_model_info(info: ModelInfo) -> bytes:
+    b = _builder()
+    name, precision, version = _str(b, info.name), _str(b, info.precision), _str(b, info.version)
+    fb.ModelInfoStart(b)
+    if name:
+        fb.ModelInfoAddName(b, name)
+    if precision:
+        fb.ModelInfoAddPrecision(b, precision)
+    if version:
+        fb.ModelInfoAddVersion(b, version)
+    fb.ModelInfoAddContextLength(b, info.context_length)
+    fb.ModelInfoAddVocabSize(b, info.vocab_size)
+    return _finish(b, fb.ModelInfoEnd(b))
+
+
+def decode_model_info(buf: bytes) -> ModelInfo:
+    verify(buf, MODEL_INFO, 1 << 16)
+    t = fb.ModelInfo.GetRootAs(buf, 0)
+    return ModelInfo(
+        _text(t.Name()), _text(t.Precision()), _text(t.Version()), t.ContextLength(), t.VocabSize()
+    )

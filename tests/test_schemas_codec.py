@@ -1,0 +1,207 @@
+"""The codec: round trips, the verifier against hand-made bad buffers, value checks by field."""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from schemas import codec as c
+from schemas.meshlm import inference_generated as fb
+
+LIMITS = c.Limits(context_length=2048, vocab_size=49152)
+
+
+def _req(**kw) -> bytes:
+    return c.encode_generate_request(c.GenerateRequest(**kw))
+
+
+def _field_error(buf: bytes) -> str:
+    with pytest.raises(c.WireError) as e:
+        c.decode_generate_request(buf, LIMITS)
+    return e.value.field
+
+
+def test_generate_request_round_trip_all_fields() -> None:
+    req = c.GenerateRequest(
+        request_id="req-1",
+        model="smollm2",
+        prompt="What is the capital of France? ✓",
+        max_new_tokens=7,
+        temperature=0.5,
+        top_p=0.75,
+        top_k=40,
+        seed=2**64 - 1,
+        stop=["\n", "END"],
+        priority=-5,
+    )
+    got = c.decode_generate_request(c.encode_generate_request(req), LIMITS)
+    assert got == req
+
+
+def test_generate_request_defaults_and_token_ids_are_zero_copy_numpy() -> None:
+    buf = _req(prompt_token_ids=[1, 2, 49151])
+    got = c.decode_generate_request(buf, LIMITS)
+    assert got.prompt_token_ids.dtype == np.int32
+    assert got.prompt_token_ids.tolist() == [1, 2, 49151]
+    assert not got.prompt_token_ids.flags.owndata  # a view of the received buffer
+    assert (got.max_new_tokens, got.temperature, got.top_p, got.top_k) == (128, 0.0, 1.0, 0)
+    assert got.seed is None and got.priority is None and got.stop == []
+
+
+def test_chat_messages_round_trip() -> None:
+    msgs = [c.ChatMessage("system", "be brief"), c.ChatMessage("user", "hi")]
+    got = c.decode_generate_request(_req(messages=msgs), LIMITS)
+    assert got.messages == msgs and got.prompt is None
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("r1", 3, [42], " Paris", None, 120, 5000),
+        ("", 0, [], "", "stop", 0, None),
+        ("réq", 9, [1, 2, 3], "héllo\x00x", "length", 2**63, 0),
+        ("r", 1, [7], "x", "cancelled", 1, 2),
+    ],
+)
+def test_token_chunk_fast_layout_reads_like_the_builder_one(args) -> None:
+    fast, slow = c.encode_token_chunk(*args), c.encode_token_chunk_builder(*args)
+    a, b = c.decode_token_chunk(fast), c.decode_token_chunk(slow)
+    assert repr(a) == repr(b)
+    assert (a.request_id, a.index, a.token_ids.tolist(), a.text_delta, a.finish_reason) == args[:5]
+    # and the flatc-generated reader agrees on the fast layout
+    t = fb.TokenChunk.GetRootAs(fast, 0)
+    assert t.Index() == args[1] and t.TtftUs() == args[6] and t.Error() is None
+
+
+def test_token_chunk_with_error_table() -> None:
+    err = c.ErrorInfo(13, "engine failed", "prompt")
+    got = c.decode_token_chunk(c.encode_token_chunk("r", 5, [], "", "error", 9, None, err))
+    assert got.finish_reason == "error" and got.error == err
+
+
+def test_model_info_and_info_request_round_trip() -> None:
+    info = c.ModelInfo("SmolLM2-135M-Instruct", "int4", "q4_1", 8192, 49152)
+    assert c.decode_model_info(c.encode_model_info(info)) == info
+    c.decode_info_request(c.encode_info_request())
+
+
+def test_verifier_spec_matches_the_fbs_slot_order() -> None:
+    """The verifier's tables list fields in the .fbs order, with matching kinds."""
+    text = (Path(c.__file__).parent / "inference.fbs").read_text()
+    kinds = {"string": "string", "[int32]": "vector", "[string]": "strings"}
+    for spec in (c.GENERATE_REQUEST, c.TOKEN_CHUNK, c.CHAT_MESSAGE, c.ERROR, c.MODEL_INFO):
+        body = re.search(rf"table {spec.name} \{{(.*?)\n\}}", text, re.S).group(1)
+        decl = re.findall(r"^\s*(\w+): ([\w\[\]]+)", body, re.M)
+        assert [name for name, _ in decl] == [f.name for f in spec.fields], spec.name
+        for (_, typ), f in zip(decl, spec.fields, strict=True):
+            want = kinds.get(typ, "tables" if typ.startswith("[") else None)
+            if want is None:
+                want = "table" if typ[0].isupper() and typ != "FinishReason" else "scalar"
+            assert f.kind == want, (spec.name, f.name, typ)
+
+
+# --- malformed buffers: the verifier names the place ---------------------------------------
+
+
+def test_empty_and_tiny_buffers() -> None:
+    assert _field_error(b"") == "GenerateRequest"
+    assert _field_error(b"\x04\x00\x00\x00") == "GenerateRequest"
+
+
+def test_root_offset_past_the_end() -> None:
+    buf = bytearray(_req(prompt="hello"))
+    buf[0:4] = struct.pack("<I", len(buf) + 100)
+    assert _field_error(bytes(buf)) == "GenerateRequest"
+
+
+def test_vtable_offset_outside_buffer() -> None:
+    buf = bytearray(_req(prompt="hello"))
+    root = struct.unpack_from("<I", buf, 0)[0]
+    buf[root : root + 4] = struct.pack("<i", -(2**30))
+    assert _field_error(bytes(buf)) == "GenerateRequest"
+
+
+def test_string_length_past_the_end_names_the_field() -> None:
+    buf = bytearray(_req(prompt="hello world"))
+    i = bytes(buf).index(b"hello world") - 4
+    buf[i : i + 4] = struct.pack("<I", 10_000)
+    assert _field_error(bytes(buf)) == "prompt"
+
+
+def test_invalid_utf8_names_the_field() -> None:
+    buf = bytearray(_req(prompt="hello world"))
+    i = bytes(buf).index(b"hello")
+    buf[i] = 0xFF
+    assert _field_error(bytes(buf)) == "prompt"
+
+
+def test_missing_terminator_names_the_field() -> None:
+    buf = bytearray(_req(request_id="abcd", prompt="x"))
+    i = bytes(buf).index(b"abcd")
+    buf[i + 4] = ord("!")
+    assert _field_error(bytes(buf)) == "request_id"
+
+
+def test_missing_required_chat_role() -> None:
+    b = fb.flatbuffers.Builder(64)
+    content = b.CreateString("hi")
+    fb.ChatMessageStart(b)
+    fb.ChatMessageAddContent(b, content)
+    m = fb.ChatMessageEnd(b)
+    fb.GenerateRequestStartMessagesVector(b, 1)
+    b.PrependUOffsetTRelative(m)
+    v = b.EndVector()
+    fb.GenerateRequestStart(b)
+    fb.GenerateRequestAddMessages(b, v)
+    b.Finish(fb.GenerateRequestEnd(b))
+    assert _field_error(bytes(b.Output())) == "messages[0].role"
+
+
+def test_token_chunk_unknown_finish_reason() -> None:
+    buf = bytearray(c.encode_token_chunk("r", 1, [5], "x", "stop"))
+    buf[68] = 99  # finish_reason byte of the fast layout
+    with pytest.raises(c.WireError) as e:
+        c.decode_token_chunk(bytes(buf))
+    assert e.value.field == "finish_reason"
+
+
+def test_oversized_buffer_is_refused_before_parsing() -> None:
+    with pytest.raises(c.WireError, match="exceeds the limit"):
+        c.decode_generate_request(b"\0" * (LIMITS.max_buffer_bytes + 1), LIMITS)
+
+
+# --- value checks --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({}, "prompt"),
+        ({"prompt": "a", "messages": [c.ChatMessage("user", "b")]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x" * (300 << 10)}, "prompt"),
+        ({"prompt_token_ids": [1, 49152]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [-1]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1] * 3000}, "prompt_token_ids"),
+        ({"messages": []}, "messages"),
+        ({"messages": [c.ChatMessage("root", "x")]}, "messages[0].role"),
+        ({"messages": [c.ChatMessage("user", "x")] * 300}, "messages"),
+        ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
+        ({"prompt": "x", "max_new_tokens": 4096}, "max_new_tokens"),
+        ({"prompt": "x", "temperature": -0.1}, "temperature"),
+        ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+        ({"prompt": "x", "top_p": 0.0}, "top_p"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "top_k": 50000}, "top_k"),
+        ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
+        ({"prompt": "x", "stop": ["ok", ""]}, "stop[1]"),
+        ({"prompt": "x", "priority": 5000}, "priority"),
+        ({"prompt": "x", "request_id": "r" * 300}, "request_id"),
+    ],
+)
+def test_value_checks_name_the_field(kw, field) -> None:
+    assert _field_error(_req(**kw)) == field
