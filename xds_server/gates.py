@@ -1,0 +1,272 @@
+"""Measurements behind the rollout gates, and the verdict of one analysis interval.
+
+Two real sources, each behind a one-method seam (`read()`), so the controller takes them as
+constructor arguments:
+
+- `EnvoyStatsSource`: Envoy's `grpc_stats` counters on the caller-side sidecars,
+  `cluster.<cluster>.grpc.<service>.<method>.{total,success,failure,<grpc code>}`. gRPC errors are
+  HTTP 200 with a `grpc-status` trailer, so 5xx counters are blind to them (DESIGN.md).
+- `RuntimeMetricsSource`: the canary runtime's loopback `GET /metrics` JSON (TTFT/TPOT p99 over
+  the runtime's sliding window).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from xds_server.rollout_spec import Gates
+
+
+class MeasurementError(RuntimeError):
+    """A source could not be read (unreachable sidecar, bad JSON)."""
+
+
+@dataclass(frozen=True)
+class GrpcCounts:
+    total: int = 0
+    success: int = 0
+    failure: int = 0
+    by_status: dict[str, int] = field(default_factory=dict)  # grpc code number -> calls
+
+    def __add__(self, o: GrpcCounts) -> GrpcCounts:
+        codes = dict(self.by_status)
+        for k, v in o.by_status.items():
+            codes[k] = codes.get(k, 0) + v
+        return GrpcCounts(
+            self.total + o.total, self.success + o.success, self.failure + o.failure, codes
+        )
+
+    def since(self, before: GrpcCounts | None) -> GrpcCounts:
+        """Counts added since `before`. A counter that went down means Envoy restarted (its
+        stats start at zero), so everything now counted is new."""
+        if before is None or self.total < before.total:
+            return self
+        codes = {k: v - before.by_status.get(k, 0) for k, v in self.by_status.items()}
+        return GrpcCounts(
+            self.total - before.total,
+            max(0, self.success - before.success),
+            max(0, self.failure - before.failure),
+            {k: v for k, v in codes.items() if v > 0},
+        )
+
+    @property
+    def success_rate(self) -> float | None:
+        return 100.0 * self.success / self.total if self.total else None
+
+
+class GrpcCountsSource(Protocol):
+    def read(self) -> dict[str, GrpcCounts]:
+        """Counts per sidecar (key: its admin URL), cumulative since that Envoy started."""
+        ...
+
+
+@dataclass(frozen=True)
+class LatencyReading:
+    ttft_p99: float | None = None  # seconds; None when the window holds no samples
+    tpot_p99: float | None = None
+    samples: int = 0
+
+
+class LatencySource(Protocol):
+    def read(self) -> LatencyReading: ...
+
+
+def delta(before: dict[str, GrpcCounts] | None, after: dict[str, GrpcCounts]) -> GrpcCounts:
+    """Sum over sidecars of what each counted between two reads (per sidecar, so one Envoy's
+    restart does not spoil the others' numbers)."""
+    out = GrpcCounts()
+    for url, now in after.items():
+        out = out + now.since((before or {}).get(url))
+    return out
+
+
+def _get_json(url: str, timeout: float) -> Any:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return json.loads(r.read())
+    except (OSError, urllib.error.URLError, ValueError) as e:
+        raise MeasurementError(f"{url}: {e}") from e
+
+
+def parse_grpc_stats(stats_json: dict[str, Any], cluster: str) -> GrpcCounts:
+    """Envoy admin `/stats?format=json` -> the cluster's gRPC counts, summed over methods.
+
+    The last name segment says what is counted; service and method names contain dots, so the
+    name is read from the right."""
+    prefix = f"cluster.{cluster}.grpc."
+    total = success = failure = 0
+    codes: dict[str, int] = {}
+    for s in stats_json.get("stats", []):
+        name, value = s.get("name", ""), s.get("value")
+        if value is None or not name.startswith(prefix):
+            continue
+        last = name.rsplit(".", 1)[-1]
+        if last == "total":
+            total += value
+        elif last == "success":
+            success += value
+        elif last == "failure":
+            failure += value
+        elif last.isdigit():
+            codes[last] = codes.get(last, 0) + value
+    return GrpcCounts(total, success, failure, codes)
+
+
+class EnvoyStatsSource:
+    """gRPC counters for one upstream cluster, read from several Envoys' admin `/stats`."""
+
+    def __init__(self, admin_urls: list[str], cluster: str, *, timeout: float = 2.0) -> None:
+        if not admin_urls:
+            raise ValueError("EnvoyStatsSource needs at least one caller-side admin URL")
+        self.admin_urls = [u.rstrip("/") for u in admin_urls]
+        self.cluster = cluster
+        self.timeout = timeout
+        regex = "^" + re.escape(f"cluster.{cluster}.grpc.")
+        self._query = "/stats?format=json&filter=" + urllib.parse.quote(regex, safe="")
+
+    def read(self) -> dict[str, GrpcCounts]:
+        return {
+            url: parse_grpc_stats(_get_json(url + self._query, self.timeout), self.cluster)
+            for url in self.admin_urls
+        }
+
+
+def _seconds(v: Any, unit_s: float) -> float | None:
+    return None if v is None else float(v) * unit_s
+
+
+def parse_runtime_metrics(doc: dict[str, Any]) -> LatencyReading:
+    """The runtime's `/metrics` JSON -> TTFT/TPOT p99 in seconds.
+
+    Accepts `{"ttft_ms": {"p99": ..}, "tpot_ms": {..}}` (milliseconds) or `{"ttft": {"p99": ..}}`
+    (seconds); sample count from `count`/`samples` of the TTFT entry."""
+    out: dict[str, float | None] = {}
+    samples = 0
+    for name in ("ttft", "tpot"):
+        for key, unit in ((f"{name}_ms", 0.001), (f"{name}_s", 1.0), (name, 1.0)):
+            entry = doc.get(key)
+            if isinstance(entry, dict):
+                out[name] = _seconds(entry.get("p99"), unit)
+                if name == "ttft":
+                    samples = int(entry.get("count", entry.get("samples", 0)) or 0)
+                break
+        else:
+            out[name] = None
+    return LatencyReading(out["ttft"], out["tpot"], samples)
+
+
+class RuntimeMetricsSource:
+    """TTFT/TPOT p99 from the canary runtimes' metrics endpoints (the worst endpoint counts)."""
+
+    def __init__(self, url: str | list[str], *, timeout: float = 2.0) -> None:
+        self.urls = [url] if isinstance(url, str) else list(url)
+        self.timeout = timeout
+
+    def read(self) -> LatencyReading:
+        readings = [parse_runtime_metrics(_get_json(u, self.timeout)) for u in self.urls]
+
+        def worst(xs: list[float | None]) -> float | None:
+            vals = [x for x in xs if x is not None]
+            return max(vals) if vals else None
+
+        return LatencyReading(
+            worst([r.ttft_p99 for r in readings]),
+            worst([r.tpot_p99 for r in readings]),
+            sum(r.samples for r in readings),
+        )
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What the controller reads for one rollout: caller-side gRPC counts for the canary
+    cluster, and (optionally) the canary runtime's latency."""
+
+    grpc: GrpcCountsSource
+    latency: LatencySource | None = None
+    stable: GrpcCountsSource | None = None  # only to report the traffic split per step
+
+
+PASS, FAIL, HALT = "pass", "fail", "halt"
+
+
+@dataclass
+class Verdict:
+    outcome: str  # PASS, FAIL or HALT (halt: neither promotes nor counts as a failure)
+    reason: str
+    measurements: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _ms(s: float | None) -> str:
+    return "n/a" if s is None else f"{s * 1000:.0f}ms"
+
+
+def evaluate(
+    gates: Gates,
+    counts: GrpcCounts | None,
+    latency: LatencyReading | None,
+    *,
+    counts_error: str | None = None,
+    latency_error: str | None = None,
+) -> Verdict:
+    """One interval's verdict. Too little traffic halts and says so (Flagger's best-known trap:
+    no data must neither promote nor fail)."""
+    m: dict[str, Any] = {}
+    if counts is None:
+        return Verdict(HALT, f"halted: gRPC counts unavailable ({counts_error})", m)
+    m.update(requests=counts.total, success=counts.success, failure=counts.failure)
+    m["by_status"] = dict(counts.by_status)
+    if counts.total < gates.min_requests or counts.total == 0:
+        return Verdict(
+            HALT,
+            f"halted: not enough traffic ({counts.total} requests to the canary, "
+            f"min_requests {gates.min_requests})",
+            m,
+        )
+    rate = counts.success_rate or 0.0
+    m["success_rate"] = round(rate, 3)
+    failed: list[str] = []
+    if rate < gates.grpc_success_rate_min:
+        failed.append(
+            f"gRPC success rate {rate:.2f}% < {gates.grpc_success_rate_min:g}% "
+            f"({counts.failure} of {counts.total} failed, by grpc-status {counts.by_status})"
+        )
+    wants_latency = gates.ttft_p99_max is not None or gates.tpot_p99_max is not None
+    if wants_latency and latency is None:
+        # The canary runtime not answering its metrics is the canary's problem.
+        failed.append(f"canary runtime metrics unreachable ({latency_error})")
+    elif latency is not None:
+        m.update(ttft_p99=latency.ttft_p99, tpot_p99=latency.tpot_p99)
+        for name, value, limit in (
+            ("TTFT", latency.ttft_p99, gates.ttft_p99_max),
+            ("TPOT", latency.tpot_p99, gates.tpot_p99_max),
+        ):
+            if limit is not None and value is not None and value > limit:
+                failed.append(f"{name} p99 {_ms(value)} > {_ms(limit)}")
+    if failed:
+        return Verdict(FAIL, "; ".join(failed), m)
+    if wants_latency and latency is not None:
+        missing = [
+            n
+            for n, v, lim in (
+                ("TTFT", latency.ttft_p99, gates.ttft_p99_max),
+                ("TPOT", latency.tpot_p99, gates.tpot_p99_max),
+            )
+            if lim is not None and v is None
+        ]
+        if missing:
+            return Verdict(HALT, f"halted: no {'/'.join(missing)} samples at the canary", m)
+    return Verdict(
+        PASS,
+        f"gates passed: {counts.total} requests, success {rate:.2f}%, "
+        f"TTFT p99 {_ms(latency.ttft_p99 if latency else None)}",
+        m,
+    )

@@ -1,0 +1,161 @@
+"""A canary rollout's desired shape, parsed from the mesh file's `rollouts:` section.
+
+Names follow DESIGN.md "One vocabulary" (and Flagger's `analysis`): steps, interval, threshold,
+gates. A bad spec raises `RolloutSpecError` naming the field; nothing is applied.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class RolloutSpecError(ValueError):
+    pass
+
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*$")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(value: Any, field_name: str) -> float:
+    """'800ms', '10s', '1m', or a number of seconds -> seconds."""
+    if isinstance(value, bool):
+        raise RolloutSpecError(f"{field_name}: expected a duration like '10s', got {value!r}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        m = _DURATION.match(str(value))
+        if not m:
+            raise RolloutSpecError(f"{field_name}: expected a duration like '10s', got {value!r}")
+        seconds = float(m.group(1)) * _UNIT_S[m.group(2)]
+    if seconds < 0:
+        raise RolloutSpecError(f"{field_name}: must not be negative, got {value!r}")
+    return seconds
+
+
+@dataclass(frozen=True)
+class Gates:
+    """SLO gates checked on the canary every interval."""
+
+    grpc_success_rate_min: float = 99.0  # percent of gRPC calls with grpc-status 0
+    min_requests: int = 20  # fewer calls than this in an interval halts (never passes/fails)
+    ttft_p99_max: float | None = None  # seconds
+    tpot_p99_max: float | None = None  # seconds
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    service: str
+    stable: str
+    canary: str
+    steps: tuple[int, ...] = (5, 25, 50, 100)  # canary weight per step; always ends at 100
+    interval: float = 10.0  # seconds of analysis per step
+    threshold: int = 2  # consecutive failed intervals before rollback
+    gates: Gates = field(default_factory=Gates)
+    ack_timeout: float = 10.0  # how long a weight change may wait for every sidecar's ACK
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["steps"] = list(self.steps)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], service: str | None = None) -> RolloutSpec:
+        return parse_rollout(service or d.get("service", ""), d)
+
+
+_KNOWN = {"service", "stable", "canary", "steps", "interval", "threshold", "gates", "ack_timeout"}
+_KNOWN_GATES = {"grpc_success_rate_min", "min_requests", "ttft_p99_max", "tpot_p99_max"}
+
+
+def _name(d: dict[str, Any], key: str, where: str) -> str:
+    v = d.get(key)
+    if not isinstance(v, str) or not v:
+        raise RolloutSpecError(f"{where}.{key}: expected a non-empty name, got {v!r}")
+    return v
+
+
+def _int(v: Any, where: str, lo: int, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise RolloutSpecError(f"{where}: expected an integer {rng}, got {v!r}")
+    return v
+
+
+def parse_rollout(service: str, d: dict[str, Any]) -> RolloutSpec:
+    """One entry of `rollouts:` (`service` is its key) -> a validated RolloutSpec."""
+    where = f"rollouts.{service or '?'}"
+    if not isinstance(d, dict):
+        raise RolloutSpecError(f"{where}: expected a mapping, got {type(d).__name__}")
+    unknown = set(d) - _KNOWN
+    if unknown:
+        raise RolloutSpecError(f"{where}: unknown field(s) {sorted(unknown)}")
+    if not service:
+        raise RolloutSpecError("rollouts: a rollout needs a service name")
+    stable = _name(d, "stable", where)
+    canary = _name(d, "canary", where)
+    if stable == canary:
+        raise RolloutSpecError(f"{where}.canary: must differ from stable ({stable!r})")
+
+    raw_steps = d.get("steps", [5, 25, 50, 100])
+    if not isinstance(raw_steps, list | tuple) or not raw_steps:
+        raise RolloutSpecError(f"{where}.steps: expected a list of weights, got {raw_steps!r}")
+    steps = [_int(s, f"{where}.steps[{i}]", 1, 100) for i, s in enumerate(raw_steps)]
+    if any(b <= a for a, b in itertools.pairwise(steps)):
+        raise RolloutSpecError(f"{where}.steps: weights must increase strictly, got {steps}")
+    if steps[-1] != 100:
+        steps.append(100)  # the last step is always the promotion
+
+    interval = parse_duration(d.get("interval", "10s"), f"{where}.interval")
+    if interval <= 0:
+        raise RolloutSpecError(f"{where}.interval: must be positive")
+    threshold = _int(d.get("threshold", 2), f"{where}.threshold", 1)
+    ack_timeout = parse_duration(d.get("ack_timeout", "10s"), f"{where}.ack_timeout")
+
+    g = d.get("gates", {}) or {}
+    if not isinstance(g, dict):
+        raise RolloutSpecError(f"{where}.gates: expected a mapping, got {g!r}")
+    unknown = set(g) - _KNOWN_GATES
+    if unknown:
+        raise RolloutSpecError(f"{where}.gates: unknown gate(s) {sorted(unknown)}")
+    rate = g.get("grpc_success_rate_min", 99.0)
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 100:
+        raise RolloutSpecError(
+            f"{where}.gates.grpc_success_rate_min: expected a percentage 0..100, got {rate!r}"
+        )
+    gates = Gates(
+        grpc_success_rate_min=float(rate),
+        min_requests=_int(g.get("min_requests", 20), f"{where}.gates.min_requests", 0),
+        ttft_p99_max=(
+            parse_duration(g["ttft_p99_max"], f"{where}.gates.ttft_p99_max")
+            if g.get("ttft_p99_max") is not None
+            else None
+        ),
+        tpot_p99_max=(
+            parse_duration(g["tpot_p99_max"], f"{where}.gates.tpot_p99_max")
+            if g.get("tpot_p99_max") is not None
+            else None
+        ),
+    )
+    return RolloutSpec(
+        service=service,
+        stable=stable,
+        canary=canary,
+        steps=tuple(steps),
+        interval=interval,
+        threshold=threshold,
+        gates=gates,
+        ack_timeout=ack_timeout,
+    )
+
+
+def parse_rollouts(section: dict[str, Any] | None) -> dict[str, RolloutSpec]:
+    """The whole `rollouts:` section of a mesh file."""
+    if not section:
+        return {}
+    if not isinstance(section, dict):
+        raise RolloutSpecError("rollouts: expected a mapping of service -> rollout")
+    return {name: parse_rollout(name, d) for name, d in section.items()}
