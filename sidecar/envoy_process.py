@@ -43,6 +43,7 @@ class EnvoyProcess:
         concurrency: int = 1,
         log_level: str = "warning",
         workdir: str | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.bootstrap = bootstrap
         admin = bootstrap.setdefault("admin", {})
@@ -53,6 +54,7 @@ class EnvoyProcess:
         self.admin_port: int = addr["port_value"]
         self.concurrency = concurrency
         self.log_level = log_level
+        self.extra_args = extra_args
         self._dir = Path(workdir or tempfile.mkdtemp(prefix="meshlm-envoy-"))
         self.log_path = self._dir / "envoy.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -71,6 +73,7 @@ class EnvoyProcess:
             "-l", self.log_level,
             # No shared memory: several Envoys run side by side on one machine.
             "--disable-hot-restart",
+            *self.extra_args,
         ]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -105,6 +108,10 @@ class EnvoyProcess:
     def config_dump(self, resource: str | None = None) -> dict[str, Any]:
         q = f"?resource={resource}" if resource else ""
         return json.loads(self.admin_get("/config_dump" + q))
+
+    def config_dump_eds(self) -> dict[str, Any]:
+        """Everything Envoy accepted, endpoints included (the last-known-good source)."""
+        return json.loads(self.admin_get("/config_dump?include_eds"))
 
     def stats(self, filter_regex: str | None = None) -> dict[str, int]:
         """Counters and gauges as a flat dict (histograms are left out)."""
