@@ -136,9 +136,10 @@ class LastKnownGood:
         if not res["listeners"]:
             return False
         with self._lock:
-            if self._cache.get(node_id) == res:
+            changed = self._cache.get(node_id) != res
+            self._cache[node_id] = res  # re-put refreshes the TTL: the config is still current
+            if not changed:
                 return False
-            self._cache[node_id] = res
             if self._path:
                 fd, tmp = tempfile.mkstemp(dir=self._path.parent, prefix=".lkg-")
                 with os.fdopen(fd, "w") as f:
