@@ -1,0 +1,110 @@
+"""The bootstrap of a sidecar that takes all of its configuration from the control plane (ADS).
+
+Only the way to the control plane is static; listeners, routes, clusters and the authz filter
+come over ADS. The node metadata says who this sidecar is, which decides what it is sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+XDS_CLUSTER = "xds_cluster"
+_HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+def ads_bootstrap(
+    node_id: str,
+    *,
+    xds_address: tuple[str, int],
+    service: str | None = None,
+    version: str | None = None,
+    inbound_port: int | None = None,
+    outbound_port: int | None = None,
+    local_endpoint: str | None = None,
+    api_type: str = "GRPC",
+    admin_port: int = 0,
+    cluster: str = "meshlm",
+) -> dict[str, Any]:
+    """A bootstrap dict for `sidecar.envoy_process.EnvoyProcess`.
+
+    `api_type` is "GRPC" (state of the world) or "DELTA_GRPC" (incremental). `local_endpoint`
+    ("host:port") is the runtime an inbound listener fronts; without it the control plane uses
+    the endpoints the mesh file lists for this service version.
+    """
+    if api_type not in ("GRPC", "DELTA_GRPC"):
+        raise ValueError(f"api_type: expected GRPC or DELTA_GRPC, got {api_type!r}")
+    if inbound_port is not None and not (service and version):
+        raise ValueError("inbound_port needs service and version (the runtime it fronts)")
+    metadata: dict[str, Any] = {}
+    for key, value in (
+        ("meshlm.service", service),
+        ("meshlm.version", version),
+        ("meshlm.inbound_port", inbound_port),
+        ("meshlm.outbound_port", outbound_port),
+        ("meshlm.local_endpoint", local_endpoint),
+    ):
+        if value is not None:
+            metadata[key] = value
+    host, port = xds_address
+    ads = {"ads": {}, "resource_api_version": "V3"}
+    return {
+        "node": {"id": node_id, "cluster": cluster, "metadata": metadata},
+        "admin": {
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}
+        },
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": api_type,
+                "transport_api_version": "V3",
+                "grpc_services": [
+                    {
+                        "envoy_grpc": {
+                            "cluster_name": XDS_CLUSTER,
+                            # Reconnect fast after a control-plane restart (default max 30 s).
+                            "retry_policy": {
+                                "retry_back_off": {"base_interval": "0.1s", "max_interval": "2s"}
+                            },
+                        }
+                    }
+                ],
+                # Envoy >= 1.22: ADS on one stream with ordered pushes.
+                "set_node_on_first_message_only": True,
+            },
+            "lds_config": ads,
+            "cds_config": ads,
+        },
+        "static_resources": {
+            "clusters": [
+                {
+                    "name": XDS_CLUSTER,
+                    "type": "STATIC",
+                    "connect_timeout": "1s",
+                    "typed_extension_protocol_options": {
+                        _HTTP_OPTIONS: {
+                            "@type": "type.googleapis.com/" + _HTTP_OPTIONS,
+                            "explicit_http_config": {"http2_protocol_options": {}},
+                        }
+                    },
+                    "load_assignment": {
+                        "cluster_name": XDS_CLUSTER,
+                        "endpoints": [
+                            {
+                                "lb_endpoints": [
+                                    {
+                                        "endpoint": {
+                                            "address": {
+                                                "socket_address": {
+                                                    "address": host,
+                                                    "port_value": port,
+                                                }
+                                            }
+                                        }
+                                    }
+                                ]
+                            }
+                        ],
+                    },
+                }
+            ]
+        },
+    }

@@ -1,0 +1,309 @@
+"""ADS on grpc.aio: `StreamAggregatedResources` (state of the world) and
+`DeltaAggregatedResources` (incremental).
+
+One coroutine per stream: a reader task queues requests and wakes the writer, which also wakes
+when the cache publishes. The writer answers in push order (CDS, EDS, LDS, ECDS, RDS) and holds
+back the removal of clusters until the listeners and routes that stop using them are ACKed
+(make before break).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from google.protobuf import any_pb2
+
+from xds_server import types as t
+from xds_server.cache import SnapshotCache
+from xds_server.node import NodeInfo
+from xds_server.snapshot import Snapshot
+from xds_server.sync import SyncStatus
+
+log = logging.getLogger(__name__)
+# Types that must be ACKed at the snapshot's version before stale clusters are dropped.
+_USERS_OF_CLUSTERS = (t.LISTENER, t.EXTENSION_CONFIG, t.ROUTE)
+
+
+class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+    def __init__(self, cache: SnapshotCache, sync: SyncStatus) -> None:
+        self.cache = cache
+        self.sync = sync
+
+    async def StreamAggregatedResources(
+        self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: object
+    ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        async for resp in SotwStream(self.cache, self.sync).run(request_iterator):
+            yield resp
+
+    async def DeltaAggregatedResources(
+        self,
+        request_iterator: AsyncIterator[discovery_pb2.DeltaDiscoveryRequest],
+        context: object,
+    ) -> AsyncIterator[discovery_pb2.DeltaDiscoveryResponse]:
+        async for resp in DeltaStream(self.cache, self.sync).run(request_iterator):
+            yield resp
+
+
+@dataclass
+class _TypeState:
+    requested: bool = False
+    sent_version: str = ""
+    acked_version: str = ""
+    outstanding: bool = False  # a response not yet ACKed or NACKed
+    # SotW
+    names: frozenset[str] | None = None  # None: wildcard
+    sent_names: frozenset[str] | None = None
+    sent_items: dict[str, any_pb2.Any] = field(default_factory=dict)
+    nonce: str = ""
+    # Delta
+    known: dict[str, str] = field(default_factory=dict)  # what the client holds: name -> hash
+    subscribed: set[str] = field(default_factory=set)
+    wildcard: bool = False
+    absent_told: set[str] = field(default_factory=set)
+    nonces: dict[str, str] = field(default_factory=dict)  # nonce -> system version
+
+
+class _Stream:
+    api = ""
+
+    def __init__(self, cache: SnapshotCache, sync: SyncStatus) -> None:
+        self.cache = cache
+        self.sync = sync
+        self.node_id: str | None = None
+        self.group: NodeInfo | None = None
+        self.stream_id = 0
+        self.types: dict[str, _TypeState] = {}
+        self._inbox: collections.deque = collections.deque()
+        self._wake = asyncio.Event()
+        self._done = False
+        self._nonce = 0
+
+    async def run(self, requests: AsyncIterator) -> AsyncIterator:
+        loop = asyncio.get_running_loop()
+        unwatch = self.cache.watch(lambda: loop.call_soon_threadsafe(self._wake.set))
+        reader = asyncio.create_task(self._read(requests))
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._inbox:
+                    self._handle(self._inbox.popleft())
+                if self._done:
+                    break
+                if self.group is None:
+                    continue
+                snap = self.cache.snapshot(self.group)
+                if snap is None:
+                    self.sync.set_error(self.node_id, self.cache.error(self.group) or "")
+                    continue
+                for resp in self._responses(snap):
+                    yield resp
+        finally:
+            unwatch()
+            reader.cancel()
+            if self.node_id is not None:
+                self.sync.disconnect(self.node_id, self.stream_id)
+
+    async def _read(self, requests: AsyncIterator) -> None:
+        try:
+            async for req in requests:
+                self._inbox.append(req)
+                self._wake.set()
+        except (grpc.RpcError, asyncio.CancelledError, grpc.aio.AioRpcError):
+            pass
+        finally:
+            self._done = True
+            self._wake.set()
+
+    def _identify(self, req: object) -> None:
+        if self.node_id is None and req.HasField("node"):
+            self.node_id = req.node.id or f"anonymous-{id(self)}"
+            self.group = NodeInfo.from_node(req.node)
+            self.stream_id = self.sync.connect(self.node_id, self.group, self.api)
+
+    def _next_nonce(self) -> str:
+        self._nonce += 1
+        return str(self._nonce)
+
+    def _ready_to_drop_clusters(self, snap: Snapshot) -> bool:
+        for tu in _USERS_OF_CLUSTERS:
+            ts = self.types.get(tu)
+            if ts is not None and ts.requested and ts.acked_version != snap.version(tu):
+                return False
+        return True
+
+    def _handle(self, req: object) -> None:
+        raise NotImplementedError
+
+    def _responses(self, snap: Snapshot) -> list:
+        raise NotImplementedError
+
+
+class SotwStream(_Stream):
+    api = "sotw"
+
+    def _handle(self, req: discovery_pb2.DiscoveryRequest) -> None:
+        self._identify(req)
+        if self.node_id is None:
+            return
+        tu = req.type_url
+        ts = self.types.setdefault(tu, _TypeState())
+        # A request that answers an older response than our latest is stale: ignore it
+        # (envoy#10363); the reply to the latest one follows.
+        if req.response_nonce and req.response_nonce != ts.nonce:
+            self.sync.stale(self.node_id, tu)
+            return
+        if req.response_nonce and ts.outstanding:
+            ts.outstanding = False
+            if req.HasField("error_detail"):
+                # NACK: Envoy keeps its last good config. We keep sent_version, so the rejected
+                # version is never sent again; only a newer one is (go-control-plane #582).
+                self.sync.nack(self.node_id, tu, ts.sent_version, req.error_detail.message)
+            else:
+                ts.acked_version = ts.sent_version
+                self.sync.ack(self.node_id, tu, ts.sent_version)
+        ts.requested = True
+        names = frozenset(req.resource_names)
+        wildcard = tu in t.WILDCARD_TYPES and (not names or "*" in names)
+        ts.names = None if wildcard else names
+
+    def _responses(self, snap: Snapshot) -> list[discovery_pb2.DiscoveryResponse]:
+        out = []
+        for tu in t.PUSH_ORDER:
+            ts = self.types.get(tu)
+            if ts is None or not ts.requested:
+                continue
+            version, items = self._desired(tu, ts, snap)
+            if version == ts.sent_version and ts.names == ts.sent_names:
+                continue
+            nonce = self._next_nonce()
+            out.append(
+                discovery_pb2.DiscoveryResponse(
+                    version_info=version, type_url=tu, resources=list(items.values()), nonce=nonce
+                )
+            )
+            ts.sent_version, ts.sent_names, ts.sent_items = version, ts.names, items
+            ts.nonce, ts.outstanding = nonce, True
+            self.sync.sent(self.node_id, tu, version)
+        return out
+
+    def _desired(self, tu: str, ts: _TypeState, snap: Snapshot) -> tuple[str, dict]:
+        res = snap.get(tu)
+        items = dict(res.items)
+        version = res.version
+        if tu == t.CLUSTER:
+            stale = {n: a for n, a in ts.sent_items.items() if n not in items}
+            if stale and not self._ready_to_drop_clusters(snap):
+                items.update(stale)
+                version = _transitional(res.version, stale)
+        elif tu == t.ENDPOINT:
+            # Clusters kept for make-before-break still need their endpoints.
+            for n, a in ts.sent_items.items():
+                items.setdefault(n, a)
+        if ts.names is not None:
+            items = {n: a for n, a in items.items() if n in ts.names}
+        return version, items
+
+
+class DeltaStream(_Stream):
+    api = "delta"
+
+    def _handle(self, req: discovery_pb2.DeltaDiscoveryRequest) -> None:
+        self._identify(req)
+        if self.node_id is None:
+            return
+        tu = req.type_url
+        ts = self.types.get(tu)
+        if ts is None:
+            ts = self.types[tu] = _TypeState()
+            ts.known = dict(req.initial_resource_versions)
+            ts.wildcard = tu in t.WILDCARD_TYPES and not req.resource_names_subscribe
+        ts.requested = True
+        for n in req.resource_names_subscribe:
+            if n == "*":
+                ts.wildcard = True
+            else:
+                ts.subscribed.add(n)
+        for n in req.resource_names_unsubscribe:
+            if n == "*":
+                ts.wildcard = False
+            else:
+                ts.subscribed.discard(n)
+                ts.known.pop(n, None)  # a later subscribe must send it again
+                ts.absent_told.discard(n)
+        if req.response_nonce:
+            version = ts.nonces.pop(req.response_nonce, None)
+            if version is None:
+                self.sync.stale(self.node_id, tu)
+            elif req.HasField("error_detail"):
+                # `known` already holds what we sent, so a NACKed resource is not resent
+                # until its content changes.
+                self.sync.nack(self.node_id, tu, version, req.error_detail.message)
+            else:
+                ts.acked_version = version
+                self.sync.ack(self.node_id, tu, version)
+            ts.outstanding = bool(ts.nonces)
+
+    def _responses(self, snap: Snapshot) -> list[discovery_pb2.DeltaDiscoveryResponse]:
+        out = []
+        for tu in t.PUSH_ORDER:
+            ts = self.types.get(tu)
+            if ts is None or not ts.requested:
+                continue
+            res = snap.get(tu)
+            changed = [
+                discovery_pb2.Resource(name=n, version=res.hashes[n], resource=a)
+                for n, a in res.items.items()
+                if (ts.wildcard or n in ts.subscribed) and ts.known.get(n) != res.hashes[n]
+            ]
+            removed = [n for n in ts.known if n not in res.items]
+            version = res.version
+            if tu == t.CLUSTER and removed and not self._ready_to_drop_clusters(snap):
+                version = _transitional(res.version, dict.fromkeys(removed))
+                removed = []
+            # Subscribed names that do not exist: say so, or Envoy waits for them.
+            absent = [
+                n
+                for n in ts.subscribed
+                if n not in res.items and n not in ts.known and n not in ts.absent_told
+            ]
+            if not changed and not removed and not absent:
+                if version and version != ts.sent_version:
+                    # Nothing this sidecar holds changed: it is at this version already.
+                    ts.sent_version = ts.acked_version = version
+                    self.sync.sent(self.node_id, tu, version)
+                    self.sync.ack(self.node_id, tu, version)
+                continue
+            nonce = self._next_nonce()
+            out.append(
+                discovery_pb2.DeltaDiscoveryResponse(
+                    system_version_info=version,
+                    type_url=tu,
+                    resources=changed,
+                    removed_resources=removed + absent,
+                    nonce=nonce,
+                )
+            )
+            for r in changed:
+                ts.known[r.name] = r.version
+            for n in removed:
+                del ts.known[n]
+            ts.absent_told.update(absent)
+            ts.nonces[nonce] = version
+            ts.sent_version, ts.outstanding = version, True
+            self.sync.sent(self.node_id, tu, version)
+        return out
+
+
+def _transitional(version: str, kept: dict) -> str:
+    """A version for a CDS that still carries clusters about to go; never a plain version, so
+    it never counts as converged."""
+    digest = hashlib.sha256("\0".join(sorted(kept)).encode()).hexdigest()[:8]
+    return f"{version}~keep-{digest}"

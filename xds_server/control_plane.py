@@ -1,0 +1,267 @@
+"""The control plane as a Python API: change desired state, wait until the sidecars hold it.
+
+    cp = ControlPlane(load_mesh("mesh.yaml")).start(grpc_port=18000)
+    result = cp.set_weights("llm", {"v1": 90, "v2": 10}, timeout=10)
+    result.ok, result.acked, result.missing, result.errors
+
+A change counts as applied only when every affected, connected sidecar ACKed it (Argo Rollouts'
+most-reported bug is 503s from acting before the sidecars have the new routes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from envoy.service.discovery.v3 import ads_pb2_grpc
+
+from xds_server import mesh as m
+from xds_server.ads import AdsServicer
+from xds_server.cache import SnapshotCache
+from xds_server.snapshot import make_version
+from xds_server.sync import SyncStatus
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """The outcome of one change. `ok` when every affected sidecar ACKed it."""
+
+    version: str
+    ok: bool
+    acked: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # NACKed or not yet ACKed
+    errors: dict[str, str] = field(default_factory=dict)  # node -> NACK error
+
+    def to_json(self) -> dict:
+        return {
+            "version": self.version,
+            "ok": self.ok,
+            "acked": self.acked,
+            "missing": self.missing,
+            "errors": self.errors,
+        }
+
+
+def new_incarnation() -> str:
+    """A token per server start: time (ms, base 36) + random, so versions never repeat."""
+    return f"{_b36(int(time.time() * 1000))}{secrets.token_hex(2)}"
+
+
+class ControlPlane:
+    def __init__(
+        self, mesh: m.Mesh, *, debounce: float | None = None, incarnation: str | None = None
+    ) -> None:
+        self.incarnation = incarnation or new_incarnation()
+        self.cache = SnapshotCache(mesh, self.incarnation)
+        self.sync = SyncStatus(self.cache.expected_generations, self.cache.generation_of)
+        self.debounce = mesh.control_plane.debounce if debounce is None else debounce
+        self._mutate = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: grpc.aio.Server | None = None
+        self._flush: asyncio.TimerHandle | None = None
+        self._first_pending = 0.0
+        self.grpc_port = 0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self, grpc_port: int = 0, host: str = "127.0.0.1") -> ControlPlane:
+        ready: futures.Future[int] = futures.Future()
+        self._thread = threading.Thread(
+            target=self._serve, args=(host, grpc_port, ready), name="xds", daemon=True
+        )
+        self._thread.start()
+        self.grpc_port = ready.result(timeout=30)
+        return self
+
+    def stop(self, grace: float = 0.5) -> None:
+        if self._loop is None or self._server is None:
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
+        fut.result(timeout=grace + 10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread:
+            self._thread.join(timeout=10)
+        self._server = None
+
+    def __enter__(self) -> ControlPlane:
+        return self if self._server else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _serve(self, host: str, port: int, ready: futures.Future[int]) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+
+        async def boot() -> None:
+            server = grpc.aio.server(
+                options=[
+                    ("grpc.max_concurrent_streams", 100_000),
+                    ("grpc.keepalive_time_ms", 30_000),
+                    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                ]
+            )
+            ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(
+                AdsServicer(self.cache, self.sync), server
+            )
+            bound = server.add_insecure_port(f"{host}:{port}")
+            if not bound:
+                raise OSError(f"cannot listen on {host}:{port}")
+            await server.start()
+            self._server = server
+            ready.set_result(bound)
+
+        try:
+            loop.run_until_complete(boot())
+        except BaseException as e:
+            ready.set_exception(e)
+            return
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    # -- desired state --------------------------------------------------------------------------
+    @property
+    def mesh(self) -> m.Mesh:
+        return self.cache.mesh
+
+    def set_weights(
+        self, service: str, weights: dict[str, int], *, timeout: float = 10.0
+    ) -> ApplyResult:
+        with self._mutate:
+            return self._apply(self.mesh.with_weights(service, weights), timeout)
+
+    def add_endpoint(
+        self, service: str, version: str, endpoint: str, *, timeout: float = 10.0
+    ) -> ApplyResult:
+        with self._mutate:
+            new = self.mesh.with_endpoint(service, version, endpoint, add=True)
+            return self._apply(new, timeout)
+
+    def remove_endpoint(
+        self, service: str, version: str, endpoint: str, *, timeout: float = 10.0
+    ) -> ApplyResult:
+        with self._mutate:
+            new = self.mesh.with_endpoint(service, version, endpoint, add=False)
+            return self._apply(new, timeout)
+
+    def update_mesh(self, mesh: m.Mesh, *, timeout: float = 10.0) -> ApplyResult:
+        with self._mutate:
+            return self._apply(mesh, timeout)
+
+    def _apply(self, mesh: m.Mesh, timeout: float) -> ApplyResult:
+        # Raises (nothing staged, nothing pushed) when any sidecar group cannot take the mesh.
+        gen = self.cache.stage(mesh)
+        nodes = self._affected(gen)
+        self.sync.track(gen, nodes)
+        self._schedule_publish()
+        version = make_version(self.incarnation, gen)
+        if timeout <= 0:
+            return ApplyResult(version=version, ok=False, missing=nodes)
+        return self.wait_for_ack(version, nodes, timeout=timeout)
+
+    def _affected(self, generation: int) -> list[str]:
+        groups = set(self.cache.changed_groups(generation))
+        with self.sync.cond:
+            return sorted(
+                n for n, ns in self.sync.nodes.items() if ns.connected and ns.group in groups
+            )
+
+    def wait_for_ack(
+        self, version: str, nodes: list[str] | None = None, *, timeout: float = 10.0
+    ) -> ApplyResult:
+        """Block until each of `nodes` (default: every connected sidecar the change touched)
+        ACKed `version` or a later one, or NACKed it, or `timeout` passed."""
+        gen = self.cache.generation_of(version)
+        if gen < 0:
+            raise ValueError(f"version {version!r} is not from this control plane")
+        if nodes is None:
+            nodes = self._affected(gen)
+        deadline = time.monotonic() + timeout
+        with self.sync.cond:
+            while True:
+                states = {n: self.sync._state(n, gen) for n in nodes}
+                pending = [n for n, (s, _) in states.items() if s == "pending"]
+                left = deadline - time.monotonic()
+                if not pending or left <= 0:
+                    break
+                self.sync.cond.wait(min(left, 0.5))
+        acked = sorted(n for n, (s, _) in states.items() if s == "acked")
+        errors = {n: e for n, (s, e) in states.items() if s == "nacked"}
+        missing = sorted(n for n in nodes if n not in acked)
+        return ApplyResult(
+            version=version, ok=not missing, acked=acked, missing=missing, errors=errors
+        )
+
+    # -- debounce: bursts of changes go out as one push (istiod: 100 ms) ----------------------
+    def _schedule_publish(self) -> None:
+        if self._loop is None:
+            self.cache.publish()
+            return
+        self._loop.call_soon_threadsafe(self._touch)
+
+    def _touch(self) -> None:
+        now = time.monotonic()
+        if self._flush is None:
+            self._first_pending = now
+        else:
+            self._flush.cancel()
+        # Wait for a quiet `debounce`, but never longer than 10 x debounce in all.
+        delay = min(self.debounce, self._first_pending + 10 * self.debounce - now)
+        self._flush = self._loop.call_later(max(0.0, delay), self._fire)
+
+    def _fire(self) -> None:
+        self._flush = None
+        self.cache.publish()
+
+    # -- views ----------------------------------------------------------------------------------
+    def syncz(self) -> dict:
+        out = self.sync.to_json()
+        out["incarnation"] = self.incarnation
+        out["generation"] = self.cache.generation
+        return out
+
+    def config_dump(self) -> dict:
+        from google.protobuf import json_format
+
+        from xds_server import types as t
+
+        groups = []
+        for group, snap in self.cache.groups().items():
+            groups.append(
+                {
+                    "group": group.label(),
+                    "generation": snap.generation,
+                    "types": {
+                        t.SHORT.get(tu, tu): {
+                            "version": res.version,
+                            "resources": {
+                                n: json_format.MessageToDict(a) for n, a in res.items.items()
+                            },
+                        }
+                        for tu, res in snap.types.items()
+                        if res.items
+                    },
+                }
+            )
+        return {
+            "incarnation": self.incarnation,
+            "generation": self.cache.generation,
+            "groups": groups,
+        }
+
+
+def _b36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while n:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+    return out or "0"

@@ -1,0 +1,543 @@
+"""The mesh file (YAML) -> validated, frozen desired state.
+
+Every error is a `MeshError` whose message starts with the field path, e.g.
+`services.llm.route.weights.v3: unknown version (known: v1, v2)`. Names follow Envoy's API
+(`outlier_detection`, `circuit_breakers`, `retry_budget`, `hash_policy`) so users recognise them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class MeshError(ValueError):
+    """A mesh file that cannot be used; the message names the field."""
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
+# Envoy's retry_on tokens (HTTP router + gRPC, see router filter docs, x-envoy-retry-grpc-on).
+RETRY_ON = frozenset(
+    [
+        "5xx",
+        "gateway-error",
+        "reset",
+        "reset-before-request",
+        "connect-failure",
+        "envoy-ratelimited",
+        "retriable-4xx",
+        "refused-stream",
+        "retriable-status-codes",
+        "retriable-headers",
+        "http3-post-connect-failure",
+        "cancelled",
+        "deadline-exceeded",
+        "internal",
+        "resource-exhausted",
+        "unavailable",
+    ]
+)
+AUTHZ_MODES = ("wasm", "native", "none")
+
+
+def parse_duration(value: Any, path: str) -> float:
+    """`100ms`, `5s`, `1.5m`, `0s` -> seconds."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise MeshError(f"{path}: expected a duration like 100ms or 5s, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise MeshError(f"{path}: duration must not be negative")
+        return float(value)
+    m = _DURATION.match(value.strip())
+    if not m:
+        raise MeshError(f"{path}: expected a duration like 100ms or 5s, got {value!r}")
+    return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Version:
+    name: str
+    precision: str | None
+    endpoints: tuple[Endpoint, ...]
+
+
+@dataclass(frozen=True)
+class HashPolicy:
+    header: str
+
+
+@dataclass(frozen=True)
+class Route:
+    weights: dict[str, int]
+    hash_policy: HashPolicy | None = None
+    canary_header: str = "x-canary"
+    # Token streams: no route timeout; bound the whole stream and its idle gaps instead.
+    max_stream_duration: float = 0.0  # 0 = unbounded
+    stream_idle_timeout: float = 300.0
+
+
+@dataclass(frozen=True)
+class OutlierDetection:
+    consecutive_5xx: int | None = None
+    consecutive_gateway_failure: int | None = None
+    interval: float = 10.0
+    base_ejection_time: float = 30.0
+    max_ejection_percent: int = 10
+
+
+@dataclass(frozen=True)
+class RetryBudget:
+    budget_percent: float = 20.0
+    min_retry_concurrency: int = 3
+
+
+@dataclass(frozen=True)
+class CircuitBreakers:
+    max_connections: int | None = None
+    max_pending_requests: int | None = None
+    max_requests: int | None = None
+    max_retries: int | None = None
+    retry_budget: RetryBudget | None = None
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    retry_on: str = "unavailable,connect-failure"
+    num_retries: int = 1
+    per_try_timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class HealthCheck:
+    """Active gRPC health checking (grpc.health.v1)."""
+
+    interval: float = 5.0
+    timeout: float = 1.0
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 1
+    service_name: str = ""
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    versions: dict[str, Version]
+    route: Route
+    outlier_detection: OutlierDetection | None = None
+    circuit_breakers: CircuitBreakers | None = None
+    retry_policy: RetryPolicy | None = None
+    health_check: HealthCheck | None = None
+    connect_timeout: float = 1.0
+
+
+@dataclass(frozen=True)
+class Rollout:
+    service: str
+    stable: str
+    canary: str
+    steps: tuple[int, ...]
+    interval: float
+    threshold: int
+    gates: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ControlPlaneConfig:
+    grpc_port: int = 18000
+    admin_port: int = 18001
+    debounce: float = 0.1
+
+
+@dataclass(frozen=True)
+class Authz:
+    mode: str = "none"  # wasm | native | none
+
+
+@dataclass(frozen=True)
+class Mesh:
+    services: dict[str, Service]
+    control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
+    # A `wasm_filters.policy.Policy` once that module exists; the raw dict before.
+    tenants: Any = None
+    rollouts: dict[str, Rollout] = field(default_factory=dict)
+    authz: Authz = field(default_factory=Authz)
+
+    # -- mutations return a new, validated Mesh ------------------------------------------
+    def with_weights(self, service: str, weights: dict[str, int]) -> Mesh:
+        svc = self._service(service)
+        path = f"services.{service}.route.weights"
+        new = _check_weights(dict(weights), svc.versions, path)
+        return self._replace_service(svc, route=dataclasses.replace(svc.route, weights=new))
+
+    def with_endpoint(self, service: str, version: str, endpoint: str, *, add: bool) -> Mesh:
+        svc = self._service(service)
+        path = f"services.{service}.versions.{version}"
+        if version not in svc.versions:
+            raise MeshError(f"{path}: unknown version (known: {', '.join(svc.versions)})")
+        ver = svc.versions[version]
+        ep = parse_endpoint(endpoint, f"{path}.endpoints")
+        if add:
+            eps = ver.endpoints if ep in ver.endpoints else (*ver.endpoints, ep)
+        else:
+            if ep not in ver.endpoints:
+                raise MeshError(f"{path}.endpoints: {ep} is not an endpoint")
+            eps = tuple(e for e in ver.endpoints if e != ep)
+        versions = {**svc.versions, version: dataclasses.replace(ver, endpoints=eps)}
+        return self._replace_service(svc, versions=versions)
+
+    def _service(self, name: str) -> Service:
+        if name not in self.services:
+            raise MeshError(f"services.{name}: unknown service (known: {', '.join(self.services)})")
+        return self.services[name]
+
+    def _replace_service(self, svc: Service, **changes: Any) -> Mesh:
+        services = {**self.services, svc.name: dataclasses.replace(svc, **changes)}
+        return dataclasses.replace(self, services=services)
+
+
+# -- parsing --------------------------------------------------------------------------------
+
+
+def load_mesh(path: str | Path) -> Mesh:
+    text = Path(path).read_text()
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise MeshError(f"{path}: not valid YAML: {e}") from None
+    return parse_mesh(raw)
+
+
+def parse_mesh(raw: Any) -> Mesh:
+    top = _mapping(raw, "mesh")
+    _only(top, "mesh", {"control_plane", "services", "tenants", "roles", "rollouts", "authz"})
+    services_raw = _mapping(top.get("services"), "services")
+    if not services_raw:
+        raise MeshError("services: at least one service is required")
+    services = {n: _service(n, v, f"services.{n}") for n, v in services_raw.items()}
+    tenants = _tenants(top.get("tenants"), top.get("roles"))
+    authz_raw = _mapping(top.get("authz", {}), "authz")
+    _only(authz_raw, "authz", {"mode"})
+    mode = authz_raw.get("mode", "wasm" if tenants else "none")
+    if mode not in AUTHZ_MODES:
+        raise MeshError(f"authz.mode: expected one of {', '.join(AUTHZ_MODES)}, got {mode!r}")
+    if mode != "none" and not tenants:
+        raise MeshError(f"authz.mode: {mode} needs a tenants section")
+    rollouts_raw = _mapping(top.get("rollouts", {}), "rollouts")
+    rollouts = {n: _rollout(n, v, services, f"rollouts.{n}") for n, v in rollouts_raw.items()}
+    return Mesh(
+        services=services,
+        control_plane=_control_plane(top.get("control_plane", {})),
+        tenants=tenants,
+        rollouts=rollouts,
+        authz=Authz(mode=mode),
+    )
+
+
+def _tenants(raw: Any, roles: Any) -> Any:
+    if raw is None:
+        if roles is not None:
+            raise MeshError("roles: needs a tenants section")
+        return None
+    raw = _mapping(raw, "tenants")
+    try:
+        policy = importlib.import_module("wasm_filters.policy")
+    except ModuleNotFoundError:
+        return raw  # the policy model is not installed: keep the raw section
+    try:
+        return policy.parse_policy(raw, path="tenants", roles=roles, roles_path="roles")
+    except ValueError as e:  # wasm_filters.policy.PolicyError names the field itself
+        raise MeshError(str(e)) from None
+
+
+def _control_plane(raw: Any) -> ControlPlaneConfig:
+    d = _mapping(raw, "control_plane")
+    _only(d, "control_plane", {"grpc_port", "admin_port", "debounce"})
+    return ControlPlaneConfig(
+        grpc_port=_port(d.get("grpc_port", 18000), "control_plane.grpc_port", allow_zero=True),
+        admin_port=_port(d.get("admin_port", 18001), "control_plane.admin_port", allow_zero=True),
+        debounce=parse_duration(d.get("debounce", "100ms"), "control_plane.debounce"),
+    )
+
+
+def _service(name: str, raw: Any, path: str) -> Service:
+    _name(name, path)
+    d = _mapping(raw, path)
+    _only(
+        d,
+        path,
+        {
+            "versions",
+            "route",
+            "outlier_detection",
+            "circuit_breakers",
+            "retry_policy",
+            "health_check",
+            "connect_timeout",
+        },
+    )
+    vraw = _mapping(d.get("versions"), f"{path}.versions")
+    if not vraw:
+        raise MeshError(f"{path}.versions: at least one version is required")
+    versions = {v: _version(v, x, f"{path}.versions.{v}") for v, x in vraw.items()}
+    return Service(
+        name=name,
+        versions=versions,
+        route=_route(d.get("route"), versions, f"{path}.route"),
+        outlier_detection=_opt(d, "outlier_detection", path, _outlier),
+        circuit_breakers=_opt(d, "circuit_breakers", path, _circuit_breakers),
+        retry_policy=_opt(d, "retry_policy", path, _retry_policy),
+        health_check=_opt(d, "health_check", path, _health_check),
+        connect_timeout=parse_duration(d.get("connect_timeout", "1s"), f"{path}.connect_timeout"),
+    )
+
+
+def _version(name: str, raw: Any, path: str) -> Version:
+    _name(name, path)
+    d = _mapping(raw, path)
+    _only(d, path, {"precision", "endpoints"})
+    precision = d.get("precision")
+    if precision is not None and precision not in ("bf16", "fp16", "int4"):
+        raise MeshError(f"{path}.precision: expected bf16, fp16 or int4, got {precision!r}")
+    eps = d.get("endpoints", [])
+    if not isinstance(eps, list):
+        raise MeshError(f"{path}.endpoints: expected a list of host:port")
+    endpoints = tuple(parse_endpoint(e, f"{path}.endpoints[{i}]") for i, e in enumerate(eps))
+    if len(set(endpoints)) != len(endpoints):
+        raise MeshError(f"{path}.endpoints: duplicate endpoint")
+    return Version(name=name, precision=precision, endpoints=endpoints)
+
+
+def parse_endpoint(raw: Any, path: str) -> Endpoint:
+    """`host:port` -> Endpoint; MeshError naming `path` otherwise."""
+    if not isinstance(raw, str) or raw.count(":") != 1:
+        raise MeshError(f"{path}: expected host:port, got {raw!r}")
+    host, port = raw.split(":")
+    if not host:
+        raise MeshError(f"{path}: empty host in {raw!r}")
+    try:
+        p = int(port)
+    except ValueError:
+        raise MeshError(f"{path}: port {port!r} is not a number") from None
+    return Endpoint(host, _port(p, path))
+
+
+def _route(raw: Any, versions: dict[str, Version], path: str) -> Route:
+    if raw is None:
+        if len(versions) != 1:
+            raise MeshError(f"{path}.weights: required when a service has several versions")
+        return Route(weights={next(iter(versions)): 100})
+    d = _mapping(raw, path)
+    _only(
+        d,
+        path,
+        {"weights", "hash_policy", "canary_header", "max_stream_duration", "stream_idle_timeout"},
+    )
+    weights = _check_weights(
+        _mapping(d.get("weights"), f"{path}.weights"), versions, path + ".weights"
+    )
+    hp = None
+    if "hash_policy" in d:
+        h = _mapping(d["hash_policy"], f"{path}.hash_policy")
+        _only(h, f"{path}.hash_policy", {"header"})
+        header = h.get("header")
+        if not isinstance(header, str) or not header:
+            raise MeshError(f"{path}.hash_policy.header: expected a header name")
+        hp = HashPolicy(header=header.lower())
+    canary_header = d.get("canary_header", "x-canary")
+    if not isinstance(canary_header, str) or not canary_header:
+        raise MeshError(f"{path}.canary_header: expected a header name")
+    return Route(
+        weights=weights,
+        hash_policy=hp,
+        canary_header=canary_header.lower(),
+        max_stream_duration=parse_duration(
+            d.get("max_stream_duration", 0), f"{path}.max_stream_duration"
+        ),
+        stream_idle_timeout=parse_duration(
+            d.get("stream_idle_timeout", "300s"), f"{path}.stream_idle_timeout"
+        ),
+    )
+
+
+def _check_weights(weights: dict[str, Any], versions: dict[str, Version], path: str) -> dict:
+    if not weights:
+        raise MeshError(f"{path}: at least one weight is required")
+    for v, w in weights.items():
+        if v not in versions:
+            raise MeshError(f"{path}.{v}: unknown version (known: {', '.join(versions)})")
+        if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= 100:
+            raise MeshError(f"{path}.{v}: expected an integer 0..100, got {w!r}")
+    total = sum(weights.values())
+    if total != 100:
+        raise MeshError(f"{path}: weights must sum to 100, got {total}")
+    # Versions left out get 0: the dict always names every version, in file order.
+    return {v: int(weights.get(v, 0)) for v in versions}
+
+
+def _outlier(d: dict, path: str) -> OutlierDetection:
+    _only(
+        d,
+        path,
+        {
+            "consecutive_5xx",
+            "consecutive_gateway_failure",
+            "interval",
+            "base_ejection_time",
+            "max_ejection_percent",
+        },
+    )
+    return OutlierDetection(
+        consecutive_5xx=_opt_int(d, "consecutive_5xx", path, 1),
+        consecutive_gateway_failure=_opt_int(d, "consecutive_gateway_failure", path, 1),
+        interval=parse_duration(d.get("interval", "10s"), f"{path}.interval"),
+        base_ejection_time=parse_duration(
+            d.get("base_ejection_time", "30s"), f"{path}.base_ejection_time"
+        ),
+        max_ejection_percent=_int(
+            d.get("max_ejection_percent", 10), f"{path}.max_ejection_percent", 0, 100
+        ),
+    )
+
+
+def _circuit_breakers(d: dict, path: str) -> CircuitBreakers:
+    keys = {"max_connections", "max_pending_requests", "max_requests", "max_retries"}
+    _only(d, path, keys | {"retry_budget"})
+    budget = None
+    if "retry_budget" in d:
+        b = _mapping(d["retry_budget"], f"{path}.retry_budget")
+        _only(b, f"{path}.retry_budget", {"budget_percent", "min_retry_concurrency"})
+        pct = b.get("budget_percent", 20.0)
+        if isinstance(pct, bool) or not isinstance(pct, (int, float)) or not 0 <= pct <= 100:
+            raise MeshError(f"{path}.retry_budget.budget_percent: expected 0..100, got {pct!r}")
+        budget = RetryBudget(
+            budget_percent=float(pct),
+            min_retry_concurrency=_int(
+                b.get("min_retry_concurrency", 3), f"{path}.retry_budget.min_retry_concurrency", 0
+            ),
+        )
+    return CircuitBreakers(**{k: _opt_int(d, k, path, 0) for k in keys}, retry_budget=budget)
+
+
+def _retry_policy(d: dict, path: str) -> RetryPolicy:
+    _only(d, path, {"retry_on", "num_retries", "per_try_timeout"})
+    retry_on = d.get("retry_on", "unavailable,connect-failure")
+    if not isinstance(retry_on, str):
+        raise MeshError(f"{path}.retry_on: expected a comma-separated string")
+    for tok in retry_on.split(","):
+        if tok.strip() not in RETRY_ON:
+            raise MeshError(f"{path}.retry_on: unknown condition {tok.strip()!r}")
+    pt = d.get("per_try_timeout")
+    return RetryPolicy(
+        retry_on=",".join(t.strip() for t in retry_on.split(",")),
+        num_retries=_int(d.get("num_retries", 1), f"{path}.num_retries", 0, 10),
+        per_try_timeout=None if pt is None else parse_duration(pt, f"{path}.per_try_timeout"),
+    )
+
+
+def _health_check(d: dict, path: str) -> HealthCheck:
+    _only(
+        d, path, {"interval", "timeout", "unhealthy_threshold", "healthy_threshold", "service_name"}
+    )
+    return HealthCheck(
+        interval=parse_duration(d.get("interval", "5s"), f"{path}.interval"),
+        timeout=parse_duration(d.get("timeout", "1s"), f"{path}.timeout"),
+        unhealthy_threshold=_int(d.get("unhealthy_threshold", 2), f"{path}.unhealthy_threshold", 1),
+        healthy_threshold=_int(d.get("healthy_threshold", 1), f"{path}.healthy_threshold", 1),
+        service_name=str(d.get("service_name", "")),
+    )
+
+
+def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Rollout:
+    if name not in services:
+        raise MeshError(f"{path}: unknown service (known: {', '.join(services)})")
+    d = _mapping(raw, path)
+    _only(d, path, {"stable", "canary", "steps", "interval", "threshold", "gates"})
+    versions = services[name].versions
+    for key in ("stable", "canary"):
+        if d.get(key) not in versions:
+            raise MeshError(
+                f"{path}.{key}: unknown version {d.get(key)!r} (known: {', '.join(versions)})"
+            )
+    if d["stable"] == d["canary"]:
+        raise MeshError(f"{path}.canary: must differ from stable")
+    steps = d.get("steps")
+    if not isinstance(steps, list) or not steps:
+        raise MeshError(f"{path}.steps: expected a list of percentages like [5, 25, 50, 100]")
+    for i, s in enumerate(steps):
+        _int(s, f"{path}.steps[{i}]", 1, 100)
+        if i and s <= steps[i - 1]:
+            raise MeshError(f"{path}.steps[{i}]: steps must be ascending")
+    gates = _mapping(d.get("gates", {}), f"{path}.gates")
+    return Rollout(
+        service=name,
+        stable=d["stable"],
+        canary=d["canary"],
+        steps=tuple(steps),
+        interval=parse_duration(d.get("interval", "30s"), f"{path}.interval"),
+        threshold=_int(d.get("threshold", 2), f"{path}.threshold", 1),
+        gates=dict(gates),
+    )
+
+
+# -- small checkers ------------------------------------------------------------------------
+
+
+def _mapping(raw: Any, path: str) -> dict:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise MeshError(f"{path}: expected a mapping, got {type(raw).__name__}")
+    for k in raw:
+        if not isinstance(k, str):
+            raise MeshError(f"{path}: keys must be strings, got {k!r}")
+    return raw
+
+
+def _only(d: dict, path: str, allowed: set[str]) -> None:
+    for k in d:
+        if k not in allowed:
+            raise MeshError(f"{path}.{k}: unknown field (allowed: {', '.join(sorted(allowed))})")
+
+
+def _name(name: str, path: str) -> None:
+    if not _NAME.match(name) or "|" in name:
+        raise MeshError(f"{path}: invalid name {name!r} (letters, digits, _ . -)")
+
+
+def _int(v: Any, path: str, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise MeshError(f"{path}: expected an integer, got {v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise MeshError(f"{path}: {v} out of range {lo}..{hi if hi is not None else ''}")
+    return v
+
+
+def _opt_int(d: dict, key: str, path: str, lo: int) -> int | None:
+    return None if d.get(key) is None else _int(d[key], f"{path}.{key}", lo)
+
+
+def _port(v: Any, path: str, *, allow_zero: bool = False) -> int:
+    return _int(v, path, 0 if allow_zero else 1, 65535)
+
+
+def _opt(d: dict, key: str, path: str, fn: Any) -> Any:
+    if d.get(key) is None:
+        return None
+    return fn(_mapping(d[key], f"{path}.{key}"), f"{path}.{key}")

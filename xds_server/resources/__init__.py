@@ -1,0 +1,105 @@
+"""Envoy resources for one sidecar group, built from the mesh and the group's NodeInfo."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from google.protobuf.message import Message
+
+from xds_server import mesh as m
+from xds_server import types as t
+from xds_server.node import NodeInfo
+from xds_server.resources import clusters, endpoints, listeners, names, routes
+
+
+class ResourceError(ValueError):
+    """The mesh and a node's metadata do not make a valid configuration."""
+
+
+def build_resources(mesh: m.Mesh, node: NodeInfo) -> dict[str, dict[str, Message]]:
+    out: dict[str, dict[str, Message]] = {tu: {} for tu in t.PUSH_ORDER}
+    if node.outbound_port is not None:
+        _outbound(mesh, node, out)
+    if node.inbound_port is not None:
+        _inbound(mesh, node, out)
+    return out
+
+
+def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -> None:
+    for svc in mesh.services.values():
+        for v, ver in svc.versions.items():
+            name = names.outbound_cluster(svc.name, v)
+            out[t.CLUSTER][name] = clusters.cluster(name, svc)
+            out[t.ENDPOINT][name] = endpoints.load_assignment(name, ver.endpoints)
+    rc = routes.outbound_route_config(mesh)
+    out[t.ROUTE][rc.name] = rc
+    idle = max((s.route.stream_idle_timeout for s in mesh.services.values()), default=300.0)
+    out[t.LISTENER][names.OUTBOUND_LISTENER] = listeners.http_listener(
+        names.OUTBOUND_LISTENER,
+        host=node.listen_host,
+        port=node.outbound_port,
+        route_config_name=rc.name,
+        stat_prefix="outbound",
+        stream_idle_timeout=idle,
+    )
+
+
+def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -> None:
+    svc = mesh.services.get(node.service or "")
+    if svc is None:
+        raise ResourceError(
+            f"node metadata meshlm.service: unknown service {node.service!r} "
+            f"(known: {', '.join(mesh.services)})"
+        )
+    ver = svc.versions.get(node.version or "")
+    if ver is None:
+        raise ResourceError(
+            f"node metadata meshlm.version: unknown version {node.version!r} of {svc.name} "
+            f"(known: {', '.join(svc.versions)})"
+        )
+    cname = names.inbound_cluster(svc.name, ver.name)
+    # The local runtime; a single-replica mesh may list it as the version's endpoint.
+    local = (
+        (m.parse_endpoint(node.local_endpoint, "node metadata meshlm.local_endpoint"),)
+        if node.local_endpoint
+        else ver.endpoints
+    )
+    out[t.CLUSTER][cname] = clusters.cluster(cname, svc)
+    out[t.ENDPOINT][cname] = endpoints.load_assignment(cname, local)
+    rc = routes.inbound_route_config(svc, ver.name)
+    out[t.ROUTE][rc.name] = rc
+    authz = _authz_filters(mesh, svc.name, out)
+    lname = names.inbound_listener(svc.name, ver.name)
+    out[t.LISTENER][lname] = listeners.http_listener(
+        lname,
+        host=node.listen_host,
+        port=node.inbound_port,
+        route_config_name=rc.name,
+        stat_prefix=f"inbound_{svc.name}_{ver.name}",
+        stream_idle_timeout=svc.route.stream_idle_timeout,
+        authz_filters=authz,
+    )
+
+
+def _authz_filters(
+    mesh: m.Mesh, service: str, out: dict[str, dict[str, Message]]
+) -> list[listeners.HttpFilter]:
+    mode = mesh.authz.mode
+    if mode == "none":
+        return []
+    xds = _wasm_xds(mode)
+    if mode == "native":
+        return list(xds.native_http_filters(mesh.tenants, service=service))
+    ext = xds.wasm_extension_config(mesh.tenants, service=service, name=names.AUTHZ_FILTER)
+    out[t.EXTENSION_CONFIG][ext.name] = ext
+    return [listeners.ecds_filter(names.AUTHZ_FILTER)]
+
+
+def _wasm_xds(mode: str) -> ModuleType:
+    try:
+        return importlib.import_module("wasm_filters.xds")
+    except ModuleNotFoundError:
+        raise ResourceError(
+            f"authz.mode: {mode} needs wasm_filters.xds, which is not installed"
+        ) from None

@@ -1,0 +1,21 @@
+"""Resource names, Istio style. Stable: tests, dashboards and the rollout controller key on them."""
+
+AUTHZ_FILTER = "meshlm.authz"
+OUTBOUND_LISTENER = "outbound"
+OUTBOUND_ROUTE = "outbound"
+
+
+def outbound_cluster(service: str, version: str) -> str:
+    return f"outbound|{service}|{version}"
+
+
+def inbound_cluster(service: str, version: str) -> str:
+    return f"inbound|{service}|{version}"
+
+
+def inbound_listener(service: str, version: str) -> str:
+    return f"inbound|{service}|{version}"
+
+
+def inbound_route(service: str, version: str) -> str:
+    return f"inbound|{service}|{version}"

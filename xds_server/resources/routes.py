@@ -1,0 +1,120 @@
+"""RouteConfiguration: a virtual host per service, weighted clusters over its versions."""
+
+from __future__ import annotations
+
+from envoy.config.route.v3 import route_components_pb2 as rc
+from envoy.config.route.v3 import route_pb2
+
+from xds_server import mesh as m
+from xds_server.resources import names
+from xds_server.resources.common import duration, u32
+
+
+def stable_and_canary(mesh: m.Mesh, svc: m.Service) -> tuple[str, str | None]:
+    """The rollout's pair when one is declared, else the two heaviest versions (file order)."""
+    ro = mesh.rollouts.get(svc.name)
+    if ro:
+        return ro.stable, ro.canary
+    ranked = sorted(svc.versions, key=lambda v: -svc.route.weights.get(v, 0))
+    return ranked[0], (ranked[1] if len(ranked) > 1 else None)
+
+
+def outbound_route_config(mesh: m.Mesh) -> route_pb2.RouteConfiguration:
+    return route_pb2.RouteConfiguration(
+        name=names.OUTBOUND_ROUTE,
+        virtual_hosts=[_service_vhost(mesh, s) for s in mesh.services.values()],
+    )
+
+
+def _service_vhost(mesh: m.Mesh, svc: m.Service) -> rc.VirtualHost:
+    routes = []
+    stable, canary = stable_and_canary(mesh, svc)
+    if canary is not None:
+        # Header pins before the weighted split: `x-canary: always|never`.
+        for value, version in (("always", canary), ("never", stable)):
+            routes.append(
+                rc.Route(
+                    name=f"{svc.name}-canary-{value}",
+                    match=rc.RouteMatch(
+                        prefix="/",
+                        headers=[
+                            rc.HeaderMatcher(
+                                name=svc.route.canary_header,
+                                string_match=_exact(value),
+                            )
+                        ],
+                    ),
+                    route=_action(svc, cluster=names.outbound_cluster(svc.name, version)),
+                )
+            )
+    weighted = rc.WeightedCluster(
+        clusters=[
+            rc.WeightedCluster.ClusterWeight(
+                name=names.outbound_cluster(svc.name, v), weight=u32(w)
+            )
+            for v, w in svc.route.weights.items()
+        ]
+    )
+    routes.append(
+        rc.Route(
+            name=f"{svc.name}-weighted",
+            match=rc.RouteMatch(prefix="/"),
+            route=_action(svc, weighted=weighted),
+        )
+    )
+    # gRPC clients put the service name (maybe with a port) in :authority.
+    return rc.VirtualHost(name=svc.name, domains=[svc.name, f"{svc.name}:*"], routes=routes)
+
+
+def inbound_route_config(svc: m.Service, version: str) -> route_pb2.RouteConfiguration:
+    route = rc.Route(
+        name=f"{svc.name}-{version}-local",
+        match=rc.RouteMatch(prefix="/"),
+        route=_action(svc, cluster=names.inbound_cluster(svc.name, version), retries=False),
+    )
+    return route_pb2.RouteConfiguration(
+        name=names.inbound_route(svc.name, version),
+        virtual_hosts=[rc.VirtualHost(name=f"{svc.name}-local", domains=["*"], routes=[route])],
+    )
+
+
+def _action(
+    svc: m.Service,
+    *,
+    cluster: str | None = None,
+    weighted: rc.WeightedCluster | None = None,
+    retries: bool = True,
+) -> rc.RouteAction:
+    a = rc.RouteAction(
+        # 0 disables the 15 s default route timeout, which would cut token streams.
+        timeout=duration(0),
+        max_stream_duration=rc.RouteAction.MaxStreamDuration(
+            max_stream_duration=duration(svc.route.max_stream_duration),
+            # Honour the client's grpc-timeout header, bounded by the stream limit.
+            grpc_timeout_header_max=duration(svc.route.max_stream_duration),
+        ),
+    )
+    if cluster is not None:
+        a.cluster = cluster
+    else:
+        a.weighted_clusters.CopyFrom(weighted)
+    if svc.route.hash_policy:
+        a.hash_policy.append(
+            rc.RouteAction.HashPolicy(
+                header=rc.RouteAction.HashPolicy.Header(header_name=svc.route.hash_policy.header)
+            )
+        )
+    if retries and svc.retry_policy:
+        rp = rc.RetryPolicy(
+            retry_on=svc.retry_policy.retry_on, num_retries=u32(svc.retry_policy.num_retries)
+        )
+        if svc.retry_policy.per_try_timeout is not None:
+            rp.per_try_timeout.CopyFrom(duration(svc.retry_policy.per_try_timeout))
+        a.retry_policy.CopyFrom(rp)
+    return a
+
+
+def _exact(value: str):  # -> StringMatcher
+    from envoy.type.matcher.v3 import string_pb2
+
+    return string_pb2.StringMatcher(exact=value)
