@@ -1,0 +1,354 @@
+"""The gRPC service around the engine: bytes in, FlatBuffers out, generic handlers.
+
+    /meshlm.inference.v1.Inference/Generate   GenerateRequest -> stream TokenChunk
+    /meshlm.inference.v1.Inference/Info       InfoRequest     -> ModelInfo
+    /grpc.health.v1.Health/{Check,Watch}      NOT_SERVING until a model serves, and on drain
+
+`Runtime` owns the grpc.Server. It starts before the model is loaded (so health checks answer
+NOT_SERVING while weights load), serves once `set_model()` hands it a started engine, and drains
+on `shutdown()`: NOT_SERVING first, then `server.stop(grace)` lets in-flight streams finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from model_runtime.faults import Faults
+from model_runtime.telemetry import Telemetry
+from schemas import codec
+from schemas.codec import ErrorInfo, Limits, WireError
+
+log = logging.getLogger(__name__)
+
+SERVICE = "meshlm.inference.v1.Inference"
+GENERATE = f"/{SERVICE}/Generate"
+INFO = f"/{SERVICE}/Info"
+TENANT_HEADER = "x-meshlm-tenant"  # set by the sidecar's authz filter after it verified the key
+PRIORITY_HEADER = "x-meshlm-priority"
+PRIORITY_NAMES = {"low": -1, "normal": 0, "default": 0, "high": 1}
+_POLL_S = 0.25  # how often a waiting stream re-checks deadline and liveness
+_CANCELLED = object()  # wakes a stream whose RPC ended (client cancel, deadline, drain)
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _priority(req_priority: int | None, metadata: dict[str, Any]) -> int:
+    if req_priority is not None:
+        return req_priority
+    raw = str(metadata.get(PRIORITY_HEADER, "")).strip().lower()
+    if not raw:
+        return 0
+    if raw in PRIORITY_NAMES:
+        return PRIORITY_NAMES[raw]
+    try:
+        return max(-1000, min(1000, int(raw)))
+    except ValueError:
+        return 0
+
+
+class InferenceService:
+    """The two RPC handlers; `loaded` and `engine` come from model_runtime.loader / .engine."""
+
+    def __init__(
+        self,
+        loaded: Any,
+        engine: Any,
+        *,
+        telemetry: Telemetry,
+        faults: Faults | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        self.loaded, self.engine = loaded, engine
+        self.telemetry = telemetry
+        self.faults = faults or Faults()
+        info = loaded.info
+        vocab = getattr(loaded.tokenizer, "vocab_size", None)
+        self.limits = limits or Limits(context_length=info.context_length, vocab_size=vocab)
+        self.model_info = codec.ModelInfo(
+            info.name, info.precision, info.version, info.context_length, vocab or 0
+        )
+        self._info_bytes = codec.encode_model_info(self.model_info)
+
+    # --- Info ------------------------------------------------------------------------------
+
+    def info(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        md = dict(context.invocation_metadata())
+        with self.telemetry.span("Info", md):
+            try:
+                codec.decode_info_request(request)
+            except WireError as e:
+                self.telemetry.record("Info", "INVALID_ARGUMENT")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            self.telemetry.record("Info", "OK")
+            return self._info_bytes
+
+    # --- Generate --------------------------------------------------------------------------
+
+    def generate(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        started = time.monotonic()
+        md = dict(context.invocation_metadata())
+        stats: dict[str, Any] = {"code": "OK", "ttft": None, "tpot": None}
+        with self.telemetry.span("Generate", md) as span:
+            try:
+                yield from self._generate(request, context, md, span, started, stats)
+            except _Abort as a:
+                stats["code"] = a.code.name
+                span.set_attribute("rpc.grpc.status_code", a.code.value[0])
+                self.telemetry.record("Generate", stats["code"])
+                context.abort(a.code, a.message)
+            except Exception:
+                # grpcio would answer UNKNOWN; say INTERNAL and keep the reason out of the reply.
+                log.exception("Generate failed")
+                self.telemetry.record("Generate", "INTERNAL")
+                context.abort(grpc.StatusCode.INTERNAL, "internal error in the runtime")
+            self.telemetry.record("Generate", stats["code"], stats["ttft"], stats["tpot"])
+
+    def _prompt_ids(self, req: codec.GenerateRequest) -> list[int]:
+        tok = self.loaded.tokenizer
+        if req.prompt_token_ids is not None:
+            return req.prompt_token_ids.tolist()
+        if req.prompt is not None:
+            return tok.encode(req.prompt)
+        messages = [{"role": m.role, "content": m.content} for m in req.messages or ()]
+        rendered = tok.apply_chat_template(messages)
+        return tok.encode(rendered) if isinstance(rendered, str) else list(rendered)
+
+    def _generate(
+        self,
+        request: bytes,
+        context: grpc.ServicerContext,
+        md: dict[str, Any],
+        span: Any,
+        started: float,
+        stats: dict[str, Any],
+    ) -> Iterator[bytes]:
+        if self.faults.should_fail():
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "fault injected (--fault-error-percent)")
+        try:
+            req = codec.decode_generate_request(request, self.limits)
+        except WireError as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if req.model and req.model.lower() not in (
+            self.model_info.name.lower(),
+            self.model_info.version.lower(),
+        ):
+            raise _Abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"model: {req.model!r} is not served here (this runtime serves "
+                f"{self.model_info.name!r})",
+            )
+        tenant = md.get(TENANT_HEADER, "")
+        log.debug("Generate tenant=%s request_id=%s", tenant, req.request_id)
+        if tenant:
+            span.set_attribute("meshlm.tenant", str(tenant))
+        prompt_ids = self._prompt_ids(req)
+        if len(prompt_ids) >= self.model_info.context_length:
+            raise _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt: {len(prompt_ids)} tokens leave no room in the context of "
+                f"{self.model_info.context_length}",
+            )
+        from model_runtime.engine import EngineFull, GenerateParams
+
+        params = GenerateParams(
+            prompt_ids=prompt_ids,
+            max_new_tokens=req.max_new_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            stop=list(req.stop),
+            priority=_priority(req.priority, md),
+        )
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        ended = threading.Event()
+        rid = uuid.uuid4().hex  # the engine's key; the client's id is only echoed back
+        reply_id = req.request_id or rid
+        span.set_attribute("meshlm.request_id", reply_id)
+
+        def on_rpc_end() -> None:  # client cancel, deadline, or the stream finished
+            ended.set()
+            events.put(_CANCELLED)
+
+        if not context.add_callback(on_rpc_end) or (
+            self.faults.delay_ms and ended.wait(self.faults.delay_s)
+        ):
+            stats["code"] = "CANCELLED"  # the RPC is already over
+            return
+        try:
+            self.engine.submit(rid, params, events.put)
+        except EngineFull as e:
+            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        except ValueError as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        try:
+            yield from self._stream(rid, reply_id, context, events, started, stats)
+        finally:
+            # Frees the request's KV blocks at once if it is still running (cancel, deadline,
+            # drain past the grace period); a no-op for a finished request.
+            self.engine.cancel(rid)
+
+    def _stream(
+        self,
+        rid: str,
+        reply_id: str,
+        context: grpc.ServicerContext,
+        events: queue.SimpleQueue,
+        started: float,
+        stats: dict[str, Any],
+    ) -> Iterator[bytes]:
+        index = 0
+        first_at = last_at = None
+        tokens = 0
+        while True:
+            remaining = context.time_remaining()
+            try:
+                ev = events.get(timeout=_POLL_S if remaining is None else min(_POLL_S, remaining))
+            except queue.Empty:
+                ev = None
+            if ev is _CANCELLED or ev is None:
+                if remaining is not None and context.time_remaining() <= 0:
+                    self.engine.cancel(rid)
+                    raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+                if not context.is_active():
+                    self.engine.cancel(rid)
+                    stats["code"] = "CANCELLED"
+                    return
+                continue
+            now = time.monotonic()
+            if ev.token_ids:
+                tokens += len(ev.token_ids)
+                if first_at is None:
+                    first_at = now
+                    stats["ttft"] = now - started
+                last_at = now
+            error = None
+            if ev.finish_reason == "error":
+                error = ErrorInfo(grpc.StatusCode.INTERNAL.value[0], ev.error or "engine error")
+            yield codec.encode_token_chunk(
+                reply_id,
+                index,
+                ev.token_ids,
+                ev.text_delta or "",
+                ev.finish_reason,
+                int((ev.queue_wait_s or 0.0) * 1e6),
+                None if stats["ttft"] is None else int(stats["ttft"] * 1e6),
+                error,
+            )
+            index += 1
+            if ev.finish_reason is None:
+                continue
+            if tokens > 1 and first_at is not None and last_at is not None:
+                stats["tpot"] = (last_at - first_at) / (tokens - 1)
+            if ev.finish_reason == "error":
+                raise _Abort(grpc.StatusCode.INTERNAL, f"engine: {ev.error or 'error'}")
+            if ev.finish_reason == "cancelled":
+                # Cancelled by the runtime itself (drain past its grace period): retryable.
+                raise _Abort(grpc.StatusCode.UNAVAILABLE, "request cancelled by the runtime")
+            return
+
+
+class Runtime:
+    """A grpc.Server with health checking and, once `set_model()` ran, the Inference service."""
+
+    def __init__(
+        self,
+        address: str = "127.0.0.1:0",
+        *,
+        max_workers: int = 96,
+        telemetry: Telemetry | None = None,
+        faults: Faults | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        self.telemetry = telemetry or Telemetry()
+        self.faults = faults
+        self.limits = limits
+        self.service: InferenceService | None = None
+        self.engine: Any = None
+        self.health = health.HealthServicer()
+        max_msg = (limits or Limits()).max_buffer_bytes
+        # One worker per open stream: size the pool for the engine's batch plus its queue.
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", max_msg),
+            ],
+            maximum_concurrent_rpcs=max_workers,
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    SERVICE,
+                    {
+                        "Generate": grpc.unary_stream_rpc_method_handler(self._generate),
+                        "Info": grpc.unary_unary_rpc_method_handler(self._info),
+                    },
+                ),
+            )
+        )
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC address {address}")
+        self.host = address.rsplit(":", 1)[0]
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    @property
+    def target(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE):
+            self.health.set(name, status)
+
+    def start(self) -> Runtime:
+        self.server.start()
+        return self
+
+    def set_model(self, loaded: Any, engine: Any) -> None:
+        """Serve `loaded` through a started `engine`; health turns SERVING."""
+        self.engine = engine
+        self.service = InferenceService(
+            loaded, engine, telemetry=self.telemetry, faults=self.faults, limits=self.limits
+        )
+        self.telemetry.engine_stats = engine.stats
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s on %s", loaded.info.version, self.target)
+
+    def _unavailable(self, context: grpc.ServicerContext) -> None:
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+
+    def _generate(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        if self.service is None:
+            self._unavailable(context)
+        assert self.service is not None
+        return self.service.generate(request, context)
+
+    def _info(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        if self.service is None:
+            self._unavailable(context)
+        assert self.service is not None
+        return self.service.info(request, context)
+
+    def shutdown(self, grace: float = 30.0) -> None:
+        """Drain: NOT_SERVING, refuse new calls, let in-flight streams finish within `grace`,
+        then stop the engine."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+        if self.engine is not None:
+            self.engine.shutdown(drain_timeout=grace)

@@ -1,0 +1,210 @@
+"""OpenTelemetry metrics and traces for the runtime, and the loopback `GET /metrics` JSON that the
+rollout controller reads.
+
+Metrics (OTel SDK): `meshlm.ttft` and `meshlm.tpot` histograms (seconds), `meshlm.rpc.requests`
+counter by method and gRPC status, and observable gauges reading `engine.stats()`: queue depth,
+running requests, batch size, KV blocks in use. Traces: one SERVER span per RPC that continues
+the W3C `traceparent` arriving in gRPC metadata (set by Envoy).
+
+`/metrics` serves percentiles over a sliding window of recent calls (OTel histograms are
+cumulative buckets, which cannot give a windowed p99), plus the gauges.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+log = logging.getLogger(__name__)
+_PROPAGATOR = TraceContextTextMapPropagator()
+_GAUGES = {
+    "meshlm.queue_depth": "queue_depth",
+    "meshlm.running": "running",
+    "meshlm.batch_size": "batch_size",
+    "meshlm.kv_blocks_used": "kv_blocks_used",
+}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+class Telemetry:
+    """One per runtime. `engine_stats` is read by the gauges and by /metrics."""
+
+    def __init__(
+        self,
+        engine_stats: Callable[[], dict] | None = None,
+        *,
+        tracer_provider: trace.TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+        window_s: float = 60.0,
+    ) -> None:
+        self.engine_stats = engine_stats
+        self.window_s = window_s
+        self.reader: InMemoryMetricReader | None = None
+        if meter_provider is None:
+            self.reader = InMemoryMetricReader()
+            meter_provider = MeterProvider(metric_readers=[self.reader])
+        meter = meter_provider.get_meter("meshlm.runtime")
+        self.ttft = meter.create_histogram(
+            "meshlm.ttft", unit="s", description="time to first token"
+        )
+        self.tpot = meter.create_histogram(
+            "meshlm.tpot", unit="s", description="time per output token"
+        )
+        self.requests = meter.create_counter("meshlm.rpc.requests", description="RPCs by status")
+        for name, key in _GAUGES.items():
+            meter.create_observable_gauge(name, callbacks=[self._gauge(key)])
+        # An SDK provider of our own (no exporter) keeps span and trace ids real even where the
+        # process has not configured OpenTelemetry.
+        self.tracer = (tracer_provider or TracerProvider()).get_tracer("meshlm.runtime")
+        self._lock = threading.Lock()
+        self._window: deque[tuple[float, str, str, float | None, float | None]] = deque()
+        self._totals: dict[str, dict[str, int]] = {}
+
+    def _gauge(self, key: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
+        def observe(_: CallbackOptions) -> Iterator[Observation]:
+            stats = self._stats()
+            if key in stats:
+                yield Observation(stats[key])
+
+        return observe
+
+    def _stats(self) -> dict:
+        if self.engine_stats is None:
+            return {}
+        try:
+            return dict(self.engine_stats())
+        except Exception:  # a gauge must never break the metrics pipeline
+            log.exception("engine.stats() failed")
+            return {}
+
+    @contextmanager
+    def span(self, method: str, metadata: Mapping[str, Any]) -> Iterator[trace.Span]:
+        """A SERVER span continuing the caller's traceparent (W3C Trace Context) if any."""
+        carrier = {k: v for k, v in metadata.items() if isinstance(v, str)}
+        ctx = _PROPAGATOR.extract(carrier)
+        with self.tracer.start_as_current_span(
+            f"meshlm.inference.v1.Inference/{method}",
+            context=ctx,
+            kind=trace.SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.method": method},
+        ) as span:
+            yield span
+
+    def record(
+        self, method: str, code: str, ttft_s: float | None = None, tpot_s: float | None = None
+    ) -> None:
+        attrs = {"rpc.method": method, "rpc.grpc.status": code}
+        self.requests.add(1, attrs)
+        if ttft_s is not None:
+            self.ttft.record(ttft_s, attrs)
+        if tpot_s is not None:
+            self.tpot.record(tpot_s, attrs)
+        now = time.monotonic()
+        with self._lock:
+            self._window.append((now, method, code, ttft_s, tpot_s))
+            by_code = self._totals.setdefault(method, {})
+            by_code[code] = by_code.get(code, 0) + 1
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._window and self._window[0][0] < now - self.window_s:
+            self._window.popleft()
+
+    def snapshot(self) -> dict:
+        """What GET /metrics returns. Top-level `ttft_ms` / `tpot_ms` cover successful Generate
+        calls in the window (what `xds_server.gates.parse_runtime_metrics` reads); `methods`
+        breaks calls down by method and gRPC status."""
+        with self._lock:
+            self._trim(time.monotonic())
+            rows = list(self._window)
+            totals = {m: dict(c) for m, c in self._totals.items()}
+        methods: dict[str, dict] = {}
+        for _, method, code, _, _ in rows:
+            m = methods.setdefault(method, {"requests": 0, "ok": 0, "by_status": {}})
+            m["requests"] += 1
+            m["ok"] += code == "OK"
+            m["by_status"][code] = m["by_status"].get(code, 0) + 1
+        for method, m in methods.items():
+            m["success_rate"] = m["ok"] / m["requests"]
+            m.update(_latency(rows, method))
+        return {
+            "window_s": self.window_s,
+            **_latency(rows, "Generate"),
+            "methods": methods,
+            "totals": totals,
+            "engine": self._stats(),
+        }
+
+
+def _latency(rows: list[tuple], method: str) -> dict[str, dict]:
+    out = {}
+    for name, col in (("ttft", 3), ("tpot", 4)):
+        vals = [
+            r[col] * 1e3 for r in rows if r[1] == method and r[2] == "OK" and r[col] is not None
+        ]
+        p50, p99 = _pct(vals, 0.5), _pct(vals, 0.99)
+        out[f"{name}_ms"] = {
+            "p50": None if p50 is None else round(p50, 3),
+            "p99": None if p99 is None else round(p99, 3),
+            "count": len(vals),
+        }
+    return out
+
+
+class MetricsServer:
+    """`GET /metrics` on loopback; a thread of its own. Use as a context manager or stop()."""
+
+    def __init__(self, telemetry: Telemetry, port: int = 0, host: str = "127.0.0.1") -> None:
+        snapshot = telemetry.snapshot
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.split("?")[0] != "/metrics":
+                    self.send_error(404, "only /metrics lives here")
+                    return
+                body = json.dumps(snapshot()).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, fmt: str, *args: Any) -> None:
+                log.debug("metrics http: " + fmt, *args)
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
