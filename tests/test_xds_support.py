@@ -1,0 +1,127 @@
+"""Helpers for the xDS tests: real gRPC upstreams that answer with their own name, a client that
+calls through an Envoy listener, and a control plane with sidecars. No tests here."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from sidecar.bootstrap import ads_bootstrap
+from sidecar.envoy_process import EnvoyProcess
+from sidecar.ports import free_port
+from xds_server.control_plane import ControlPlane
+from xds_server.mesh import Mesh, parse_mesh
+
+METHOD = "/meshlm.test.Echo/Who"
+
+
+class _Who(grpc.GenericRpcHandler):
+    def __init__(self, name: str) -> None:
+        self.name = name.encode()
+        self.calls = 0
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        def who(request: bytes, context: grpc.ServicerContext) -> bytes:
+            self.calls += 1
+            return self.name
+
+        return grpc.unary_unary_rpc_method_handler(who)
+
+
+class Upstream:
+    """A real gRPC server on loopback that answers any unary call with its name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.handler = _Who(name)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self.server.add_generic_rpc_handlers((self.handler,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop(0)
+
+
+@contextlib.contextmanager
+def upstreams(*names: str) -> Iterator[dict[str, Upstream]]:
+    ups = {n: Upstream(n) for n in names}
+    try:
+        yield ups
+    finally:
+        for u in ups.values():
+            u.stop()
+
+
+class Caller:
+    """A gRPC client that calls `service` through an Envoy listener (`:authority` = service)."""
+
+    def __init__(self, port: int, service: str = "llm") -> None:
+        self.channel = grpc.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.default_authority", service)]
+        )
+        self.call = self.channel.unary_unary(METHOD)
+
+    def who(self, metadata: tuple[tuple[str, str], ...] = (), timeout: float = 10) -> str:
+        return self.call(b"", metadata=metadata, timeout=timeout).decode()
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def llm_mesh(ups: dict[str, Upstream], weights: dict[str, int] | None = None, **extra: Any) -> Mesh:
+    return parse_mesh(
+        {
+            "services": {
+                "llm": {
+                    "versions": {n: {"endpoints": [u.address]} for n, u in sorted(ups.items())},
+                    "route": {"weights": weights or {"v1": 100}},
+                    "retry_policy": {"retry_on": "unavailable,connect-failure", "num_retries": 2},
+                    **extra,
+                }
+            }
+        }
+    )
+
+
+def sidecar(
+    cp: ControlPlane, node_id: str, *, api_type: str = "GRPC", **kw: Any
+) -> tuple[EnvoyProcess, int]:
+    """An Envoy with an outbound listener, configured by `cp` alone; returns (envoy, port)."""
+    port = free_port()
+    b = ads_bootstrap(
+        node_id,
+        xds_address=("127.0.0.1", cp.grpc_port),
+        outbound_port=port,
+        api_type=api_type,
+        **kw,
+    )
+    return EnvoyProcess(b), port
+
+
+def eventually(check: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except Exception as e:  # a check that cannot run yet (envoy not up) counts as false
+            last = e
+        time.sleep(0.05)
+    raise AssertionError(f"not true after {timeout}s: {what} (last: {last!r})")
+
+
+def dynamic_clusters(envoy: EnvoyProcess) -> set[str]:
+    dump = envoy.config_dump("dynamic_active_clusters")
+    return {c["cluster"]["name"] for c in dump.get("configs", [])}
