@@ -51,8 +51,9 @@ class Traffic:
     """Calls METHOD through `target` in a loop on a thread; counts replies by upstream name
     (the reply body) and failures by gRPC status."""
 
-    def __init__(self, target: str, pause_s: float = 0.005) -> None:
-        self.channel = grpc.insecure_channel(target)
+    def __init__(self, target: str, pause_s: float = 0.005, authority: str | None = None) -> None:
+        opts = [("grpc.default_authority", authority)] if authority else []
+        self.channel = grpc.insecure_channel(target, options=opts)
         self.call = self.channel.unary_unary(METHOD)
         self.pause_s = pause_s
         self.replies: Counter[str] = Counter()

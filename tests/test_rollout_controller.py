@@ -24,7 +24,7 @@ from xds_server.rollout_store import RolloutStore, RolloutStoreError
 @dataclass
 class FakeApplyResult:
     ok: bool
-    not_acked: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
 
 
 class FakeControlPlane:

@@ -57,17 +57,11 @@ class ControlPlane(Protocol):
 
 
 def ack_outcome(result: Any) -> tuple[bool, list[str]]:
-    """(every sidecar ACKed, names of those that did not) from a ControlPlane ApplyResult."""
-    pending = None
-    for name in ("not_acked", "pending", "lagging", "missing"):
-        if hasattr(result, name):
-            pending = sorted(getattr(result, name) or [])
-            break
-    for name in ("ok", "acked", "applied", "complete"):
-        ok = getattr(result, name, None)
-        if isinstance(ok, bool):
-            return ok, pending or []
-    return not pending, pending or []
+    """(every sidecar ACKed, those that did not) from `xds_server.control_plane.ApplyResult`
+    (`ok`, `missing`, `errors`: node -> NACK error)."""
+    errors = getattr(result, "errors", None) or {}
+    missing = [f"{n} (NACK: {errors[n]})" if n in errors else n for n in result.missing]
+    return bool(result.ok), sorted(missing)
 
 
 @dataclass
