@@ -3,14 +3,11 @@ two real grpcio upstreams, and a real HTTP metrics endpoint."""
 
 from __future__ import annotations
 
-import json
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
+from model_runtime.telemetry import MetricsServer, Telemetry
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.ports import free_port
 from tests.rollout_upstreams import Traffic, Upstream
@@ -153,44 +150,33 @@ def test_counter_reset_after_envoy_restart_counts_from_zero() -> None:
     assert (d.total, d.success, d.failure) == (25, 24, 1)
 
 
-@pytest.fixture
-def metrics_server() -> Iterator[tuple[str, dict[str, Any]]]:
-    doc: dict[str, Any] = {}
-
-    class H(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = json.dumps(doc).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a: Any) -> None:
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}/metrics", doc
-    finally:
-        srv.shutdown()
-        srv.server_close()
+def test_runtime_metrics_source_reads_the_real_runtime_metrics_endpoint() -> None:
+    tel = Telemetry(window_s=60)
+    with MetricsServer(tel) as srv:
+        url = f"http://127.0.0.1:{srv.port}/metrics"
+        src = RuntimeMetricsSource(url)
+        assert src.read().ttft_p99 is None  # no samples yet
+        for i in range(99):
+            tel.record("Generate", "OK", ttft_s=0.1 + i / 1000, tpot_s=0.02)
+        tel.record("Generate", "OK", ttft_s=0.95, tpot_s=0.03)
+        tel.record("Generate", "UNAVAILABLE")  # failures carry no latency
+        r = src.read()
+        assert r.ttft_p99 == pytest.approx(0.95) and r.tpot_p99 == pytest.approx(0.03)
+        assert r.samples == 100
+        gates = Gates(min_requests=1, ttft_p99_max=0.8)
+        ok = GrpcCounts(50, 50, 0, {"0": 50})
+        v = evaluate(gates, ok, r)
+        assert v.outcome == FAIL and "TTFT p99 950ms > 800ms" in v.reason
+        assert evaluate(Gates(min_requests=1, ttft_p99_max=1.0), ok, r).outcome == PASS
+    with pytest.raises(MeasurementError):
+        src.read()  # the runtime is gone
+    assert evaluate(gates, ok, None, latency_error="gone").outcome == FAIL
 
 
-def test_runtime_metrics_source_reads_p99_over_http(metrics_server) -> None:
-    url, doc = metrics_server
-    doc.update({"ttft_ms": {"p50": 100, "p99": 950, "count": 40}, "tpot_ms": {"p99": 30}})
-    r = RuntimeMetricsSource(url).read()
-    assert r.ttft_p99 == pytest.approx(0.95) and r.tpot_p99 == pytest.approx(0.03)
+def test_no_latency_samples_halt() -> None:
     gates = Gates(min_requests=1, ttft_p99_max=0.8)
-    ok = GrpcCounts(50, 50, 0, {"0": 50})
-    v = evaluate(gates, ok, r)
-    assert v.outcome == FAIL and "TTFT p99 950ms > 800ms" in v.reason
-    doc["ttft_ms"] = {"p99": 200, "count": 40}
-    assert evaluate(gates, ok, RuntimeMetricsSource(url).read()).outcome == PASS
-    doc["ttft_ms"] = {"p99": None, "count": 0}
-    assert evaluate(gates, ok, RuntimeMetricsSource(url).read()).outcome == HALT
+    v = evaluate(gates, GrpcCounts(50, 50, 0), LatencyReading(None, None, 0))
+    assert v.outcome == HALT and "no TTFT samples" in v.reason
 
 
 def test_min_requests_halts_even_when_everything_failed() -> None:
