@@ -83,7 +83,7 @@ var globals_defined = false;
 
 fn log(level: u32, comptime fmt: []const u8, args: anytype) void {
     var buf: [512]u8 = undefined;
-    const msg = std.fmt.bufPrint(&buf, "meshlm_authz: " ++ fmt, args) catch buf[0..];
+    const msg = std.fmt.bufPrint(&buf, fmt, args) catch buf[0..];
     _ = proxy_log(level, msg.ptr, msg.len);
 }
 
