@@ -83,6 +83,15 @@ def wait_terminal(c: RolloutController, timeout: float = 45.0) -> dict:
     raise AssertionError(f"rollout did not finish: {c.status('llm')}")
 
 
+def wait_connected(cp: ControlPlane, node: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cp.syncz()["nodes"].get(node, {}).get("connected"):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{node} did not reconnect: {cp.syncz()}")
+
+
 def observed_fractions(st: dict) -> dict[int, float]:
     """Canary share of the calls the caller-side Envoy routed, per step weight."""
     out = {}
@@ -157,3 +166,40 @@ def test_faulty_canary_rolls_back_within_threshold_and_stays_at_its_step(tmp_pat
         v2.fail_percent = 0
         assert routed_to(target, 5, header="always") == {"v2": 5}
         assert traffic.codes.get("UNAVAILABLE", 0) > 0
+
+
+def test_control_plane_killed_mid_rollout_traffic_flows_and_rollout_resumes(tmp_path: Path) -> None:
+    store = str(tmp_path / "r.json")
+    grpc_port, listen = free_port(), free_port()
+    with Upstream("v1") as v1, Upstream("v2") as v2:
+        the_mesh = mesh(v1.port, v2.port)
+        cp = ControlPlane(the_mesh).start(grpc_port=grpc_port)
+        boot = ads_bootstrap("caller-0", xds_address=("127.0.0.1", grpc_port), outbound_port=listen)
+        try:
+            with EnvoyProcess(boot) as envoy, Traffic(f"127.0.0.1:{listen}", authority="llm") as tr:
+                c = RolloutController(cp, store, sources(envoy), poll_s=0.05)
+                try:
+                    c.start({**SPEC, "interval": "60s"})  # stays at 10 % until the restart
+                finally:
+                    c.close()
+                cp.stop()  # the control plane dies mid-rollout
+                before = v2.calls
+                time.sleep(1.0)
+                assert v2.calls > before  # Envoy keeps its last config: 10 % still flows
+                cp = ControlPlane(the_mesh).start(grpc_port=grpc_port)
+                c = RolloutController(cp, store, sources(envoy), poll_s=0.05)
+                try:
+                    st = c.status("llm")
+                    assert st["state"] == "Progressing" and st["canary_weight"] == 10
+                    assert "restarted" in st["history"][-1]["reason"]
+                    assert cp.mesh.services["llm"].route.weights == {"v1": 90, "v2": 10}
+                    wait_connected(cp, "caller-0")
+                    c.promote("llm")  # the resumed rollout is steerable as before
+                    st = wait_terminal(c)
+                finally:
+                    c.close()
+                assert st["state"] == "Succeeded", st["message"]
+                assert routed_to(f"127.0.0.1:{listen}", 20) == {"v2": 20}
+                assert set(tr.codes) == {"OK"}, tr.codes  # no failed call through it all
+        finally:
+            cp.stop()
