@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from envoy.config.core.v3 import extension_pb2, protocol_pb2
+from envoy.config.core.v3 import config_source_pb2, protocol_pb2
 from envoy.config.listener.v3 import listener_components_pb2 as lc
 from envoy.config.listener.v3 import listener_pb2
 from envoy.extensions.filters.http.grpc_stats.v3 import config_pb2 as grpc_stats_pb2
@@ -38,7 +38,7 @@ def ecds_filter(name: str, type_urls: Sequence[str] = (WASM_TYPE_URL,)) -> HttpF
     whose authz config has not arrived never serves (fails closed)."""
     return HttpFilter(
         name=name,
-        config_discovery=extension_pb2.ExtensionConfigSource(
+        config_discovery=config_source_pb2.ExtensionConfigSource(
             config_source=ads(),
             type_urls=list(type_urls),
             apply_default_config_without_warming=False,
