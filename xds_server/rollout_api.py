@@ -3,8 +3,8 @@
 
   GET  /rollouts                      every rollout's status
   GET  /rollouts/{service}            one rollout's status (state, weights, history, analyses)
-  POST /rollouts/{service}            start; body: the rollout spec (mesh file `rollouts:` shape),
-                                      or empty to use the mesh file's spec for that service
+  POST /rollouts/{service}            start; body: rollout spec fields (mesh file `rollouts:`
+                                      shape) over the mesh file's spec for that service
   POST /rollouts/{service}/{action}   action: pause | resume | abort | promote
 """
 
@@ -69,16 +69,20 @@ class RolloutAPI:
         except (RolloutSpecError, ValueError) as e:
             return 400, {"error": str(e)}
 
-    def _start(self, service: str, spec: dict[str, Any]) -> dict[str, Any]:
-        spec = {k: v for k, v in spec.items() if k != "service"}
-        if not spec:
-            spec = self.default_spec(service) or {}
-            if not spec:
-                raise RolloutError(
-                    f"{service}: no rollout spec in the request and none in the mesh file "
-                    f"(rollouts.{service})",
-                    status=400,
-                )
+    def _start(self, service: str, overrides: dict[str, Any]) -> dict[str, Any]:
+        """The mesh file's spec for `service`, with the request's fields (and gates) on top."""
+        overrides = {k: v for k, v in overrides.items() if k != "service"}
+        base = dict(self.default_spec(service) or {})
+        if not base and not overrides:
+            raise RolloutError(
+                f"{service}: no rollout spec in the request and none in the mesh file "
+                f"(rollouts.{service})",
+                status=400,
+            )
+        gates = {**(base.get("gates") or {}), **(overrides.get("gates") or {})}
+        spec = {**base, **overrides}
+        if gates:
+            spec["gates"] = gates
         return self.controller.start({"service": service, **spec})
 
 
