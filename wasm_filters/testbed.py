@@ -114,6 +114,7 @@ def bootstrap(
     http_port: int,
     listener_port: int | None = None,
     exact_balance: bool = False,
+    direct_response: bool = False,
 ) -> dict[str, Any]:
     """Static bootstrap: listener -> `http_filters` (protos or dicts) + router -> upstreams."""
     port = listener_port or free_port()
@@ -149,6 +150,13 @@ def bootstrap(
         return c
 
     grpc_match = {"name": "content-type", "string_match": {"prefix": "application/grpc"}}
+    routes: list[dict[str, Any]] = [
+        {"match": {"prefix": "/", "headers": [grpc_match]}, "route": {"cluster": "grpc_upstream"}},
+        {"match": {"prefix": "/"}, "route": {"cluster": "http_upstream"}},
+    ]
+    if direct_response:  # benchmarks: measure Envoy and its filters, not a Python upstream
+        ok = {"status": 200, "body": {"inline_string": "ok"}}
+        routes = [{"match": {"prefix": "/"}, "direct_response": ok}]
     listener: dict[str, Any] = {
         "name": "inbound",
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
@@ -166,16 +174,7 @@ def bootstrap(
                                     {
                                         "name": "all",
                                         "domains": ["*"],
-                                        "routes": [
-                                            {
-                                                "match": {"prefix": "/", "headers": [grpc_match]},
-                                                "route": {"cluster": "grpc_upstream"},
-                                            },
-                                            {
-                                                "match": {"prefix": "/"},
-                                                "route": {"cluster": "http_upstream"},
-                                            },
-                                        ],
+                                        "routes": routes,
                                     }
                                 ]
                             },
