@@ -16,9 +16,8 @@ from sidecar.envoy_process import EnvoyProcess
 from sidecar.ports import free_port
 from tests.rollout_upstreams import METHOD, Traffic, Upstream
 from xds_server.control_plane import ControlPlane
-from xds_server.gates import EnvoyStatsSource, Sources
+from xds_server.gates import mesh_sources
 from xds_server.mesh import parse_mesh
-from xds_server.resources.names import outbound_cluster
 from xds_server.rollout import TERMINAL, RolloutController
 
 SPEC = {
@@ -64,13 +63,7 @@ def caller_mesh(v1: Upstream, v2: Upstream) -> Iterator[tuple[ControlPlane, Envo
 
 
 def sources(envoy: EnvoyProcess):
-    def make(spec) -> Sources:
-        return Sources(
-            grpc=EnvoyStatsSource([envoy.admin_url], outbound_cluster(spec.service, spec.canary)),
-            stable=EnvoyStatsSource([envoy.admin_url], outbound_cluster(spec.service, spec.stable)),
-        )
-
-    return make
+    return mesh_sources([envoy.admin_url])
 
 
 def wait_terminal(c: RolloutController, timeout: float = 45.0) -> dict:

@@ -270,3 +270,22 @@ def evaluate(
         f"TTFT p99 {_ms(latency.ttft_p99 if latency else None)}",
         m,
     )
+
+
+def mesh_sources(
+    caller_admin_urls: list[str], runtime_metrics_urls: dict[str, list[str]] | None = None
+):
+    """A `sources_factory` for `RolloutController`: the canary's (and stable's) outbound cluster
+    counters on the given caller-side sidecars, and the canary version's runtime metrics
+    endpoints when listed (version -> URLs of `GET /metrics`)."""
+    from xds_server.resources.names import outbound_cluster
+
+    def factory(spec) -> Sources:  # spec: xds_server.rollout_spec.RolloutSpec
+        urls = (runtime_metrics_urls or {}).get(spec.canary)
+        return Sources(
+            grpc=EnvoyStatsSource(caller_admin_urls, outbound_cluster(spec.service, spec.canary)),
+            latency=RuntimeMetricsSource(urls) if urls else None,
+            stable=EnvoyStatsSource(caller_admin_urls, outbound_cluster(spec.service, spec.stable)),
+        )
+
+    return factory
