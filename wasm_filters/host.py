@@ -81,10 +81,9 @@ class WasmHost:
         self._config = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._local: Decision | None = None
-        engine = wasmtime.Engine()
-        self.store = wasmtime.Store(engine)
         raw = wasm.read_bytes() if isinstance(wasm, Path) else wasm
-        module = wasmtime.Module(engine, raw)
+        engine, module = _compiled(raw)
+        self.store = wasmtime.Store(engine)
         linker = wasmtime.Linker(engine)
         for name, params, results in _IMPORTS:
             fn = getattr(self, "_" + name)
@@ -256,6 +255,17 @@ class WasmHost:
     def _proxy_get_current_time_nanoseconds(self, caller: wasmtime.Caller, out: int) -> int:
         self._mem(caller).write(caller, struct.pack("<Q", self.now_ns), out)
         return OK
+
+
+_ENGINE = wasmtime.Engine()
+_MODULES: dict[bytes, wasmtime.Module] = {}
+
+
+def _compiled(raw: bytes) -> tuple[wasmtime.Engine, wasmtime.Module]:
+    """Compile each module once per process; every host gets its own Store and instance."""
+    if raw not in _MODULES:
+        _MODULES[raw] = wasmtime.Module(_ENGINE, raw)
+    return _ENGINE, _MODULES[raw]
 
 
 def _b(x: str | bytes) -> bytes:
