@@ -168,6 +168,9 @@ class ControlPlaneConfig:
 @dataclass(frozen=True)
 class Authz:
     mode: str = "none"  # wasm | native | none
+    # native only: Envoy's api_key_auth compares plaintext keys, so they come from a file
+    # (YAML: tenant -> key or [keys]) kept out of the mesh file.
+    keys_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -233,12 +236,15 @@ def parse_mesh(raw: Any) -> Mesh:
     services = {n: _service(n, v, f"services.{n}") for n, v in services_raw.items()}
     tenants = _tenants(top.get("tenants"), top.get("roles"))
     authz_raw = _mapping(top.get("authz", {}), "authz")
-    _only(authz_raw, "authz", {"mode"})
+    _only(authz_raw, "authz", {"mode", "keys_file"})
     mode = authz_raw.get("mode", "wasm" if tenants else "none")
     if mode not in AUTHZ_MODES:
         raise MeshError(f"authz.mode: expected one of {', '.join(AUTHZ_MODES)}, got {mode!r}")
     if mode != "none" and not tenants:
         raise MeshError(f"authz.mode: {mode} needs a tenants section")
+    keys_file = authz_raw.get("keys_file")
+    if mode == "native" and not isinstance(keys_file, str):
+        raise MeshError("authz.keys_file: native mode needs a file of plaintext keys per tenant")
     rollouts_raw = _mapping(top.get("rollouts", {}), "rollouts")
     rollouts = {n: _rollout(n, v, services, f"rollouts.{n}") for n, v in rollouts_raw.items()}
     return Mesh(
@@ -246,7 +252,7 @@ def parse_mesh(raw: Any) -> Mesh:
         control_plane=_control_plane(top.get("control_plane", {})),
         tenants=tenants,
         rollouts=rollouts,
-        authz=Authz(mode=mode),
+        authz=Authz(mode=mode, keys_file=keys_file if mode == "native" else None),
     )
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from types import ModuleType
 
+import yaml
 from google.protobuf.message import Message
 
 from xds_server import mesh as m
@@ -90,7 +92,8 @@ def _authz_filters(
         return []
     xds = _wasm_xds(mode)
     if mode == "native":
-        return list(xds.native_http_filters(mesh.tenants, service=service))
+        keys = _read_keys(mesh.authz.keys_file or "")
+        return list(xds.native_http_filters(mesh.tenants, service=service, keys=keys))
     ext = xds.wasm_extension_config(mesh.tenants, service=service, name=names.AUTHZ_FILTER)
     out[t.EXTENSION_CONFIG][ext.name] = ext
     return [listeners.ecds_filter(names.AUTHZ_FILTER)]
@@ -103,3 +106,13 @@ def _wasm_xds(mode: str) -> ModuleType:
         raise ResourceError(
             f"authz.mode: {mode} needs wasm_filters.xds, which is not installed"
         ) from None
+
+
+def _read_keys(path: str) -> dict[str, list[str]]:
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ResourceError(f"authz.keys_file: cannot read {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ResourceError("authz.keys_file: expected a mapping tenant -> key or [keys]")
+    return {str(t): [k] if isinstance(k, str) else list(k) for t, k in raw.items()}

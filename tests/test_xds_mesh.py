@@ -1,0 +1,166 @@
+"""The mesh file: validated on load, every error names the field; mutations stay valid."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from xds_server.mesh import MeshError, load_mesh, parse_duration, parse_mesh
+
+BASE = {
+    "control_plane": {"grpc_port": 18000, "admin_port": 18001, "debounce": "100ms"},
+    "services": {
+        "llm": {
+            "versions": {
+                "v1": {"precision": "bf16", "endpoints": ["127.0.0.1:50051"]},
+                "v2": {"precision": "int4", "endpoints": ["127.0.0.1:50052"]},
+            },
+            "route": {
+                "weights": {"v1": 100, "v2": 0},
+                "hash_policy": {"header": "x-meshlm-tenant"},
+            },
+            "outlier_detection": {"consecutive_gateway_failure": 5, "interval": "5s"},
+            "circuit_breakers": {"max_requests": 64, "retry_budget": {"budget_percent": 20}},
+            "retry_policy": {"retry_on": "unavailable,connect-failure", "num_retries": 1},
+        }
+    },
+    "rollouts": {
+        "llm": {"stable": "v1", "canary": "v2", "steps": [5, 25, 50, 100], "interval": "10s"}
+    },
+}
+
+
+def _with(path: str, value: object) -> dict:
+    raw = copy.deepcopy(BASE)
+    *parents, last = path.split(".")
+    node = raw
+    for p in parents:
+        node = node[p]
+    if value is _DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    return raw
+
+
+_DELETE = object()
+
+
+def test_a_good_mesh_loads() -> None:
+    mesh = parse_mesh(BASE)
+    svc = mesh.services["llm"]
+    assert svc.route.weights == {"v1": 100, "v2": 0}
+    assert svc.versions["v2"].precision == "int4"
+    assert svc.outlier_detection.interval == 5.0
+    assert mesh.control_plane.debounce == pytest.approx(0.1)
+    assert mesh.rollouts["llm"].steps == (5, 25, 50, 100)
+    assert mesh.authz.mode == "none"
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (
+            "services.llm.route.weights",
+            {"v1": 50, "v3": 50},
+            r"services\.llm\.route\.weights\.v3: unknown version \(known: v1, v2\)",
+        ),
+        (
+            "services.llm.route.weights",
+            {"v1": 50, "v2": 20},
+            r"services\.llm\.route\.weights: weights must sum to 100, got 70",
+        ),
+        (
+            "services.llm.route.weights",
+            {"v1": 101},
+            r"services\.llm\.route\.weights\.v1: expected an integer 0\.\.100",
+        ),
+        (
+            "services.llm.versions.v1.endpoints",
+            ["127.0.0.1"],
+            r"services\.llm\.versions\.v1\.endpoints\[0\]: expected host:port",
+        ),
+        (
+            "services.llm.versions.v1.endpoints",
+            ["h:x"],
+            r"endpoints\[0\]: port 'x' is not a number",
+        ),
+        ("services.llm.versions.v1.precision", "fp8", r"services\.llm\.versions\.v1\.precision"),
+        (
+            "services.llm.outlier_detection.interval",
+            "5 parsecs",
+            r"services\.llm\.outlier_detection\.interval: expected a duration",
+        ),
+        (
+            "services.llm.retry_policy.retry_on",
+            "unavailable,sometimes",
+            r"services\.llm\.retry_policy\.retry_on: unknown condition 'sometimes'",
+        ),
+        (
+            "services.llm.circuit_breakers.retry_budget",
+            {"budget_percent": 120},
+            r"retry_budget\.budget_percent: expected 0\.\.100",
+        ),
+        ("services.llm.colour", "blue", r"services\.llm\.colour: unknown field"),
+        ("rollouts.llm.steps", [5, 50, 25], r"rollouts\.llm\.steps\[2\]: steps must be ascending"),
+        ("rollouts.llm.steps", [0, 50], r"rollouts\.llm\.steps\[0\]: 0 out of range"),
+        ("rollouts.llm.canary", "v9", r"rollouts\.llm\.canary: unknown version 'v9'"),
+        ("control_plane.debounce", "soon", r"control_plane\.debounce: expected a duration"),
+        (
+            "services.llm.route",
+            _DELETE,
+            r"services\.llm\.route\.weights: required when a service has several versions",
+        ),
+    ],
+)
+def test_errors_name_the_field(path: str, value: object, message: str) -> None:
+    with pytest.raises(MeshError, match=message):
+        parse_mesh(_with(path, value))
+
+
+def test_authz_needs_tenants_and_a_known_mode() -> None:
+    with pytest.raises(MeshError, match="authz.mode: wasm needs a tenants section"):
+        parse_mesh({**BASE, "authz": {"mode": "wasm"}})
+    with pytest.raises(MeshError, match="authz.mode: expected one of"):
+        parse_mesh({**BASE, "authz": {"mode": "maybe"}})
+
+
+def test_mutations_validate_and_leave_the_original_alone() -> None:
+    mesh = parse_mesh(BASE)
+    new = mesh.with_weights("llm", {"v1": 90, "v2": 10})
+    assert new.services["llm"].route.weights == {"v1": 90, "v2": 10}
+    assert mesh.services["llm"].route.weights == {"v1": 100, "v2": 0}
+    added = mesh.with_endpoint("llm", "v1", "127.0.0.1:50061", add=True)
+    assert [str(e) for e in added.services["llm"].versions["v1"].endpoints] == [
+        "127.0.0.1:50051",
+        "127.0.0.1:50061",
+    ]
+    with pytest.raises(
+        MeshError, match=r"services\.llm\.versions\.v1\.endpoints: 127\.0\.0\.1:9 is not"
+    ):
+        mesh.with_endpoint("llm", "v1", "127.0.0.1:9", add=False)
+    with pytest.raises(MeshError, match=r"services\.nope: unknown service"):
+        mesh.with_weights("nope", {"v1": 100})
+
+
+def test_durations() -> None:
+    assert parse_duration("100ms", "x") == pytest.approx(0.1)
+    assert parse_duration("5s", "x") == 5.0
+    assert parse_duration("1.5m", "x") == 90.0
+    with pytest.raises(MeshError, match="^x: "):
+        parse_duration("-1s", "x")
+
+
+def test_bad_yaml_file_names_the_file(tmp_path: Path) -> None:
+    p = tmp_path / "mesh.yaml"
+    p.write_text("services: [unclosed\n")
+    with pytest.raises(MeshError, match="not valid YAML"):
+        load_mesh(p)
+
+
+def test_example_mesh_loads() -> None:
+    mesh = load_mesh(Path(__file__).resolve().parent.parent / "examples" / "mesh.yaml")
+    assert set(mesh.services["llm"].versions) == {"v1", "v2"}
+    assert mesh.tenants
