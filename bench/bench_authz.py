@@ -126,6 +126,10 @@ def main(quick: bool = False) -> str:
             f"{n_over:.0f} us; Wasm/native overhead ratio {ratio:.2f}x; Wasm p50 / native p50 "
             f"{p(wasm, 0.5) / p(native, 0.5):.2f}x.",
             "",
+            "Caveat: the Python client costs ~150 us per request itself and the machine is shared, "
+            "so p50 differences of a few tens of microseconds are within run-to-run noise here; "
+            "the throughput column (Envoy busy on one worker) is the steadier comparison.",
+            "",
         ]
     )
 
