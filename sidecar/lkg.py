@@ -24,7 +24,7 @@ _TYPE = "@type"
 
 def _by_type(dump: dict[str, Any], suffix: str) -> dict[str, Any]:
     for c in dump.get("configs", []):
-        if c.get(_TYPE, "").endswith(suffix):
+        if c.get(_TYPE, "").endswith("." + suffix):  # not ScopedRoutesConfigDump
             return c
     return {}
 
@@ -96,9 +96,13 @@ def _inline_cluster(cluster: dict[str, Any], res: dict[str, Any]) -> dict[str, A
     if cluster.get("type") == "EDS" or "eds_cluster_config" in cluster:
         eds = cluster.pop("eds_cluster_config", {})
         name = eds.get("service_name") or cluster["name"]
-        cla = res["endpoints"].get(name, {"cluster_name": name})
+        cla = _strip_type(res["endpoints"].get(name, {"cluster_name": name}))
+        for locality in cla.get("endpoints", []):
+            # The dump prints an unset locality weight as 0, which a bootstrap rejects (>= 1).
+            if not locality.get("load_balancing_weight"):
+                locality.pop("load_balancing_weight", None)
         cluster["type"] = "STATIC"
-        cluster["load_assignment"] = _strip_type(cla)
+        cluster["load_assignment"] = cla
     return cluster
 
 

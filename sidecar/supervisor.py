@@ -112,13 +112,14 @@ class Supervisor:
 
     def _run(self) -> None:
         delay = self.backoff[0]
+        started = time.monotonic()
         while not self._stop.is_set():
             try:
                 self._launch()
                 started = time.monotonic()
                 self._watch()
-            except (EnvoyError, OSError) as e:
-                self.on_event(f"envoy failed: {str(e).splitlines()[0]}")
+            except Exception as e:  # whatever broke, the sidecar keeps trying (with backoff)
+                self.on_event(f"envoy failed: {(str(e) or repr(e)).splitlines()[0]}")
             if self._stop.is_set():
                 return
             self._ready.clear()
