@@ -1,0 +1,60 @@
+"""`meshlm status`: the sync status of every sidecar, from the control plane's admin API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+ORDER = ("CDS", "EDS", "LDS", "ECDS", "RDS")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--admin", default="http://127.0.0.1:18001", help="control plane admin URL")
+    p.add_argument("--json", action="store_true", help="print the raw /debug/syncz JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    url = args.admin.rstrip("/") + "/debug/syncz"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            doc = json.loads(r.read())
+    except (OSError, urllib.error.URLError, ValueError) as e:
+        print(f"meshlm status: cannot read {url}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    print(render(doc))
+    return 0
+
+
+def render(doc: dict[str, Any]) -> str:
+    rows = [("NODE", "TYPE", "SENT", "ACKED", "ERROR")]
+    for node_id, ns in sorted(doc.get("nodes", {}).items()):
+        name = node_id if ns.get("connected") else f"{node_id} (disconnected)"
+        if ns.get("error"):
+            rows.append((name, "-", "-", "-", ns["error"]))
+        types = ns.get("types", {})
+        for short in sorted(types, key=lambda s: ORDER.index(s) if s in ORDER else 99):
+            ts = types[short]
+            err = ""
+            if ts.get("nack_error") and ts.get("nack_version") != ts.get("acked_version"):
+                err = f"NACK {ts['nack_version']}: {ts['nack_error']}"
+            rows.append((name, short, ts["sent_version"], ts["acked_version"], err))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4]
+             for r in rows]  # fmt: skip
+    conv = doc.get("convergence", {})
+    if conv.get("count"):
+        lines.append(
+            f"\nconvergence over {conv['count']} changes: p50 {conv['p50_seconds'] * 1000:.1f} ms, "
+            f"p99 {conv['p99_seconds'] * 1000:.1f} ms"
+        )
+    lines.insert(
+        0, f"incarnation {doc.get('incarnation', '?')}, generation {doc.get('generation')}"
+    )
+    return "\n".join(line.rstrip() for line in lines)

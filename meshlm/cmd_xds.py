@@ -1,0 +1,67 @@
+"""`meshlm xds-server`: the control plane (ADS on gRPC, admin HTTP API) from a mesh file."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+TOKEN_ENV = "MESHLM_ADMIN_TOKEN"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", required=True, help="mesh file (YAML)")
+    p.add_argument("--grpc-port", type=int, help="ADS port (default: control_plane.grpc_port)")
+    p.add_argument("--admin-port", type=int, help="admin HTTP port (default: mesh file)")
+    p.add_argument("--debounce", help="quiet time before a push, e.g. 100ms (default: mesh file)")
+    p.add_argument("--admin-token", help=f"bearer token for mutations (default: ${TOKEN_ENV}, "
+                   "else a new one written to a 0600 file)")  # fmt: skip
+    p.add_argument("--grpc-host", default="127.0.0.1", help="ADS listen address")
+
+
+def run(args: argparse.Namespace) -> int:
+    from xds_server.admin import AdminServer, make_token_file
+    from xds_server.control_plane import ControlPlane
+    from xds_server.mesh import MeshError, load_mesh, parse_duration
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        mesh = load_mesh(args.mesh)
+        debounce = parse_duration(args.debounce, "--debounce") if args.debounce else None
+    except (OSError, MeshError) as e:
+        print(f"meshlm xds-server: {e}", file=sys.stderr)
+        return 2
+    grpc_port = mesh.control_plane.grpc_port if args.grpc_port is None else args.grpc_port
+    admin_port = mesh.control_plane.admin_port if args.admin_port is None else args.admin_port
+    cp = ControlPlane(mesh, debounce=debounce)
+    try:
+        cp.start(grpc_port, host=args.grpc_host)
+    except OSError as e:
+        print(f"meshlm xds-server: cannot listen on gRPC port {grpc_port}: {e}", file=sys.stderr)
+        return 1
+    token = args.admin_token or os.environ.get(TOKEN_ENV)
+    token_note = "from --admin-token" if args.admin_token else f"from ${TOKEN_ENV}"
+    if not token:
+        token, path = make_token_file(admin_port)
+        token_note = f"written to {path} (mode 0600)"
+    try:
+        admin = AdminServer(cp, token=token, port=admin_port).start()
+    except OSError as e:
+        cp.stop()
+        print(f"meshlm xds-server: cannot listen on admin port {admin_port}: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"xds-server: incarnation {cp.incarnation}, ADS on {args.grpc_host}:{cp.grpc_port}, "
+        f"admin on {admin.url} (token {token_note}), debounce {cp.debounce * 1000:.0f} ms",
+        flush=True,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    admin.stop()
+    cp.stop()
+    return 0
