@@ -91,6 +91,7 @@ MODEL_INFO = Table(
 FINISH_REASONS: tuple[str | None, ...] = (None, "stop", "length", "cancelled", "error")
 _FINISH_CODE = {name: code for code, name in enumerate(FINISH_REASONS)}
 ROLES = frozenset({"system", "user", "assistant", "tool"})
+MIN_TEMPERATURE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -320,8 +321,10 @@ def validate_generate_request(req: GenerateRequest, limits: Limits = DEFAULT_LIM
     max_new = limits.context_length or 1 << 16
     if not 1 <= req.max_new_tokens <= max_new:
         raise WireError("max_new_tokens", f"{req.max_new_tokens} is outside [1, {max_new}]")
-    if not (math.isfinite(req.temperature) and 0.0 <= req.temperature <= 100.0):
-        raise WireError("temperature", f"{req.temperature} is outside [0, 100]")
+    # 0 means greedy; a tiny positive temperature overflows logits / T into inf and NaN.
+    t = req.temperature
+    if not (math.isfinite(t) and (t == 0.0 or MIN_TEMPERATURE <= t <= 100.0)):
+        raise WireError("temperature", f"{t} must be 0 (greedy) or in [{MIN_TEMPERATURE}, 100]")
     if not (math.isfinite(req.top_p) and 0.0 < req.top_p <= 1.0):
         raise WireError("top_p", f"{req.top_p} is outside (0, 1]")
     max_k = limits.vocab_size or 1 << 20

@@ -194,6 +194,7 @@ def test_oversized_buffer_is_refused_before_parsing() -> None:
         ({"prompt": "x", "max_new_tokens": 4096}, "max_new_tokens"),
         ({"prompt": "x", "temperature": -0.1}, "temperature"),
         ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+        ({"prompt": "x", "temperature": 1e-30}, "temperature"),
         ({"prompt": "x", "top_p": 0.0}, "top_p"),
         ({"prompt": "x", "top_p": 1.5}, "top_p"),
         ({"prompt": "x", "top_k": 50000}, "top_k"),

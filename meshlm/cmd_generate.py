@@ -1,0 +1,69 @@
+"""`meshlm generate`: stream a generation from a runtime or, through a sidecar, from the mesh."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the prompt (sent as one user chat message unless --raw)")
+    p.add_argument("--target", required=True, help="HOST:PORT of a runtime or sidecar")
+    p.add_argument("--api-key", help="sent as x-api-key (checked by the sidecar's authz filter)")
+    p.add_argument("--authority", help="mesh service name (:authority) when going via a sidecar")
+    p.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat")
+    p.add_argument("--system", help="a system message")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="a stop sequence (repeatable)")
+    p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    p.add_argument("--stats", action="store_true", help="print TTFT and token count to stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from model_runtime.client import generate
+    from schemas.codec import WireError
+
+    if args.raw:
+        what = {"prompt": args.prompt}
+    else:
+        msgs = [{"role": "system", "content": args.system}] if args.system else []
+        what = {"messages": [*msgs, {"role": "user", "content": args.prompt}]}
+    tokens, ttft_us, reason = 0, None, None
+    try:
+        for chunk in generate(
+            args.target,
+            api_key=args.api_key,
+            authority=args.authority,
+            timeout=args.timeout,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
+            **what,
+        ):
+            sys.stdout.write(chunk.text_delta)
+            sys.stdout.flush()
+            tokens += len(chunk.token_ids)
+            ttft_us = chunk.ttft_us if ttft_us is None else ttft_us
+            reason = chunk.finish_reason or reason
+    except WireError as e:
+        print(f"meshlm generate: invalid request: {e}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as e:
+        print(f"\nmeshlm generate: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    sys.stdout.write("\n")
+    if args.stats:
+        ttft = "-" if ttft_us is None else f"{ttft_us / 1000:.0f} ms"
+        print(f"[{tokens} tokens, finish {reason}, TTFT {ttft}]", file=sys.stderr)
+    return 0

@@ -1,0 +1,110 @@
+"""`meshlm serve`: load a model and serve it over gRPC (FlatBuffers), with health, metrics and
+optional fault injection. Health answers NOT_SERVING while the weights load; SIGTERM/SIGINT drain
+in-flight streams (NOT_SERVING first) before exiting."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--precision", choices=("int4", "bf16", "fp16"), default="int4")
+    p.add_argument("--port", type=int, required=True, help="gRPC port (0 = any free port)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--model", help="GGUF file, sealed file or safetensors folder (default: SmolLM2)"
+    )
+    p.add_argument("--weight-key-file", type=Path, help="key for a sealed weight file")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--max-queue", type=int, default=64)
+    p.add_argument("--tpot-target-ms", type=float, help="adaptive batching latency target")
+    p.add_argument("--metrics-port", type=int, help="loopback HTTP GET /metrics (JSON)")
+    p.add_argument(
+        "--fault-error-percent",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="answer UNAVAILABLE to about P %% of Generate calls",
+    )
+    p.add_argument(
+        "--fault-delay-ms",
+        type=float,
+        default=0.0,
+        metavar="D",
+        help="hold back the first token of every stream by D ms",
+    )
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish streams")
+    p.add_argument("--log-level", default="info")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    log = logging.getLogger("meshlm.serve")
+    from model_runtime.faults import Faults
+    from model_runtime.service import Runtime
+    from model_runtime.telemetry import MetricsServer
+
+    try:
+        faults = Faults(args.fault_error_percent, args.fault_delay_ms)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    weight_key = None
+    if args.weight_key_file is not None:
+        from model_runtime import sealed
+
+        try:
+            weight_key = sealed.key_from_file(args.weight_key_file)
+        except (OSError, ValueError, sealed.SealedError) as e:
+            log.error("cannot read --weight-key-file: %s", e)
+            return 2
+    runtime = Runtime(
+        f"{args.host}:{args.port}",
+        max_workers=args.max_batch + args.max_queue + 16,
+        faults=faults,
+    ).start()
+    metrics = MetricsServer(runtime.telemetry, args.metrics_port) if args.metrics_port else None
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    # One parseable line for launchers: the bound ports (either may have been 0).
+    print(
+        f"meshlm serve: grpc {runtime.target} metrics {metrics.port if metrics else '-'} "
+        f"(loading {args.precision} model)",
+        flush=True,
+    )
+    try:
+        from model_runtime.engine import Engine
+        from model_runtime.loader import load
+
+        loaded = load(
+            args.model, precision=args.precision, device=args.device, weight_key=weight_key
+        )
+        if stop.is_set():
+            return 0
+        engine = Engine(
+            loaded,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            tpot_target_ms=args.tpot_target_ms,
+        )
+        engine.start()
+        runtime.set_model(loaded, engine)
+        if faults.active:
+            log.warning("fault injection on: %s", faults)
+        print(f"meshlm serve: SERVING {loaded.info.version}", flush=True)
+        stop.wait()
+        log.info("draining (up to %.0fs)", args.drain_timeout)
+        return 0
+    except (OSError, ValueError) as e:
+        log.error("cannot serve: %s", e)
+        return 1
+    finally:
+        runtime.shutdown(args.drain_timeout)
+        if metrics is not None:
+            metrics.stop()
