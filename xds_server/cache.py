@@ -7,6 +7,7 @@ one snapshot, built once.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Callable
 
@@ -72,9 +73,9 @@ class SnapshotCache:
             for tu, gens in self._changes.get(group, {}).items():
                 if snap is not None and not snap.get(tu).items:
                     continue  # nothing of this type any more; nothing to ACK
-                older = [g for g in gens if g <= generation]
-                if older:
-                    out[tu] = older[-1]
+                i = bisect.bisect_right(gens, generation)
+                if i:
+                    out[tu] = gens[i - 1]
             return out
 
     def changed_groups(self, generation: int) -> list[NodeInfo]:
@@ -82,7 +83,10 @@ class SnapshotCache:
             return [
                 g
                 for g, per_type in self._changes.items()
-                if any(generation in gens for gens in per_type.values())
+                if any(
+                    gens and gens[-1] >= generation and _contains(gens, generation)
+                    for gens in per_type.values()
+                )
             ]
 
     def generation_of(self, version: str) -> int:
@@ -152,3 +156,8 @@ class SnapshotCache:
             generation=gen,
             previous=prev,
         )
+
+
+def _contains(sorted_list: list[int], x: int) -> bool:
+    i = bisect.bisect_left(sorted_list, x)
+    return i < len(sorted_list) and sorted_list[i] == x

@@ -184,18 +184,7 @@ class ControlPlane:
             raise ValueError(f"version {version!r} is not from this control plane")
         if nodes is None:
             nodes = self._affected(gen)
-        deadline = time.monotonic() + timeout
-        with self.sync.cond:
-            while True:
-                states = {n: self.sync._state(n, gen) for n in nodes}
-                pending = [n for n, (s, _) in states.items() if s == "pending"]
-                left = deadline - time.monotonic()
-                if not pending or left <= 0:
-                    break
-                self.sync.cond.wait(min(left, 0.5))
-        acked = sorted(n for n, (s, _) in states.items() if s == "acked")
-        errors = {n: e for n, (s, e) in states.items() if s == "nacked"}
-        missing = sorted(n for n in nodes if n not in acked)
+        acked, errors, missing = self.sync.wait(gen, nodes, timeout)
         return ApplyResult(
             version=version, ok=not missing, acked=acked, missing=missing, errors=errors
         )

@@ -51,6 +51,15 @@ class _Tracker:
     remaining: set[str]
 
 
+@dataclass
+class _Waiter:
+    generation: int
+    remaining: set[str]
+    acked: set[str] = field(default_factory=set)
+    errors: dict[str, str] = field(default_factory=dict)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class SyncStatus:
     """Thread-safe; written by the ADS streams, read by the API and /debug/syncz."""
 
@@ -65,6 +74,7 @@ class SyncStatus:
         self.nodes: dict[str, NodeSync] = {}
         self._streams = 0
         self._trackers: dict[int, _Tracker] = {}
+        self._waiters: list[_Waiter] = []
         self.histogram = [0] * len(BUCKETS)
         self.convergence: list[float] = []  # seconds, newest last (bounded)
 
@@ -86,12 +96,14 @@ class SyncStatus:
             ns = self.nodes.get(node_id)
             if ns is not None and ns.stream == stream:
                 ns.connected = False
+                self._progress(node_id, time.time())
             self.cond.notify_all()
 
     def set_error(self, node_id: str, error: str) -> None:
         with self.cond:
             if node_id in self.nodes:
                 self.nodes[node_id].error = error
+                self._progress(node_id, time.time())
             self.cond.notify_all()
 
     def sent(self, node_id: str, type_url: str, version: str) -> None:
@@ -118,6 +130,7 @@ class SyncStatus:
         with self.cond:
             ts = self._type(node_id, type_url)
             ts.nack_version, ts.nack_error, ts.nack_at = version, error, time.time()
+            self._progress(node_id, ts.nack_at)
             self.cond.notify_all()
 
     # -- convergence ----------------------------------------------------------------------------
@@ -156,7 +169,45 @@ class SyncStatus:
             pending = True
         return ("pending" if pending else "acked"), ""
 
+    def wait(
+        self, generation: int, nodes: list[str], timeout: float
+    ) -> tuple[list[str], dict[str, str], list[str]]:
+        """Block until each node holds `generation` (ACKed it or later), rejected it, or went
+        away, or `timeout` passed. Returns (acked, errors by node, missing). Each ACK re-checks
+        only its own node, so waiting on thousands of sidecars stays linear."""
+        w = _Waiter(generation, set(nodes))
+        with self.cond:
+            for n in list(w.remaining):
+                self._settle(w, n)
+            if w.remaining:
+                self._waiters.append(w)
+            else:
+                w.done.set()
+        w.done.wait(timeout)
+        with self.cond:
+            if w in self._waiters:
+                self._waiters.remove(w)
+            missing = sorted(set(nodes) - w.acked)
+            return sorted(w.acked), dict(w.errors), missing
+
+    def _settle(self, w: _Waiter, node_id: str) -> None:
+        state, error = self._state(node_id, w.generation)
+        if state == "acked":
+            w.acked.add(node_id)
+        elif state == "nacked":
+            w.errors[node_id] = error
+        elif state == "pending":
+            return
+        w.remaining.discard(node_id)
+
     def _progress(self, node_id: str | None, now: float) -> None:
+        if node_id is not None:
+            for w in list(self._waiters):
+                if node_id in w.remaining:
+                    self._settle(w, node_id)
+                    if not w.remaining:
+                        self._waiters.remove(w)
+                        w.done.set()
         for gen, tr in list(self._trackers.items()):
             check = tr.remaining if node_id is None else tr.remaining & {node_id}
             for n in list(check):
