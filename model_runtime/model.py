@@ -1,0 +1,188 @@
+"""Llama-family transformer (RMSNorm, pairwise RoPE, GQA attention via SDPA, SwiGLU).
+
+One forward serves prefill and decode for a batch of sequences over a paged KV cache: the caller
+(`BatchLayout`, built by kvcache.py) says where each new token's K/V go (`write_slots`) and which
+cache slots each sequence attends (`gather_slots` + `mask`). Without a layout the forward is
+plain causal attention over the given tokens (perplexity, tests). q/k weights use the interleaved
+(GGUF) layout, so RoPE rotates adjacent pairs; safetensors checkpoints are permuted at load.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 576
+    n_layers: int = 30
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    hidden_dim: int = 1536
+    vocab_size: int = 49152
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    context_length: int = 2048
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass
+class BatchLayout:
+    """Where a forward step reads and writes the paged KV cache (see kvcache.py)."""
+
+    input_pos: torch.Tensor  # int64 [B, T] absolute positions of the new tokens
+    write_slots: torch.Tensor  # int64 [B * T] cache slot of every new token
+    gather_slots: torch.Tensor  # int64 [B, L] cache slots each sequence attends (padded)
+    mask: torch.Tensor | None  # bool [B, 1, T, L], None when every slot is valid and causal
+    last_idx: torch.Tensor | None = None  # int64 [B] which of the T positions gets logits
+
+
+class KVCache(nn.Module):
+    """K and V for every layer, indexed by slot (block * block_size + offset)."""
+
+    def __init__(self, args: ModelArgs, n_slots: int, dtype: torch.dtype, device="cpu"):
+        super().__init__()
+        shape = (args.n_layers, n_slots, args.n_kv_heads, args.head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+
+def rope_table(args: ModelArgs) -> torch.Tensor:
+    """complex64 [context_length, head_dim // 2]."""
+    hd = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    t = torch.arange(args.context_length, dtype=torch.float32)
+    return torch.polar(torch.ones(args.context_length, hd // 2), torch.outer(t, freqs))
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    # x [B, T, H, hd]; freqs [B, T, 1, hd/2]; adjacent pairs (x0, x1) rotate together
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(xc * freqs).flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hd = args.head_dim
+        self.n_heads, self.n_kv, self.hd = args.n_heads, args.n_kv_heads, hd
+        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * hd, bias=False)
+        self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
+
+    def forward(self, x, freqs, layer: int, cache: KVCache | None, lay: BatchLayout | None):
+        B, T, _ = x.shape
+        qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv, self.hd)
+        qk = apply_rope(qkv[:, :, : self.n_heads + self.n_kv], freqs)
+        q, k = qk.split([self.n_heads, self.n_kv], dim=2)
+        v = qkv[:, :, self.n_heads + self.n_kv :]
+        if cache is None or lay is None:
+            y = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=T > 1,
+                enable_gqa=True,
+            )
+        else:
+            kc, vc = cache.k[layer], cache.v[layer]
+            kc.index_copy_(0, lay.write_slots, k.reshape(B * T, self.n_kv, self.hd))
+            vc.index_copy_(0, lay.write_slots, v.reshape(B * T, self.n_kv, self.hd))
+            L = lay.gather_slots.shape[1]
+            flat = lay.gather_slots.view(-1)
+            ks = kc.index_select(0, flat).view(B, L, self.n_kv, self.hd).transpose(1, 2)
+            vs = vc.index_select(0, flat).view(B, L, self.n_kv, self.hd).transpose(1, 2)
+            y = F.scaled_dot_product_attention(
+                q.transpose(1, 2), ks, vs, attn_mask=lay.mask, enable_gqa=True
+            )
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.hidden = args.hidden_dim
+        self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).split(self.hidden, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.eps = args.norm_eps
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = nn.Parameter(torch.ones(args.dim), requires_grad=False)
+        self.ffn_norm = nn.Parameter(torch.ones(args.dim), requires_grad=False)
+
+    def forward(self, x, freqs, layer, cache, lay):
+        n = x.shape[-1:]
+        h = x + self.attention(
+            F.rms_norm(x, n, self.attention_norm, self.eps), freqs, layer, cache, lay
+        )
+        return h + self.feed_forward(F.rms_norm(h, n, self.ffn_norm, self.eps))
+
+
+# guard(layer_index, block, block_input, block_output, recompute) -> output to use
+LayerGuard = Callable[[int, nn.Module, torch.Tensor, torch.Tensor, Callable], torch.Tensor]
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = nn.Parameter(torch.ones(args.dim), requires_grad=False)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("freqs", rope_table(args), persistent=False)
+        self.guard: LayerGuard | None = None
+        self.requires_grad_(False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        lay: BatchLayout | None = None,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """tokens [B, T] -> logits float32 [B, T, V] (all_logits) or [B, V] (last position)."""
+        B, T = tokens.shape
+        if lay is None:
+            freqs = self.freqs[:T].view(1, T, 1, -1)
+        else:
+            freqs = self.freqs[lay.input_pos].unsqueeze(2)
+        h = self.tok_embeddings(tokens)
+        for i, layer in enumerate(self.layers):
+            out = layer(h, freqs, i, cache, lay)
+            if self.guard is not None:
+                redo = functools.partial(layer, h, freqs, i, cache, lay)
+                out = self.guard(i, layer, h, out, redo)
+            h = out
+        if not all_logits:
+            if lay is not None and lay.last_idx is not None:
+                h = h[torch.arange(B), lay.last_idx]
+            else:
+                h = h[:, -1]
+        h = F.rms_norm(h, h.shape[-1:], self.norm, self.args.norm_eps)
+        return self.output(h).float()

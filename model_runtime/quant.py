@@ -1,0 +1,123 @@
+"""INT4 weight-only linear layers (torch int4pack, 16-bit activations) and the non-finite guard.
+
+torch's int4pack dequantizes a group as w = (q - 8) * scale + zero. A GGUF Q4_1 block stores
+w = q * d + m for 32 weights, so scale = d and zero = m + 8 d: the remap is exact at group 32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_runtime.gguf_loader import Q4_1
+
+
+def _pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype):
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+    return packed, sz
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T with W held as 4-bit codes plus a (scale, zero) per group of `group_size`."""
+
+    def __init__(self, packed, scales_zeros, out_features, in_features, group_size, dense=None):
+        super().__init__()
+        self.out_features, self.in_features, self.group_size = out_features, in_features, group_size
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
+        # a dense copy is kept only for the non-finite guard (keep_dense=True)
+        self.register_buffer("dense", dense)
+        self.use_dense = False
+
+    @classmethod
+    def from_q4_1(cls, q: Q4_1, dtype=torch.bfloat16, keep_dense: bool = False) -> Int4Linear:
+        n, k = q.codes.shape
+        packed, sz = _pack(q.codes, q.d, q.m + 8 * q.d, dtype)
+        dense = q.dequantize().to(dtype) if keep_dense else None
+        return cls(packed, sz, n, k, 32, dense)
+
+    @classmethod
+    def from_dense(
+        cls, w: torch.Tensor, group_size: int = 32, dtype=torch.bfloat16, keep_dense: bool = False
+    ) -> Int4Linear:
+        """Re-quantize dense weights [n, k], asymmetric min/max per group (like Q4_1)."""
+        n, k = w.shape
+        if k % group_size:
+            raise ValueError(f"in_features {k} is not a multiple of group_size {group_size}")
+        g = w.float().reshape(n, k // group_size, group_size)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = (hi - lo) / 15
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        codes = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15).reshape(n, k)
+        packed, sz = _pack(codes, scale, lo + 8 * scale, dtype)
+        return cls(packed, sz, n, k, group_size, w.to(dtype) if keep_dense else None)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights as the kernel sees them, [out, in] (via an identity matmul)."""
+        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype)
+        return self._mm(eye).T.contiguous()
+
+    def _mm(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, self.packed, self.group_size, self.scales_zeros
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_dense:
+            w = self.dense if self.dense is not None else self.dequantize()
+            return F.linear(x.float(), w.float()).to(x.dtype)
+        shape = x.shape
+        return self._mm(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
+
+    def weight_bytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}"
+
+
+def quantize_dense_linears(model: nn.Module, group_size: int, keep_dense: bool = False) -> None:
+    """Replace every nn.Linear (output head included) by an Int4Linear re-quantized from it."""
+    for mod in list(model.modules()):
+        for child_name, child in list(mod.named_children()):
+            if isinstance(child, nn.Linear):
+                q = Int4Linear.from_dense(child.weight.data, group_size, keep_dense=keep_dense)
+                setattr(mod, child_name, q)
+
+
+@contextlib.contextmanager
+def dense_mode(block: nn.Module) -> Iterator[None]:
+    lins = [m for m in block.modules() if isinstance(m, Int4Linear)]
+    for m in lins:
+        m.use_dense = True
+    try:
+        yield
+    finally:
+        for m in lins:
+            m.use_dense = False
+
+
+class NonFiniteGuard:
+    """Checks each layer's output; on inf/nan recomputes that layer densely (float32) and counts."""
+
+    def __init__(self) -> None:
+        self.fallbacks = 0
+        self.unrecovered = 0
+
+    def __call__(
+        self, i: int, block: nn.Module, h_in: torch.Tensor, out: torch.Tensor, recompute: Callable
+    ) -> torch.Tensor:
+        if bool(torch.isfinite(out).all()):
+            return out
+        self.fallbacks += 1
+        with dense_mode(block):
+            out = recompute()
+        if not bool(torch.isfinite(out).all()):
+            self.unrecovered += 1
+            raise FloatingPointError(f"non-finite activations in layer {i} (dense path too)")
+        return out
