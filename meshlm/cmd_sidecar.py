@@ -1,0 +1,96 @@
+"""`meshlm sidecar`: one supervised Envoy next to one runtime (inbound) and/or for one caller
+(outbound), configured by the control plane over ADS."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+
+def _hostport(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--xds", type=_hostport, required=True, help="control plane ADS HOST:PORT")
+    p.add_argument("--node-id", help="unique sidecar id (default: SERVICE-VERSION or caller)")
+    p.add_argument("--mesh", help="mesh file: --inbound-port defaults to the port of the "
+                   "version's endpoint (callers reach a version through its sidecar)")  # fmt: skip
+    p.add_argument("--service", help="the service whose runtime this sidecar fronts")
+    p.add_argument("--version", help="the version of that service")
+    p.add_argument("--inbound-port", type=int, help="listener in front of the local runtime")
+    p.add_argument("--local-endpoint", help="the local runtime HOST:PORT")
+    p.add_argument("--runtime-metrics", help="the local runtime's metrics URL (for rollouts)")
+    p.add_argument("--outbound-port", type=int, help="listener for calls to mesh services")
+    p.add_argument("--admin-port", type=int, default=0, help="Envoy admin, loopback only")
+    p.add_argument("--delta", action="store_true", help="incremental xDS (DELTA_GRPC)")
+    p.add_argument("--concurrency", type=int, default=1, help="Envoy worker threads")
+    p.add_argument("--max-heap-mb", type=int, default=256, help="overload manager heap limit")
+    p.add_argument("--lkg-file", help="where to keep the last-known-good config")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sidecar.bootstrap import ads_bootstrap
+    from sidecar.lkg import LastKnownGood
+    from sidecar.overload import with_overload_manager
+    from sidecar.ports import free_port
+    from sidecar.supervisor import Supervisor
+
+    if args.inbound_port is None and args.mesh and args.service:
+        from xds_server.mesh import MeshError, load_mesh
+
+        try:
+            version = load_mesh(args.mesh).services[args.service].versions[args.version]
+        except (OSError, MeshError, KeyError) as e:
+            print(f"meshlm sidecar: --mesh: no {args.service}/{args.version}: {e}", file=sys.stderr)
+            return 2
+        args.inbound_port = version.endpoints[0].port
+    if args.inbound_port is None and args.outbound_port is None:
+        print("meshlm sidecar: give --inbound-port and/or --outbound-port", file=sys.stderr)
+        return 2
+    if args.inbound_port is not None and not args.local_endpoint:
+        print("meshlm sidecar: --inbound-port needs --local-endpoint", file=sys.stderr)
+        return 2
+    node_id = args.node_id or (f"{args.service}-{args.version}" if args.service else "caller")
+    admin_port = args.admin_port or free_port()
+    try:
+        boot = ads_bootstrap(
+            node_id,
+            xds_address=args.xds,
+            service=args.service,
+            version=args.version,
+            inbound_port=args.inbound_port,
+            outbound_port=args.outbound_port,
+            local_endpoint=args.local_endpoint,
+            api_type="DELTA_GRPC" if args.delta else "GRPC",
+            admin_port=admin_port,
+        )
+        with_overload_manager(boot, max_heap_bytes=args.max_heap_mb * 2**20)
+    except ValueError as e:
+        print(f"meshlm sidecar: {e}", file=sys.stderr)
+        return 2
+    # Announced to the control plane: where rollouts read this sidecar's stats and runtime.
+    meta = boot["node"]["metadata"]
+    meta["meshlm.admin"] = f"http://127.0.0.1:{admin_port}"
+    if args.runtime_metrics:
+        meta["meshlm.runtime_metrics"] = args.runtime_metrics
+    sv = Supervisor(
+        node_id,
+        boot,
+        args.xds,
+        lkg=LastKnownGood(args.lkg_file),
+        concurrency=args.concurrency,
+        on_event=lambda msg: print(f"sidecar {node_id}: {msg}", flush=True),
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    sv.start()
+    stop.wait()
+    sv.stop()
+    return 0
