@@ -68,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
         max_workers=args.max_batch + args.max_queue + 16,
         faults=faults,
     ).start()
-    metrics = MetricsServer(runtime.telemetry, args.metrics_port) if args.metrics_port else None
+    metrics = None
+    if args.metrics_port is not None:
+        metrics = MetricsServer(runtime.telemetry, args.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
