@@ -81,7 +81,18 @@ class ControlPlane:
     def stop(self, grace: float = 0.5) -> None:
         if self._loop is None or self._server is None:
             return
-        fut = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
+        server = self._server
+
+        async def shutdown() -> None:
+            await server.stop(grace)
+            # Let the cancelled stream tasks finish before the loop goes away.
+            me = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not me]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        fut = asyncio.run_coroutine_threadsafe(shutdown(), self._loop)
         fut.result(timeout=grace + 10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread:
