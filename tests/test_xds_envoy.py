@@ -83,9 +83,34 @@ def test_weight_change_shows_in_real_traffic(mesh_env: dict) -> None:
 
 
 def test_canary_header_pins_a_version(mesh_env: dict) -> None:
-    caller = mesh_env["caller"]
-    assert {caller.who((("x-canary", "always"),)) for _ in range(10)} == {"v2"}
-    assert {caller.who((("x-canary", "never"),)) for _ in range(10)} == {"v1"}
+    cp, caller = mesh_env["cp"], mesh_env["caller"]
+    for weights in ({"v1": 100}, {"v1": 20, "v2": 80}):
+        # The pins do not swap when the canary passes 50 %.
+        assert cp.set_weights("llm", weights, timeout=20).ok
+        assert {caller.who((("x-canary", "always"),)) for _ in range(10)} == {"v2"}
+        assert {caller.who((("x-canary", "never"),)) for _ in range(10)} == {"v1"}
+    assert cp.set_weights("llm", {"v1": 100}, timeout=20).ok
+
+
+def test_grpc_health_check_ejects_a_not_serving_host() -> None:
+    with upstreams("v1", health=True) as ups:
+        mesh = llm_mesh(ups, health_check={"interval": "0.2s", "unhealthy_threshold": 1})
+        cp = ControlPlane(mesh, debounce=0.02).start()
+        envoy, port = sidecar(cp, "hc-1")
+        try:
+            with envoy:
+                caller = Caller(port)
+                eventually(lambda: caller.who() == "v1", what="healthy host serves")
+                ups["v1"].set_serving(False)
+                eventually(
+                    lambda: "failed_active_hc" in envoy.admin_get("/clusters"),
+                    what="host failed the gRPC health check",
+                )
+                ups["v1"].set_serving(True)
+                eventually(lambda: caller.who() == "v1", what="host back after health check")
+                caller.close()
+        finally:
+            cp.stop()
 
 
 def test_nacked_endpoint_is_recorded_not_resent_and_traffic_flows(mesh_env: dict) -> None:

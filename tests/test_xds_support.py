@@ -10,6 +10,8 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import HealthServicer
 
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
@@ -36,10 +38,15 @@ class _Who(grpc.GenericRpcHandler):
 class Upstream:
     """A real gRPC server on loopback that answers any unary call with its name."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, health: bool = False) -> None:
         self.name = name
         self.handler = _Who(name)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self.health: HealthServicer | None = None
+        if health:  # grpc.health.v1, what Envoy's grpc_health_check asks
+            self.health = HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+            self.set_serving(True)
         self.server.add_generic_rpc_handlers((self.handler,))
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
@@ -48,13 +55,18 @@ class Upstream:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def set_serving(self, serving: bool) -> None:
+        assert self.health is not None
+        status = health_pb2.HealthCheckResponse
+        self.health.set("", status.SERVING if serving else status.NOT_SERVING)
+
     def stop(self) -> None:
         self.server.stop(0)
 
 
 @contextlib.contextmanager
-def upstreams(*names: str) -> Iterator[dict[str, Upstream]]:
-    ups = {n: Upstream(n) for n in names}
+def upstreams(*names: str, health: bool = False) -> Iterator[dict[str, Upstream]]:
+    ups = {n: Upstream(n, health=health) for n in names}
     try:
         yield ups
     finally:

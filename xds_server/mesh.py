@@ -129,6 +129,9 @@ class HealthCheck:
     """Active gRPC health checking (grpc.health.v1)."""
 
     interval: float = 5.0
+    # Envoy's default is 60 s while a cluster has no traffic; a canary at weight 0 must be
+    # known healthy before traffic moves to it, so this defaults to `interval`.
+    no_traffic_interval: float | None = None
     timeout: float = 1.0
     unhealthy_threshold: int = 2
     healthy_threshold: int = 1
@@ -310,7 +313,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
         circuit_breakers=_opt(d, "circuit_breakers", path, _circuit_breakers),
         retry_policy=_opt(d, "retry_policy", path, _retry_policy),
         health_check=_opt(d, "health_check", path, _health_check),
-        connect_timeout=parse_duration(d.get("connect_timeout", "1s"), f"{path}.connect_timeout"),
+        connect_timeout=_positive(d.get("connect_timeout", "1s"), f"{path}.connect_timeout"),
     )
 
 
@@ -458,16 +461,26 @@ def _retry_policy(d: dict, path: str) -> RetryPolicy:
 
 
 def _health_check(d: dict, path: str) -> HealthCheck:
-    _only(
-        d, path, {"interval", "timeout", "unhealthy_threshold", "healthy_threshold", "service_name"}
-    )
+    keys = {"interval", "no_traffic_interval", "timeout", "unhealthy_threshold"}
+    _only(d, path, keys | {"healthy_threshold", "service_name"})
+    interval = _positive(d.get("interval", "5s"), f"{path}.interval")
     return HealthCheck(
-        interval=parse_duration(d.get("interval", "5s"), f"{path}.interval"),
-        timeout=parse_duration(d.get("timeout", "1s"), f"{path}.timeout"),
+        interval=interval,
+        no_traffic_interval=_positive(
+            d.get("no_traffic_interval", interval), f"{path}.no_traffic_interval"
+        ),
+        timeout=_positive(d.get("timeout", "1s"), f"{path}.timeout"),
         unhealthy_threshold=_int(d.get("unhealthy_threshold", 2), f"{path}.unhealthy_threshold", 1),
         healthy_threshold=_int(d.get("healthy_threshold", 1), f"{path}.healthy_threshold", 1),
         service_name=str(d.get("service_name", "")),
     )
+
+
+def _positive(raw: Any, path: str) -> float:
+    v = parse_duration(raw, path)
+    if v <= 0:
+        raise MeshError(f"{path}: must be greater than 0")
+    return v
 
 
 def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Rollout:

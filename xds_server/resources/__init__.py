@@ -29,10 +29,14 @@ def build_resources(mesh: m.Mesh, node: NodeInfo) -> dict[str, dict[str, Message
 
 
 def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -> None:
+    # Behind authz, an outbound health probe (no API key) would be denied by the inbound
+    # sidecar and eject every host: then the inbound sidecar probes its runtime, and callers
+    # rely on outlier detection.
+    probe = mesh.authz.mode == "none"
     for svc in mesh.services.values():
         for v, ver in svc.versions.items():
             name = names.outbound_cluster(svc.name, v)
-            out[t.CLUSTER][name] = clusters.cluster(name, svc)
+            out[t.CLUSTER][name] = clusters.cluster(name, svc, active_health=probe)
             out[t.ENDPOINT][name] = endpoints.load_assignment(name, ver.endpoints)
     rc = routes.outbound_route_config(mesh)
     out[t.ROUTE][rc.name] = rc

@@ -83,6 +83,7 @@ def health_check(h: m.HealthCheck) -> health_check_pb2.HealthCheck:
     return health_check_pb2.HealthCheck(
         timeout=duration(h.timeout),
         interval=duration(h.interval),
+        no_traffic_interval=duration(h.no_traffic_interval or h.interval),
         unhealthy_threshold=u32(h.unhealthy_threshold),
         healthy_threshold=u32(h.healthy_threshold),
         grpc_health_check=health_check_pb2.HealthCheck.GrpcHealthCheck(service_name=h.service_name),

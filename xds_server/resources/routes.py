@@ -11,12 +11,13 @@ from xds_server.resources.common import duration, u32
 
 
 def stable_and_canary(mesh: m.Mesh, svc: m.Service) -> tuple[str, str | None]:
-    """The rollout's pair when one is declared, else the two heaviest versions (file order)."""
+    """The rollout's pair when one is declared, else the first two versions in file order
+    (never by weight: the pins must not swap when a canary passes 50 %)."""
     ro = mesh.rollouts.get(svc.name)
     if ro:
         return ro.stable, ro.canary
-    ranked = sorted(svc.versions, key=lambda v: -svc.route.weights.get(v, 0))
-    return ranked[0], (ranked[1] if len(ranked) > 1 else None)
+    names = list(svc.versions)
+    return names[0], (names[1] if len(names) > 1 else None)
 
 
 def outbound_route_config(mesh: m.Mesh) -> route_pb2.RouteConfiguration:
