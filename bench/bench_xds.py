@@ -267,9 +267,10 @@ def main(quick: bool = False) -> str:
         "",
         "### (b) Scale: simulated sidecars (SotW streams that ACK like Envoy)",
         "",
-        "One process of grpc.aio clients, one HTTP/2 connection each, all in one sidecar group; "
-        "the control plane (grpc.aio, one event loop) in another. Push = a weight change until "
-        "every stream ACKed it (debounce 0).",
+        "Client processes of up to 500 grpc.aio streams each, one HTTP/2 connection per stream, "
+        "all in one sidecar group; the control plane (grpc.aio, one event loop) in the bench "
+        "process, whose CPU time and RSS are reported. Push = a weight change until every "
+        "stream ACKed it (debounce 0). Clients and control plane share the same 2 cores.",
         "",
         "| sidecars | connect all, s | push one change to all, s (median / max) | CP CPU s per "
         "change | CP RSS MiB | RSS per stream KiB | changes fully ACKed | client reconnects |",

@@ -77,7 +77,7 @@ def test_inbound_listener_enforces_the_policy_from_ecds() -> None:
 
 
 def test_native_mode_needs_a_keys_file() -> None:
-    with pytest.raises(ValueError, match="authz.keys_file"):
+    with pytest.raises(ValueError, match=r"authz\.keys_file"):
         parse_mesh(
             {
                 "services": {"llm": {"versions": {"v1": {"endpoints": ["127.0.0.1:1"]}}}},

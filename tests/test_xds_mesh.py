@@ -121,9 +121,9 @@ def test_errors_name_the_field(path: str, value: object, message: str) -> None:
 
 
 def test_authz_needs_tenants_and_a_known_mode() -> None:
-    with pytest.raises(MeshError, match="authz.mode: wasm needs a tenants section"):
+    with pytest.raises(MeshError, match=r"authz\.mode: wasm needs a tenants section"):
         parse_mesh({**BASE, "authz": {"mode": "wasm"}})
-    with pytest.raises(MeshError, match="authz.mode: expected one of"):
+    with pytest.raises(MeshError, match=r"authz\.mode: expected one of"):
         parse_mesh({**BASE, "authz": {"mode": "maybe"}})
 
 
@@ -149,7 +149,7 @@ def test_durations() -> None:
     assert parse_duration("100ms", "x") == pytest.approx(0.1)
     assert parse_duration("5s", "x") == 5.0
     assert parse_duration("1.5m", "x") == 90.0
-    with pytest.raises(MeshError, match="^x: "):
+    with pytest.raises(MeshError, match=r"^x: "):
         parse_duration("-1s", "x")
 
 
