@@ -219,3 +219,43 @@ def test_inbound_sidecar_for_unknown_service_is_reported() -> None:
 def _clusters(envoy: EnvoyProcess) -> set[str]:
     dump = envoy.config_dump("dynamic_active_clusters")
     return {c["cluster"]["name"] for c in dump.get("configs", [])}
+
+
+@pytest.mark.parametrize("api_type", ["GRPC", "DELTA_GRPC"])
+def test_removing_a_version_under_traffic_fails_no_request(api_type: str) -> None:
+    """Make before break: the routes leave v2 before its cluster goes."""
+    with upstreams("v1", "v2") as ups:
+        cp = ControlPlane(llm_mesh(ups, {"v1": 50, "v2": 50}), debounce=0.02).start()
+        envoy, port = sidecar(cp, f"mbb-{api_type}", api_type=api_type)
+        failures: list[str] = []
+        served: Counter = Counter()
+        done = threading.Event()
+
+        def loop() -> None:
+            c = Caller(port)
+            while not done.is_set():
+                try:
+                    served[c.who(timeout=5)] += 1
+                except Exception as e:  # any failed request fails the test
+                    failures.append(repr(e))
+            c.close()
+
+        try:
+            with envoy:
+                worker = threading.Thread(target=loop)
+                worker.start()
+                try:
+                    eventually(lambda: served["v2"] > 10, what="traffic on v2")
+                    only_v1 = llm_mesh({"v1": ups["v1"]})
+                    assert cp.update_mesh(only_v1, timeout=20).ok
+                    eventually(
+                        lambda: "outbound|llm|v2" not in _clusters(envoy), what="v2 cluster gone"
+                    )
+                    n = served["v1"]
+                    eventually(lambda: served["v1"] > n + 20, what="traffic after removal")
+                finally:
+                    done.set()
+                    worker.join(timeout=10)
+        finally:
+            cp.stop()
+        assert failures == []
