@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 TOKEN_ENV = "MESHLM_ADMIN_TOKEN"
 
@@ -20,12 +21,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-token", help=f"bearer token for mutations (default: ${TOKEN_ENV}, "
                    "else a new one written to a 0600 file)")  # fmt: skip
     p.add_argument("--grpc-host", default="127.0.0.1", help="ADS listen address")
+    p.add_argument("--rollout-store", help="rollout state file, kept across restarts "
+                   "(default: .meshlm/rollouts.json beside the mesh file)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     from xds_server.admin import AdminServer, make_token_file
     from xds_server.control_plane import ControlPlane
+    from xds_server.discovery import discovered_sources
     from xds_server.mesh import MeshError, load_mesh, parse_duration
+    from xds_server.rollout import RolloutController
+    from xds_server.rollout_api import RolloutAPI, spec_from_mesh
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -53,6 +59,11 @@ def run(args: argparse.Namespace) -> int:
         cp.stop()
         print(f"meshlm xds-server: cannot listen on admin port {admin_port}: {e}", file=sys.stderr)
         return 1
+    store = Path(args.rollout_store or Path(args.mesh).resolve().parent / ".meshlm/rollouts.json")
+    store.parent.mkdir(parents=True, exist_ok=True)
+    rollouts = RolloutController(cp, str(store), discovered_sources(cp))
+    api = RolloutAPI(rollouts, lambda service: spec_from_mesh(cp.mesh, service))
+    admin.mounts["/rollouts"] = api.handle
     print(
         f"xds-server: incarnation {cp.incarnation}, ADS on {args.grpc_host}:{cp.grpc_port}, "
         f"admin on {admin.url} (token {token_note}), debounce {cp.debounce * 1000:.0f} ms",
@@ -62,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    rollouts.close()
     admin.stop()
     cp.stop()
     return 0

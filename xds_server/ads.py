@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, json_format
 
 from xds_server import types as t
 from xds_server.cache import SnapshotCache
@@ -126,7 +126,9 @@ class _Stream:
         if self.node_id is None and req.HasField("node"):
             self.node_id = req.node.id or f"anonymous-{id(self)}"
             self.group = NodeInfo.from_node(req.node)
-            self.stream_id = self.sync.connect(self.node_id, self.group, self.api)
+            self.stream_id = self.sync.connect(
+                self.node_id, self.group, self.api, json_format.MessageToDict(req.node.metadata)
+            )
 
     def _next_nonce(self) -> str:
         self._nonce += 1

@@ -27,6 +27,11 @@ class MeasurementError(RuntimeError):
     """A source could not be read (unreachable sidecar, bad JSON)."""
 
 
+# UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS: the codes a
+# server answers for its own faults (grpc/doc/statuscodes.md lists which codes are server-side).
+SERVER_FAULT_CODES = frozenset({"2", "4", "12", "13", "14", "15"})
+
+
 @dataclass(frozen=True)
 class GrpcCounts:
     total: int = 0
@@ -56,8 +61,17 @@ class GrpcCounts:
         )
 
     @property
+    def server_faults(self) -> int:
+        """Calls that failed through the upstream's fault. A denial by the authz filter
+        (UNAUTHENTICATED, PERMISSION_DENIED, a tenant's RESOURCE_EXHAUSTED) or a client's bad
+        argument is the right answer to a bad call, and must not roll a healthy canary back."""
+        if not self.by_status:
+            return self.failure
+        return sum(v for k, v in self.by_status.items() if k in SERVER_FAULT_CODES)
+
+    @property
     def success_rate(self) -> float | None:
-        return 100.0 * self.success / self.total if self.total else None
+        return 100.0 * (self.total - self.server_faults) / self.total if self.total else None
 
 
 class GrpcCountsSource(Protocol):
@@ -237,7 +251,7 @@ def evaluate(
     if rate < gates.grpc_success_rate_min:
         failed.append(
             f"gRPC success rate {rate:.2f}% < {gates.grpc_success_rate_min:g}% "
-            f"({counts.failure} of {counts.total} failed, by grpc-status {counts.by_status})"
+            f"({counts.server_faults} of {counts.total} failed, by grpc-status {counts.by_status})"
         )
     wants_latency = gates.ttft_p99_max is not None or gates.tpot_p99_max is not None
     if wants_latency and latency is None:

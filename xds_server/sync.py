@@ -38,6 +38,7 @@ class NodeSync:
     stream: int = 0
     error: str = ""  # why no snapshot could be built for this node
     types: dict[str, TypeSync] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)  # as the sidecar announced it
 
 
 # Histogram bucket upper bounds, seconds.
@@ -79,11 +80,14 @@ class SyncStatus:
         self.convergence: list[float] = []  # seconds, newest last (bounded)
 
     # -- written by streams -------------------------------------------------------------------
-    def connect(self, node_id: str, group: NodeInfo, api: str) -> int:
+    def connect(
+        self, node_id: str, group: NodeInfo, api: str, metadata: dict[str, Any] | None = None
+    ) -> int:
         with self.cond:
             self._streams += 1
             old = self.nodes.get(node_id)
             ns = NodeSync(node_id=node_id, group=group, api=api, stream=self._streams)
+            ns.metadata = dict(metadata or {})
             if old is not None:
                 # A reconnect keeps the history of what this sidecar ACKed and rejected.
                 ns.types = old.types

@@ -1,0 +1,157 @@
+"""The local mesh: control plane, two runtime versions each behind its sidecar, and a
+caller-side sidecar, as real processes on loopback (the same commands a user runs by hand)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import secrets
+import tempfile
+import urllib.request
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from meshlm.procs import Proc, wait_until
+from sidecar.ports import free_port
+
+SERVICE = "llm"
+
+
+def demo_mesh() -> dict[str, Any]:
+    return yaml.safe_load(resources.files("meshlm").joinpath("demo_mesh.yaml").read_text())
+
+
+@dataclass
+class Runtime:
+    version: str
+    precision: str
+    port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    inbound_port: int = field(default_factory=free_port)
+    admin_port: int = field(default_factory=free_port)
+
+
+class LocalMesh:
+    def __init__(
+        self,
+        mesh: dict[str, Any] | None = None,
+        *,
+        workdir: Path | None = None,
+        faults: dict[str, list[str]] | None = None,
+        torch_threads: int = 1,
+    ) -> None:
+        self.mesh = copy.deepcopy(mesh or demo_mesh())
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="meshlm-demo-"))
+        self.faults = faults or {}
+        self.torch_threads = torch_threads
+        self.token = secrets.token_urlsafe(24)
+        self.grpc_port, self.admin_port = free_port(), free_port()
+        self.caller_port, self.caller_admin = free_port(), free_port()
+        versions = self.mesh["services"][SERVICE]["versions"]
+        self.runtimes = {v: Runtime(v, cfg.get("precision", "int4")) for v, cfg in versions.items()}
+        # Callers reach a version through its sidecar's inbound listener.
+        for v, rt in self.runtimes.items():
+            versions[v]["endpoints"] = [f"127.0.0.1:{rt.inbound_port}"]
+        self.mesh["control_plane"] = {
+            **self.mesh.get("control_plane", {}),
+            "grpc_port": self.grpc_port,
+            "admin_port": self.admin_port,
+        }
+        self.procs: list[Proc] = []
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def caller_target(self) -> str:
+        return f"127.0.0.1:{self.caller_port}"
+
+    def caller_admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.caller_admin}"
+
+    def start(self, say: Any = print) -> None:
+        mesh_file = self.workdir / "mesh.yaml"
+        mesh_file.write_text(yaml.safe_dump(self.mesh, sort_keys=False))
+        env = {"MESHLM_ADMIN_TOKEN": self.token}
+        cp = self._spawn("xds-server", ["xds-server", "--mesh", str(mesh_file)], env=env)
+        wait_until(lambda: self.admin("GET", "/debug/syncz"), 60, "the control plane", cp)
+        say(f"control plane up: ADS 127.0.0.1:{self.grpc_port}, admin {self.admin_url}")
+        threads = {"OMP_NUM_THREADS": str(self.torch_threads)}
+        for v, rt in self.runtimes.items():
+            args = ["serve", "--precision", rt.precision, "--port", str(rt.port)]
+            args += ["--metrics-port", str(rt.metrics_port), *self.faults.get(v, [])]
+            self._spawn(f"runtime-{v}", args, env=threads)
+        for v, rt in self.runtimes.items():
+            self._spawn(f"sidecar-{v}", self._sidecar_args(rt))
+        self._spawn("sidecar-caller", self._caller_args())
+        for v, rt in self.runtimes.items():
+            proc = self._proc(f"runtime-{v}")
+            wait_until(lambda rt=rt: _serving(rt.port), 180, f"runtime {v} SERVING", proc)
+            say(f"runtime {v} ({rt.precision}) SERVING on 127.0.0.1:{rt.port}")
+        for name, port in [(f"sidecar-{v}", rt.admin_port) for v, rt in self.runtimes.items()] + [
+            ("sidecar-caller", self.caller_admin)
+        ]:
+            wait_until(lambda p=port: _envoy_live(p), 60, f"{name} ready", self._proc(name))
+        say(f"sidecars ready: caller on {self.caller_target}, inbound for {list(self.runtimes)}")
+
+    def _sidecar_args(self, rt: Runtime) -> list[str]:
+        return [
+            "sidecar", "--xds", f"127.0.0.1:{self.grpc_port}",
+            "--node-id", f"{SERVICE}-{rt.version}", "--service", SERVICE, "--version", rt.version,
+            "--inbound-port", str(rt.inbound_port), "--local-endpoint", f"127.0.0.1:{rt.port}",
+            "--runtime-metrics", f"http://127.0.0.1:{rt.metrics_port}/metrics",
+            "--admin-port", str(rt.admin_port),
+            "--lkg-file", str(self.workdir / f"lkg-{rt.version}.json"),
+        ]  # fmt: skip
+
+    def _caller_args(self) -> list[str]:
+        return [
+            "sidecar", "--xds", f"127.0.0.1:{self.grpc_port}", "--node-id", "caller",
+            "--outbound-port", str(self.caller_port), "--admin-port", str(self.caller_admin),
+            "--lkg-file", str(self.workdir / "lkg-caller.json"),
+        ]  # fmt: skip
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        proc = Proc.meshlm(name, args, self.workdir, env=env).start()
+        self.procs.append(proc)
+        return proc
+
+    def _proc(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def admin(self, method: str, path: str, body: Any = None, timeout: float = 60) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.admin_url + path, data=data, method=method)
+        req.add_header("Authorization", f"Bearer {self.token}")
+        req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read() or b"null")
+
+    def envoy_stats(self, admin_port: int, regex: str) -> dict[str, int]:
+        url = f"http://127.0.0.1:{admin_port}/stats?format=json&filter={regex}"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            stats = json.loads(r.read())["stats"]
+        return {s["name"]: s["value"] for s in stats if "value" in s}
+
+    def stop(self) -> None:
+        # Callers first, then sidecars, runtimes, control plane: nothing is left behind.
+        for proc in reversed(self.procs):
+            proc.stop()
+
+
+def _serving(port: int) -> bool:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _envoy_live(admin_port: int) -> bool:
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/ready", timeout=2) as r:
+        return r.read().strip() == b"LIVE"
