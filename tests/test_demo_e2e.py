@@ -1,0 +1,78 @@
+"""The product's main job, end to end on real processes: `meshlm demo` starts the control plane,
+two runtimes of the real model (bf16 stable, int4 canary), three sidecar Envoys with the Wasm
+authz filter, and tenants' gRPC traffic, then rolls the canary out gated on measured SLOs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _demo(tmp_path: Path, *flags: str) -> tuple[int, dict, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshlm.cli", "demo", "--workdir", str(tmp_path), *flags],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    report = json.loads((tmp_path / "report.json").read_text())
+    return proc.returncode, report, proc.stdout + proc.stderr
+
+
+def _within_step(step: dict, sigmas: float = 4.0) -> bool:
+    """The canary's observed share of calls at a step agrees with the step's weight."""
+    n = step["canary_requests"] + step["stable_requests"]
+    p = step["canary_weight"] / 100
+    return abs(step["canary_requests"] - n * p) <= sigmas * math.sqrt(n * p * (1 - p)) + 1
+
+
+@pytest.fixture
+def no_leftover_processes():
+    yield
+    out = subprocess.run(
+        ["pgrep", "-f", "meshlm.cli (serve|sidecar|xds-server)"], capture_output=True
+    )
+    assert out.stdout == b"", "the demo left processes behind"
+
+
+def test_demo_promotes_a_healthy_canary(tmp_path: Path, no_leftover_processes: None) -> None:
+    rc, report, out = _demo(tmp_path)
+    assert rc == 0, out
+    rollout, traffic = report["rollout"], report["traffic"]
+    assert rollout["state"] == "Succeeded", out
+    assert rollout["weights"] == {"v1": 0, "v2": 100} and rollout["stable"] == "v2"
+    assert all(_within_step(s) for s in rollout["traffic"]), rollout["traffic"]
+    by_tenant = traffic["by_tenant"]
+    # No allowed request failed during any weight change.
+    assert set(by_tenant["acme"]) == {"OK"} and by_tenant["acme"]["OK"] > 50, by_tenant
+    # The rate-limited tenant got 429s, and is not allowed to call Info.
+    assert by_tenant["free"]["RESOURCE_EXHAUSTED"] > 0 and by_tenant["free"]["OK"] > 0
+    assert by_tenant["free"]["PERMISSION_DENIED"] > 0
+    assert set(by_tenant["intruder"]) == {"UNAUTHENTICATED"}
+    assert (
+        report["denials_at_sidecars"]["denied.unknown_key"]
+        == by_tenant["intruder"]["UNAUTHENTICATED"]
+    )
+    assert "=== meshlm demo report ===" in out
+
+
+def test_demo_rolls_back_a_faulty_canary(tmp_path: Path, no_leftover_processes: None) -> None:
+    rc, report, out = _demo(tmp_path, "--faulty-canary")
+    assert rc == 0, out
+    rollout = report["rollout"]
+    assert rollout["state"] == "RolledBack", out
+    assert rollout["weights"] == {"v1": 100, "v2": 0}
+    threshold = rollout["spec"]["threshold"]
+    failed = [a for a in rollout["analyses"] if a["outcome"] == "fail"]
+    assert 0 < len(failed) <= threshold
+    # Never more traffic than its step: the canary stayed at the first step and its observed
+    # share agrees with that step's weight.
+    first = rollout["spec"]["steps"][0]
+    assert max(a["canary_weight"] for a in rollout["analyses"]) == first
+    assert all(_within_step(s) for s in rollout["traffic"]), rollout["traffic"]
+    assert set(report["traffic"]["by_tenant"]["acme"]) <= {"OK", "UNAVAILABLE"}
