@@ -87,10 +87,16 @@ class HashPolicy:
 class Route:
     weights: dict[str, int]
     hash_policy: HashPolicy | None = None
+    # Envoy's WeightedCluster.use_hash_policy: the weighted version pick follows the hash
+    # policy, so one session/tenant sticks to one version per canary step.
+    use_hash_policy: bool = False
     canary_header: str = "x-canary"
     # Token streams: no route timeout; bound the whole stream and its idle gaps instead.
     max_stream_duration: float = 0.0  # 0 = unbounded
     stream_idle_timeout: float = 300.0
+    # (stable, canary) for the `x-canary` pins, set by the rollout controller (a succeeded
+    # rollout swaps them). None: the mesh file's rollout pair, else file order.
+    pins: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +183,15 @@ class Authz:
 
 
 @dataclass(frozen=True)
+class AccessLog:
+    """JSON access logs of every sidecar listener (HCM `access_log`). `path` None: the sidecar's
+    stdout (the supervisor's log); else a file every sidecar on the host appends to."""
+
+    enabled: bool = True
+    path: str | None = None
+
+
+@dataclass(frozen=True)
 class Mesh:
     services: dict[str, Service]
     control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
@@ -184,6 +199,7 @@ class Mesh:
     tenants: Any = None
     rollouts: dict[str, Rollout] = field(default_factory=dict)
     authz: Authz = field(default_factory=Authz)
+    access_log: AccessLog = field(default_factory=AccessLog)
 
     # -- mutations return a new, validated Mesh ------------------------------------------
     def with_weights(self, service: str, weights: dict[str, int]) -> Mesh:
@@ -191,6 +207,19 @@ class Mesh:
         path = f"services.{service}.route.weights"
         new = _check_weights(dict(weights), svc.versions, path)
         return self._replace_service(svc, route=dataclasses.replace(svc.route, weights=new))
+
+    def with_pins(self, service: str, stable: str, canary: str) -> Mesh:
+        """`x-canary: never` -> `stable`, `always` -> `canary` (the rollout controller's pair)."""
+        svc = self._service(service)
+        for key, v in (("stable", stable), ("canary", canary)):
+            if v not in svc.versions:
+                raise MeshError(
+                    f"services.{service}.route.pins.{key}: unknown version {v!r} "
+                    f"(known: {', '.join(svc.versions)})"
+                )
+        return self._replace_service(
+            svc, route=dataclasses.replace(svc.route, pins=(stable, canary))
+        )
 
     def with_endpoint(self, service: str, version: str, endpoint: str, *, add: bool) -> Mesh:
         svc = self._service(service)
@@ -232,7 +261,11 @@ def load_mesh(path: str | Path) -> Mesh:
 
 def parse_mesh(raw: Any) -> Mesh:
     top = _mapping(raw, "mesh")
-    _only(top, "mesh", {"control_plane", "services", "tenants", "roles", "rollouts", "authz"})
+    _only(
+        top,
+        "mesh",
+        {"control_plane", "services", "tenants", "roles", "rollouts", "authz", "access_log"},
+    )
     services_raw = _mapping(top.get("services"), "services")
     if not services_raw:
         raise MeshError("services: at least one service is required")
@@ -256,7 +289,20 @@ def parse_mesh(raw: Any) -> Mesh:
         tenants=tenants,
         rollouts=rollouts,
         authz=Authz(mode=mode, keys_file=keys_file if mode == "native" else None),
+        access_log=_access_log(top.get("access_log", True)),
     )
+
+
+def _access_log(raw: Any) -> AccessLog:
+    """`access_log: false` (off), `true` / `{}` (stdout, the default) or `{path: FILE}`."""
+    if isinstance(raw, bool):
+        return AccessLog(enabled=raw)
+    d = _mapping(raw, "access_log")
+    _only(d, "access_log", {"path"})
+    path = d.get("path")
+    if path is not None and (not isinstance(path, str) or not path):
+        raise MeshError(f"access_log.path: expected a file path, got {path!r}")
+    return AccessLog(path=path)
 
 
 def _tenants(raw: Any, roles: Any) -> Any:
@@ -356,7 +402,14 @@ def _route(raw: Any, versions: dict[str, Version], path: str) -> Route:
     _only(
         d,
         path,
-        {"weights", "hash_policy", "canary_header", "max_stream_duration", "stream_idle_timeout"},
+        {
+            "weights",
+            "hash_policy",
+            "use_hash_policy",
+            "canary_header",
+            "max_stream_duration",
+            "stream_idle_timeout",
+        },
     )
     weights = _check_weights(
         _mapping(d.get("weights"), f"{path}.weights"), versions, path + ".weights"
@@ -369,12 +422,18 @@ def _route(raw: Any, versions: dict[str, Version], path: str) -> Route:
         if not isinstance(header, str) or not header:
             raise MeshError(f"{path}.hash_policy.header: expected a header name")
         hp = HashPolicy(header=header.lower())
+    use_hash = d.get("use_hash_policy", False)
+    if not isinstance(use_hash, bool):
+        raise MeshError(f"{path}.use_hash_policy: expected true or false, got {use_hash!r}")
+    if use_hash and hp is None:
+        raise MeshError(f"{path}.use_hash_policy: needs a hash_policy (the header to hash)")
     canary_header = d.get("canary_header", "x-canary")
     if not isinstance(canary_header, str) or not canary_header:
         raise MeshError(f"{path}.canary_header: expected a header name")
     return Route(
         weights=weights,
         hash_policy=hp,
+        use_hash_policy=use_hash,
         canary_header=canary_header.lower(),
         max_stream_duration=parse_duration(
             d.get("max_stream_duration", 0), f"{path}.max_stream_duration"

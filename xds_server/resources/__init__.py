@@ -12,7 +12,7 @@ from google.protobuf.message import Message
 from xds_server import mesh as m
 from xds_server import types as t
 from xds_server.node import NodeInfo
-from xds_server.resources import clusters, endpoints, listeners, names, routes
+from xds_server.resources import access_log, clusters, endpoints, listeners, names, routes
 
 
 class ResourceError(ValueError):
@@ -48,6 +48,7 @@ def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) 
         route_config_name=rc.name,
         stat_prefix="outbound",
         stream_idle_timeout=idle,
+        access_log=access_log.access_logs(mesh.access_log, names.OUTBOUND_LISTENER, tenant=False),
     )
 
 
@@ -85,6 +86,9 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         stat_prefix=f"inbound_{svc.name}_{ver.name}",
         stream_idle_timeout=svc.route.stream_idle_timeout,
         authz_filters=authz,
+        access_log=access_log.access_logs(mesh.access_log, lname, tenant=bool(authz)),
+        # A denied request must not carry (or log) a client-sent tenant either.
+        strip_request_headers=names.IDENTITY_HEADERS if authz else (),
     )
 
 

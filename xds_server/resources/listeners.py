@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from envoy.config.core.v3 import config_source_pb2, protocol_pb2
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
+from envoy.config.core.v3 import config_source_pb2, extension_pb2, protocol_pb2
 from envoy.config.listener.v3 import listener_components_pb2 as lc
 from envoy.config.listener.v3 import listener_pb2
 from envoy.extensions.filters.http.grpc_stats.v3 import config_pb2 as grpc_stats_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
+    header_mutation_pb2 as early_pb2,
 )
 from google.protobuf import wrappers_pb2
 
@@ -46,6 +51,15 @@ def ecds_filter(name: str, type_urls: Sequence[str] = (WASM_TYPE_URL,)) -> HttpF
     )
 
 
+def remove_request_headers(headers: Sequence[str]) -> extension_pb2.TypedExtensionConfig:
+    """An HCM early header mutation: runs before any filter and before route selection."""
+    mutations = [mutation_rules_pb2.HeaderMutation(remove=h) for h in headers]
+    return extension_pb2.TypedExtensionConfig(
+        name="envoy.http.early_header_mutation.header_mutation",
+        typed_config=pack(early_pb2.HeaderMutation(mutations=mutations)),
+    )
+
+
 def http_listener(
     name: str,
     *,
@@ -55,6 +69,8 @@ def http_listener(
     stat_prefix: str,
     stream_idle_timeout: float,
     authz_filters: Sequence[HttpFilter] = (),
+    access_log: Sequence[accesslog_pb2.AccessLog] = (),
+    strip_request_headers: Sequence[str] = (),
 ) -> listener_pb2.Listener:
     hcm = HCM(
         stat_prefix=stat_prefix,
@@ -64,6 +80,12 @@ def http_listener(
         http2_protocol_options=protocol_pb2.Http2ProtocolOptions(),
         stream_idle_timeout=duration(stream_idle_timeout),
         common_http_protocol_options=protocol_pb2.HttpProtocolOptions(idle_timeout=duration(3600)),
+        access_log=list(access_log),
+        early_header_mutation_extensions=(
+            [remove_request_headers(strip_request_headers)] if strip_request_headers else []
+        ),
+        # No `tracing` block: W3C `traceparent`/`tracestate` are ordinary headers that Envoy
+        # forwards unchanged hop to hop, so the runtime continues the client's trace.
     )
     return listener_pb2.Listener(
         name=name,

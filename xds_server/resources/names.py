@@ -3,6 +3,9 @@
 AUTHZ_FILTER = "meshlm.authz"
 OUTBOUND_LISTENER = "outbound"
 OUTBOUND_ROUTE = "outbound"
+TENANT_HEADER = "x-meshlm-tenant"
+# Set by the authz filter alone; inbound listeners drop client-sent ones before any filter.
+IDENTITY_HEADERS = (TENANT_HEADER, "x-meshlm-priority")
 
 
 def outbound_cluster(service: str, version: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
+from google.protobuf import wrappers_pb2
 
 from xds_server import mesh as m
 from xds_server.resources import names
@@ -11,8 +12,11 @@ from xds_server.resources.common import duration, u32
 
 
 def stable_and_canary(mesh: m.Mesh, svc: m.Service) -> tuple[str, str | None]:
-    """The rollout's pair when one is declared, else the first two versions in file order
-    (never by weight: the pins must not swap when a canary passes 50 %)."""
+    """The rollout controller's pins when set (a succeeded rollout swaps them), else the mesh
+    file's rollout pair, else the first two versions in file order (never by weight: the pins
+    must not swap when a canary passes 50 %)."""
+    if svc.route.pins is not None:
+        return svc.route.pins
     ro = mesh.rollouts.get(svc.name)
     if ro:
         return ro.stable, ro.canary
@@ -54,7 +58,10 @@ def _service_vhost(mesh: m.Mesh, svc: m.Service) -> rc.VirtualHost:
                 name=names.outbound_cluster(svc.name, v), weight=u32(w)
             )
             for v, w in svc.route.weights.items()
-        ]
+        ],
+        # Sticky sessions: the hash of the route's hash_policy header, not a fresh random
+        # number, picks the version; a request without the header still gets a random pick.
+        use_hash_policy=wrappers_pb2.BoolValue(value=svc.route.use_hash_policy),
     )
     routes.append(
         rc.Route(
