@@ -194,6 +194,7 @@ class RolloutController:
             r = Rollout(spec=spec)
             self._rollouts[spec.service] = r
             self._transition(r, PENDING, f"rollout of {spec.canary} over {spec.stable} started")
+            self._pin(r)
             self._apply_step(r, 0)
             return r.to_dict()
 
@@ -324,6 +325,7 @@ class RolloutController:
             return
         if promoting:
             r.stable = r.spec.canary
+            self._pin(r)
             self._intervals.pop(r.spec.service, None)
             self._transition(
                 r, SUCCEEDED, f"promoted: 100 % on {r.spec.canary} ACKed by every sidecar; "
@@ -335,6 +337,21 @@ class RolloutController:
             r, PROGRESSING, (reason + ": " if reason else "") + f"step {weight} % ACKed by every "
             f"sidecar; analysing for {r.spec.interval:g}s"
         )  # fmt: skip
+
+    def _pin(self, r: Rollout) -> None:
+        """`x-canary: never` -> the stable now (the canary once Succeeded), `always` -> the
+        other. Routes read these pins from the desired state (else from the mesh file, which
+        a promotion does not change). A control plane holding no mesh (a test fake) has none."""
+        mesh, update = getattr(self.cp, "mesh", None), getattr(self.cp, "update_mesh", None)
+        if mesh is None or update is None:
+            return
+        s = r.spec
+        pins = (r.stable, s.stable if r.stable == s.canary else s.canary)
+        try:
+            if mesh.services[s.service].route.pins != pins:
+                update(mesh.with_pins(s.service, *pins), timeout=s.ack_timeout)
+        except Exception as e:  # the pins are a tester's aid: never fail a rollout over them
+            log.warning("rollout %s: x-canary pins not updated: %s", s.service, e)
 
     def _rollback(self, r: Rollout, reason: str, final_state: str = ROLLED_BACK) -> None:
         """0 % canary. Old endpoints were never removed, so stable takes all traffic at once."""
@@ -441,6 +458,7 @@ class RolloutController:
         """After a restart: re-apply each rollout's current weights (a restarted control plane
         starts from the mesh file) and carry on where it was; a fresh interval starts."""
         for r in self._rollouts.values():
+            self._pin(r)
             if r.state in TERMINAL:
                 _, _, error = self._set_weights(r, 100 if r.stable == r.spec.canary else 0)
                 if error:
