@@ -16,7 +16,7 @@ if not ENABLED:
 _STARTED = time.monotonic()
 
 
-def pytest_sessionfinish(session, exitstatus) -> None:  # noqa: ANN001 (pytest hook)
+def pytest_sessionfinish(session, exitstatus) -> None:
     if not ENABLED or not record.RECORDS:
         return
     out = Path(os.environ.get("MESHLM_RELIABILITY", Path(__file__).parents[2] / "RELIABILITY.md"))

@@ -4,6 +4,7 @@ latency and error rate can be changed while they serve. Every process is stopped
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -181,10 +182,8 @@ def children(pid: int) -> list[int]:
     """Direct child processes of `pid` (Linux /proc)."""
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
+        with contextlib.suppress(OSError):
             out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
     return out
 
 
@@ -196,7 +195,5 @@ def rss_mb(pid: int) -> float:
 
 
 def kill_pid(pid: int, sig: int = signal.SIGKILL) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass

@@ -91,7 +91,7 @@ def test_sidecar_envoy_restarted_while_control_plane_down_uses_last_known_good(t
     mesh = Mesh(tmp_path, {"services": _services(ups, {"v1": 0, "v2": 100})})
     try:
         mesh.start_control_plane()
-        port, admin = _caller(mesh)
+        port, _admin = _caller(mesh)
         wait_until(lambda: (tmp_path / "caller.lkg").exists(), 30, "last-known-good stored")
         call = echo_call(port)
         with Load(call, RATE) as load:
@@ -155,7 +155,6 @@ def test_control_plane_killed_mid_rollout_traffic_flows_rollout_resumes(tmp_path
             wait_until(lambda: mesh.admin("GET", "/rollouts/llm")[1]["weights"]["v2"] >= 25,
                        30, "first step")  # fmt: skip
             mesh.kill("xds-server")
-            fault_at = time.monotonic()
             time.sleep(3)
             mesh.start_control_plane()
             back_at = time.monotonic()
@@ -261,7 +260,7 @@ def _caller_with_key(mesh: Mesh, key: str) -> tuple[int, int]:
     return port, admin
 
 
-def _code(call) -> str:  # noqa: ANN001
+def _code(call) -> str:
     import grpc
 
     try:
