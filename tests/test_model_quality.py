@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model_runtime import generate
 from model_runtime.loader import load
 from model_runtime.perplexity import perplexity, stdlib_text
 from tests.runtime_fixtures import cached_model
@@ -30,25 +31,15 @@ def smollm_int4():
     return cached_model("int4")
 
 
-def greedy(loaded, messages, n: int = 24) -> list[int]:
-    tok, model = loaded.tokenizer, loaded.model
-    x = torch.tensor([tok.encode_chat(messages)])
-    out = []
-    with torch.inference_mode():
-        for _ in range(n):
-            nid = int(model(x)[0].argmax())
-            if nid in tok.stop_ids:
-                break
-            out.append(nid)
-            x = torch.cat([x, torch.tensor([[nid]])], dim=1)
-    return out
+def greedy_chat(loaded, prompt: str, n: int = 24) -> list[int]:
+    ids = loaded.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    return generate.greedy(loaded, [ids], n)[0]
 
 
 @pytest.mark.parametrize(("prompt", "answer"), CONFIDENT)
 def test_int4_greedy_equals_bf16(smollm_int4, smollm_bf16, prompt, answer):
-    msgs = [{"role": "user", "content": prompt}]
-    ids4 = greedy(smollm_int4, msgs)
-    assert ids4 == greedy(smollm_bf16, msgs)
+    ids4 = greedy_chat(smollm_int4, prompt)
+    assert ids4 == greedy_chat(smollm_bf16, prompt)
     assert smollm_int4.tokenizer.decode(ids4) == answer
 
 

@@ -1,0 +1,39 @@
+"""A plain batched decode loop over the paged cache, without the scheduler (tests, benchmark)."""
+
+from __future__ import annotations
+
+import torch
+
+from model_runtime.kvcache import SeqCache, layout_decode, layout_prefill
+from model_runtime.model import KVCache
+
+
+@torch.inference_mode()
+def greedy(loaded, prompts: list[list[int]], max_new_tokens: int, stop: bool = True):
+    """Greedy continuation of each prompt (prefilled one by one, decoded as one batch).
+    Returns the generated ids per prompt (without the stop token)."""
+    model, bs = loaded.model, 16
+    per_seq = -(-(max(map(len, prompts)) + max_new_tokens) // bs)
+    kv = KVCache(model.args, per_seq * bs * len(prompts), model.dtype)
+    seqs = [SeqCache(list(range(i * per_seq, (i + 1) * per_seq))) for i in range(len(prompts))]
+    nxt = []
+    for s, p in zip(seqs, prompts, strict=True):
+        logits = model(torch.tensor([p]), kv, layout_prefill(s, 0, len(p), bs))
+        s.written = len(p)
+        nxt.append(int(logits[0].argmax()))
+    out: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    stop_ids = loaded.tokenizer.stop_ids if stop else set()
+    for step in range(max_new_tokens):
+        live = [i for i in live if nxt[i] not in stop_ids]
+        for i in live:
+            out[i].append(nxt[i])
+        if not live or step == max_new_tokens - 1:
+            break
+        logits = model(
+            torch.tensor([[nxt[i]] for i in live]), kv, layout_decode([seqs[i] for i in live], bs)
+        )
+        for j, i in enumerate(live):
+            seqs[i].written += 1
+            nxt[i] = int(logits[j].argmax())
+    return out
