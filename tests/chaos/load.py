@@ -18,6 +18,7 @@ class Outcome:
     start: float  # monotonic
     end: float
     status: str  # gRPC status name; "OK" on success
+    detail: str = ""  # the error's details, for the report
 
     @property
     def latency_s(self) -> float:
@@ -69,16 +70,17 @@ class Load:
             self._stop.wait(max(0.0, self.started + n / self.rate - time.monotonic()))
 
     def _one(self, t0: float) -> None:
-        status = "OK"
+        status, detail = "OK", ""
         try:
             self.call()
         except grpc.RpcError as e:
             status = e.code().name if e.code() else "UNKNOWN"
+            detail = str(e.details() or "")[:120]
         except Exception as e:  # a client-side bug must show up in the report, not vanish
-            status = f"CLIENT_{type(e).__name__}"
+            status, detail = f"CLIENT_{type(e).__name__}", str(e)[:120]
         finally:
             self._slots.release()
-        self._add(Outcome(t0, time.monotonic(), status))
+        self._add(Outcome(t0, time.monotonic(), status, detail))
 
     def _add(self, o: Outcome) -> None:
         with self._lock:
