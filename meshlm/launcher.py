@@ -21,6 +21,7 @@ from meshlm.procs import Proc, wait_until
 from sidecar.ports import free_port
 
 SERVICE = "llm"
+MESH_ID_ENV = "MESHLM_MESH_ID"
 
 
 def demo_mesh() -> dict[str, Any]:
@@ -119,6 +120,8 @@ class LocalMesh:
         ]  # fmt: skip
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        # Inherited by every descendant (Envoys too), so a leftover can be traced to this mesh.
+        env = {MESH_ID_ENV: str(self.workdir), **(env or {})}
         proc = Proc.meshlm(name, args, self.workdir, env=env).start()
         self.procs.append(proc)
         return proc

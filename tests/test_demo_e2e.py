@@ -8,9 +8,12 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from meshlm.launcher import MESH_ID_ENV
 
 
 def _demo(tmp_path: Path, *flags: str) -> tuple[int, dict, str]:
@@ -31,13 +34,23 @@ def _within_step(step: dict, sigmas: float = 4.0) -> bool:
     return abs(step["canary_requests"] - n * p) <= sigmas * math.sqrt(n * p * (1 - p)) + 1
 
 
+def _processes_of(workdir: Path) -> list[str]:
+    """Processes (Envoys included) that inherited this demo's mesh id."""
+    marker = f"{MESH_ID_ENV}={workdir}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "environ").read_bytes().split(b"\0"):
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            pass  # gone, or not ours to read
+    return found
+
+
 @pytest.fixture
-def no_leftover_processes():
+def no_leftover_processes(tmp_path: Path) -> Iterator[None]:
     yield
-    out = subprocess.run(
-        ["pgrep", "-f", "meshlm.cli (serve|sidecar|xds-server)"], capture_output=True
-    )
-    assert out.stdout == b"", "the demo left processes behind"
+    assert _processes_of(tmp_path) == [], "the demo left processes behind"
 
 
 def test_demo_promotes_a_healthy_canary(tmp_path: Path, no_leftover_processes: None) -> None:
