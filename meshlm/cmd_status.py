@@ -1,4 +1,5 @@
-"""`meshlm status`: the sync status of every sidecar, from the control plane's admin API."""
+"""`meshlm status`: the sync status of every sidecar and every rollout, from the control
+plane's admin API."""
 
 from __future__ import annotations
 
@@ -17,19 +18,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the raw /debug/syncz JSON")
 
 
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
 def run(args: argparse.Namespace) -> int:
-    url = args.admin.rstrip("/") + "/debug/syncz"
+    base = args.admin.rstrip("/")
     try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            doc = json.loads(r.read())
+        doc = _get(base + "/debug/syncz")
     except (OSError, urllib.error.URLError, ValueError) as e:
-        print(f"meshlm status: cannot read {url}: {e}", file=sys.stderr)
+        print(f"meshlm status: cannot read {base}/debug/syncz: {e}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(doc, indent=1))
         return 0
+    try:
+        rollouts = _get(base + "/rollouts")
+    except (OSError, urllib.error.URLError, ValueError):
+        rollouts = {}  # a control plane without rollouts mounted
     print(render(doc))
+    if rollouts:
+        print("\n" + render_rollouts(rollouts))
     return 0
+
+
+def render_rollouts(rollouts: dict[str, Any]) -> str:
+    lines = ["ROLLOUT  STATE  WEIGHTS  MESSAGE"]
+    for service, r in sorted(rollouts.items()):
+        weights = " ".join(f"{v}={w}" for v, w in r.get("weights", {}).items())
+        lines.append(f"{service}  {r.get('state')}  {weights}  {r.get('message', '')}")
+    return "\n".join(lines)
 
 
 def render(doc: dict[str, Any]) -> str:
