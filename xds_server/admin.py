@@ -142,8 +142,33 @@ class _Handler(BaseHTTPRequestHandler):
     def do_DELETE(self) -> None:
         self._serve("DELETE")
 
+    def do_PUT(self) -> None:
+        self._serve("PUT")
+
+    def do_PATCH(self) -> None:
+        self._serve("PATCH")
+
+    def do_OPTIONS(self) -> None:
+        self._serve("OPTIONS")
+
+    def do_HEAD(self) -> None:
+        self._reply(405, {"error": "HEAD is not supported"}, body=False)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        # http.server's own errors (bad request line, unknown method, huge headers) as JSON;
+        # an unknown method is the client's error (405), not the server's (501).
+        self.close_connection = True
+        code = 405 if code == 501 else code
+        self._reply(code, {"error": message or self.responses.get(code, ("error",))[0]})
+
     def _serve(self, method: str) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self.close_connection = True
+            return self._reply(400, {"error": "bad Content-Length"})
         body = self.rfile.read(length) if length else b""
         if method != "GET" and not self.admin.authorized(self.headers.get("Authorization")):
             status, reply = 401, {"error": "mutations need Authorization: Bearer <admin token>"}
@@ -153,12 +178,16 @@ class _Handler(BaseHTTPRequestHandler):
             except Exception as e:  # never kill the admin thread; say what went wrong
                 log.exception("admin %s %s", method, self.path)
                 status, reply = 500, {"error": f"{type(e).__name__}: {e}"}
+        self._reply(status, reply)
+
+    def _reply(self, status: int, reply: Any, *, body: bool = True) -> None:
         data = json.dumps(reply, indent=1, default=str).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Content-Length", str(len(data) if body else 0))
         self.end_headers()
-        self.wfile.write(data)
+        if body:
+            self.wfile.write(data)
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("admin: " + format, *args)

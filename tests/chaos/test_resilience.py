@@ -42,7 +42,7 @@ def test_slow_erroring_upstream_p99_bounded_no_retry_storm(tmp_path) -> None:
         wait_until(lambda: call() == "v1", 30, "caller routes llm")
         v1.calls = 0
         rate, retry_stat = 60.0, "cluster.outbound|llm|v1.upstream_rq_retry"
-        base = envoy_stats(admin, r"cluster\.outbound\|llm\|v1\.upstream_rq")
+        base = envoy_stats(admin, r"cluster\.outbound\|llm\|v1\.upstream_")
         with Load(call, rate, workers=128) as load:
             time.sleep(3)
             healthy_end = time.monotonic()
@@ -159,7 +159,7 @@ def test_weight_and_policy_change_every_second_no_allowed_request_fails(tmp_path
             faults=[
                 f"{changes} changes, one per second: weights v2 0..100 % in steps of 10 "
                 "and a tenant added/replaced (ECDS) in the same push"
-            ],  # fmt: skip
+            ],
             by_status=load.by_status(),
             allowed_lost=len(lost),
             recovery_s=None,

@@ -3,6 +3,7 @@ capacity, and one of two replicas killed mid-stream. Both runtimes load once for
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -76,10 +77,8 @@ class _Sampler:
     def _run(self) -> None:
         while not self._stop.wait(0.1):
             for name, pid in self.pids.items():
-                try:
+                with contextlib.suppress(OSError):
                     self.peak[name] = max(self.peak[name], rss_mb(pid))
-                except OSError:
-                    pass
 
     def __enter__(self) -> _Sampler:
         self._run_once()
@@ -133,7 +132,7 @@ def test_overload_is_shed_promptly_memory_bounded_recovers(runtimes, tmp_path) -
                 "offered load ~10x the runtime's capacity (int4, 2-core box)",
                 f"runtime admission: {' '.join(RUNTIME_FLAGS)}",
                 "caller Envoy: overload manager fixed_heap 256 MiB",
-            ],  # fmt: skip
+            ],
             by_status=by,
             allowed_lost=len(other) + len(calm_failed),
             recovery_s=recovered_s,
@@ -153,7 +152,7 @@ def test_overload_is_shed_promptly_memory_bounded_recovers(runtimes, tmp_path) -
         mesh.stop()
 
 
-def _ok(call) -> bool:  # noqa: ANN001
+def _ok(call) -> bool:
     try:
         return call() > 0
     except Exception:
@@ -188,7 +187,7 @@ def test_runtime_killed_mid_stream_traffic_moves_to_healthy_replica(runtimes, tm
                 "retry_on": "unavailable,connect-failure,refused-stream,reset",
                 "num_retries": 2,
             },
-        ),  # fmt: skip
+        ),
     )
     try:
         mesh.start_control_plane()
