@@ -95,16 +95,10 @@ class Supervisor:
             boot, mode = self.bootstrap, "ads"
         else:
             boot, mode = static_bootstrap(self.bootstrap, res), "lkg"
-        self.envoy = EnvoyProcess(
-            boot,
-            concurrency=self.concurrency,
-            extra_args=(
-                "--drain-time-s",
-                str(int(self.drain_time_s)),
-                "--drain-strategy",
-                "immediate",
-            ),
-        ).start()
+        args = ("--drain-time-s", str(int(self.drain_time_s)), "--drain-strategy", "immediate")
+        # Access logs reach the log within a second (Envoy's default buffers them 10 s).
+        args += ("--file-flush-interval-msec", "1000")
+        self.envoy = EnvoyProcess(boot, concurrency=self.concurrency, extra_args=args).start()
         self.envoy.wait_ready(timeout=60)
         self.mode = mode
         self._ready.set()

@@ -163,6 +163,15 @@ class ControlPlane:
             new = self.mesh.with_endpoint(service, version, endpoint, add=False)
             return self._apply(new, timeout)
 
+    def set_pins(
+        self, service: str, stable: str, canary: str, *, timeout: float = 10.0
+    ) -> ApplyResult | None:
+        """Which versions `x-canary: never|always` reach; None when they already do."""
+        with self._mutate:
+            if self.mesh.services[service].route.pins == (stable, canary):
+                return None
+            return self._apply(self.mesh.with_pins(service, stable, canary), timeout)
+
     def update_mesh(self, mesh: m.Mesh, *, timeout: float = 10.0) -> ApplyResult:
         with self._mutate:
             return self._apply(mesh, timeout)

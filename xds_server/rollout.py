@@ -342,14 +342,13 @@ class RolloutController:
         """`x-canary: never` -> the stable now (the canary once Succeeded), `always` -> the
         other. Routes read these pins from the desired state (else from the mesh file, which
         a promotion does not change). A control plane holding no mesh (a test fake) has none."""
-        mesh, update = getattr(self.cp, "mesh", None), getattr(self.cp, "update_mesh", None)
-        if mesh is None or update is None:
+        set_pins = getattr(self.cp, "set_pins", None)
+        if set_pins is None:
             return
         s = r.spec
-        pins = (r.stable, s.stable if r.stable == s.canary else s.canary)
         try:
-            if mesh.services[s.service].route.pins != pins:
-                update(mesh.with_pins(s.service, *pins), timeout=s.ack_timeout)
+            set_pins(s.service, r.stable, s.stable if r.stable == s.canary else s.canary,
+                     timeout=s.ack_timeout)  # fmt: skip
         except Exception as e:  # the pins are a tester's aid: never fail a rollout over them
             log.warning("rollout %s: x-canary pins not updated: %s", s.service, e)
 
