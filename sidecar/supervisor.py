@@ -65,6 +65,11 @@ class Supervisor:
         self.saved_at: float | None = None  # when the last-known-good config was last stored
 
     @property
+    def ready(self) -> bool:
+        """Envoy is up and LIVE (in ADS or last-known-good mode)."""
+        return self._ready.is_set()
+
+    @property
     def admin_port(self) -> int:
         return self.bootstrap["admin"]["address"]["socket_address"]["port_value"]
 

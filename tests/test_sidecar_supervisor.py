@@ -33,7 +33,7 @@ def test_crashed_envoy_is_restarted_and_serves_again() -> None:
             assert eventually(lambda: caller.who() == "v1", what="routed via ADS")
             admin = sv.admin_port
             sv.envoy.kill()  # a crash
-            eventually(lambda: sv.restarts == 1 and sv._ready.is_set(), what="restarted")
+            eventually(lambda: sv.restarts == 1 and sv.ready, what="restarted")
             assert sv.mode == "ads" and sv.admin_port == admin
             assert eventually(lambda: caller.who() == "v1", what="routed after restart")
             caller.close()
@@ -56,7 +56,7 @@ def test_envoy_restarted_while_control_plane_down_serves_last_known_good(tmp_pat
             eventually(lambda: sv.saved_at is not None, what="last-known-good stored")
             cp.stop()
             sv.envoy.kill()
-            eventually(lambda: sv.restarts == 1 and sv._ready.is_set(), what="restarted")
+            eventually(lambda: sv.restarts == 1 and sv.ready, what="restarted")
             assert sv.mode == "lkg"
             # The accepted config, not a default: all traffic still goes to v2.
             assert [caller.who() for _ in range(10)] == ["v2"] * 10
@@ -66,7 +66,7 @@ def test_envoy_restarted_while_control_plane_down_serves_last_known_good(tmp_pat
 
             cp = ControlPlane(llm_mesh(ups, weights={"v1": 100, "v2": 0}), debounce=0.02)
             cp.start(grpc_port=cp_port)
-            eventually(lambda: sv.mode == "ads" and sv._ready.is_set(), what="back on ADS")
+            eventually(lambda: sv.mode == "ads" and sv.ready, what="back on ADS")
             assert eventually(lambda: caller.who() == "v1", what="follows the control plane")
             caller.close()
         finally:
