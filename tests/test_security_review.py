@@ -1,0 +1,141 @@
+"""Security review, as tests: admin endpoints bind to loopback by default; plaintext API keys
+never show up in the control plane's dumps, sync status, Envoy's config dump, stats or logs;
+the sealed-weights key is never written to disk. (Mutations need the admin token: see
+tests/test_fuzz_admin.py; client identity headers are stripped: tests/test_authz_envoy.py.)"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import grpc
+
+from meshlm import cmd_serve, cmd_sidecar, cmd_xds
+from model_runtime import sealed
+from model_runtime.telemetry import MetricsServer, Telemetry
+from sidecar.bootstrap import ads_bootstrap
+from sidecar.envoy_process import EnvoyProcess
+from sidecar.ports import free_port
+from tests.test_xds_support import upstreams
+from wasm_filters.policy import hash_key
+from xds_server.admin import AdminServer
+from xds_server.control_plane import ControlPlane
+from xds_server.mesh import parse_mesh
+
+KEY = "sec-plaintext-key-7c1e9d"
+WRONG = "sec-wrong-key-0000"
+
+
+def _listen_addresses(port: int) -> set[str]:
+    """Local addresses of LISTEN sockets on `port` (Linux /proc/net/tcp{,6})."""
+    out: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if state == "0A" and int(p, 16) == port:
+                out.add(addr)
+    return out
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+# 127.0.0.1, ::1, ::ffff:127.0.0.1
+
+
+def test_admin_endpoints_bind_to_loopback_by_default() -> None:
+    with upstreams("v1") as ups:
+        mesh = parse_mesh({"services": {"llm": {"versions": {"v1": {"endpoints": [
+            ups["v1"].address]}}}}})  # fmt: skip
+        cp = ControlPlane(mesh).start()
+        admin = AdminServer(cp, token="t" * 20).start()
+        metrics = MetricsServer(Telemetry(), 0)
+        try:
+            port = free_port()
+            boot = ads_bootstrap("sec", xds_address=("127.0.0.1", cp.grpc_port),
+                                 outbound_port=port, admin_port=free_port())  # fmt: skip
+            with EnvoyProcess(boot) as envoy:
+                envoy_admin = int(envoy.admin_url.rsplit(":", 1)[1])
+                for what, p in [("ADS", cp.grpc_port), ("control plane admin", admin.port),
+                                ("runtime metrics", metrics.port),
+                                ("Envoy admin", envoy_admin)]:  # fmt: skip
+                    found = _listen_addresses(p)
+                    assert found and found <= LOOPBACK, (what, found)
+        finally:
+            metrics.stop()
+            admin.stop()
+            cp.stop()
+    # The CLI defaults: every listener a user does not name is on loopback.
+    for mod, argv in [(cmd_serve, ["--port", "0"]), (cmd_xds, ["--mesh", "m.yaml"]),
+                      (cmd_sidecar, ["--xds", "127.0.0.1:1"])]:  # fmt: skip
+        p = argparse.ArgumentParser()
+        mod.add_arguments(p)
+        args = vars(p.parse_args(argv))
+        for k, v in args.items():
+            if k.endswith("host") and v is not None:
+                assert v == "127.0.0.1", (mod.__name__, k, v)
+
+
+def test_plaintext_keys_never_in_dumps_stats_or_logs(tmp_path) -> None:
+    tenants = {"acme": {"key_sha256": hash_key(KEY), "allow": ["llm/*"]}}
+    with upstreams("runtime") as ups:
+        runtime = ups["runtime"].address
+        mesh = parse_mesh(
+            {"services": {"llm": {"versions": {"v1": {"endpoints": [runtime]}}}},
+             "tenants": tenants}
+        )  # fmt: skip
+        cp = ControlPlane(mesh, debounce=0.01).start()
+        admin = AdminServer(cp, token="t" * 20).start()
+        port = free_port()
+        boot = ads_bootstrap("sec-inbound", xds_address=("127.0.0.1", cp.grpc_port),
+                             service="llm", version="v1", inbound_port=port,
+                             local_endpoint=runtime)  # fmt: skip
+        try:
+            with EnvoyProcess(boot) as envoy, grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call = ch.unary_unary("/meshlm.inference.v1.Inference/Generate")
+                for key in (KEY, WRONG, KEY):
+                    with contextlib.suppress(grpc.RpcError):
+                        call(b"", metadata=(("x-api-key", key),), timeout=10)
+                texts = {
+                    "control plane config_dump": json.dumps(cp.config_dump()),
+                    "control plane syncz": json.dumps(cp.syncz()),
+                    "Envoy /config_dump": envoy.admin_get("/config_dump?include_eds"),
+                    "Envoy /stats": envoy.admin_get("/stats"),
+                    "Envoy /clusters": envoy.admin_get("/clusters"),
+                    "Envoy log": envoy.log_tail(100000),
+                }
+                import urllib.request
+
+                for path in ("/debug/config_dump", "/debug/syncz"):
+                    with urllib.request.urlopen(admin.url + path, timeout=10) as r:
+                        texts[f"admin GET {path}"] = r.read().decode()
+        finally:
+            admin.stop()
+            cp.stop()
+    for where, text in texts.items():
+        for secret in (KEY, WRONG):
+            assert secret not in text, f"{secret} leaked into {where}"
+    assert hash_key(KEY) in texts["control plane config_dump"]  # the dump is real
+
+
+def test_sealed_weights_key_never_written_to_disk(tmp_path) -> None:
+    key = sealed.new_key()
+    forms = [key, key.hex().encode(), __import__("base64").b64encode(key)]
+    src = tmp_path / "weights.bin"
+    src.write_bytes(os.urandom(4096))
+    watch = [tmp_path, Path(tempfile.gettempdir())]
+    before = {p: p.stat().st_mtime_ns for d in watch for p in d.rglob("*") if p.is_file()}
+    sealed.seal(src, tmp_path / "weights.sealed", key)
+    data = sealed.unseal_to_memory(tmp_path / "weights.sealed", key)
+    with sealed.memory_file(data) as path:
+        assert Path(path).read_bytes() == src.read_bytes()
+        assert path.startswith("/proc/self/fd/")  # memfd: no file on any disk
+    changed = [p for d in watch for p in d.rglob("*")
+               if p.is_file() and before.get(p) != p.stat().st_mtime_ns]  # fmt: skip
+    assert changed  # the sealed file itself
+    for p in changed:
+        blob = p.read_bytes()
+        assert not any(f in blob for f in forms), f"the weight key was written to {p}"
