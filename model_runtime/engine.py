@@ -97,7 +97,8 @@ class Engine:
         if kv_blocks is None:
             kv_blocks = max(64, math.ceil(max_batch * 1280 / block_size))
         self.pool = BlockPool(kv_blocks, block_size)
-        self.kv = KVCache(self.model.args, kv_blocks * block_size, self.model.dtype, "cpu")
+        self.device = self.model.device
+        self.kv = KVCache(self.model.args, kv_blocks * block_size, self.model.dtype, self.device)
         self.max_batch_limit = max_batch
         self.max_batch = max_batch  # adaptive, 1..max_batch_limit
         self.max_queue = max_queue
@@ -242,21 +243,28 @@ class Engine:
                     )
                     if self._stop and not self._cancels:
                         return
-                self._apply_cancels()
-                self._admit()
-                t0 = time.monotonic()
-                busy = bool(self._running)
-                if self._prefilling:
-                    self._guarded(self._prefilling[:1], self._prefill_step)
-                if self._running:
-                    self._guarded(list(self._running), self._decode_step)
-                if busy:
-                    self._record_tpot(time.monotonic() - t0)
+                try:
+                    self._iteration()
+                except Exception as e:  # a scheduler bug fails the requests, not the thread
+                    for r in [*self._prefilling, *self._running]:
+                        self._finish(r, "error", error=f"engine: {type(e).__name__}: {e}")
                 with self._lock:
                     if self._waiting and not (self._running or self._prefilling):
                         # blocked on KV blocks with nothing running cannot happen (validated),
                         # but never spin: wait for a change
                         self._lock.wait(timeout=0.01)
+
+    def _iteration(self) -> None:
+        self._apply_cancels()
+        self._admit()
+        t0 = time.monotonic()
+        busy = bool(self._running)
+        if self._prefilling:
+            self._guarded(self._prefilling[:1], self._prefill_step)
+        if self._running:
+            self._guarded(list(self._running), self._decode_step)
+        if busy:
+            self._record_tpot(time.monotonic() - t0)
 
     def _guarded(self, reqs: list[_Request], step: Callable) -> None:
         try:
@@ -309,25 +317,27 @@ class Engine:
         n_prompt = len(req.params.prompt_ids)
         start = c.written
         n = min(PREFILL_CHUNK, n_prompt - start)
-        lay = layout_prefill(c, start, n, self.block_size)
-        tokens = torch.tensor([req.params.prompt_ids[start : start + n]])
+        lay = layout_prefill(c, start, n, self.block_size).to(self.device)
+        tokens = torch.tensor([req.params.prompt_ids[start : start + n]], device=self.device)
         logits = self.model(tokens, self.kv, lay)
         c.written += n
         self._register_full_blocks(req)
         if c.written == n_prompt:
             self._prefilling.remove(req)
             self._running.append(req)
-            self._accept_token(req, logits[0])
+            self._accept_token(req, logits[0].cpu())
 
     def _decode_step(self, reqs: list[_Request]) -> None:
         self._batch_size = len(reqs)
         seqs = [r.cache for r in reqs]
-        lay = layout_decode(seqs, self.block_size)
-        tokens = torch.tensor([[r.pending] for r in reqs])
+        lay = layout_decode(seqs, self.block_size).to(self.device)
+        tokens = torch.tensor([[r.pending] for r in reqs], device=self.device)
         logits = self.model(tokens, self.kv, lay)
         greedy = None
         if all(r.params.temperature <= 0 for r in reqs):
             greedy = logits.argmax(-1).tolist()
+        if greedy is None:
+            logits = logits.cpu()
         for i, r in enumerate(reqs):
             r.cache.written += 1
             self._register_full_blocks(r)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from model_runtime.kvcache import SeqCache, layout_decode, layout_prefill
@@ -9,9 +11,16 @@ from model_runtime.model import KVCache
 
 
 @torch.inference_mode()
-def greedy(loaded, prompts: list[list[int]], max_new_tokens: int, stop: bool = True):
+def greedy(
+    loaded,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop: bool = True,
+    step_times: list[float] | None = None,
+):
     """Greedy continuation of each prompt (prefilled one by one, decoded as one batch).
-    Returns the generated ids per prompt (without the stop token)."""
+    Returns the generated ids per prompt (without the stop token); appends the wall time of
+    every decode step to `step_times` when given."""
     model, bs = loaded.model, 16
     per_seq = -(-(max(map(len, prompts)) + max_new_tokens) // bs)
     kv = KVCache(model.args, per_seq * bs * len(prompts), model.dtype)
@@ -30,10 +39,13 @@ def greedy(loaded, prompts: list[list[int]], max_new_tokens: int, stop: bool = T
             out[i].append(nxt[i])
         if not live or step == max_new_tokens - 1:
             break
+        t0 = time.perf_counter()
         logits = model(
             torch.tensor([[nxt[i]] for i in live]), kv, layout_decode([seqs[i] for i in live], bs)
         )
-        for j, i in enumerate(live):
-            seqs[i].written += 1
-            nxt[i] = int(logits[j].argmax())
+        for j, tok in enumerate(logits.argmax(-1).tolist()):
+            seqs[live[j]].written += 1
+            nxt[live[j]] = tok
+        if step_times is not None:
+            step_times.append(time.perf_counter() - t0)
     return out

@@ -45,6 +45,13 @@ class BatchLayout:
     mask: torch.Tensor | None  # bool [B, 1, T, L], None when every slot is valid and causal
     last_idx: torch.Tensor | None = None  # int64 [B] which of the T positions gets logits
 
+    def to(self, device) -> BatchLayout:
+        if torch.device(device).type == "cpu":
+            return self
+        return BatchLayout(
+            *(None if t is None else t.to(device, non_blocking=True) for t in vars(self).values())
+        )
+
 
 class KVCache(nn.Module):
     """K and V for every layer, indexed by slot (block * block_size + offset)."""
