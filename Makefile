@@ -31,5 +31,9 @@ test: $(STAMP) lint generated
 bench: $(STAMP)
 	$(BIN)/python -m bench
 
+# Faults, kills and overload on real processes (about 3 minutes); writes RELIABILITY.md.
+chaos: $(STAMP)
+	$(BIN)/python -m tests.chaos
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

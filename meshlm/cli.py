@@ -10,7 +10,8 @@ import sys
 # subcommand -> module with `add_arguments(parser)` and `run(args) -> int`
 COMMANDS: dict[str, tuple[str, str]] = {
     "xds-server": ("meshlm.cmd_xds", "run the xDS control plane"),
-    "status": ("meshlm.cmd_status", "show sync status of every sidecar"),
+    "status": ("meshlm.cmd_status", "show sync status of every sidecar and rollout"),
+    "apply": ("meshlm.cmd_apply", "push a changed mesh file to a running control plane"),
     "serve": ("meshlm.cmd_serve", "serve a model over gRPC"),
     "generate": ("meshlm.cmd_generate", "stream a generation from a runtime or sidecar"),
     "policy": ("meshlm.cmd_policy", "compile or test the authz policy"),

@@ -4,6 +4,7 @@
   GET  /debug/config_dump                         the snapshots being served
   POST /v1/services/{s}/weights                   {"v1": 90, "v2": 10}
   POST /v1/services/{s}/versions/{v}/endpoints    {"add": "host:port"} or {"remove": "host:port"}
+  POST /v1/mesh                                   a whole mesh file (YAML); keeps live weights
 
 Mutations need `Authorization: Bearer <token>` and answer once every affected sidecar ACKed
 (200), or a sidecar NACKed (409), or the timeout passed (504, naming the sidecars still behind);
@@ -25,7 +26,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import yaml
+
 from xds_server.control_plane import ApplyResult, ControlPlane
+from xds_server.mesh import parse_mesh
 
 log = logging.getLogger(__name__)
 # (method, path, body) -> (status, JSON-able reply)
@@ -90,6 +94,8 @@ class AdminServer:
         for prefix, mount in self.mounts.items():
             if url.path == prefix or url.path.startswith(prefix.rstrip("/") + "/"):
                 return mount(method, target, body)
+        if method == "POST" and parts == ["v1", "mesh"]:
+            return self._apply_mesh(body, query)
         if method != "POST" or parts[:2] != ["v1", "services"] or len(parts) < 4:
             return 404, {"error": f"no such endpoint: {method} {url.path}"}
         try:
@@ -115,6 +121,17 @@ class AdminServer:
         except ValueError as e:  # MeshError, or a snapshot the sidecars could not take
             return 400, {"error": str(e)}
         return 404, {"error": f"no such endpoint: {method} {url.path}"}
+
+    def _apply_mesh(self, body: bytes, query: dict[str, list[str]]) -> tuple[int, Any]:
+        """`POST /v1/mesh` with a mesh file (YAML or JSON): `meshlm apply`."""
+        try:
+            timeout = float(query.get("timeout", ["10"])[0])
+            mesh = parse_mesh(yaml.safe_load(body or b""))
+            return _outcome(self.cp.apply_mesh(mesh, timeout=timeout))
+        except yaml.YAMLError as e:
+            return 400, {"error": f"mesh: not YAML: {e}"}
+        except ValueError as e:  # MeshError names the field; nothing was pushed
+            return 400, {"error": str(e)}
 
     def authorized(self, header: str | None) -> bool:
         scheme, _, presented = (header or "").partition(" ")

@@ -172,6 +172,20 @@ class ControlPlane:
                 return None
             return self._apply(self.mesh.with_pins(service, stable, canary), timeout)
 
+    def apply_mesh(self, mesh: m.Mesh, *, timeout: float = 10.0) -> ApplyResult:
+        """A new mesh file (tenants, endpoints, resilience...) that keeps the live traffic split:
+        weights and `x-canary` pins of a service whose versions are unchanged belong to the
+        weights API and rollouts, not to whatever the file said when it was written."""
+        with self._mutate:
+            for name, svc in mesh.services.items():
+                live = self.mesh.services.get(name)
+                if live is None or set(live.versions) != set(svc.versions):
+                    continue
+                mesh = mesh.with_weights(name, dict(live.route.weights))
+                if live.route.pins:
+                    mesh = mesh.with_pins(name, *live.route.pins)
+            return self._apply(mesh, timeout)
+
     def update_mesh(self, mesh: m.Mesh, *, timeout: float = 10.0) -> ApplyResult:
         with self._mutate:
             return self._apply(mesh, timeout)
