@@ -58,9 +58,9 @@ class KVCache(nn.Module):
 
     def __init__(self, args: ModelArgs, n_slots: int, dtype: torch.dtype, device="cpu"):
         super().__init__()
-        shape = (args.n_layers, n_slots, args.n_kv_heads, args.head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        # K and V side by side per slot: one gather and one scatter per layer and step
+        shape = (args.n_layers, n_slots, 2, args.n_kv_heads, args.head_dim)
+        self.register_buffer("kv", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
 
 def rope_table(args: ModelArgs) -> torch.Tensor:
@@ -100,15 +100,18 @@ class Attention(nn.Module):
                 enable_gqa=True,
             )
         else:
-            kc, vc = cache.k[layer], cache.v[layer]
-            kc.index_copy_(0, lay.write_slots, k.reshape(B * T, self.n_kv, self.hd))
-            vc.index_copy_(0, lay.write_slots, v.reshape(B * T, self.n_kv, self.hd))
+            kv = cache.kv[layer]
+            kv.index_copy_(
+                0, lay.write_slots, torch.stack([k, v], dim=2).view(B * T, 2, *k.shape[2:])
+            )
             L = lay.gather_slots.shape[1]
-            flat = lay.gather_slots.view(-1)
-            ks = kc.index_select(0, flat).view(B, L, self.n_kv, self.hd).transpose(1, 2)
-            vs = vc.index_select(0, flat).view(B, L, self.n_kv, self.hd).transpose(1, 2)
+            g = kv.index_select(0, lay.gather_slots.view(-1)).view(B, L, 2, self.n_kv, self.hd)
             y = F.scaled_dot_product_attention(
-                q.transpose(1, 2), ks, vs, attn_mask=lay.mask, enable_gqa=True
+                q.transpose(1, 2),
+                g[:, :, 0].transpose(1, 2),
+                g[:, :, 1].transpose(1, 2),
+                attn_mask=lay.mask,
+                enable_gqa=True,
             )
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
 
@@ -166,6 +169,14 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
+    def _layers(self, h, freqs, cache, lay, guard: LayerGuard | None) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            out = layer(h, freqs, i, cache, lay)
+            if guard is not None:
+                out = guard(i, layer, h, out, functools.partial(layer, h, freqs, i, cache, lay))
+            h = out
+        return h
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -179,13 +190,12 @@ class Transformer(nn.Module):
             freqs = self.freqs[:T].view(1, T, 1, -1)
         else:
             freqs = self.freqs[lay.input_pos].unsqueeze(2)
-        h = self.tok_embeddings(tokens)
-        for i, layer in enumerate(self.layers):
-            out = layer(h, freqs, i, cache, lay)
-            if self.guard is not None:
-                redo = functools.partial(layer, h, freqs, i, cache, lay)
-                out = self.guard(i, layer, h, out, redo)
-            h = out
+        h0 = self.tok_embeddings(tokens)
+        h = self._layers(h0, freqs, cache, lay, None)
+        if self.guard is not None and not bool(torch.isfinite(h).all()):
+            # rare: run again checking every layer, so the guard can repair the one at fault
+            # (the re-run rewrites the same KV slots)
+            h = self._layers(h0, freqs, cache, lay, self.guard)
         if not all_logits:
             if lay is not None and lay.last_idx is not None:
                 h = h[torch.arange(B), lay.last_idx]
