@@ -44,7 +44,7 @@ class Supervisor:
         concurrency: int = 1,
         drain_time_s: float = 2.0,
         poll_interval: float = 0.5,
-        backoff: tuple[float, float] = (0.5, 15.0),
+        backoff: tuple[float, float] = (0.2, 15.0),
         on_event: Callable[[str], None] | None = None,
     ) -> None:
         self.node_id = node_id
@@ -125,13 +125,11 @@ class Supervisor:
             self._shutdown_envoy()
             self.restarts += 1
             # Backoff resets once an Envoy stayed up for a minute (a crash loop is not).
-            delay = (
-                self.backoff[0]
-                if time.monotonic() - started > 60
-                else min(delay * 2, self.backoff[1])
-            )
+            if time.monotonic() - started > 60:
+                delay = self.backoff[0]
             self.on_event(f"restarting envoy in {delay:.1f}s")
             self._stop.wait(delay)
+            delay = min(delay * 2, self.backoff[1])
 
     def _watch(self) -> None:
         """Returns when Envoy died or must be replaced (LKG mode and control plane is back)."""
