@@ -23,14 +23,17 @@ from model_runtime.perplexity import perplexity, stdlib_text
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 
 
-def _decode_tps(lm, batch: int, n: int) -> float:
-    """Decode tokens/s of the whole batch: batch / median decode-step time (the median keeps
-    a noisy shared machine's stalls out; prefill is not counted)."""
+def _decode_tps(lm, batch: int, n: int, repeats: int = 3) -> float:
+    """Decode tokens/s of the whole batch: batch / median decode-step time, best of `repeats`
+    runs (the median and the best run keep a shared machine's stalls out; no prefill)."""
     ids = lm.tokenizer.encode_chat(STORY)
     generate.greedy(lm, [ids] * batch, 3, stop=False)  # warm up
-    steps: list[float] = []
-    generate.greedy(lm, [ids] * batch, n, stop=False, step_times=steps)
-    return batch / _pct(steps, 50)
+    best = 0.0
+    for _ in range(repeats):
+        steps: list[float] = []
+        generate.greedy(lm, [ids] * batch, n, stop=False, step_times=steps)
+        best = max(best, batch / _pct(steps, 50))
+    return best
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -142,8 +145,20 @@ def main(quick: bool) -> str:
         "",
     ]
     lm = load(precision="int4")
-    with_guard = _decode_tps(lm, 1, n_dec)
-    lines += [f"Non-finite guard on (int4, batch 1): {with_guard:.1f} tok/s.", ""]
+    guard, on, off = lm.model.guard, 0.0, 0.0
+    for _ in range(2):  # interleaved, so drift in machine load hits both alike
+        lm.model.guard = guard
+        on = max(on, _decode_tps(lm, 1, n_dec, repeats=1))
+        lm.model.guard = None
+        off = max(off, _decode_tps(lm, 1, n_dec, repeats=1))
+    lm.model.guard = guard
+    lines += [
+        f"Non-finite guard (int4, batch 1): on {on:.1f} tok/s, off {off:.1f} tok/s (it checks "
+        "the final hidden state once per step and re-runs layer by layer only on inf/nan).",
+        "torch.compile (inductor, CPU) was tried on the decode step: ~90 s to compile on this "
+        "machine and slower than eager (complex RoPE falls back), so it is not used.",
+        "",
+    ]
     rates = (0.5, 2.0) if quick else (0.5, 1.5, 4.0)
     n_req, max_new = (6, 16) if quick else (24, 48)
     lines += [
