@@ -12,7 +12,7 @@ from torch import nn
 from model_runtime import sealed
 from model_runtime.gguf_loader import Q4_1, default_gguf_path, read_gguf
 from model_runtime.model import ModelArgs, Transformer, rope_table
-from model_runtime.quant import Int4Linear, Int8Linear, NonFiniteGuard
+from model_runtime.quant import Int4Linear, Int8Linear, NonFiniteGuard, TiedInt8Embedding
 from model_runtime.tokenizer import Tokenizer
 
 PRECISIONS = ("int4", "bf16", "fp16", "fp32")
@@ -104,6 +104,8 @@ def build_model(
     if int4 and head_bits == 8:
         w = head.dequantize() if isinstance(head, Q4_1) else head
         model.output = Int8Linear.from_dense(w, dtype, keep_dense=keep_dense)
+        if "output.weight" not in tensors:
+            model.tok_embeddings = TiedInt8Embedding(model.output)
     elif not int4 and "output.weight" not in tensors:
         model.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         model.output.weight = model.tok_embeddings.weight  # tied: one tensor, not two

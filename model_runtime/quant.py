@@ -118,6 +118,23 @@ class Int8Linear(nn.Module):
         return self.q.numel() + self.scales.numel() * 2
 
 
+class TiedInt8Embedding(nn.Module):
+    """Token embeddings read from the int8 output head they are tied to (no second copy)."""
+
+    def __init__(self, head: Int8Linear):
+        super().__init__()
+        self.head = [head]  # a list: not registered twice as a submodule
+        self.embedding_dim = head.in_features
+
+    @property
+    def weight(self) -> torch.Tensor:  # dtype/device probes only
+        return self.head[0].scales
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.head[0]
+        return h.q[tokens].to(h.scales.dtype) * h.scales[tokens].unsqueeze(-1)
+
+
 def quantize_dense_linears(model: nn.Module, group_size: int, keep_dense: bool = False) -> None:
     """Replace every nn.Linear (output head included) by an Int4Linear re-quantized from it."""
     for mod in list(model.modules()):
