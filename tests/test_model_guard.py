@@ -8,20 +8,22 @@ recompute that layer densely, count it, and the answer must stay right.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from model_runtime import generate
 from model_runtime.engine import Engine, GenerateParams
-from model_runtime.loader import load
 from model_runtime.quant import Int4Linear
+from tests.runtime_fixtures import cached_model
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
 
 
 @pytest.fixture(scope="module")
 def poisoned():
-    lm = load(precision="int4")
+    lm = copy.deepcopy(cached_model("int4"))  # a private copy: the shared one stays intact
     layer = lm.model.layers[3]
     w = layer.attention.wqkv.dequantize().float()
     w[:, 64], w[:, 65] = 3e38, -3e38
