@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
@@ -85,3 +87,40 @@ def test_native_mode_needs_a_keys_file() -> None:
                 "authz": {"mode": "native"},
             }
         )
+
+
+def test_native_mode_from_the_control_plane_enforces_the_same_policy(tmp_path) -> None:
+    """The non-Wasm fallback: Envoy's own filters, pushed over LDS, give the same decisions."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("acme: demo-acme-key\nfree: demo-free-key\n")
+    keys.chmod(0o600)
+    with upstreams("runtime") as ups:
+        runtime = ups["runtime"].address
+        raw = {
+            "services": {"llm": {"versions": {"v1": {"endpoints": [runtime]}}}},
+            "tenants": TENANTS,
+            "authz": {"mode": "native", "keys_file": str(keys)},
+        }
+        cp = ControlPlane(parse_mesh(raw), debounce=0.02).start()
+        port = free_port()
+        b = ads_bootstrap(
+            "runtime-side-native",
+            xds_address=("127.0.0.1", cp.grpc_port),
+            service="llm",
+            version="v1",
+            inbound_port=port,
+            local_endpoint=runtime,
+        )
+        try:
+            with EnvoyProcess(b) as envoy, grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                assert _call(ch, GENERATE, "demo-acme-key") == "runtime"
+                assert _call(ch, GENERATE, "demo-free-key") == "runtime"
+                assert _call(ch, GENERATE, None) == "UNAUTHENTICATED"
+                assert _call(ch, GENERATE, "not-a-key") == "UNAUTHENTICATED"
+                assert _call(ch, TOKENIZE, "demo-free-key") == "PERMISSION_DENIED"
+                assert "ECDS" not in cp.syncz()["nodes"]["runtime-side-native"]["types"]
+                # Envoy holds the plaintext keys (the native trade-off) but never shows them.
+                assert "demo-acme-key" not in json.dumps(envoy.config_dump())
+                assert "demo-acme-key" not in json.dumps(cp.config_dump())
+        finally:
+            cp.stop()

@@ -16,6 +16,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
@@ -266,7 +267,8 @@ class ControlPlane:
                         t.SHORT.get(tu, tu): {
                             "version": res.version,
                             "resources": {
-                                n: json_format.MessageToDict(a) for n, a in res.items.items()
+                                n: redact(json_format.MessageToDict(a))
+                                for n, a in res.items.items()
                             },
                         }
                         for tu, res in snap.types.items()
@@ -279,6 +281,24 @@ class ControlPlane:
             "generation": self.cache.generation,
             "groups": groups,
         }
+
+
+# Configs that carry plaintext credentials (native authz mode): the admin API is readable
+# without a token, so their secrets are shown as Envoy shows sensitive fields.
+_SECRET_FIELDS = {"ApiKeyAuth": "credentials", "ApiKeyAuthPerRoute": "credentials"}
+
+
+def redact(doc: Any) -> Any:
+    """A config-dump dict with plaintext credentials replaced by "[redacted]"."""
+    if isinstance(doc, list):
+        return [redact(x) for x in doc]
+    if not isinstance(doc, dict):
+        return doc
+    out = {k: redact(v) for k, v in doc.items()}
+    field = _SECRET_FIELDS.get(str(doc.get("@type", "")).rsplit(".", 1)[-1])
+    if field and isinstance(out.get(field), list):
+        out[field] = [{**c, "key": "[redacted]"} for c in out[field] if isinstance(c, dict)]
+    return out
 
 
 def _b36(n: int) -> str:
