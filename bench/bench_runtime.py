@@ -6,8 +6,11 @@ under Poisson load with continuous vs static batching, and llama.cpp on the same
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -83,28 +86,46 @@ def _poisson_load(lm, rate: float, n_req: int, static: bool, max_new: int) -> di
     }
 
 
+_PEER = """
+import sys, time
+from llama_cpp import Llama
+path, n, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = Llama(path, n_ctx=1024, n_threads=threads, verbose=False)
+prompt = ("<|im_start|>user\\nWrite a long story about a dragon and a knight.<|im_end|>\\n"
+          "<|im_start|>assistant\\n")
+llm(prompt, max_tokens=4)
+t = time.perf_counter()
+out = llm(prompt, max_tokens=n, temperature=0.0)
+print(out["usage"]["completion_tokens"] / (time.perf_counter() - t))
+"""
+
+
 def _llama_cpp(quick: bool) -> str:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
+    """The peer runs in a child process: a llama.cpp build for another CPU dies of SIGILL."""
+    if importlib.util.find_spec("llama_cpp") is None:
         return (
             "llama.cpp peer: **not installed** (`pip install -e '.[bench-peer]'` builds "
             "llama-cpp-python from source, many minutes on 2 cores). Recorded on this kind of "
             "machine earlier (DESIGN.md): ~115 tokens/s at batch 1, perplexity 10.37 (6x512)."
         )
-    from llama_cpp import Llama
-
-    llm = Llama(
-        str(default_gguf_path()), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False
+    args = [str(default_gguf_path()), "32" if quick else "128", str(torch.get_num_threads())]
+    try:
+        p = subprocess.run(
+            [sys.executable, "-c", _PEER, *args], capture_output=True, text=True, timeout=600
+        )
+    except subprocess.TimeoutExpired:
+        return "llama.cpp peer: timed out after 600 s"
+    if p.returncode != 0:
+        why = f"signal {-p.returncode}" if p.returncode < 0 else f"exit {p.returncode}"
+        return (
+            f"llama.cpp peer: llama-cpp-python is installed but crashed ({why}; SIGILL = built "
+            "for instructions this CPU lacks). Recorded on this kind of machine earlier "
+            "(DESIGN.md): ~115 tokens/s at batch 1, perplexity 10.37 (6x512)."
+        )
+    tps = float(p.stdout.strip().splitlines()[-1])
+    return (
+        f"llama.cpp peer (llama-cpp-python, same GGUF, same threads): {tps:.1f} tokens/s at batch 1"
     )
-    prompt = "<|im_start|>user\nWrite a long story about a dragon and a knight.<|im_end|>\n"
-    llm(prompt + "<|im_start|>assistant\n", max_tokens=4)
-    n = 32 if quick else 128
-    t = time.perf_counter()
-    out = llm(prompt + "<|im_start|>assistant\n", max_tokens=n, temperature=0.0)
-    dt = time.perf_counter() - t
-    got = out["usage"]["completion_tokens"]
-    return f"llama.cpp peer (llama-cpp-python, same GGUF): {got / dt:.1f} tokens/s at batch 1"
 
 
 def main(quick: bool) -> str:
