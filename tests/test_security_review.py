@@ -121,21 +121,37 @@ def test_plaintext_keys_never_in_dumps_stats_or_logs(tmp_path) -> None:
     assert hash_key(KEY) in texts["control plane config_dump"]  # the dump is real
 
 
+def _mtimes(dirs: list[Path]) -> dict[Path, int]:
+    """Files under `dirs` and their mtimes; other processes' temp files may vanish meanwhile."""
+    out = {}
+    for d in dirs:
+        for root, _, names in os.walk(d):  # os.walk skips directories that vanish
+            for name in names:
+                p = Path(root, name)
+                try:
+                    out[p] = p.stat().st_mtime_ns
+                except OSError:
+                    pass
+    return out
+
+
 def test_sealed_weights_key_never_written_to_disk(tmp_path) -> None:
     key = sealed.new_key()
     forms = [key, key.hex().encode(), __import__("base64").b64encode(key)]
     src = tmp_path / "weights.bin"
     src.write_bytes(os.urandom(4096))
     watch = [tmp_path, Path(tempfile.gettempdir())]
-    before = {p: p.stat().st_mtime_ns for d in watch for p in d.rglob("*") if p.is_file()}
+    before = _mtimes(watch)
     sealed.seal(src, tmp_path / "weights.sealed", key)
     data = sealed.unseal_to_memory(tmp_path / "weights.sealed", key)
     with sealed.memory_file(data) as path:
         assert Path(path).read_bytes() == src.read_bytes()
         assert path.startswith("/proc/self/fd/")  # memfd: no file on any disk
-    changed = [p for d in watch for p in d.rglob("*")
-               if p.is_file() and before.get(p) != p.stat().st_mtime_ns]  # fmt: skip
+    changed = [p for p, t in _mtimes(watch).items() if before.get(p) != t]
     assert changed  # the sealed file itself
     for p in changed:
-        blob = p.read_bytes()
+        try:
+            blob = p.read_bytes()
+        except OSError:
+            continue  # another process's temp file, gone already
         assert not any(f in blob for f in forms), f"the weight key was written to {p}"
