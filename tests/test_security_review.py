@@ -128,10 +128,8 @@ def _mtimes(dirs: list[Path]) -> dict[Path, int]:
         for root, _, names in os.walk(d):  # os.walk skips directories that vanish
             for name in names:
                 p = Path(root, name)
-                try:
+                with contextlib.suppress(OSError):
                     out[p] = p.stat().st_mtime_ns
-                except OSError:
-                    pass
     return out
 
 
