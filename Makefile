@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint generated bench chaos clean
+.PHONY: demo test lint generated bench bench-peer chaos clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,13 @@ test: $(STAMP) lint generated
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# The runtime benchmark's peer: llama.cpp, built from source (~10 min on 2 cores). Portable
+# x86-64 flags, AMX off: a native build can die with SIGILL where a VM hides AMX tile state.
+bench-peer: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" \
+	  $(BIN)/pip install -q -e '.[bench-peer]'
 
 # Faults, kills and overload on real processes (about 3 minutes); writes RELIABILITY.md.
 chaos: $(STAMP)
