@@ -31,8 +31,8 @@ test: $(STAMP) lint generated
 bench: $(STAMP)
 	$(BIN)/python -m bench
 
-# The runtime benchmark's peer: llama.cpp, built from source (~10 min on 2 cores). Portable
-# x86-64 flags, AMX off: a native build can die with SIGILL where a VM hides AMX tile state.
+# The runtime benchmark's peer: llama.cpp, built from source (~10 min on 2 cores) for this kind
+# of machine (AVX-512), AMX off: the native build dies with SIGILL where a VM hides AMX state.
 bench-peer: $(STAMP)
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" \
