@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 import bench
@@ -32,7 +34,14 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     args = p.parse_args()
     RESULTS.mkdir(exist_ok=True)
-    for area in args.area or areas():
+    chosen = args.area or areas()
+    for area in chosen:
+        if len(chosen) > 1:
+            # Each area in a fresh process: one area's imports and models (torch, ~400 MiB)
+            # must not show up in another's memory figures.
+            cmd = [sys.executable, "-m", "bench", area] + (["--quick"] if args.quick else [])
+            subprocess.run(cmd, check=True)
+            continue
         mod = importlib.import_module(f"bench.bench_{area}")
         section = mod.main(quick=args.quick)
         (RESULTS / f"{area}.md").write_text(section.rstrip() + "\n")
