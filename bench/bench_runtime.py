@@ -137,8 +137,8 @@ def main(quick: bool) -> str:
         "",
         f"Machine: {describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads.",
         f"Command: `python -m bench runtime{' --quick' if quick else ''}`.",
-        f"Load average at start {load0[0]:.1f} (the machine is shared with other engineers' "
-        "builds and tests: absolute speeds are depressed and noisy; ratios measured in one run).",
+        f"Load average at start {load0[0]:.1f} (on a busy machine absolute speeds drop; the "
+        "ratios are measured in one run).",
         "",
         "| precision | weights MiB | decode tok/s batch 1 | decode tok/s batch 8 (total) | "
         f"perplexity ({n_win}x{win} tokens, pydoc_data/topics.py) |",

@@ -242,8 +242,8 @@ def main(quick: bool = False) -> str:
     lines = [
         "## xDS control plane (`xds_server`)",
         "",
-        f"Machine: {describe()}. Load average at the end: {load:.1f} — the machine is shared "
-        "with other engineers' builds and tests while this ran, so absolute times are pessimistic.",
+        f"Machine: {describe()}. Load average at the end: {load:.1f} (simulated sidecars and "
+        "control plane share the 2 cores, so absolute times are pessimistic).",
         "",
         f"Command: `python -m bench xds{' --quick' if quick else ''}`",
         "",
