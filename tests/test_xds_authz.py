@@ -43,20 +43,26 @@ def _call(channel: grpc.Channel, method: str, key: str | None) -> str:
         return e.code().name
 
 
+def _inbound(cp: ControlPlane, node_id: str, runtime: str) -> tuple[dict, int]:
+    """The bootstrap of a runtime-side sidecar for llm/v1 in front of `runtime`, and its port."""
+    port = free_port()
+    b = ads_bootstrap(
+        node_id,
+        xds_address=("127.0.0.1", cp.grpc_port),
+        service="llm",
+        version="v1",
+        inbound_port=port,
+        local_endpoint=runtime,
+    )
+    return b, port
+
+
 def test_inbound_listener_enforces_the_policy_from_ecds() -> None:
     with upstreams("runtime") as ups:
         runtime = ups["runtime"].address
         cp = ControlPlane(_mesh(runtime, TENANTS), debounce=0.02).start()
         assert cp.mesh.authz.mode == "wasm"  # the default once tenants exist
-        port = free_port()
-        b = ads_bootstrap(
-            "runtime-side-1",
-            xds_address=("127.0.0.1", cp.grpc_port),
-            service="llm",
-            version="v1",
-            inbound_port=port,
-            local_endpoint=runtime,
-        )
+        b, port = _inbound(cp, "runtime-side-1", runtime)
         try:
             with EnvoyProcess(b) as envoy, grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
                 assert _call(ch, GENERATE, "demo-acme-key") == "runtime"
@@ -102,15 +108,7 @@ def test_native_mode_from_the_control_plane_enforces_the_same_policy(tmp_path) -
             "authz": {"mode": "native", "keys_file": str(keys)},
         }
         cp = ControlPlane(parse_mesh(raw), debounce=0.02).start()
-        port = free_port()
-        b = ads_bootstrap(
-            "runtime-side-native",
-            xds_address=("127.0.0.1", cp.grpc_port),
-            service="llm",
-            version="v1",
-            inbound_port=port,
-            local_endpoint=runtime,
-        )
+        b, port = _inbound(cp, "runtime-side-native", runtime)
         try:
             with EnvoyProcess(b) as envoy, grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
                 assert _call(ch, GENERATE, "demo-acme-key") == "runtime"
