@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import threading
 from pathlib import Path
+
+from meshlm.signals import termination_event
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,9 +71,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = None
     if args.metrics_port is not None:
         metrics = MetricsServer(runtime.telemetry, args.metrics_port)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = termination_event()
     # One parseable line for launchers: the bound ports (either may have been 0).
     print(
         f"meshlm serve: grpc {runtime.target} metrics {metrics.port if metrics else '-'} "

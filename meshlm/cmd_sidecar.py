@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
+
+from meshlm.signals import termination_event
 
 
 def _hostport(value: str) -> tuple[str, int]:
@@ -87,9 +87,7 @@ def run(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         on_event=lambda msg: print(f"sidecar {node_id}: {msg}", flush=True),
     )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = termination_event()
     sv.start()
     stop.wait()
     sv.stop()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
+
+from meshlm.signals import termination_event
 
 TOKEN_ENV = "MESHLM_ADMIN_TOKEN"
 
@@ -69,9 +69,7 @@ def run(args: argparse.Namespace) -> int:
         f"admin on {admin.url} (token {token_note}), debounce {cp.debounce * 1000:.0f} ms",
         flush=True,
     )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = termination_event()
     stop.wait()
     rollouts.close()
     admin.stop()
