@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sidecar.process_group import stop_group
+
 _ALL: list[Proc] = []
 
 
@@ -51,17 +53,8 @@ class Proc:
         return self.popen is not None and self.popen.poll() is None
 
     def stop(self, timeout: float = 15.0, sig: int = signal.SIGTERM) -> None:
-        if not self.alive():
-            return
-        assert self.popen is not None
-        try:
-            os.killpg(self.popen.pid, sig)
-            self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait()
-        except ProcessLookupError:
-            pass
+        if self.popen is not None:
+            stop_group(self.popen, timeout, sig)
 
     def tail(self, n: int = 20) -> str:
         try:

