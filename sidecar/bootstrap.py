@@ -73,38 +73,38 @@ def ads_bootstrap(
             "lds_config": ads,
             "cds_config": ads,
         },
-        "static_resources": {
-            "clusters": [
+        "static_resources": {"clusters": [static_cluster(XDS_CLUSTER, host, port)]},
+    }
+
+
+def static_cluster(
+    name: str, host: str, port: int, *, http2: bool = True, connect_timeout: str = "1s"
+) -> dict[str, Any]:
+    """A STATIC cluster of one endpoint, HTTP/2 upstream (gRPC) unless `http2` is False."""
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": connect_timeout,
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
                 {
-                    "name": XDS_CLUSTER,
-                    "type": "STATIC",
-                    "connect_timeout": "1s",
-                    "typed_extension_protocol_options": {
-                        _HTTP_OPTIONS: {
-                            "@type": "type.googleapis.com/" + _HTTP_OPTIONS,
-                            "explicit_http_config": {"http2_protocol_options": {}},
-                        }
-                    },
-                    "load_assignment": {
-                        "cluster_name": XDS_CLUSTER,
-                        "endpoints": [
-                            {
-                                "lb_endpoints": [
-                                    {
-                                        "endpoint": {
-                                            "address": {
-                                                "socket_address": {
-                                                    "address": host,
-                                                    "port_value": port,
-                                                }
-                                            }
-                                        }
-                                    }
-                                ]
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {
+                                "address": {"socket_address": {"address": host, "port_value": port}}
                             }
-                        ],
-                    },
+                        }
+                    ]
                 }
-            ]
+            ],
         },
     }
+    if http2:
+        cluster["typed_extension_protocol_options"] = {
+            _HTTP_OPTIONS: {
+                "@type": "type.googleapis.com/" + _HTTP_OPTIONS,
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return cluster

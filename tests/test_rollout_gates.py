@@ -3,11 +3,10 @@ two real grpcio upstreams, and a real HTTP metrics endpoint."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from model_runtime.telemetry import MetricsServer, Telemetry
+from sidecar.bootstrap import static_cluster
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.ports import free_port
 from tests.rollout_upstreams import Traffic, Upstream
@@ -26,36 +25,6 @@ from xds_server.gates import (
 from xds_server.rollout_spec import Gates
 
 T = "type.googleapis.com/envoy.extensions."
-
-
-def _cluster(name: str, port: int) -> dict[str, Any]:
-    return {
-        "name": name,
-        "type": "STATIC",
-        "connect_timeout": "1s",
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": T + "upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        },
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [
-                {
-                    "lb_endpoints": [
-                        {
-                            "endpoint": {
-                                "address": {
-                                    "socket_address": {"address": "127.0.0.1", "port_value": port}
-                                }
-                            }
-                        }
-                    ]
-                }
-            ],
-        },
-    }
 
 
 def caller_bootstrap(listen: int, stable_port: int, canary_port: int, canary_weight: int) -> dict:
@@ -82,8 +51,8 @@ def caller_bootstrap(listen: int, stable_port: int, canary_port: int, canary_wei
     return {
         "static_resources": {
             "clusters": [
-                _cluster("outbound|llm|v1", stable_port),
-                _cluster("outbound|llm|v2", canary_port),
+                static_cluster("outbound|llm|v1", "127.0.0.1", stable_port),
+                static_cluster("outbound|llm|v2", "127.0.0.1", canary_port),
             ],
             "listeners": [
                 {

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from sidecar.bootstrap import static_cluster
 from sidecar.ports import free_port
 
 HCM = (
@@ -27,12 +28,6 @@ HCM = (
 ROUTER = {
     "name": "envoy.filters.http.router",
     "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
-}
-H2_OPTIONS = {
-    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-        "explicit_http_config": {"http2_protocol_options": {}},
-    }
 }
 
 
@@ -121,33 +116,7 @@ def bootstrap(
     filters = [f if isinstance(f, dict) else filter_dict(f) for f in http_filters]
 
     def cluster(name: str, upstream_port: int, h2: bool) -> dict[str, Any]:
-        c: dict[str, Any] = {
-            "name": name,
-            "type": "STATIC",
-            "connect_timeout": "2s",
-            "load_assignment": {
-                "cluster_name": name,
-                "endpoints": [
-                    {
-                        "lb_endpoints": [
-                            {
-                                "endpoint": {
-                                    "address": {
-                                        "socket_address": {
-                                            "address": "127.0.0.1",
-                                            "port_value": upstream_port,
-                                        }
-                                    }
-                                }
-                            }
-                        ]
-                    }
-                ],
-            },
-        }
-        if h2:
-            c["typed_extension_protocol_options"] = H2_OPTIONS
-        return c
+        return static_cluster(name, "127.0.0.1", upstream_port, http2=h2, connect_timeout="2s")
 
     grpc_match = {"name": "content-type", "string_match": {"prefix": "application/grpc"}}
     routes: list[dict[str, Any]] = [
