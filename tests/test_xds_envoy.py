@@ -4,7 +4,6 @@ weights in real traffic, header pins, NACK handling, restart of the control plan
 from __future__ import annotations
 
 import math
-import threading
 from collections import Counter
 from collections.abc import Iterator
 
@@ -13,7 +12,7 @@ import pytest
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.ports import free_port
-from tests.test_xds_support import Caller, eventually, llm_mesh, sidecar, upstreams
+from tests.test_xds_support import Caller, CallLoop, eventually, llm_mesh, sidecar, upstreams
 from xds_server.control_plane import ControlPlane
 
 
@@ -152,28 +151,13 @@ def test_control_plane_restart_keeps_traffic_and_reconverges() -> None:
         grpc_port = free_port()
         cp = ControlPlane(mesh, debounce=0.02).start(grpc_port)
         envoy, port = sidecar(cp, "restart-1")
-        failures: list[str] = []
-        done = threading.Event()
-        served = Counter()
-
-        def loop() -> None:
-            c = Caller(port)
-            while not done.is_set():
-                try:
-                    served[c.who(timeout=5)] += 1
-                except Exception as e:  # any failed request fails the test
-                    failures.append(repr(e))
-            c.close()
-
         try:
-            with envoy:
-                worker = threading.Thread(target=loop)
-                worker.start()
-                eventually(lambda: sum(served.values()) > 20, what="traffic before restart")
+            with envoy, CallLoop(port) as calls:
+                eventually(lambda: calls.total() > 20, what="traffic before restart")
                 first = cp.incarnation
                 cp.stop(grace=0)
-                n_down = sum(served.values())
-                eventually(lambda: sum(served.values()) > n_down + 20, what="traffic while down")
+                n_down = calls.total()
+                eventually(lambda: calls.total() > n_down + 20, what="traffic while down")
                 cp = ControlPlane(mesh, debounce=0.02).start(grpc_port)
                 assert cp.incarnation != first
                 # Envoy reconnects and ACKs the new incarnation's versions.
@@ -184,15 +168,12 @@ def test_control_plane_restart_keeps_traffic_and_reconverges() -> None:
                     what="reconverged after restart",
                 )
                 assert cp.set_weights("llm", {"v1": 100}, timeout=20).ok
-                n = sum(served.values())
-                eventually(lambda: sum(served.values()) > n + 20, what="traffic after")
-                done.set()
-                worker.join(timeout=10)
+                n = calls.total()
+                eventually(lambda: calls.total() > n + 20, what="traffic after")
         finally:
-            done.set()
             cp.stop()
-        assert failures == []
-        assert served["v1"] and served["v2"]
+        assert calls.failures == []
+        assert calls.served["v1"] and calls.served["v2"]
 
 
 def test_inbound_sidecar_for_unknown_service_is_reported() -> None:
@@ -227,35 +208,16 @@ def test_removing_a_version_under_traffic_fails_no_request(api_type: str) -> Non
     with upstreams("v1", "v2") as ups:
         cp = ControlPlane(llm_mesh(ups, {"v1": 50, "v2": 50}), debounce=0.02).start()
         envoy, port = sidecar(cp, f"mbb-{api_type}", api_type=api_type)
-        failures: list[str] = []
-        served: Counter = Counter()
-        done = threading.Event()
-
-        def loop() -> None:
-            c = Caller(port)
-            while not done.is_set():
-                try:
-                    served[c.who(timeout=5)] += 1
-                except Exception as e:  # any failed request fails the test
-                    failures.append(repr(e))
-            c.close()
-
         try:
-            with envoy:
-                worker = threading.Thread(target=loop)
-                worker.start()
-                try:
-                    eventually(lambda: served["v2"] > 10, what="traffic on v2")
-                    only_v1 = llm_mesh({"v1": ups["v1"]})
-                    assert cp.update_mesh(only_v1, timeout=20).ok
-                    eventually(
-                        lambda: "outbound|llm|v2" not in _clusters(envoy), what="v2 cluster gone"
-                    )
-                    n = served["v1"]
-                    eventually(lambda: served["v1"] > n + 20, what="traffic after removal")
-                finally:
-                    done.set()
-                    worker.join(timeout=10)
+            with envoy, CallLoop(port) as calls:
+                eventually(lambda: calls.served["v2"] > 10, what="traffic on v2")
+                only_v1 = llm_mesh({"v1": ups["v1"]})
+                assert cp.update_mesh(only_v1, timeout=20).ok
+                eventually(
+                    lambda: "outbound|llm|v2" not in _clusters(envoy), what="v2 cluster gone"
+                )
+                n = calls.served["v1"]
+                eventually(lambda: calls.served["v1"] > n + 20, what="traffic after removal")
         finally:
             cp.stop()
-        assert failures == []
+        assert calls.failures == []

@@ -4,7 +4,9 @@ calls through an Envoy listener, and a control plane with sidecars. No tests her
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
@@ -88,6 +90,38 @@ class Caller:
 
     def close(self) -> None:
         self.channel.close()
+
+
+class CallLoop:
+    """Calls `who()` through an Envoy listener in a thread until the `with` block ends,
+    counting answers by upstream name and keeping every failure."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.served: Counter[str] = Counter()
+        self.failures: list[str] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        c = Caller(self.port)
+        while not self._done.is_set():
+            try:
+                self.served[c.who(timeout=5)] += 1
+            except Exception as e:  # any failed request fails the test
+                self.failures.append(repr(e))
+        c.close()
+
+    def total(self) -> int:
+        return sum(self.served.values())
+
+    def __enter__(self) -> CallLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)
 
 
 def llm_mesh(ups: dict[str, Upstream], weights: dict[str, int] | None = None, **extra: Any) -> Mesh:
