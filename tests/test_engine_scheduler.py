@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from model_runtime.engine import Engine, EngineFull, GenerateParams, TokenEvent
-from tests.runtime_fixtures import cached_model
 
 PROMPTS = [
     "What is the capital of France? Answer with one word.",
@@ -60,16 +59,6 @@ def run(engine: Engine, params: list[GenerateParams]) -> list[Stream]:
     for i, (p, s) in enumerate(zip(params, streams, strict=True)):
         engine.submit(f"r{i}-{time.monotonic_ns()}", p, s)
     return [s.wait() for s in streams]
-
-
-@pytest.fixture(scope="module")
-def smollm_bf16():
-    return cached_model("bf16")
-
-
-@pytest.fixture(scope="module")
-def smollm_int4():
-    return cached_model("int4")
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import torch
 from model_runtime import generate
 from model_runtime.loader import load
 from model_runtime.perplexity import perplexity, stdlib_text
-from tests.runtime_fixtures import cached_model
 
 # Prompts where the model is confident (top-1 margin is large at every step).
 CONFIDENT = [
@@ -19,16 +18,6 @@ CONFIDENT = [
 # Perplexity on the first 2 x 256 tokens of pydoc_data/topics.py, measured on this machine:
 # bf16 12.91, int4 (exact Q4_1 remap, int8 head) 12.88, int4 re-quantized at g64 19.27.
 WINDOW, N_WINDOWS = 256, 2
-
-
-@pytest.fixture(scope="module")
-def smollm_bf16():
-    return cached_model("bf16")
-
-
-@pytest.fixture(scope="module")
-def smollm_int4():
-    return cached_model("int4")
 
 
 def greedy_chat(loaded, prompt: str, n: int = 24) -> list[int]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.runtime_fixtures import cached_model
-
 TEXTS = [
     "Hello, world!",
     "  leading spaces and\ttabs\nnewlines\n\n",
@@ -13,11 +11,6 @@ TEXTS = [
     "Unicode: café, naïve, Straße, 東京, Ελληνικά, emoji 🦙🔥👍🏽",
     "def f(x):\n    return x ** 2  # code",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm_int4():
-    return cached_model("int4")
 
 
 @pytest.fixture(scope="module")

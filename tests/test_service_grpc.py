@@ -31,17 +31,6 @@ STORY = [{"role": "user", "content": "Write a long story about a dragon and a kn
 SPANS = InMemorySpanExporter()
 
 
-try:  # the session-scoped model shared with the runtime tests
-    from tests.runtime_fixtures import smollm_int4
-except ImportError:  # pragma: no cover - only until tests/runtime_fixtures.py exists
-
-    @pytest.fixture(scope="session")
-    def smollm_int4():
-        from model_runtime.loader import load
-
-        return load(precision="int4")
-
-
 @pytest.fixture(scope="module")
 def loaded(smollm_int4):
     return smollm_int4
