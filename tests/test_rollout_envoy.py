@@ -109,15 +109,20 @@ def routed_to(target: str, n: int, header: str | None = None) -> dict[str, int]:
     return out
 
 
+def run_rollout(cp, envoy, tmp_path: Path) -> dict:
+    """SPEC from start to a terminal state, measured on `envoy`; the final status."""
+    c = RolloutController(cp, str(tmp_path / "r.json"), sources(envoy), poll_s=0.05)
+    try:
+        c.start(SPEC)
+        return wait_terminal(c)
+    finally:
+        c.close()
+
+
 def test_healthy_canary_is_promoted_through_real_envoy(tmp_path: Path) -> None:
     with Upstream("v1") as v1, Upstream("v2") as v2, caller_mesh(v1, v2) as (cp, envoy, target):
         with Traffic(target, authority="llm") as traffic:
-            c = RolloutController(cp, str(tmp_path / "r.json"), sources(envoy), poll_s=0.05)
-            try:
-                c.start(SPEC)
-                st = wait_terminal(c)
-            finally:
-                c.close()
+            st = run_rollout(cp, envoy, tmp_path)
         assert st["state"] == "Succeeded", st["message"]
         assert st["stable"] == "v2"
         assert [a["outcome"] for a in st["analyses"]] == ["pass", "pass", "pass"]
@@ -139,12 +144,7 @@ def test_faulty_canary_rolls_back_within_threshold_and_stays_at_its_step(tmp_pat
         caller_mesh(v1, v2) as (cp, envoy, target),
         Traffic(target, authority="llm") as traffic,
     ):
-        c = RolloutController(cp, str(tmp_path / "r.json"), sources(envoy), poll_s=0.05)
-        try:
-            c.start(SPEC)
-            st = wait_terminal(c)
-        finally:
-            c.close()
+        st = run_rollout(cp, envoy, tmp_path)
         assert st["state"] == "RolledBack", st["message"]
         assert "gRPC success rate" in st["message"] and "'14'" in st["message"]
         failed = [a for a in st["analyses"] if a["outcome"] == "fail"]
