@@ -16,11 +16,19 @@ from schemas import codec
 F = descriptor_pb2.FieldDescriptorProto
 
 
+def _message(fd: descriptor_pb2.FileDescriptorProto, name: str, fields: list) -> None:
+    """Add message `name` with `fields` (name, type, label), numbered from 1."""
+    msg = fd.message_type.add(name=name)
+    for number, (field, typ, label) in enumerate(fields, 1):
+        msg.field.add(name=field, number=number, type=typ, label=label)
+
+
 def _proto_classes() -> tuple[type, type]:
     fd = descriptor_pb2.FileDescriptorProto(name="bench_wire.proto", package="bench.v1")
     fd.syntax = "proto3"
-    chunk = fd.message_type.add(name="TokenChunk")
-    for i, (name, typ, label) in enumerate(
+    _message(
+        fd,
+        "TokenChunk",
         [
             ("request_id", F.TYPE_STRING, F.LABEL_OPTIONAL),
             ("index", F.TYPE_UINT32, F.LABEL_OPTIONAL),
@@ -30,11 +38,10 @@ def _proto_classes() -> tuple[type, type]:
             ("queue_wait_us", F.TYPE_UINT64, F.LABEL_OPTIONAL),
             ("ttft_us", F.TYPE_UINT64, F.LABEL_OPTIONAL),
         ],
-        1,
-    ):
-        chunk.field.add(name=name, number=i, type=typ, label=label)
-    req = fd.message_type.add(name="GenerateRequest")
-    for i, (name, typ, label) in enumerate(
+    )
+    _message(
+        fd,
+        "GenerateRequest",
         [
             ("request_id", F.TYPE_STRING, F.LABEL_OPTIONAL),
             ("model", F.TYPE_STRING, F.LABEL_OPTIONAL),
@@ -48,9 +55,7 @@ def _proto_classes() -> tuple[type, type]:
             ("stop", F.TYPE_STRING, F.LABEL_REPEATED),
             ("priority", F.TYPE_INT32, F.LABEL_OPTIONAL),
         ],
-        1,
-    ):
-        req.field.add(name=name, number=i, type=typ, label=label)
+    )
     pool = descriptor_pool.DescriptorPool()
     pool.Add(fd)
     get = message_factory.GetMessageClass
