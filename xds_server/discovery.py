@@ -4,10 +4,11 @@ URL (`meshlm.runtime_metrics`) in its node metadata, as istiod learns its proxie
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from xds_server.control_plane import ControlPlane
-from xds_server.gates import EnvoyStatsSource, MeasurementError, RuntimeMetricsSource, Sources
+from xds_server.gates import EnvoyStatsSource, RuntimeMetricsSource, Sources
 from xds_server.resources.names import outbound_cluster
 from xds_server.rollout_spec import RolloutSpec
 
@@ -38,41 +39,18 @@ def runtime_metrics_urls(cp: ControlPlane, service: str, version: str) -> list[s
     )
 
 
-class _DiscoveredEnvoyStats(EnvoyStatsSource):
-    def __init__(self, cp: ControlPlane, cluster: str) -> None:
-        self.cp = cp
-        super().__init__(["unset"], cluster)
-
-    def read(self) -> dict:
-        self.admin_urls = caller_admin_urls(self.cp)
-        if not self.admin_urls:
-            raise MeasurementError("no caller-side sidecar with an admin URL is connected")
-        return super().read()
-
-
-class _DiscoveredRuntimeMetrics(RuntimeMetricsSource):
-    def __init__(self, cp: ControlPlane, service: str, version: str) -> None:
-        self.cp, self.service, self.version = cp, service, version
-        super().__init__([])
-
-    def read(self) -> Any:
-        self.urls = runtime_metrics_urls(self.cp, self.service, self.version)
-        if not self.urls:
-            raise MeasurementError(
-                f"no sidecar of {self.service}/{self.version} announced runtime metrics"
-            )
-        return super().read()
-
-
 def discovered_sources(cp: ControlPlane):
     """A `sources_factory` for `RolloutController` that looks the sidecars up at every read,
     so sidecars that come, go or reconnect after a control-plane restart are followed."""
 
     def factory(spec: RolloutSpec) -> Sources:
+        callers = functools.partial(caller_admin_urls, cp)
         return Sources(
-            grpc=_DiscoveredEnvoyStats(cp, outbound_cluster(spec.service, spec.canary)),
-            latency=_DiscoveredRuntimeMetrics(cp, spec.service, spec.canary),
-            stable=_DiscoveredEnvoyStats(cp, outbound_cluster(spec.service, spec.stable)),
+            grpc=EnvoyStatsSource(callers, outbound_cluster(spec.service, spec.canary)),
+            latency=RuntimeMetricsSource(
+                functools.partial(runtime_metrics_urls, cp, spec.service, spec.canary)
+            ),
+            stable=EnvoyStatsSource(callers, outbound_cluster(spec.service, spec.stable)),
         )
 
     return factory

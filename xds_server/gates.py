@@ -17,6 +17,7 @@ import re
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -133,21 +134,31 @@ def parse_grpc_stats(stats_json: dict[str, Any], cluster: str) -> GrpcCounts:
 
 
 class EnvoyStatsSource:
-    """gRPC counters for one upstream cluster, read from several Envoys' admin `/stats`."""
+    """gRPC counters for one upstream cluster, read from several Envoys' admin `/stats`.
+    `admin_urls` is a list, or a function asked at every read (sidecars come and go)."""
 
-    def __init__(self, admin_urls: list[str], cluster: str, *, timeout: float = 2.0) -> None:
-        if not admin_urls:
+    def __init__(
+        self,
+        admin_urls: list[str] | Callable[[], list[str]],
+        cluster: str,
+        *,
+        timeout: float = 2.0,
+    ) -> None:
+        if not callable(admin_urls) and not admin_urls:
             raise ValueError("EnvoyStatsSource needs at least one caller-side admin URL")
-        self.admin_urls = [u.rstrip("/") for u in admin_urls]
+        self._urls = admin_urls if callable(admin_urls) else (lambda: list(admin_urls))
         self.cluster = cluster
         self.timeout = timeout
         regex = "^" + re.escape(f"cluster.{cluster}.grpc.")
         self._query = "/stats?format=json&filter=" + urllib.parse.quote(regex, safe="")
 
     def read(self) -> dict[str, GrpcCounts]:
+        urls = [u.rstrip("/") for u in self._urls()]
+        if not urls:
+            raise MeasurementError("no caller-side sidecar with an admin URL is connected")
         return {
             url: parse_grpc_stats(_get_json(url + self._query, self.timeout), self.cluster)
-            for url in self.admin_urls
+            for url in urls
         }
 
 
@@ -176,14 +187,24 @@ def parse_runtime_metrics(doc: dict[str, Any]) -> LatencyReading:
 
 
 class RuntimeMetricsSource:
-    """TTFT/TPOT p99 from the canary runtimes' metrics endpoints (the worst endpoint counts)."""
+    """TTFT/TPOT p99 from the canary runtimes' metrics endpoints (the worst endpoint counts).
+    `url` is one URL, a list, or a function asked at every read."""
 
-    def __init__(self, url: str | list[str], *, timeout: float = 2.0) -> None:
-        self.urls = [url] if isinstance(url, str) else list(url)
+    def __init__(
+        self, url: str | list[str] | Callable[[], list[str]], *, timeout: float = 2.0
+    ) -> None:
+        if callable(url):
+            self._urls = url
+        else:
+            fixed = [url] if isinstance(url, str) else list(url)
+            self._urls = lambda: fixed
         self.timeout = timeout
 
     def read(self) -> LatencyReading:
-        readings = [parse_runtime_metrics(_get_json(u, self.timeout)) for u in self.urls]
+        urls = self._urls()
+        if not urls:
+            raise MeasurementError("no runtime metrics endpoint is known for the canary")
+        readings = [parse_runtime_metrics(_get_json(u, self.timeout)) for u in urls]
 
         def worst(xs: list[float | None]) -> float | None:
             vals = [x for x in xs if x is not None]
