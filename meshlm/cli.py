@@ -32,13 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args(argv)
         return 2
     module_name, help_text = COMMANDS[argv[0]]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
-        print(f"meshlm {argv[0]}: not available in this build", file=sys.stderr)
-        return 2
+    module = importlib.import_module(module_name)
     cmd = argparse.ArgumentParser(prog=f"meshlm {argv[0]}", description=help_text)
     module.add_arguments(cmd)
     return int(module.run(cmd.parse_args(argv[1:])) or 0)
