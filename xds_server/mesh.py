@@ -549,7 +549,7 @@ def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Ro
     _only(d, path, {"stable", "canary", "steps", "interval", "threshold", "gates"})
     versions = services[name].versions
     for key in ("stable", "canary"):
-        if d.get(key) not in versions:
+        if not isinstance(d.get(key), str) or d[key] not in versions:
             raise MeshError(
                 f"{path}.{key}: unknown version {d.get(key)!r} (known: {', '.join(versions)})"
             )
