@@ -185,6 +185,32 @@ def test_native_filters_give_the_same_decisions(native_envoy: tuple[EnvoyProcess
     assert echoed["x-meshlm-tenant"] == "free" and "x-api-key" not in echoed
 
 
+OUTSIDE_THE_API = ("/grpc.health.v1.Health/Check", "/other.Service/Generate")
+
+
+def check_service_wildcard_scope(port: int) -> None:
+    """`llm/*` allows exactly llm's gRPC API, not its health checks or another gRPC service
+    behind the same sidecar (issue 9, defect 12)."""
+    for path in OUTSIDE_THE_API:
+        code, _ = grpc_call(port, [("x-api-key", "k-acme")], path)
+        assert code == grpc.StatusCode.PERMISSION_DENIED, path
+        assert http_call(port, {"x-api-key": "k-acme"}, path)[0] == 403, path
+    code, echoed = grpc_call(port, [("x-api-key", "k-acme")], GEN)
+    assert code == grpc.StatusCode.OK and echoed[":path"] == GEN
+
+
+def test_wasm_service_wildcard_is_scoped_to_the_inference_api(
+    wasm_envoy: tuple[EnvoyProcess, int],
+) -> None:
+    check_service_wildcard_scope(wasm_envoy[1])
+
+
+def test_native_service_wildcard_is_scoped_to_the_inference_api(
+    native_envoy: tuple[EnvoyProcess, int],
+) -> None:
+    check_service_wildcard_scope(native_envoy[1])
+
+
 def test_two_workers_never_exceed_a_tenant_bucket(upstreams: tuple[int, int]) -> None:
     burst = {
         "k": {

@@ -241,3 +241,17 @@ def test_fuzz_valid_key_is_allowed_whatever_else_is_sent(host: WasmHost, headers
     noise = [(k, v) for k, v in headers if k not in ("x-api-key", ":path", "content-type")]
     d = host.request([*noise, ("x-api-key", "free-key")])
     assert d.allowed and d.header("x-meshlm-tenant") == b"free"
+
+
+HEALTH = "/grpc.health.v1.Health/Check"
+OUTSIDE = [HEALTH, "/other.Service/Generate", "/meshlm.inference.v1.Inference/Generate/x", "/"]
+
+
+@pytest.mark.parametrize("path", OUTSIDE)
+def test_service_wildcard_allows_only_the_inference_api(host: WasmHost, path: str) -> None:
+    """`llm/*` is the methods of /meshlm.inference.v1.Inference/ on llm's sidecar, nothing
+    else: not its health service, not another gRPC service (issue 9, defect 12)."""
+    assert denied(host.request({"x-api-key": "acme-new"}, path=path), 403, 7)
+    assert host.request({"x-api-key": "acme-new"}, path=GEN).allowed
+    assert host.request({"x-api-key": "acme-new"}, path=TOK).allowed
+    assert denied(host.request({"x-api-key": "free-key"}, path="/other.Service/Generate"), 403, 7)

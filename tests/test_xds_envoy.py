@@ -62,7 +62,7 @@ def test_envoy_boots_from_ads_alone_and_routes_grpc(mesh_env: dict) -> None:
     action = outbound["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
     assert action["timeout"] == "0s"
     stats = envoy.stats("grpc")
-    assert any("meshlm.test.Echo.Who.success" in k for k in stats), stats
+    assert any("meshlm.inference.v1.Inference.Who.success" in k for k in stats), stats
 
 
 def test_weight_change_shows_in_real_traffic(mesh_env: dict) -> None:

@@ -21,7 +21,7 @@ from sidecar.ports import free_port
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import Mesh, parse_mesh
 
-METHOD = "/meshlm.test.Echo/Who"
+METHOD = "/meshlm.inference.v1.Inference/Who"  # inside the API an `llm/*` rule allows
 
 
 class _Who(grpc.GenericRpcHandler):

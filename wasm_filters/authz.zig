@@ -1,8 +1,9 @@
 //! meshlm authz: a proxy-wasm HTTP filter written against the ABI 0.2.1 directly.
 //!
 //! Per request: API key (`x-api-key` or `authorization: Bearer`) -> SHA-256 -> tenant (constant
-//! time compare) -> allow rules for this service's methods -> per-tenant token bucket in shared
-//! data (compare-and-swap) -> verified `x-meshlm-tenant` / `x-meshlm-priority` headers.
+//! time compare) -> allow rules for this service's gRPC methods (any other path is denied) ->
+//! per-tenant token bucket in shared data (compare-and-swap) -> verified `x-meshlm-tenant` /
+//! `x-meshlm-priority` headers.
 //! The configuration is JSON compiled by `wasm_filters/policy.py`; it holds key hashes only.
 //! Fails closed: a bad configuration is refused in proxy_on_configure (Envoy NACKs it) and a
 //! stream without a loaded policy is denied.
@@ -334,11 +335,15 @@ fn glob(pattern: []const u8, s: []const u8) bool {
     return p == pattern.len;
 }
 
-fn methodOf(cfg: *const ConfigJson, path: []const u8) []const u8 {
+/// The gRPC method of a path in this service's API (`<method_prefix><Method>`), else null: a
+/// rule never reaches another gRPC service (health checks included) behind the same sidecar.
+fn methodOf(cfg: *const ConfigJson, path: []const u8) ?[]const u8 {
     const q = std.mem.indexOfScalar(u8, path, '?') orelse path.len;
     const p = path[0..q];
-    if (std.mem.startsWith(u8, p, cfg.method_prefix)) return p[cfg.method_prefix.len..];
-    return p;
+    if (!std.mem.startsWith(u8, p, cfg.method_prefix)) return null;
+    const method = p[cfg.method_prefix.len..];
+    if (method.len == 0 or std.mem.indexOfScalar(u8, method, '/') != null) return null;
+    return method;
 }
 
 const Deny = struct { code: u32, grpc: i32, details: []const u8, msg: []const u8 };
@@ -394,10 +399,11 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
         bump(m_unknown);
         return deny(UNKNOWN, is_grpc, 0);
     };
-    const method = methodOf(&p.cfg, header(":path") orelse "");
     var allowed = false;
-    for (t.json.allow) |pat| {
-        if (glob(pat, method)) allowed = true;
+    if (methodOf(&p.cfg, header(":path") orelse "")) |method| {
+        for (t.json.allow) |pat| {
+            if (glob(pat, method)) allowed = true;
+        }
     }
     if (!allowed) {
         bump(t.m_forbidden);

@@ -116,7 +116,11 @@ def ecds_http_filter(*, name: str = "meshlm.authz") -> hcm_pb2.HttpFilter:
 
 
 def _method_regex(globs: Sequence[str]) -> str:
-    alts = "|".join(".*".join(re.escape(p) for p in g.split("*")) for g in globs)
+    """Paths of the service's gRPC API only; `*` stays inside one method name, as in Wasm."""
+    alts = "|".join(
+        "[^/]+" if not g.strip("*") else "[^/]*".join(re.escape(p) for p in g.split("*"))
+        for g in globs
+    )
     return f"{re.escape(METHOD_PREFIX)}(?:{alts})"
 
 
@@ -156,14 +160,10 @@ def native_http_filters(
         methods = policy.methods_for(t, service)
         if not methods:
             continue
-        perm = (
-            rbac_pb2.Permission(any=True)
-            if "*" in methods
-            else rbac_pb2.Permission(
-                url_path=path_pb2.PathMatcher(
-                    path=string_pb2.StringMatcher(
-                        safe_regex=regex_pb2.RegexMatcher(regex=_method_regex(methods))
-                    )
+        perm = rbac_pb2.Permission(
+            url_path=path_pb2.PathMatcher(
+                path=string_pb2.StringMatcher(
+                    safe_regex=regex_pb2.RegexMatcher(regex=_method_regex(methods))
                 )
             )
         )

@@ -25,7 +25,7 @@ from grpc_health.v1.health import HealthServicer
 from meshlm.procs import Proc, wait_until
 from sidecar.ports import free_port
 
-ECHO = "/meshlm.test.Echo/Who"
+ECHO = "/meshlm.inference.v1.Inference/Who"  # inside the API an `llm/*` rule allows
 TOKEN = "chaos-admin-token-" + "x" * 16
 
 
