@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from xds_server.admin import AdminServer, make_token_file
     from xds_server.control_plane import ControlPlane
-    from xds_server.discovery import discovered_sources
+    from xds_server.discovery import configured_sources
     from xds_server.mesh import MeshError, load_mesh, parse_duration
     from xds_server.rollout import RolloutController
     from xds_server.rollout_api import RolloutAPI, spec_from_mesh
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     store = Path(args.rollout_store or Path(args.mesh).resolve().parent / ".meshlm/rollouts.json")
     store.parent.mkdir(parents=True, exist_ok=True)
-    rollouts = RolloutController(cp, str(store), discovered_sources(cp))
+    rollouts = RolloutController(cp, str(store), configured_sources(cp))
     api = RolloutAPI(rollouts, lambda service: spec_from_mesh(cp.mesh, service))
     admin.mounts["/rollouts"] = api.handle
     print(

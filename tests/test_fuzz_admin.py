@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tests.test_xds_support import upstreams
 from xds_server.admin import AdminServer
 from xds_server.control_plane import ControlPlane
-from xds_server.discovery import discovered_sources
+from xds_server.discovery import configured_sources
 from xds_server.mesh import parse_mesh
 from xds_server.rollout import RolloutController
 from xds_server.rollout_api import RolloutAPI, spec_from_mesh
@@ -42,7 +42,7 @@ def admin(tmp_path_factory) -> Iterator[tuple[AdminServer, ControlPlane, Rollout
         )
         cp = ControlPlane(mesh, debounce=0.01).start()
         store = tmp_path_factory.mktemp("admin") / "rollouts.json"
-        rollouts = RolloutController(cp, str(store), discovered_sources(cp))
+        rollouts = RolloutController(cp, str(store), configured_sources(cp))
         server = AdminServer(cp, token=TOKEN)
         server.mounts["/rollouts"] = RolloutAPI(
             rollouts, lambda s: spec_from_mesh(cp.mesh, s)

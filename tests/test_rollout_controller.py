@@ -302,7 +302,7 @@ def test_spec_errors_name_the_field() -> None:
         parse_rollout("llm", {"stable": "v1", "canary": "v2", "gates": bad})
     with pytest.raises(RolloutSpecError, match=r"rollouts.llm.interval"):
         parse_rollout("llm", {"stable": "v1", "canary": "v2", "interval": "soon"})
-    with pytest.raises(RolloutSpecError, match=r"rollouts.llm.gates: unknown gate"):
+    with pytest.raises(RolloutSpecError, match=r"rollouts\.llm\.gates\.p99: unknown gate"):
         parse_rollout("llm", {"stable": "v1", "canary": "v2", "gates": {"p99": 1}})
     spec = parse_rollout("llm", {"stable": "v1", "canary": "v2", "steps": [10, 50]})
     assert spec.steps == (10, 50, 100)

@@ -29,7 +29,7 @@ from urllib.parse import parse_qs, urlsplit
 import yaml
 
 from xds_server.control_plane import ApplyResult, ControlPlane
-from xds_server.mesh import parse_mesh
+from xds_server.mesh import load_yaml, parse_mesh
 
 log = logging.getLogger(__name__)
 # (method, path, body) -> (status, JSON-able reply)
@@ -126,7 +126,7 @@ class AdminServer:
         """`POST /v1/mesh` with a mesh file (YAML or JSON): `meshlm apply`."""
         try:
             timeout = float(query.get("timeout", ["10"])[0])
-            mesh = parse_mesh(yaml.safe_load(body or b""))
+            mesh = parse_mesh(load_yaml(body or b"", "mesh"))
             return _outcome(self.cp.apply_mesh(mesh, timeout=timeout))
         except yaml.YAMLError as e:
             return 400, {"error": f"mesh: not YAML: {e}"}

@@ -1,47 +1,57 @@
-"""Where rollouts read their measurements, learned from the sidecars themselves: each sidecar
-announces its Envoy admin URL (`meshlm.admin`) and, for an inbound one, its runtime's metrics
-URL (`meshlm.runtime_metrics`) in its node metadata, as istiod learns its proxies from xDS."""
+"""Where rollouts read their measurements: only what the operator configured in the mesh file
+(`caller_sidecars[].admin_url`, `services.<s>.versions.<v>.metrics_urls`, the version's
+`endpoints` for the liveness probe). A sidecar's node metadata is never a source: any local
+process can announce anything over ADS, and there is no verified node identity yet (mTLS,
+issue 14). The mesh is read at every measurement, so `meshlm apply` changes are followed."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 from xds_server.control_plane import ControlPlane
-from xds_server.gates import EnvoyStatsSource, RuntimeMetricsSource, Sources
+from xds_server.gates import EnvoyStatsSource, MeasurementError, RuntimeMetricsSource, Sources
+from xds_server.liveness import GrpcHealthSource
 from xds_server.resources.names import outbound_cluster
 from xds_server.rollout_spec import RolloutSpec
 
-ADMIN = "meshlm.admin"
-RUNTIME_METRICS = "meshlm.runtime_metrics"
-
-
-def _nodes(cp: ControlPlane) -> list[Any]:
-    with cp.sync.cond:
-        return [n for n in cp.sync.nodes.values() if n.connected]
-
 
 def caller_admin_urls(cp: ControlPlane) -> list[str]:
-    """Admin URLs of the connected sidecars that have an outbound listener (the callers)."""
-    return sorted(
-        n.metadata[ADMIN]
-        for n in _nodes(cp)
-        if n.group.outbound_port is not None and n.metadata.get(ADMIN)
-    )
+    urls = [c.admin_url for c in cp.mesh.caller_sidecars]
+    if not urls:
+        raise MeasurementError(
+            "no caller-side sidecar configured: the mesh file's caller_sidecars lists the "
+            "callers' Envoy admin URLs that the gates read"
+        )
+    return urls
+
+
+def _version(cp: ControlPlane, service: str, version: str):  # -> xds_server.mesh.Version
+    ver = cp.mesh.services.get(service, None)
+    ver = ver and ver.versions.get(version)
+    if ver is None:
+        raise MeasurementError(f"services.{service}.versions.{version}: not in the mesh")
+    return ver
 
 
 def runtime_metrics_urls(cp: ControlPlane, service: str, version: str) -> list[str]:
-    return sorted(
-        n.metadata[RUNTIME_METRICS]
-        for n in _nodes(cp)
-        if (n.group.service, n.group.version) == (service, version)
-        and n.metadata.get(RUNTIME_METRICS)
-    )
+    urls = list(_version(cp, service, version).metrics_urls)
+    if not urls:
+        raise MeasurementError(
+            f"no metrics URL configured for {service}/{version} "
+            f"(services.{service}.versions.{version}.metrics_urls)"
+        )
+    return urls
 
 
-def discovered_sources(cp: ControlPlane):
-    """A `sources_factory` for `RolloutController` that looks the sidecars up at every read,
-    so sidecars that come, go or reconnect after a control-plane restart are followed."""
+def endpoints(cp: ControlPlane, service: str, version: str) -> list[str]:
+    try:
+        return [str(e) for e in _version(cp, service, version).endpoints]
+    except MeasurementError:
+        return []
+
+
+def configured_sources(cp: ControlPlane):
+    """A `sources_factory` for `RolloutController` reading the control plane's current mesh."""
 
     def factory(spec: RolloutSpec) -> Sources:
         callers = functools.partial(caller_admin_urls, cp)
@@ -51,6 +61,7 @@ def discovered_sources(cp: ControlPlane):
                 functools.partial(runtime_metrics_urls, cp, spec.service, spec.canary)
             ),
             stable=EnvoyStatsSource(callers, outbound_cluster(spec.service, spec.stable)),
+            live=GrpcHealthSource(functools.partial(endpoints, cp, spec.service, spec.canary)),
         )
 
     return factory

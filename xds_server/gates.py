@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -21,7 +22,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+from xds_server.liveness import GrpcHealthSource
 from xds_server.rollout_spec import Gates
+from xds_server.source_url import url_problem
 
 
 class MeasurementError(RuntimeError):
@@ -101,10 +104,48 @@ def delta(before: dict[str, GrpcCounts] | None, after: dict[str, GrpcCounts]) ->
     return out
 
 
+MAX_BODY = 4 * 2**20  # a filtered Envoy /stats or a runtime's /metrics is a few KB
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A source that redirects is refused: a redirect could lead to any other URL or scheme."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN201
+        raise urllib.error.HTTPError(
+            req.full_url, code, f"redirect to {newurl!r} not followed", headers, fp
+        )
+
+
+# http and https only (no file:, ftp:, data: handlers), no proxy from the environment.
+_OPENER = urllib.request.OpenerDirector()
+for _h in (
+    urllib.request.ProxyHandler({}),
+    urllib.request.HTTPHandler(),
+    urllib.request.HTTPSHandler(),
+    urllib.request.HTTPDefaultErrorHandler(),
+    _NoRedirect(),
+    urllib.request.HTTPErrorProcessor(),
+):
+    _OPENER.add_handler(_h)
+
+
 def _get_json(url: str, timeout: float) -> Any:
+    """GET a source URL: http(s) only, no redirects, at most MAX_BODY bytes within `timeout`
+    seconds in all (a slow trickle does not hold the controller)."""
+    problem = url_problem(url)
+    if problem:
+        raise MeasurementError(f"source refused: {problem}")
+    deadline = time.monotonic() + timeout
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return json.loads(r.read())
+        with _OPENER.open(url, timeout=timeout) as r:
+            body = bytearray()
+            while chunk := r.read(65536):
+                body += chunk
+                if len(body) > MAX_BODY:
+                    raise MeasurementError(f"{url}: response over {MAX_BODY} bytes")
+                if time.monotonic() > deadline:
+                    raise MeasurementError(f"{url}: no complete response within {timeout:g}s")
+        return json.loads(body)
     except (OSError, urllib.error.URLError, ValueError) as e:
         raise MeasurementError(f"{url}: {e}") from e
 
@@ -225,6 +266,7 @@ class Sources:
     grpc: GrpcCountsSource
     latency: LatencySource | None = None
     stable: GrpcCountsSource | None = None  # only to report the traffic split per step
+    live: GrpcHealthSource | None = None  # the canary's endpoints, probed by the control plane
 
 
 PASS, FAIL, HALT = "pass", "fail", "halt"
@@ -252,14 +294,27 @@ def evaluate(
     counts_error: str | None = None,
     latency_error: str | None = None,
 ) -> Verdict:
-    """One interval's verdict. Too little traffic halts and says so (Flagger's best-known trap:
-    no data must neither promote nor fail)."""
+    """One interval's verdict. A source that cannot be read holds the rollout (HALT: it
+    neither promotes nor fails), and so does too little traffic (Flagger's best-known trap:
+    no data must neither promote nor fail) -- unless the calls seen failed so often that the
+    success rate could not reach the gate even if every call still missing to `min_requests`
+    succeeded: 5 calls that all failed are a failed interval, not "too little traffic"."""
     m: dict[str, Any] = {}
     if counts is None:
         return Verdict(HALT, f"halted: gRPC counts unavailable ({counts_error})", m)
     m.update(requests=counts.total, success=counts.success, failure=counts.failure)
     m["by_status"] = dict(counts.by_status)
+    floor = max(counts.total, gates.min_requests)
+    best_rate = 100.0 * (floor - counts.server_faults) / floor if floor else 100.0
     if counts.total < gates.min_requests or counts.total == 0:
+        if best_rate < gates.grpc_success_rate_min:
+            return Verdict(
+                FAIL,
+                f"{counts.server_faults} of {counts.total} calls to the canary failed (by "
+                f"grpc-status {counts.by_status}): below min_requests {gates.min_requests}, but "
+                f"the gRPC success rate can no longer reach {gates.grpc_success_rate_min:g}%",
+                m,
+            )
         return Verdict(
             HALT,
             f"halted: not enough traffic ({counts.total} requests to the canary, "
@@ -275,10 +330,7 @@ def evaluate(
             f"({counts.server_faults} of {counts.total} failed, by grpc-status {counts.by_status})"
         )
     wants_latency = gates.ttft_p99_max is not None or gates.tpot_p99_max is not None
-    if wants_latency and latency is None:
-        # The canary runtime not answering its metrics is the canary's problem.
-        failed.append(f"canary runtime metrics unreachable ({latency_error})")
-    elif latency is not None:
+    if latency is not None:
         m.update(ttft_p99=latency.ttft_p99, tpot_p99=latency.tpot_p99)
         for name, value, limit in (
             ("TTFT", latency.ttft_p99, gates.ttft_p99_max),
@@ -288,6 +340,8 @@ def evaluate(
                 failed.append(f"{name} p99 {_ms(value)} > {_ms(limit)}")
     if failed:
         return Verdict(FAIL, "; ".join(failed), m)
+    if wants_latency and latency is None:
+        return Verdict(HALT, f"halted: canary runtime metrics unavailable ({latency_error})", m)
     if wants_latency and latency is not None:
         missing = [
             n
@@ -308,19 +362,24 @@ def evaluate(
 
 
 def mesh_sources(
-    caller_admin_urls: list[str], runtime_metrics_urls: dict[str, list[str]] | None = None
+    caller_admin_urls: list[str],
+    runtime_metrics_urls: dict[str, list[str]] | None = None,
+    endpoints: dict[str, list[str]] | None = None,
 ):
-    """A `sources_factory` for `RolloutController`: the canary's (and stable's) outbound cluster
-    counters on the given caller-side sidecars, and the canary version's runtime metrics
-    endpoints when listed (version -> URLs of `GET /metrics`)."""
+    """A `sources_factory` for `RolloutController` from fixed lists: the canary's (and
+    stable's) outbound cluster counters on the given caller-side sidecars, the canary version's
+    runtime metrics endpoints and its endpoints to probe, when listed (version -> URLs, version
+    -> host:port). `xds_server.discovery.configured_sources` takes them from the mesh."""
     from xds_server.resources.names import outbound_cluster
 
     def factory(spec) -> Sources:  # spec: xds_server.rollout_spec.RolloutSpec
         urls = (runtime_metrics_urls or {}).get(spec.canary)
+        eps = (endpoints or {}).get(spec.canary)
         return Sources(
             grpc=EnvoyStatsSource(caller_admin_urls, outbound_cluster(spec.service, spec.canary)),
             latency=RuntimeMetricsSource(urls) if urls else None,
             stable=EnvoyStatsSource(caller_admin_urls, outbound_cluster(spec.service, spec.stable)),
+            live=GrpcHealthSource(eps) if eps is not None else None,
         )
 
     return factory

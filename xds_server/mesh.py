@@ -8,13 +8,18 @@ Every error is a `MeshError` whose message starts with the field path, e.g.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import importlib
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from xds_server.rollout_spec import RolloutSpecError, parse_rollout
+from xds_server.source_url import url_problem
 
 
 class MeshError(ValueError):
@@ -46,6 +51,9 @@ RETRY_ON = frozenset(
     ]
 )
 AUTHZ_MODES = ("wasm", "native", "none")
+# The gRPC methods every mesh service serves (schemas/inference.fbs): an allow rule's method
+# part must match one of them, so a typo is an error at load, not a denial at run time.
+METHODS = ("Generate", "Info")
 
 
 def parse_duration(value: Any, path: str) -> float:
@@ -76,6 +84,9 @@ class Version:
     name: str
     precision: str | None
     endpoints: tuple[Endpoint, ...]
+    # The runtimes' `GET /metrics` (TTFT/TPOT), read by rollout gates when this version is the
+    # canary. Only the operator names them: a sidecar's own announcements are never read.
+    metrics_urls: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -165,6 +176,7 @@ class Rollout:
     interval: float
     threshold: int
     gates: dict[str, Any]
+    ack_timeout: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -172,6 +184,9 @@ class ControlPlaneConfig:
     grpc_port: int = 18000
     admin_port: int = 18001
     debounce: float = 0.1
+    # A sidecar that leaves a push un-ACKed this long is reported lagging and no longer holds
+    # changes back (the ACK quorum leaves it out).
+    lagging_after: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -192,6 +207,14 @@ class AccessLog:
 
 
 @dataclass(frozen=True)
+class CallerSidecar:
+    """A caller-side sidecar whose Envoy admin `/stats` (grpc_stats counters) the rollout gates
+    read: the callers' view of the canary."""
+
+    admin_url: str
+
+
+@dataclass(frozen=True)
 class Mesh:
     services: dict[str, Service]
     control_plane: ControlPlaneConfig = field(default_factory=ControlPlaneConfig)
@@ -200,6 +223,7 @@ class Mesh:
     rollouts: dict[str, Rollout] = field(default_factory=dict)
     authz: Authz = field(default_factory=Authz)
     access_log: AccessLog = field(default_factory=AccessLog)
+    caller_sidecars: tuple[CallerSidecar, ...] = ()
 
     # -- mutations return a new, validated Mesh ------------------------------------------
     def with_weights(self, service: str, weights: dict[str, int]) -> Mesh:
@@ -251,12 +275,45 @@ class Mesh:
 
 
 def load_mesh(path: str | Path) -> Mesh:
-    text = Path(path).read_text()
+    return parse_mesh(load_yaml(Path(path).read_text(), str(path)))
+
+
+def load_yaml(text: str | bytes, source: str = "mesh") -> Any:
+    """YAML text -> plain data, refusing duplicate keys: YAML would keep only the last one, so a
+    second `llm:` or tenant would silently replace the first."""
     try:
-        raw = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is None:
+            return None
+        _no_duplicate_keys(node, "", set())
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise MeshError(f"{path}: not valid YAML: {e}") from None
-    return parse_mesh(raw)
+        raise MeshError(f"{source}: not valid YAML: {e}") from None
+    except RecursionError:
+        raise MeshError(f"{source}: nested too deeply") from None
+
+
+def _no_duplicate_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
+    if id(node) in seen:  # an alias: its anchor was checked already
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[tuple[str, str], int] = {}
+        for k, v in node.value:
+            key = k.value if isinstance(k, yaml.ScalarNode) else "?"
+            here = f"{path}.{key}" if path else str(key)
+            line = k.start_mark.line + 1
+            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                if (k.tag, key) in first:
+                    raise MeshError(
+                        f"{here}: duplicate key {key!r} at line {line} (first at line "
+                        f"{first[(k.tag, key)]}); YAML would silently keep only the last"
+                    )
+                first[(k.tag, key)] = line
+            _no_duplicate_keys(v, here, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _no_duplicate_keys(item, f"{path}[{i}]", seen)
 
 
 def parse_mesh(raw: Any) -> Mesh:
@@ -264,13 +321,24 @@ def parse_mesh(raw: Any) -> Mesh:
     _only(
         top,
         "mesh",
-        {"control_plane", "services", "tenants", "roles", "rollouts", "authz", "access_log"},
+        {
+            "control_plane",
+            "services",
+            "tenants",
+            "roles",
+            "rollouts",
+            "authz",
+            "access_log",
+            "caller_sidecars",
+        },
     )
     services_raw = _mapping(top.get("services"), "services")
     if not services_raw:
         raise MeshError("services: at least one service is required")
     services = {n: _service(n, v, f"services.{n}") for n, v in services_raw.items()}
     tenants = _tenants(top.get("tenants"), top.get("roles"))
+    if tenants is not None:
+        _check_allow_rules(top.get("tenants"), top.get("roles"), services)
     authz_raw = _mapping(top.get("authz", {}), "authz")
     _only(authz_raw, "authz", {"mode", "keys_file"})
     mode = authz_raw.get("mode", "wasm" if tenants else "none")
@@ -290,7 +358,53 @@ def parse_mesh(raw: Any) -> Mesh:
         rollouts=rollouts,
         authz=Authz(mode=mode, keys_file=keys_file if mode == "native" else None),
         access_log=_access_log(top.get("access_log", True)),
+        caller_sidecars=_caller_sidecars(top.get("caller_sidecars")),
     )
+
+
+def _caller_sidecars(raw: Any) -> tuple[CallerSidecar, ...]:
+    """`caller_sidecars: [{admin_url: http://127.0.0.1:15000}, ...]`."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise MeshError("caller_sidecars: expected a list of {admin_url: URL}")
+    out = []
+    for i, item in enumerate(raw):
+        path = f"caller_sidecars[{i}]"
+        d = _mapping(item, path)
+        _only(d, path, {"admin_url"})
+        out.append(CallerSidecar(admin_url=_url(d.get("admin_url"), f"{path}.admin_url")))
+    if len({c.admin_url for c in out}) != len(out):
+        raise MeshError("caller_sidecars: duplicate admin_url")
+    return tuple(out)
+
+
+def _url(raw: Any, path: str) -> str:
+    problem = url_problem(raw)
+    if problem:
+        raise MeshError(f"{path}: {problem}")
+    return raw
+
+
+def _check_allow_rules(tenants: dict, roles: Any, services: dict[str, Service]) -> None:
+    """Each allow rule must match a service of this mesh and one of its methods (the policy
+    model checked the rules' shape already)."""
+    rules = [
+        (f"tenants.{t}.allow[{i}]", p)
+        for t, v in tenants.items()
+        for i, p in enumerate(v.get("allow") or [])
+    ]
+    rules += [(f"roles.{r}[{i}]", p) for r, ps in (roles or {}).items() for i, p in enumerate(ps)]
+    for path, pattern in rules:
+        svc, method = pattern.split("/", 1)
+        if not any(fnmatch.fnmatchcase(s, svc) for s in services):
+            raise MeshError(
+                f"{path}: {pattern!r} matches no service (services: {', '.join(services)})"
+            )
+        if not any(fnmatch.fnmatchcase(m, method) for m in METHODS):
+            raise MeshError(
+                f"{path}: {pattern!r} matches no method (methods: {', '.join(METHODS)})"
+            )
 
 
 def _access_log(raw: Any) -> AccessLog:
@@ -323,11 +437,12 @@ def _tenants(raw: Any, roles: Any) -> Any:
 
 def _control_plane(raw: Any) -> ControlPlaneConfig:
     d = _mapping(raw, "control_plane")
-    _only(d, "control_plane", {"grpc_port", "admin_port", "debounce"})
+    _only(d, "control_plane", {"grpc_port", "admin_port", "debounce", "lagging_after"})
     return ControlPlaneConfig(
         grpc_port=_port(d.get("grpc_port", 18000), "control_plane.grpc_port", allow_zero=True),
         admin_port=_port(d.get("admin_port", 18001), "control_plane.admin_port", allow_zero=True),
         debounce=parse_duration(d.get("debounce", "100ms"), "control_plane.debounce"),
+        lagging_after=parse_duration(d.get("lagging_after", "30s"), "control_plane.lagging_after"),
     )
 
 
@@ -366,7 +481,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
 def _version(name: str, raw: Any, path: str) -> Version:
     _name(name, path)
     d = _mapping(raw, path)
-    _only(d, path, {"precision", "endpoints"})
+    _only(d, path, {"precision", "endpoints", "metrics_urls"})
     precision = d.get("precision")
     if precision is not None and precision not in ("bf16", "fp16", "int4"):
         raise MeshError(f"{path}.precision: expected bf16, fp16 or int4, got {precision!r}")
@@ -376,16 +491,28 @@ def _version(name: str, raw: Any, path: str) -> Version:
     endpoints = tuple(parse_endpoint(e, f"{path}.endpoints[{i}]") for i, e in enumerate(eps))
     if len(set(endpoints)) != len(endpoints):
         raise MeshError(f"{path}.endpoints: duplicate endpoint")
-    return Version(name=name, precision=precision, endpoints=endpoints)
+    urls = d.get("metrics_urls", [])
+    if not isinstance(urls, list):
+        raise MeshError(f"{path}.metrics_urls: expected a list of http(s) URLs")
+    metrics = tuple(_url(u, f"{path}.metrics_urls[{i}]") for i, u in enumerate(urls))
+    return Version(name=name, precision=precision, endpoints=endpoints, metrics_urls=metrics)
 
 
 def parse_endpoint(raw: Any, path: str) -> Endpoint:
-    """`host:port` -> Endpoint; MeshError naming `path` otherwise."""
+    """`ip:port` -> Endpoint; MeshError naming `path` otherwise."""
     if not isinstance(raw, str) or raw.count(":") != 1:
         raise MeshError(f"{path}: expected host:port, got {raw!r}")
     host, port = raw.split(":")
     if not host:
         raise MeshError(f"{path}: empty host in {raw!r}")
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        # Envoy's STATIC/EDS socket addresses take IPs only; a name would be NACKed later.
+        raise MeshError(
+            f"{path}: {host!r} is not an IPv4 address (Envoy endpoints need IPs, "
+            "e.g. 127.0.0.1, not localhost)"
+        ) from None
     try:
         p = int(port)
     except ValueError:
@@ -546,7 +673,7 @@ def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Ro
     if name not in services:
         raise MeshError(f"{path}: unknown service (known: {', '.join(services)})")
     d = _mapping(raw, path)
-    _only(d, path, {"stable", "canary", "steps", "interval", "threshold", "gates"})
+    _only(d, path, {"stable", "canary", "steps", "interval", "threshold", "gates", "ack_timeout"})
     versions = services[name].versions
     for key in ("stable", "canary"):
         if not isinstance(d.get(key), str) or d[key] not in versions:
@@ -563,6 +690,10 @@ def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Ro
         if i and s <= steps[i - 1]:
             raise MeshError(f"{path}.steps[{i}]: steps must be ascending")
     gates = _mapping(d.get("gates", {}), f"{path}.gates")
+    try:
+        parse_rollout(name, d)  # the controller's own validator: gate names and values
+    except RolloutSpecError as e:
+        raise MeshError(str(e)) from None
     return Rollout(
         service=name,
         stable=d["stable"],
@@ -571,6 +702,7 @@ def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Ro
         interval=parse_duration(d.get("interval", "30s"), f"{path}.interval"),
         threshold=_int(d.get("threshold", 2), f"{path}.threshold", 1),
         gates=dict(gates),
+        ack_timeout=parse_duration(d.get("ack_timeout", "10s"), f"{path}.ack_timeout"),
     )
 
 

@@ -31,6 +31,7 @@ from xds_server.gates import (
     delta,
     evaluate,
 )
+from xds_server.liveness import not_live_reason
 from xds_server.rollout_spec import RolloutSpec, RolloutSpecError, parse_rollout
 from xds_server.rollout_store import RolloutStore
 
@@ -190,6 +191,9 @@ class RolloutController:
                     f"{spec.service}: latency gates need the canary runtime's metrics source",
                     status=400,
                 )
+            refused = self._preflight(spec, src)
+            if refused:
+                raise RolloutError(f"{spec.service}: not started: {refused}")
             self._sources[spec.service] = src
             r = Rollout(spec=spec)
             self._rollouts[spec.service] = r
@@ -377,6 +381,25 @@ class RolloutController:
                 stable_baseline = src.stable.read()
         self._intervals[r.spec.service] = _Interval(self.clock(), baseline, stable_baseline)
 
+    def _preflight(self, spec: RolloutSpec, src: Sources) -> str | None:
+        """Why a rollout cannot start, or None: the canary must have a live endpoint (else its
+        first step sends calls to a dead port) and every gate's source must answer (else no
+        interval could ever be judged)."""
+        if src.live is not None:
+            down = not_live_reason(spec.canary, src.live.read())
+            if down:
+                return f"canary {down}; start it (and its sidecar) first"
+        g = spec.gates
+        reads = [("gRPC counts", src.grpc)]
+        if src.latency is not None and (g.ttft_p99_max is not None or g.tpot_p99_max is not None):
+            reads.append(("canary runtime metrics", src.latency))
+        for what, source in reads:
+            try:
+                source.read()
+            except MeasurementError as e:
+                return f"{what} cannot be read: {e}"
+        return None
+
     def _sources_for(self, r: Rollout) -> Sources:
         src = self._sources.get(r.spec.service)
         if src is None:
@@ -410,6 +433,9 @@ class RolloutController:
         v = evaluate(
             r.spec.gates, counts, latency, counts_error=counts_error, latency_error=latency_error
         )
+        down = not_live_reason(r.spec.canary, src.live.read()) if src.live is not None else None
+        if down:  # calls routed to it are lost: a failed interval, whatever the counters say
+            v = Verdict(FAIL, f"canary {down}", v.measurements)
         if stable_n is not None:
             v.measurements["stable_requests"] = stable_n
         return v

@@ -98,4 +98,5 @@ def spec_from_mesh(mesh: Any, service: str) -> dict[str, Any] | None:
         "interval": r.interval,
         "threshold": r.threshold,
         "gates": dict(r.gates),
+        "ack_timeout": r.ack_timeout,
     }

@@ -71,6 +71,14 @@ _KNOWN = {"service", "stable", "canary", "steps", "interval", "threshold", "gate
 _KNOWN_GATES = {"grpc_success_rate_min", "min_requests", "ttft_p99_max", "tpot_p99_max"}
 
 
+def _only(d: dict[str, Any], where: str, known: set[str], what: str = "field") -> None:
+    for k in d:
+        if k not in known:
+            raise RolloutSpecError(
+                f"{where}.{k}: unknown {what} (known: {', '.join(sorted(known))})"
+            )
+
+
 def _name(d: dict[str, Any], key: str, where: str) -> str:
     v = d.get(key)
     if not isinstance(v, str) or not v:
@@ -90,9 +98,7 @@ def parse_rollout(service: str, d: dict[str, Any]) -> RolloutSpec:
     where = f"rollouts.{service or '?'}"
     if not isinstance(d, dict):
         raise RolloutSpecError(f"{where}: expected a mapping, got {type(d).__name__}")
-    unknown = set(d) - _KNOWN
-    if unknown:
-        raise RolloutSpecError(f"{where}: unknown field(s) {sorted(unknown)}")
+    _only(d, where, _KNOWN)
     if not service:
         raise RolloutSpecError("rollouts: a rollout needs a service name")
     stable = _name(d, "stable", where)
@@ -118,9 +124,7 @@ def parse_rollout(service: str, d: dict[str, Any]) -> RolloutSpec:
     g = d.get("gates", {}) or {}
     if not isinstance(g, dict):
         raise RolloutSpecError(f"{where}.gates: expected a mapping, got {g!r}")
-    unknown = set(g) - _KNOWN_GATES
-    if unknown:
-        raise RolloutSpecError(f"{where}.gates: unknown gate(s) {sorted(unknown)}")
+    _only(g, f"{where}.gates", _KNOWN_GATES, what="gate")
     rate = g.get("grpc_success_rate_min", 99.0)
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 100:
         raise RolloutSpecError(
