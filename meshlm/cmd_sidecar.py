@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
 from meshlm.signals import termination_event
@@ -16,9 +17,20 @@ def _hostport(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _default_node_id(args: argparse.Namespace) -> str:
+    """`ROLE-HOST-PORT` (ROLE: SERVICE-VERSION or caller; PORT: its listener): unique on a host,
+    since two sidecars cannot hold one port, and the same across restarts, so the last-known-good
+    cache still finds this sidecar's config. The control plane refuses a second live stream
+    with one id."""
+    role = f"{args.service}-{args.version}" if args.service else "caller"
+    port = args.inbound_port if args.inbound_port is not None else args.outbound_port
+    return f"{role}-{socket.gethostname()}-{port}"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--xds", type=_hostport, required=True, help="control plane ADS HOST:PORT")
-    p.add_argument("--node-id", help="unique sidecar id (default: SERVICE-VERSION or caller)")
+    p.add_argument("--node-id", help="unique sidecar id (default: ROLE-HOST-PORT, "
+                   "ROLE being SERVICE-VERSION or caller)")  # fmt: skip
     p.add_argument("--mesh", help="mesh file: --inbound-port defaults to the port of the "
                    "version's endpoint (callers reach a version through its sidecar)")  # fmt: skip
     p.add_argument("--service", help="the service whose runtime this sidecar fronts")
@@ -56,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if args.inbound_port is not None and not args.local_endpoint:
         print("meshlm sidecar: --inbound-port needs --local-endpoint", file=sys.stderr)
         return 2
-    node_id = args.node_id or (f"{args.service}-{args.version}" if args.service else "caller")
+    node_id = args.node_id or _default_node_id(args)
     admin_port = args.admin_port or free_port()
     try:
         boot = ads_bootstrap(

@@ -3,19 +3,14 @@ rejected version, delta subscriptions and removals, make before break, debounce,
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Iterator
 
-import grpc
 import pytest
 from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import base_pb2
-from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
-from google.protobuf import struct_pb2
-from google.rpc import status_pb2
+from envoy.service.discovery.v3 import discovery_pb2
 
+from tests.test_xds_support import AdsClient, sotw
 from xds_server import types as t
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
@@ -35,50 +30,6 @@ MESH = {
 }
 
 
-class AdsClient:
-    """One ADS stream, driven by hand."""
-
-    def __init__(self, port: int, node_id: str, *, delta: bool = False, outbound: int = 15001):
-        self.node = base_pb2.Node(id=node_id)
-        self.node.metadata.CopyFrom(struct_pb2.Struct())
-        self.node.metadata.update({"meshlm.outbound_port": outbound})
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(self.channel)
-        self._tx: queue.Queue = queue.Queue()
-        self._rx: queue.Queue = queue.Queue()
-        rpc = stub.DeltaAggregatedResources if delta else stub.StreamAggregatedResources
-        self._call = rpc(iter(self._tx.get, None))
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self._first = True
-
-    def _read(self) -> None:
-        try:
-            for r in self._call:
-                self._rx.put(r)
-        except grpc.RpcError:
-            pass
-
-    def send(self, req) -> None:
-        if self._first:
-            req.node.CopyFrom(self.node)
-            self._first = False
-        self._tx.put(req)
-
-    def recv(self, timeout: float = 10.0):
-        return self._rx.get(timeout=timeout)
-
-    def assert_quiet(self, seconds: float = 0.4) -> None:
-        with pytest.raises(queue.Empty):
-            r = self._rx.get(timeout=seconds)
-            pytest.fail(f"unexpected response: {r.type_url} {r.nonce}")
-
-    def close(self) -> None:
-        self._tx.put(None)
-        self._call.cancel()
-        self.channel.close()
-
-
 @pytest.fixture
 def cp() -> Iterator[ControlPlane]:
     plane = ControlPlane(parse_mesh(MESH), debounce=0.02).start()
@@ -86,15 +37,6 @@ def cp() -> Iterator[ControlPlane]:
         yield plane
     finally:
         plane.stop()
-
-
-def sotw(type_url: str, names=(), version: str = "", nonce: str = "", error: str = ""):
-    req = discovery_pb2.DiscoveryRequest(
-        type_url=type_url, resource_names=list(names), version_info=version, response_nonce=nonce
-    )
-    if error:
-        req.error_detail.CopyFrom(status_pb2.Status(code=3, message=error))
-    return req
 
 
 def names_of(resp) -> set[str]:

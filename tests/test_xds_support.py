@@ -4,6 +4,7 @@ calls through an Envoy listener, and a control plane with sidecars. No tests her
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from collections import Counter
@@ -12,6 +13,11 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from google.protobuf import struct_pb2
+from google.rpc import status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 
@@ -171,3 +177,92 @@ def eventually(check: Callable[[], Any], timeout: float = 20.0, what: str = "") 
 def dynamic_clusters(envoy: EnvoyProcess) -> set[str]:
     dump = envoy.config_dump("dynamic_active_clusters")
     return {c["cluster"]["name"] for c in dump.get("configs", [])}
+
+
+class AdsClient:
+    """One ADS stream, driven by hand (no Envoy). `auto_ack`: the reader ACKs every response
+    as soon as it arrives, as a healthy Envoy does. `status` holds how the server closed it."""
+
+    def __init__(
+        self,
+        port: int,
+        node_id: str,
+        *,
+        delta: bool = False,
+        outbound: int = 15001,
+        metadata: dict[str, Any] | None = None,
+        auto_ack: bool = False,
+    ):
+        self.node = base_pb2.Node(id=node_id)
+        self.node.metadata.CopyFrom(struct_pb2.Struct())
+        self.node.metadata.update(
+            metadata if metadata is not None else {"meshlm.outbound_port": outbound}
+        )
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(self.channel)
+        self._tx: queue.Queue = queue.Queue()
+        self._rx: queue.Queue = queue.Queue()
+        self.delta, self.auto_ack = delta, auto_ack
+        self._names: dict[str, list[str]] = {}  # SotW subscriptions, repeated in ACKs
+        self.status: tuple[grpc.StatusCode, str] | None = None
+        self.closed = threading.Event()
+        rpc = stub.DeltaAggregatedResources if delta else stub.StreamAggregatedResources
+        self._call = rpc(iter(self._tx.get, None))
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._first = True
+
+    def _read(self) -> None:
+        try:
+            for r in self._call:
+                if self.auto_ack:
+                    self._ack(r)
+                self._rx.put(r)
+        except grpc.RpcError as e:
+            self.status = (e.code(), e.details() or "")
+        finally:
+            self.closed.set()
+
+    def _ack(self, r: Any) -> None:
+        if self.delta:
+            self.send(
+                discovery_pb2.DeltaDiscoveryRequest(type_url=r.type_url, response_nonce=r.nonce)
+            )
+        else:
+            self.send(sotw(r.type_url, self._names.get(r.type_url, ()), r.version_info, r.nonce))
+
+    def send(self, req) -> None:
+        if self._first:
+            req.node.CopyFrom(self.node)
+            self._first = False
+        if not self.delta:
+            self._names[req.type_url] = list(req.resource_names)
+        self._tx.put(req)
+
+    def recv(self, timeout: float = 10.0):
+        return self._rx.get(timeout=timeout)
+
+    def assert_quiet(self, seconds: float = 0.4) -> None:
+        with pytest.raises(queue.Empty):
+            r = self._rx.get(timeout=seconds)
+            pytest.fail(f"unexpected response: {r.type_url} {r.nonce}")
+
+    def closed_with(self, timeout: float = 10.0) -> tuple[grpc.StatusCode, str]:
+        """How the server ended this stream (fails if it did not within `timeout`)."""
+        assert self.closed.wait(timeout), "the server did not close the stream"
+        assert self.status is not None, "the stream ended without a status"
+        return self.status
+
+    def close(self) -> None:
+        self._tx.put(None)
+        self._call.cancel()
+        self.channel.close()
+
+
+def sotw(type_url: str, names=(), version: str = "", nonce: str = "", error: str = ""):
+    req = discovery_pb2.DiscoveryRequest(
+        type_url=type_url, resource_names=list(names), version_info=version, response_nonce=nonce
+    )
+    if error:
+        req.error_detail.CopyFrom(status_pb2.Status(code=3, message=error))
+    return req

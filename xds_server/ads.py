@@ -24,11 +24,13 @@ from xds_server import types as t
 from xds_server.cache import SnapshotCache
 from xds_server.node import NodeInfo
 from xds_server.snapshot import Snapshot
-from xds_server.sync import SyncStatus
+from xds_server.sync import NodeRejected, SyncStatus
 
 log = logging.getLogger(__name__)
 # Types that must be ACKed at the snapshot's version before stale clusters are dropped.
 _USERS_OF_CLUSTERS = (t.LISTENER, t.EXTENSION_CONFIG, t.ROUTE)
+# Delta nonces a stream remembers while they are neither ACKed nor NACKed; older ones are stale.
+_MAX_OUTSTANDING_NONCES = 64
 
 
 class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
@@ -37,18 +39,31 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self.sync = sync
 
     async def StreamAggregatedResources(
-        self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: object
+        self,
+        request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
-        async for resp in SotwStream(self.cache, self.sync).run(request_iterator):
-            yield resp
+        try:
+            async for resp in SotwStream(self.cache, self.sync).run(request_iterator):
+                yield resp
+        except NodeRejected as e:
+            await _close(context, e)
 
     async def DeltaAggregatedResources(
         self,
         request_iterator: AsyncIterator[discovery_pb2.DeltaDiscoveryRequest],
-        context: object,
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[discovery_pb2.DeltaDiscoveryResponse]:
-        async for resp in DeltaStream(self.cache, self.sync).run(request_iterator):
-            yield resp
+        try:
+            async for resp in DeltaStream(self.cache, self.sync).run(request_iterator):
+                yield resp
+        except NodeRejected as e:
+            await _close(context, e)
+
+
+async def _close(context: grpc.aio.ServicerContext, e: NodeRejected) -> None:
+    log.warning("ADS stream rejected: %s", e)
+    await context.abort(grpc.StatusCode[e.code], str(e))
 
 
 @dataclass
@@ -81,6 +96,8 @@ class _Stream:
         self.stream_id = 0
         self.types: dict[str, _TypeState] = {}
         self._inbox: collections.deque = collections.deque()
+        self._replies: list = []  # answers to requests for types this server does not serve
+        self._error_shown = False
         self._wake = asyncio.Event()
         self._done = False
         self._nonce = 0
@@ -97,18 +114,24 @@ class _Stream:
                     self._handle(self._inbox.popleft())
                 if self._done:
                     break
+                while self._replies:
+                    yield self._replies.pop(0)
                 if self.group is None:
                     continue
                 snap = self.cache.snapshot(self.group)
                 if snap is None:
                     self.sync.set_error(self.node_id, self.cache.error(self.group) or "")
+                    self._error_shown = True
                     continue
+                if self._error_shown:  # the group builds again: the old error is gone
+                    self.sync.set_error(self.node_id, "")
+                    self._error_shown = False
                 for resp in self._responses(snap):
                     yield resp
         finally:
             unwatch()
             reader.cancel()
-            if self.node_id is not None:
+            if self.stream_id:  # a rejected stream never held its node id
                 self.sync.disconnect(self.node_id, self.stream_id)
 
     async def _read(self, requests: AsyncIterator) -> None:
@@ -123,12 +146,31 @@ class _Stream:
             self._wake.set()
 
     def _identify(self, req: object) -> None:
-        if self.node_id is None and req.HasField("node"):
-            self.node_id = req.node.id or f"anonymous-{id(self)}"
-            self.group = NodeInfo.from_node(req.node)
-            self.stream_id = self.sync.connect(
-                self.node_id, self.group, self.api, json_format.MessageToDict(req.node.metadata)
-            )
+        """Admit the node the first request names; raises NodeRejected (closing the stream)
+        for an id held by a live stream, oversized or malformed metadata, or a full table."""
+        if self.node_id is not None or not req.HasField("node"):
+            return
+        node_id = req.node.id
+        self.sync.check_node(node_id, req.node.metadata.ByteSize())
+        metadata = json_format.MessageToDict(req.node.metadata)
+        try:
+            group = NodeInfo.from_metadata(metadata)
+        except ValueError as e:
+            raise NodeRejected("INVALID_ARGUMENT", str(e)) from None
+        self.stream_id = self.sync.connect(node_id, group, self.api, metadata)
+        self.node_id, self.group = node_id, group
+
+    def _unknown_type(self, tu: str, first: bool) -> bool:
+        """True (and, for a first request, an empty answer queued) when this server does not
+        serve `tu`: nothing is kept for it, so made-up type URLs cost no memory."""
+        if tu in t.SHORT:
+            return False
+        if first:
+            self._replies.append(self._empty_reply(tu))
+        return True
+
+    def _empty_reply(self, tu: str) -> object:
+        raise NotImplementedError
 
     def _next_nonce(self) -> str:
         self._nonce += 1
@@ -156,6 +198,8 @@ class SotwStream(_Stream):
         if self.node_id is None:
             return
         tu = req.type_url
+        if self._unknown_type(tu, first=not req.response_nonce):
+            return
         ts = self.types.setdefault(tu, _TypeState())
         # A request that answers an older response than our latest is stale: ignore it
         # (envoy#10363); the reply to the latest one follows.
@@ -175,6 +219,9 @@ class SotwStream(_Stream):
         names = frozenset(req.resource_names)
         wildcard = tu in t.WILDCARD_TYPES and (not names or "*" in names)
         ts.names = None if wildcard else names
+
+    def _empty_reply(self, tu: str) -> discovery_pb2.DiscoveryResponse:
+        return discovery_pb2.DiscoveryResponse(type_url=tu, nonce=self._next_nonce())
 
     def _responses(self, snap: Snapshot) -> list[discovery_pb2.DiscoveryResponse]:
         out = []
@@ -222,6 +269,8 @@ class DeltaStream(_Stream):
         if self.node_id is None:
             return
         tu = req.type_url
+        if self._unknown_type(tu, first=not req.response_nonce):
+            return
         ts = self.types.get(tu)
         if ts is None:
             ts = self.types[tu] = _TypeState()
@@ -240,6 +289,12 @@ class DeltaStream(_Stream):
                 ts.subscribed.discard(n)
                 ts.known.pop(n, None)  # a later subscribe must send it again
                 ts.absent_told.discard(n)
+        limit = self.sync.limits.max_resource_names
+        if len(ts.subscribed) > limit or len(ts.known) > limit:
+            raise NodeRejected(
+                "INVALID_ARGUMENT",
+                f"{t.SHORT[tu]}: more than {limit} resource names (max_resource_names)",
+            )
         if req.response_nonce:
             version = ts.nonces.pop(req.response_nonce, None)
             if version is None:
@@ -252,6 +307,9 @@ class DeltaStream(_Stream):
                 ts.acked_version = version
                 self.sync.ack(self.node_id, tu, version)
             ts.outstanding = bool(ts.nonces)
+
+    def _empty_reply(self, tu: str) -> discovery_pb2.DeltaDiscoveryResponse:
+        return discovery_pb2.DeltaDiscoveryResponse(type_url=tu, nonce=self._next_nonce())
 
     def _responses(self, snap: Snapshot) -> list[discovery_pb2.DeltaDiscoveryResponse]:
         out = []
@@ -299,6 +357,8 @@ class DeltaStream(_Stream):
                 del ts.known[n]
             ts.absent_told.update(absent)
             ts.nonces[nonce] = version
+            if len(ts.nonces) > _MAX_OUTSTANDING_NONCES:
+                del ts.nonces[next(iter(ts.nonces))]
             ts.sent_version, ts.outstanding = version, True
             self.sync.sent(self.node_id, tu, version)
         return out

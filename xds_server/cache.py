@@ -93,18 +93,25 @@ class SnapshotCache:
         return version_generation(version, self.incarnation)
 
     # -- writes --------------------------------------------------------------------------------
-    def stage(self, mesh: m.Mesh) -> int:
+    def stage(self, mesh: m.Mesh, live: set[NodeInfo] | None = None) -> int:
         """Build and check every group's snapshot for `mesh`; raise ValueError (naming the group
-        and the field) and change nothing if any is invalid. Returns the new generation."""
+        and the field) and change nothing if any group in `live` (default: all) cannot take it.
+        A group outside `live` (no sidecar connected) that cannot take it is dropped instead,
+        so a departed sidecar never vetoes a change. Returns the new generation."""
         with self._lock:
             gen = self._generation + 1
             staged: dict[NodeInfo, Snapshot] = {}
+            dropped = []
             for group in self._snapshots:
                 prev = self._staged.get(group) or self._snapshots[group]
                 try:
                     staged[group] = self._build(group, mesh, gen, prev)
                 except ValueError as e:
+                    if live is not None and group not in live:
+                        dropped.append(group)
+                        continue
                     raise ValueError(f"sidecars with {group.label()}: {e}") from None
+            self._drop(dropped)
             for group, snap in staged.items():
                 prev = self._staged.get(group) or self._snapshots[group]
                 for tu in set(snap.types) | set(prev.types):
@@ -142,6 +149,19 @@ class SnapshotCache:
             watchers = list(self._watchers)
         for w in watchers:
             w()
+
+    def retain(self, groups: set[NodeInfo]) -> None:
+        """Forget the snapshots of every group not in `groups` (no sidecar uses them)."""
+        with self._lock:
+            self._drop([g for g in self._snapshots if g not in groups])
+            for g in [g for g in self._errors if g not in groups]:
+                del self._errors[g]
+
+    def _drop(self, groups: list[NodeInfo]) -> None:
+        for g in groups:
+            self._snapshots.pop(g, None)
+            self._staged.pop(g, None)
+            self._changes.pop(g, None)
 
     def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call `callback` on every publish; returns the function that stops it."""

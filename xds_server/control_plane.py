@@ -5,15 +5,19 @@
     result.ok, result.acked, result.missing, result.errors
 
 A change counts as applied only when every affected, connected sidecar ACKed it (Argo Rollouts'
-most-reported bug is 503s from acting before the sidecars have the new routes).
+most-reported bug is 503s from acting before the sidecars have the new routes), except sidecars
+that have left a push un-ACKed for `control_plane.lagging_after`: those are reported as lagging
+and no longer hold changes back, so one stuck sidecar cannot fail every change.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +29,10 @@ from xds_server import mesh as m
 from xds_server.ads import AdsServicer
 from xds_server.cache import SnapshotCache
 from xds_server.snapshot import make_version
-from xds_server.sync import SyncStatus
+from xds_server.sync import Limits, SyncStatus
+
+# The longest a caller may wait for ACKs (seconds); longer asks are refused before staging.
+MAX_TIMEOUT = 600.0
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,7 @@ class ApplyResult:
     acked: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # NACKed or not yet ACKed
     errors: dict[str, str] = field(default_factory=dict)  # node -> NACK error
+    lagging: list[str] = field(default_factory=list)  # left out: un-ACKed for lagging_after
 
     def to_json(self) -> dict:
         return {
@@ -45,7 +53,19 @@ class ApplyResult:
             "acked": self.acked,
             "missing": self.missing,
             "errors": self.errors,
+            "lagging": self.lagging,
         }
+
+
+def check_timeout(timeout: float) -> float:
+    """`timeout` if it is a number of seconds from 0 to MAX_TIMEOUT, else ValueError."""
+    try:
+        ok = not isinstance(timeout, bool) and 0 <= float(timeout) <= MAX_TIMEOUT
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:  # NaN compares false too
+        raise ValueError(f"timeout: must be 0 to {MAX_TIMEOUT:g} seconds, got {timeout!r}")
+    return float(timeout)
 
 
 def new_incarnation() -> str:
@@ -55,11 +75,22 @@ def new_incarnation() -> str:
 
 class ControlPlane:
     def __init__(
-        self, mesh: m.Mesh, *, debounce: float | None = None, incarnation: str | None = None
+        self,
+        mesh: m.Mesh,
+        *,
+        debounce: float | None = None,
+        incarnation: str | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.incarnation = incarnation or new_incarnation()
         self.cache = SnapshotCache(mesh, self.incarnation)
-        self.sync = SyncStatus(self.cache.expected_generations, self.cache.generation_of)
+        limits = limits or Limits(lagging_after=mesh.control_plane.lagging_after)
+        self.sync = SyncStatus(
+            self.cache.expected_generations,
+            self.cache.generation_of,
+            limits,
+            retain_groups=self.cache.retain,
+        )
         self.debounce = mesh.control_plane.debounce if debounce is None else debounce
         self._mutate = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -147,60 +178,81 @@ class ControlPlane:
     def set_weights(
         self, service: str, weights: dict[str, int], *, timeout: float = 10.0
     ) -> ApplyResult:
-        with self._mutate:
-            return self._apply(self.mesh.with_weights(service, weights), timeout)
+        return self._change(lambda live: live.with_weights(service, weights), timeout)
 
     def add_endpoint(
         self, service: str, version: str, endpoint: str, *, timeout: float = 10.0
     ) -> ApplyResult:
-        with self._mutate:
-            new = self.mesh.with_endpoint(service, version, endpoint, add=True)
-            return self._apply(new, timeout)
+        return self._change(
+            lambda live: live.with_endpoint(service, version, endpoint, add=True), timeout
+        )
 
     def remove_endpoint(
         self, service: str, version: str, endpoint: str, *, timeout: float = 10.0
     ) -> ApplyResult:
-        with self._mutate:
-            new = self.mesh.with_endpoint(service, version, endpoint, add=False)
-            return self._apply(new, timeout)
+        return self._change(
+            lambda live: live.with_endpoint(service, version, endpoint, add=False), timeout
+        )
 
     def set_pins(
         self, service: str, stable: str, canary: str, *, timeout: float = 10.0
     ) -> ApplyResult | None:
         """Which versions `x-canary: never|always` reach; None when they already do."""
-        with self._mutate:
-            if self.mesh.services[service].route.pins == (stable, canary):
+
+        def pinned(live: m.Mesh) -> m.Mesh | None:
+            if live.services[service].route.pins == (stable, canary):
                 return None
-            return self._apply(self.mesh.with_pins(service, stable, canary), timeout)
+            return live.with_pins(service, stable, canary)
+
+        return self._change(pinned, timeout)
 
     def apply_mesh(self, mesh: m.Mesh, *, timeout: float = 10.0) -> ApplyResult:
         """A new mesh file (tenants, endpoints, resilience...) that keeps the live traffic split:
         weights and `x-canary` pins of a service whose versions are unchanged belong to the
         weights API and rollouts, not to whatever the file said when it was written."""
-        with self._mutate:
+
+        def keep_split(live: m.Mesh) -> m.Mesh:
+            new = mesh
             for name, svc in mesh.services.items():
-                live = self.mesh.services.get(name)
-                if live is None or set(live.versions) != set(svc.versions):
+                cur = live.services.get(name)
+                if cur is None or set(cur.versions) != set(svc.versions):
                     continue
-                mesh = mesh.with_weights(name, dict(live.route.weights))
-                if live.route.pins:
-                    mesh = mesh.with_pins(name, *live.route.pins)
-            return self._apply(mesh, timeout)
+                new = new.with_weights(name, dict(cur.route.weights))
+                if cur.route.pins:
+                    new = new.with_pins(name, *cur.route.pins)
+            return new
+
+        return self._change(keep_split, timeout)
 
     def update_mesh(self, mesh: m.Mesh, *, timeout: float = 10.0) -> ApplyResult:
-        with self._mutate:
-            return self._apply(mesh, timeout)
+        return self._change(lambda live: mesh, timeout)
 
-    def _apply(self, mesh: m.Mesh, timeout: float) -> ApplyResult:
-        # Raises (nothing staged, nothing pushed) when any sidecar group cannot take the mesh.
-        gen = self.cache.stage(mesh)
+    def _change(
+        self, edit: Callable[[m.Mesh], m.Mesh | None], timeout: float
+    ) -> ApplyResult | None:
+        """Stage `edit(live mesh)` under the mutation lock, then wait for ACKs without it, so
+        a slow sidecar (or a caller that left) never blocks the next change."""
+        timeout = check_timeout(timeout)  # before anything is staged
+        with self._mutate:
+            mesh = edit(self.mesh)
+            if mesh is None:
+                return None
+            version, nodes = self._stage(mesh)
+        if timeout == 0:
+            return ApplyResult(version=version, ok=False, missing=nodes)
+        return self.wait_for_ack(version, nodes, timeout=timeout)
+
+    def _stage(self, mesh: m.Mesh) -> tuple[str, list[str]]:
+        # Raises (nothing staged, nothing pushed) when a group with a connected sidecar cannot
+        # take the mesh; groups of departed sidecars never veto (they are dropped).
+        gen = self.cache.stage(mesh, self.sync.live_groups())
+        lagging_after = mesh.control_plane.lagging_after
+        if lagging_after != self.sync.limits.lagging_after:
+            self.sync.limits = dataclasses.replace(self.sync.limits, lagging_after=lagging_after)
         nodes = self._affected(gen)
         self.sync.track(gen, nodes)
         self._schedule_publish()
-        version = make_version(self.incarnation, gen)
-        if timeout <= 0:
-            return ApplyResult(version=version, ok=False, missing=nodes)
-        return self.wait_for_ack(version, nodes, timeout=timeout)
+        return make_version(self.incarnation, gen), nodes
 
     def _affected(self, generation: int) -> list[str]:
         groups = set(self.cache.changed_groups(generation))
@@ -213,15 +265,21 @@ class ControlPlane:
         self, version: str, nodes: list[str] | None = None, *, timeout: float = 10.0
     ) -> ApplyResult:
         """Block until each of `nodes` (default: every connected sidecar the change touched)
-        ACKed `version` or a later one, or NACKed it, or `timeout` passed."""
+        ACKed `version` or a later one, or NACKed it, or lags, or `timeout` passed."""
+        timeout = check_timeout(timeout)
         gen = self.cache.generation_of(version)
         if gen < 0:
             raise ValueError(f"version {version!r} is not from this control plane")
         if nodes is None:
             nodes = self._affected(gen)
-        acked, errors, missing = self.sync.wait(gen, nodes, timeout)
+        acked, errors, missing, lagging = self.sync.wait(gen, nodes, timeout)
         return ApplyResult(
-            version=version, ok=not missing, acked=acked, missing=missing, errors=errors
+            version=version,
+            ok=not missing,
+            acked=acked,
+            missing=missing,
+            errors=errors,
+            lagging=lagging,
         )
 
     # -- debounce: bursts of changes go out as one push (istiod: 100 ms) ----------------------

@@ -28,17 +28,33 @@ class NodeInfo:
 
     @classmethod
     def from_metadata(cls, md: dict[str, Any]) -> NodeInfo:
+        """Raises ValueError naming the metadata key for a value of the wrong kind."""
+
         def port(key: str) -> int | None:
             v = md.get(key)
-            return None if v in (None, "") else int(v)
+            if v in (None, ""):
+                return None
+            try:
+                p = int(v)
+            except (TypeError, ValueError):
+                p = -1
+            if isinstance(v, bool) or (p != v and str(p) != v) or not 0 < p < 65536:
+                raise ValueError(f"node.metadata[{key!r}]: not a port: {v!r}"[:200])
+            return p
+
+        def text(key: str) -> str | None:
+            v = md.get(key)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"node.metadata[{key!r}]: not a string: {v!r}"[:200])
+            return v or None
 
         return cls(
-            service=md.get(SERVICE) or None,
-            version=md.get(VERSION) or None,
+            service=text(SERVICE),
+            version=text(VERSION),
             inbound_port=port(INBOUND_PORT),
             outbound_port=port(OUTBOUND_PORT),
-            local_endpoint=md.get(LOCAL_ENDPOINT) or None,
-            listen_host=md.get(LISTEN_HOST) or "127.0.0.1",
+            local_endpoint=text(LOCAL_ENDPOINT),
+            listen_host=text(LISTEN_HOST) or "127.0.0.1",
         )
 
     @classmethod

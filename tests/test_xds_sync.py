@@ -1,0 +1,324 @@
+"""Sidecar identity, change tracking and bounded state over real ADS streams (issue 9, defects 6
+and 7, recovered NACKs of 13): duplicate node ids, lagging sidecars, waits without the mutation
+lock, timeout validation, departed sidecars, metadata and table limits, unknown type URLs,
+/debug/syncz off the ADS lock, NACKs cleared by a later ACK."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from meshlm.cmd_sidecar import _default_node_id
+from meshlm.cmd_status import render
+from tests.test_xds_support import AdsClient, eventually, sotw
+from xds_server import types as t
+from xds_server.admin import AdminServer
+from xds_server.control_plane import ControlPlane
+from xds_server.mesh import parse_mesh
+from xds_server.node import NodeInfo
+from xds_server.sync import Limits
+
+V1, V2 = "127.0.0.1:50051", "127.0.0.1:50052"
+
+
+def mesh(*versions: str, lagging_after: str = "30s", **weights: int):
+    eps = {"v1": V1, "v2": V2, "v3": "127.0.0.1:50053"}
+    return parse_mesh(
+        {
+            "control_plane": {"lagging_after": lagging_after},
+            "services": {
+                "llm": {
+                    "versions": {v: {"endpoints": [eps[v]]} for v in versions},
+                    "route": {"weights": weights or {versions[0]: 100}},
+                }
+            },
+        }
+    )
+
+
+@pytest.fixture
+def cp() -> Iterator[ControlPlane]:
+    plane = ControlPlane(mesh("v1", "v2"), debounce=0.02).start()
+    try:
+        yield plane
+    finally:
+        plane.stop()
+
+
+def boot(c: AdsClient, cp: ControlPlane, node: str) -> None:
+    """Subscribe like Envoy (CDS, EDS, LDS, RDS) on an auto-ACKing client; wait for the ACKs."""
+    c.send(sotw(t.CLUSTER))
+    c.send(sotw(t.ENDPOINT, ["outbound|llm|v1", "outbound|llm|v2"]))
+    c.send(sotw(t.LISTENER))
+    c.send(sotw(t.ROUTE, ["outbound"]))
+    eventually(
+        lambda: cp.sync.state(node, cp.cache.generation)[0] == "acked", 10, f"{node} ACKed all"
+    )
+
+
+# -- defect 6: identity ---------------------------------------------------------------------------
+
+
+def test_a_second_stream_with_a_live_node_id_is_rejected_and_its_end_keeps_the_holder(
+    cp: ControlPlane,
+) -> None:
+    holder = AdsClient(cp.grpc_port, "n1", auto_ack=True)
+    dup = AdsClient(cp.grpc_port, "n1")
+    try:
+        boot(holder, cp, "n1")
+        dup.send(sotw(t.CLUSTER))
+        code, details = dup.closed_with()
+        assert code == grpc.StatusCode.ALREADY_EXISTS
+        assert "'n1' is already connected" in details
+        dup.close()
+        syncz = cp.syncz()
+        assert syncz["nodes"]["n1"]["connected"]
+        assert syncz["rejected"][-1]["code"] == "ALREADY_EXISTS"
+        # The holder is still the node: a change waits for it, and it gets it.
+        result = cp.update_mesh(mesh("v1", "v2", "v3"), timeout=10)
+        assert result.ok and result.acked == ["n1"], result
+    finally:
+        holder.close()
+        dup.close()
+
+
+def test_sidecars_get_unique_node_ids_by_default() -> None:
+    def args(**kw: object) -> argparse.Namespace:
+        base = {"service": None, "version": None, "inbound_port": None, "outbound_port": None}
+        return argparse.Namespace(**{**base, **kw})
+
+    a = _default_node_id(args(outbound_port=15001))
+    b = _default_node_id(args(outbound_port=15002))
+    inbound = _default_node_id(args(service="llm", version="v1", inbound_port=15101))
+    assert len({a, b, inbound}) == 3
+    assert a == f"caller-{socket.gethostname()}-15001"  # stable across restarts (LKG key)
+    assert inbound.startswith("llm-v1-")
+
+
+# -- defect 6: change tracking --------------------------------------------------------------------
+
+
+def test_a_never_acking_sidecar_is_reported_lagging_and_left_out_of_the_quorum() -> None:
+    plane = ControlPlane(mesh("v1", "v2", lagging_after="1s"), debounce=0.02).start()
+    good = AdsClient(plane.grpc_port, "good", auto_ack=True)
+    stuck = AdsClient(plane.grpc_port, "stuck")
+    try:
+        boot(good, plane, "good")
+        stuck.send(sotw(t.CLUSTER))
+        stuck.recv()  # and never ACK
+        result = plane.set_weights("llm", {"v1": 50, "v2": 50}, timeout=5)
+        assert result.ok, result
+        assert result.acked == ["good"] and result.lagging == ["stuck"] and not result.missing
+        syncz = plane.syncz()
+        assert syncz["lagging"] == ["stuck"]
+        assert syncz["nodes"]["stuck"]["lagging"] and not syncz["nodes"]["good"]["lagging"]
+        assert syncz["nodes"]["stuck"]["behind_since"]
+    finally:
+        good.close()
+        stuck.close()
+        plane.stop()
+
+
+def test_a_waiting_change_does_not_block_the_next_one(cp: ControlPlane) -> None:
+    stuck = AdsClient(cp.grpc_port, "stuck")
+    try:
+        stuck.send(sotw(t.CLUSTER))
+        stuck.recv()  # never ACKs: the first change waits for it
+        first: list = []
+        waiting = threading.Thread(
+            target=lambda: first.append(cp.set_weights("llm", {"v1": 90, "v2": 10}, timeout=8))
+        )
+        waiting.start()
+        eventually(lambda: cp.cache.generation == 1, 5, "the first change staged")
+        second = cp.set_weights("llm", {"v1": 80, "v2": 20}, timeout=0)
+        assert waiting.is_alive() and not first, "the second change waited for the first"
+        assert second.version.endswith(".2")
+        stuck.close()  # the first wait ends as its only sidecar leaves
+        waiting.join(10)
+        assert first and first[0].missing == ["stuck"]
+    finally:
+        stuck.close()
+
+
+@pytest.mark.parametrize("timeout", ["inf", "nan", "-1", "1e9"])
+def test_a_bad_timeout_is_400_and_stages_nothing(cp: ControlPlane, timeout: str) -> None:
+    before = dict(cp.mesh.services["llm"].route.weights)
+    admin = AdminServer(cp, token="t0ken").start()
+    try:
+        req = urllib.request.Request(
+            f"{admin.url}/v1/services/llm/weights?timeout={timeout}",
+            data=json.dumps({"v1": 50, "v2": 50}).encode(),
+            headers={"Authorization": "Bearer t0ken"},
+            method="POST",
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 400
+        body = json.loads(e.value.read())
+        assert "timeout" in body["error"], body
+        assert cp.cache.generation == 0
+        assert cp.mesh.services["llm"].route.weights == before
+    finally:
+        admin.stop()
+    with pytest.raises(ValueError, match="timeout: must be 0 to 600 seconds"):
+        cp.update_mesh(mesh("v1"), timeout=float("inf"))
+    assert cp.cache.generation == 0
+
+
+def test_a_departed_sidecars_group_does_not_veto_removing_its_version() -> None:
+    plane = ControlPlane(mesh("v1", "v2"), debounce=0.02, limits=Limits(forget_after=0.5)).start()
+    inbound = {
+        "meshlm.service": "llm",
+        "meshlm.version": "v2",
+        "meshlm.inbound_port": 15102,
+        "meshlm.local_endpoint": V2,
+    }
+    v2 = AdsClient(plane.grpc_port, "llm-v2", metadata=inbound)
+    try:
+        v2.send(sotw(t.CLUSTER))
+        v2.recv()
+        v2_group = NodeInfo.from_metadata(inbound)
+        assert v2_group in plane.cache.groups()
+        # While it is connected, its group still vetoes a mesh it cannot take.
+        with pytest.raises(ValueError, match="unknown version 'v2'"):
+            plane.update_mesh(mesh("v1"), timeout=0)
+        v2.close()
+        eventually(lambda: not plane.syncz()["nodes"]["llm-v2"]["connected"], 5, "v2 gone")
+        result = plane.update_mesh(mesh("v1"), timeout=0)  # no ValueError any more
+        assert "llm-v2" not in result.missing
+        assert v2_group not in plane.cache.groups()
+        # After forget_after the departed sidecar leaves the status too.
+        eventually(lambda: "llm-v2" not in plane.syncz()["nodes"], 5, "v2 forgotten")
+    finally:
+        v2.close()
+        plane.stop()
+
+
+# -- defect 7: bounded state ----------------------------------------------------------------------
+
+
+def test_oversized_or_malformed_metadata_is_invalid_argument_naming_the_limit(
+    cp: ControlPlane,
+) -> None:
+    big = AdsClient(
+        cp.grpc_port, "big", metadata={"meshlm.outbound_port": 15001, "junk": "x" * 20_000}
+    )
+    bad_port = AdsClient(cp.grpc_port, "bad-port", metadata={"meshlm.outbound_port": "http"})
+    try:
+        big.send(sotw(t.CLUSTER))
+        code, details = big.closed_with()
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "node.metadata is" in details and "max_metadata_bytes" in details
+        bad_port.send(sotw(t.CLUSTER))
+        code, details = bad_port.closed_with()
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "meshlm.outbound_port" in details
+        assert not {"big", "bad-port"} & set(cp.syncz()["nodes"])
+    finally:
+        big.close()
+        bad_port.close()
+
+
+def test_the_node_table_is_bounded_and_departed_nodes_make_room() -> None:
+    plane = ControlPlane(mesh("v1", "v2"), debounce=0.02, limits=Limits(max_nodes=3)).start()
+    clients: list[AdsClient] = []
+    try:
+        for i in range(3):  # come and go
+            c = AdsClient(plane.grpc_port, f"gone-{i}")
+            c.send(sotw(t.CLUSTER))
+            c.recv()
+            c.close()
+        eventually(lambda: not any(n["connected"] for n in plane.syncz()["nodes"].values()), 5)
+        for i in range(3):  # take their places
+            c = AdsClient(plane.grpc_port, f"live-{i}")
+            clients.append(c)
+            c.send(sotw(t.CLUSTER))
+            c.recv()
+        assert set(plane.syncz()["nodes"]) == {"live-0", "live-1", "live-2"}
+        extra = AdsClient(plane.grpc_port, "one-too-many")
+        clients.append(extra)
+        extra.send(sotw(t.CLUSTER))
+        code, details = extra.closed_with()
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_nodes" in details
+        assert len(plane.syncz()["nodes"]) == 3
+    finally:
+        for c in clients:
+            c.close()
+        plane.stop()
+
+
+def test_unknown_type_urls_get_an_empty_answer_and_are_not_kept(cp: ControlPlane) -> None:
+    c = AdsClient(cp.grpc_port, "n1")
+    try:
+        c.send(sotw(t.CLUSTER))
+        c.recv()
+        made_up = [f"type.googleapis.com/made.up.T{i}" for i in range(50)]
+        for tu in made_up:
+            c.send(sotw(tu, ["x"]))
+            r = c.recv()
+            assert r.type_url == tu and not r.resources
+            c.send(sotw(tu, ["x"], nonce="no-such-nonce"))  # an ACK of nothing: ignored
+        c.assert_quiet(0.3)
+        assert set(cp.syncz()["nodes"]["n1"]["types"]) == {"CDS"}
+    finally:
+        c.close()
+
+
+def test_syncz_is_built_off_the_lock_ads_needs(cp: ControlPlane) -> None:
+    # Many sidecars with metadata at the size limit: a status that takes a while to build.
+    md = {f"meshlm.k{j}": "v" * 20 for j in range(500)}
+    for i in range(2000):
+        cp.sync.connect(f"bulk-{i}", NodeInfo(outbound_port=20000 + i), "sotw", dict(md))
+    c = AdsClient(cp.grpc_port, "n1")
+    try:
+        c.send(sotw(t.CLUSTER))
+        cds = c.recv()
+        built = threading.Event()
+        reader = threading.Thread(target=lambda: (cp.syncz(), built.set()))
+        reader.start()
+        # While the status is being built, ADS goes on: an ACK is recorded, a request answered.
+        c.send(sotw(t.CLUSTER, version=cds.version_info, nonce=cds.nonce))
+        c.send(sotw(t.LISTENER))
+        assert c.recv().type_url == t.LISTENER
+        assert not built.is_set(), "ADS waited for /debug/syncz"
+        reader.join(60)
+        assert built.is_set()
+    finally:
+        c.close()
+
+
+# -- defect 13: recovered NACKs -------------------------------------------------------------------
+
+
+def test_a_nack_is_cleared_once_a_later_version_is_acked(cp: ControlPlane) -> None:
+    c = AdsClient(cp.grpc_port, "n1")
+    try:
+        c.send(sotw(t.CLUSTER))
+        r1 = c.recv()
+        c.send(sotw(t.CLUSTER, version=r1.version_info, nonce=r1.nonce))
+        cp.update_mesh(mesh("v1", "v2", "v3"), timeout=0)
+        r2 = c.recv()
+        c.send(sotw(t.CLUSTER, version=r1.version_info, nonce=r2.nonce, error="bad cluster"))
+        eventually(lambda: cp.syncz()["nodes"]["n1"]["types"]["CDS"]["nack_error"], 5)
+        assert "NACK" in render(cp.syncz())
+        cp.update_mesh(mesh("v1", "v2"), timeout=0)
+        r3 = c.recv()
+        c.send(sotw(t.CLUSTER, version=r3.version_info, nonce=r3.nonce))
+        eventually(
+            lambda: cp.syncz()["nodes"]["n1"]["types"]["CDS"]["acked_version"] == r3.version_info,
+            5,
+        )
+        cds = cp.syncz()["nodes"]["n1"]["types"]["CDS"]
+        assert cds["nack_error"] == "" and cds["nack_version"] == ""
+        assert r2.version_info in cds["recovered"] and "bad cluster" in cds["recovered"]
+        assert "NACK" not in render(cp.syncz())  # meshlm status shows no stale error
+    finally:
+        c.close()
