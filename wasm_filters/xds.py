@@ -15,6 +15,8 @@ What native mode cannot do, compared with the Wasm filter:
 - no per-tenant `x-meshlm-priority` header (no native filter maps a client id to a value);
 - a denial by `local_ratelimit` carries a fixed `retry-after` (the fill interval), not the
   time to the next refill; its buckets are per listener filter, as the Wasm ones are per vm_id.
+  In both modes these per-sidecar buckets are the local tier; the control plane's rate-limit
+  service (xds_server/ratelimit.py) holds the mesh-wide one.
 - a missing and an unknown key both give 401, as in Wasm, but with Envoy's own messages.
 """
 

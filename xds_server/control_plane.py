@@ -26,6 +26,7 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from xds_server import mesh as m
+from xds_server import ratelimit
 from xds_server.ads import AdsServicer
 from xds_server.cache import SnapshotCache
 from xds_server.snapshot import make_version
@@ -153,6 +154,8 @@ class ControlPlane:
             ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(
                 AdsServicer(self.cache, self.sync), server
             )
+            # Tenants' mesh-wide rate limits, on the ADS port (sidecars reach it by xds_cluster).
+            ratelimit.add_to_server(server, lambda: self.cache.mesh)
             bound = server.add_insecure_port(f"{host}:{port}")
             if not bound:
                 raise OSError(f"cannot listen on {host}:{port}")
