@@ -3,6 +3,7 @@ weights in real traffic, header pins, NACK handling, restart of the control plan
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from sidecar.envoy_process import EnvoyProcess
 from sidecar.ports import free_port
 from tests.test_xds_support import Caller, CallLoop, eventually, llm_mesh, sidecar, upstreams
 from xds_server.control_plane import ControlPlane
+from xds_server.mesh import Endpoint, Mesh
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +116,10 @@ def test_grpc_health_check_ejects_a_not_serving_host() -> None:
 
 def test_nacked_endpoint_is_recorded_not_resent_and_traffic_flows(mesh_env: dict) -> None:
     cp, envoy, caller = mesh_env["cp"], mesh_env["envoy"], mesh_env["caller"]
+    good = cp.mesh
     before = cp.syncz()["nodes"]["caller-1"]["types"]["EDS"]
-    # A host name is a valid mesh endpoint, but Envoy's EDS takes IP addresses only: NACK.
-    result = cp.add_endpoint("llm", "v1", "llm-host.invalid:50051", timeout=20)
+    # Envoy's EDS takes IP addresses only: a host name is NACKed.
+    result = cp.update_mesh(_with_endpoint(good, "v1", "llm-host.invalid", 50051), timeout=20)
     assert not result.ok and result.missing == ["caller-1"], result
     assert "malformed IP address" in result.errors["caller-1"], result.errors
     eds = cp.syncz()["nodes"]["caller-1"]["types"]["EDS"]
@@ -128,11 +131,23 @@ def test_nacked_endpoint_is_recorded_not_resent_and_traffic_flows(mesh_env: dict
     assert {caller.who() for _ in range(30)} == {"v1"}
     envoy.admin_get("/ready")
     assert cp.syncz()["nodes"]["caller-1"]["types"]["EDS"]["pushes"] == pushes
-    # The fix is a new version, which is pushed and ACKed.
-    fixed = cp.remove_endpoint("llm", "v1", "llm-host.invalid:50051", timeout=20)
+    # The fix is a new version, which is pushed and ACKed; the NACK is then history.
+    fixed = cp.update_mesh(good, timeout=20)
     assert fixed.ok, fixed
-    assert cp.syncz()["nodes"]["caller-1"]["types"]["EDS"]["pushes"] == pushes + 1
+    eds = cp.syncz()["nodes"]["caller-1"]["types"]["EDS"]
+    assert eds["pushes"] == pushes + 1
+    assert eds["nack_error"] == "" and "malformed IP address" in eds["recovered"]
     assert caller.who() == "v1"
+
+
+def _with_endpoint(mesh: Mesh, version: str, host: str, port: int) -> Mesh:
+    """`mesh` plus an endpoint built past the mesh validator (which refuses host names), so
+    that Envoy itself rejects the change."""
+    svc = mesh.services["llm"]
+    v = svc.versions[version]
+    v = dataclasses.replace(v, endpoints=(*v.endpoints, Endpoint(host, port)))
+    svc = dataclasses.replace(svc, versions={**svc.versions, version: v})
+    return dataclasses.replace(mesh, services={**mesh.services, "llm": svc})
 
 
 def test_bad_change_is_rejected_before_any_push(mesh_env: dict) -> None:
