@@ -255,3 +255,21 @@ def test_service_wildcard_allows_only_the_inference_api(host: WasmHost, path: st
     assert host.request({"x-api-key": "acme-new"}, path=GEN).allowed
     assert host.request({"x-api-key": "acme-new"}, path=TOK).allowed
     assert denied(host.request({"x-api-key": "free-key"}, path="/other.Service/Generate"), 403, 7)
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.one_of(
+        st.builds(lambda m: GEN[: -len("Generate")] + m, st.text(max_size=20)),
+        st.text(max_size=60).map(lambda s: "/" + s),
+    )
+)
+def test_fuzz_service_wildcard_never_leaves_the_api(host: WasmHost, path: str) -> None:
+    prefix = GEN[: -len("Generate")]
+    method = path.split("?", 1)[0].removeprefix(prefix)
+    inside = path.startswith(prefix) and method != "" and "/" not in method
+    host.advance(3600)  # a full bucket: only the scope decides
+    d = host.request({"x-api-key": "acme-new"}, path=path)
+    assert d.allowed is inside, (path, d)
