@@ -130,6 +130,21 @@ def test_too_little_traffic_halts_fake_metrics(rig) -> None:
     assert {a["outcome"] for a in st["analyses"]} == {"halt"}
 
 
+def test_failures_below_min_requests_roll_back_fake_metrics(rig) -> None:
+    # Issue 9: 5 calls that all failed are failed intervals, not "too little traffic".
+    cp, src, _, _, make = rig
+    c = make()
+    c.start({"service": "llm", **SPEC})
+    for _ in range(2):
+        src.add(ok=0, unavailable=5)  # min_requests is 20
+        c.tick("llm", force=True)
+    st = c.status("llm")
+    assert st["state"] == "RolledBack" and st["weights"] == {"v1": 100, "v2": 0}
+    assert "5 of 5 calls to the canary failed" in st["message"]
+    assert [a["outcome"] for a in st["analyses"]] == ["fail", "fail"]
+    assert canary_weights(cp) == [5, 0]
+
+
 def test_failing_gates_roll_back_after_threshold_never_beyond_step_fake_metrics(rig) -> None:
     cp, src, _, _, make = rig
     c = make()

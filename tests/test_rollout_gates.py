@@ -3,6 +3,12 @@ two real grpcio upstreams, and a real HTTP metrics endpoint."""
 
 from __future__ import annotations
 
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
 import pytest
 
 from model_runtime.telemetry import MetricsServer, Telemetry
@@ -13,6 +19,7 @@ from tests.rollout_upstreams import Traffic, Upstream
 from xds_server.gates import (
     FAIL,
     HALT,
+    MAX_BODY,
     PASS,
     EnvoyStatsSource,
     GrpcCounts,
@@ -139,7 +146,9 @@ def test_runtime_metrics_source_reads_the_real_runtime_metrics_endpoint() -> Non
         assert evaluate(Gates(min_requests=1, ttft_p99_max=1.0), ok, r).outcome == PASS
     with pytest.raises(MeasurementError):
         src.read()  # the runtime is gone
-    assert evaluate(gates, ok, None, latency_error="gone").outcome == FAIL
+    # A gate whose source cannot be read holds the rollout: it never passes.
+    v = evaluate(gates, ok, None, latency_error="gone")
+    assert v.outcome == HALT and "metrics unavailable (gone)" in v.reason
 
 
 def test_no_latency_samples_halt() -> None:
@@ -148,6 +157,77 @@ def test_no_latency_samples_halt() -> None:
     assert v.outcome == HALT and "no TTFT samples" in v.reason
 
 
-def test_min_requests_halts_even_when_everything_failed() -> None:
-    v = evaluate(Gates(min_requests=20), GrpcCounts(3, 0, 3, {"14": 3}), LatencyReading())
+def test_failures_below_min_requests_fail_the_interval() -> None:
+    # 5 calls that all failed are a failed interval, not "too little traffic" (issue 9).
+    v = evaluate(Gates(min_requests=20), GrpcCounts(5, 0, 5, {"14": 5}), LatencyReading())
+    assert v.outcome == FAIL and "5 of 5 calls to the canary failed" in v.reason
+    # One failure in 3 calls: even 17 more successes would leave 95 % < 99 %.
+    v = evaluate(Gates(min_requests=20), GrpcCounts(3, 2, 1, {"0": 2, "14": 1}), None)
+    assert v.outcome == FAIL
+    # Few calls, none failed (or only denials that are right answers): still too little.
+    v = evaluate(Gates(min_requests=20), GrpcCounts(3, 3, 0, {"0": 3}), None)
     assert v.outcome == HALT and "not enough traffic (3 requests" in v.reason
+    v = evaluate(Gates(min_requests=20), GrpcCounts(3, 0, 3, {"16": 3}), None)
+    assert v.outcome == HALT
+
+
+class _Server(ThreadingHTTPServer):
+    """Loopback HTTP answering every GET with `reply(path) -> (status, headers, body)`."""
+
+    def __init__(self, reply: Callable[[str], tuple[int, dict, bytes]]) -> None:
+        self.hits: list[str] = []
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer.hits.append(self.path)
+                status, headers, body = reply(self.path)
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def __enter__(self) -> _Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+METRICS = json.dumps({"ttft_ms": {"p99": 10, "count": 500}, "tpot_ms": {"p99": 5}}).encode()
+
+
+def test_sources_read_http_only_no_redirect_and_bounded(tmp_path: Path) -> None:
+    # file:, ftp:, data: are never opened, even with a readable file of perfect numbers.
+    good = tmp_path / "metrics.json"
+    good.write_bytes(METRICS)
+    for url in (good.as_uri(), "ftp://127.0.0.1/metrics", "data:,{}"):
+        with pytest.raises(MeasurementError, match="only http and https"):
+            RuntimeMetricsSource(url).read()
+    with pytest.raises(MeasurementError, match="only http and https"):
+        EnvoyStatsSource([good.as_uri()], "outbound|llm|v2").read()
+    with _Server(lambda path: (200, {}, METRICS)) as target:
+        assert RuntimeMetricsSource(target.url + "/metrics").read().samples == 500
+        redirect = {"location": target.url + "/metrics"}
+        with (
+            _Server(lambda path: (302, redirect, b"")) as hop,
+            pytest.raises(MeasurementError, match="not followed"),
+        ):
+            RuntimeMetricsSource(hop.url + "/metrics").read()
+        assert target.hits == ["/metrics"]  # the redirect target was never asked
+    big = b'{"pad": "' + b"x" * (MAX_BODY + 1) + b'"}'
+    with (
+        _Server(lambda path: (200, {}, big)) as huge,
+        pytest.raises(MeasurementError, match="response over"),
+    ):
+        RuntimeMetricsSource(huge.url + "/metrics").read()

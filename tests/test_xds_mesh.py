@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
 
-from xds_server.mesh import MeshError, load_mesh, parse_duration, parse_mesh
+from xds_server.mesh import METHODS, MeshError, load_mesh, parse_duration, parse_mesh
 
 BASE = {
     "control_plane": {"grpc_port": 18000, "admin_port": 18001, "debounce": "100ms"},
@@ -84,7 +85,7 @@ def test_a_good_mesh_loads() -> None:
         ),
         (
             "services.llm.versions.v1.endpoints",
-            ["h:x"],
+            ["127.0.0.1:x"],
             r"endpoints\[0\]: port 'x' is not a number",
         ),
         ("services.llm.versions.v1.precision", "fp8", r"services\.llm\.versions\.v1\.precision"),
@@ -164,3 +165,113 @@ def test_example_mesh_loads() -> None:
     mesh = load_mesh(Path(__file__).resolve().parent.parent / "examples" / "mesh.yaml")
     assert set(mesh.services["llm"].versions) == {"v1", "v2"}
     assert mesh.tenants
+
+
+# -- issue 9 defect 13: one strict validator at load ---------------------------------------
+
+DUPLICATED = """\
+services:
+  llm:
+    versions:
+      v1: {endpoints: ["127.0.0.1:50051"]}
+  llm:
+    versions:
+      v9: {endpoints: ["127.0.0.1:50059"]}
+"""
+
+
+def test_a_duplicate_yaml_key_is_refused_naming_key_and_line(tmp_path: Path) -> None:
+    p = tmp_path / "mesh.yaml"
+    p.write_text(DUPLICATED)
+    with pytest.raises(
+        MeshError, match=r"^services\.llm: duplicate key 'llm' at line 5 \(first at line 2\)"
+    ):
+        load_mesh(p)
+    acme = "  acme: {key_sha256: %s, allow: [llm/*]}\n" % ("a" * 64)
+    services = "services: {llm: {versions: {v1: {endpoints: [127.0.0.1:50051]}}}}\n"
+    p.write_text(services + "tenants:\n" + acme + acme)
+    with pytest.raises(
+        MeshError, match=r"^tenants\.acme: duplicate key 'acme' at line 4 \(first at line 3\)"
+    ):
+        load_mesh(p)
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        ("lm/*", r"tenants\.acme\.allow\[0\]: 'lm/\*' matches no service \(services: llm\)"),
+        ("llm/Generat", r"tenants\.acme\.allow\[0\]: 'llm/Generat' matches no method"),
+        ("*/Tokenize", r"tenants\.acme\.allow\[0\]: '\*/Tokenize' matches no method"),
+    ],
+)
+def test_allow_rules_that_match_nothing_are_refused(rule: str, message: str) -> None:
+    raw = {**BASE, "tenants": {"acme": {"key_sha256": "a" * 64, "allow": [rule]}}}
+    with pytest.raises(MeshError, match=message):
+        parse_mesh(raw)
+    roles = {**raw, "roles": {"reader": [rule]}}
+    roles["tenants"] = {"acme": {"key_sha256": "a" * 64, "roles": ["reader"]}}
+    with pytest.raises(MeshError, match=r"^roles\.reader\[0\]: "):
+        parse_mesh(roles)
+    good = {"acme": {"key_sha256": "a" * 64, "allow": ["llm/*", "*/Gen*", "llm/Info"]}}
+    assert parse_mesh({**BASE, "tenants": good}).tenants
+
+
+def test_known_methods_are_the_wire_schema_methods() -> None:
+    fbs = Path(__file__).resolve().parent.parent / "schemas" / "inference.fbs"
+    declared = re.findall(r"^//\s+/meshlm\.inference\.v1\.Inference/(\w+)", fbs.read_text(), re.M)
+    assert tuple(declared) == METHODS
+
+
+def test_unknown_gate_names_fail_at_load_naming_the_field() -> None:
+    raw = _with("rollouts.llm.gates", {"ttft_p99_maxx": "800ms"})
+    with pytest.raises(MeshError, match=r"^rollouts\.llm\.gates\.ttft_p99_maxx: unknown gate"):
+        parse_mesh(raw)
+    with pytest.raises(MeshError, match=r"^rollouts\.llm\.gates\.min_requests: "):
+        parse_mesh(_with("rollouts.llm.gates", {"min_requests": -1}))
+
+
+@pytest.mark.parametrize("endpoint", ["localhost:50051", "foo:1", "llm.default.svc:50051"])
+def test_hostname_endpoints_fail_at_load(endpoint: str) -> None:
+    raw = _with("services.llm.versions.v1.endpoints", ["127.0.0.1:50051", endpoint])
+    with pytest.raises(
+        MeshError, match=r"^services\.llm\.versions\.v1\.endpoints\[1\]: .* is not an IPv4 address"
+    ):
+        parse_mesh(raw)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (
+            "services.llm.versions.v2.metrics_urls",
+            ["file:///etc/passwd"],
+            r"^services\.llm\.versions\.v2\.metrics_urls\[0\]: only http and https",
+        ),
+        (
+            "caller_sidecars",
+            [{"admin_url": "ftp://127.0.0.1:15000"}],
+            r"^caller_sidecars\[0\]\.admin_url: only http and https",
+        ),
+        (
+            "caller_sidecars",
+            [{"admin_url": "http://u:pw@127.0.0.1:15000"}],
+            r"^caller_sidecars\[0\]\.admin_url: credentials in a URL",
+        ),
+        (
+            "caller_sidecars",
+            [{"admin": "http://127.0.0.1:15000"}],
+            r"^caller_sidecars\[0\]\.admin: unknown field",
+        ),
+    ],
+)
+def test_gate_source_urls_are_validated(path: str, value: object, message: str) -> None:
+    with pytest.raises(MeshError, match=message):
+        parse_mesh(_with(path, value))
+
+
+def test_gate_sources_load() -> None:
+    raw = _with("caller_sidecars", [{"admin_url": "http://127.0.0.1:15000"}])
+    raw["services"]["llm"]["versions"]["v2"]["metrics_urls"] = ["http://127.0.0.1:9102/metrics"]
+    mesh = parse_mesh(raw)
+    assert [c.admin_url for c in mesh.caller_sidecars] == ["http://127.0.0.1:15000"]
+    assert mesh.services["llm"].versions["v2"].metrics_urls == ("http://127.0.0.1:9102/metrics",)
