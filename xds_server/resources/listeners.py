@@ -90,6 +90,9 @@ def http_listener(
     return listener_pb2.Listener(
         name=name,
         address=socket_address(host, port),
+        # Envoy defaults to SO_REUSEPORT on Linux: a second sidecar on this port would bind too
+        # and take half the connections. Without it the second one fails "address in use".
+        enable_reuse_port=wrappers_pb2.BoolValue(value=False),
         filter_chains=[
             lc.FilterChain(
                 filters=[
