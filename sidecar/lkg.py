@@ -5,6 +5,10 @@ Envoy's admin `/config_dump?include_eds` holds only what it accepted (a NACKed r
 becomes active), so a dump is the last good config by construction. `static_bootstrap` turns the
 dynamic resources of a dump into `static_resources`: EDS clusters get their endpoints inline, RDS
 listeners get their route table inline, ECDS filters get their typed config inline.
+
+Native authz mode: Envoy redacts `api_key_auth` credentials in its dumps, so the cache never holds
+the keys; `static_bootstrap` puts them back from `keys` (the sidecar re-reads the same 0600
+`keys_file` the control plane reads) and refuses to build a listener whose keys it lacks.
 """
 
 from __future__ import annotations
@@ -14,12 +18,18 @@ import json
 import os
 import tempfile
 import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cachetools import TTLCache
-
 _TYPE = "@type"
+_FORMAT = 2  # {"format": 2, "nodes": {node: {"saved_at": unix time, "resources": {...}}}}
+Keys = Mapping[str, Sequence[str]]  # tenant -> plaintext keys (native authz mode)
+
+
+class LkgError(KeyError):
+    """The cached config cannot be made into a bootstrap that enforces the same policy."""
 
 
 def _by_type(dump: dict[str, Any], suffix: str) -> dict[str, Any]:
@@ -70,7 +80,37 @@ def resources_from_dump(dump: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _inline_listener(listener: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
+def _restore_credentials(name: str, filters: list[dict[str, Any]], keys: Keys | None) -> None:
+    """Put the tenants' keys back into a redacted `api_key_auth` config; fail closed.
+
+    Envoy redacts key and client alike, so the tenants are taken from the RBAC filter beside it
+    (its principals match the header `api_key_auth` forwards the client id in)."""
+    configs = [f.get("typed_config", {}) for f in filters]
+    for auth in (c for c in configs if c.get(_TYPE, "").endswith(".ApiKeyAuth")):
+        header = auth.get("forwarding", {}).get("header")
+        tenants = [
+            p["header"]["string_match"]["exact"]
+            for c in configs
+            if c.get(_TYPE, "").endswith(".RBAC")
+            for policy in c.get("rules", {}).get("policies", {}).values()
+            for p in policy.get("principals", [])
+            if p.get("header", {}).get("name") == header
+            and "exact" in p["header"].get("string_match", {})
+        ]
+        tenants = list(dict.fromkeys(tenants))
+        missing = [t for t in tenants if not (keys or {}).get(t)]
+        if missing or not tenants:
+            who = ", ".join(missing) or "its tenants"
+            raise LkgError(
+                f"listener {name}: api_key_auth needs the keys of {who} "
+                "(native authz: give the sidecar the control plane's keys_file)"
+            )
+        auth["credentials"] = [{"key": k, "client": t} for t in tenants for k in keys[t]]
+
+
+def _inline_listener(
+    listener: dict[str, Any], res: dict[str, Any], keys: Keys | None = None
+) -> dict[str, Any]:
     listener = copy.deepcopy(_strip_type(listener))
     for chain in listener.get("filter_chains", []):
         for f in chain.get("filters", []):
@@ -88,6 +128,7 @@ def _inline_listener(listener: dict[str, Any], res: dict[str, Any]) -> dict[str,
                         # Fail closed: a filter whose config we never received must not vanish.
                         raise KeyError(f"listener {listener['name']}: filter {hf['name']} missing")
                     hf["typed_config"] = ext["typed_config"]
+            _restore_credentials(listener["name"], hcm.get("http_filters", []), keys)
     return listener
 
 
@@ -106,12 +147,15 @@ def _inline_cluster(cluster: dict[str, Any], res: dict[str, Any]) -> dict[str, A
     return cluster
 
 
-def static_bootstrap(base: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
-    """`base` (node, admin, overload manager...) with the accepted resources made static."""
+def static_bootstrap(
+    base: dict[str, Any], res: dict[str, Any], *, keys: Keys | None = None
+) -> dict[str, Any]:
+    """`base` (node, admin, overload manager...) with the accepted resources made static;
+    `keys` (tenant -> plaintext keys) for native authz listeners."""
     boot = copy.deepcopy(base)
     boot.pop("dynamic_resources", None)
     static = boot.setdefault("static_resources", {})
-    static["listeners"] = [_inline_listener(v, res) for v in res["listeners"].values()]
+    static["listeners"] = [_inline_listener(v, res, keys) for v in res["listeners"].values()]
     keep = [c for c in static.get("clusters", []) if c.get("name") != "xds_cluster"]
     static["clusters"] = keep + [_inline_cluster(v, res) for v in res["clusters"].values()]
     return boot
@@ -119,40 +163,76 @@ def static_bootstrap(base: dict[str, Any], res: dict[str, Any]) -> dict[str, Any
 
 class LastKnownGood:
     """Bounded, expiring store of accepted configs per node; mirrored to a 0600 file so that a
-    restarted supervisor has it too. A config older than `ttl` is not served: a sidecar that has
-    been cut off for that long should not pretend to be current."""
+    restarted supervisor has it too. Each entry keeps the time it was taken (also in the file,
+    so a reload does not make an old copy young). A config older than `ttl` is not served: a
+    sidecar that has been cut off for that long should not pretend to be current."""
 
-    def __init__(self, path: str | Path | None = None, *, ttl: float = 24 * 3600.0) -> None:
-        self._cache: TTLCache[str, dict[str, Any]] = TTLCache(maxsize=64, ttl=ttl)
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        ttl: float = 24 * 3600.0,
+        maxsize: int = 64,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.ttl = ttl
+        self.maxsize = maxsize
+        self._clock = clock
+        self._entries: dict[str, dict[str, Any]] = {}  # node -> {"saved_at", "resources"}
         self._path = Path(path) if path else None
         self._lock = threading.Lock()
         if self._path and self._path.exists():
             try:
-                for node, res in json.loads(self._path.read_text()).items():
-                    self._cache[node] = res
-            except (OSError, ValueError):
+                doc = json.loads(self._path.read_text())
+                if doc.get("format") == _FORMAT:  # an older file has no age: it is no cache
+                    self._entries = {
+                        n: e
+                        for n, e in doc["nodes"].items()
+                        if isinstance(e.get("saved_at"), (int, float)) and "resources" in e
+                    }
+            except (OSError, ValueError, AttributeError, KeyError, TypeError):
                 pass  # a corrupt cache is no cache; the control plane is the source of truth
 
     def put(self, node_id: str, dump: dict[str, Any]) -> bool:
         """Keep the accepted resources of `dump`; False when it holds no listener yet or
-        nothing changed since the last put."""
+        nothing changed since the last put. A re-put of the same config renews its age (it is
+        still current), written to the file at most every `min(60 s, ttl / 10)`."""
         res = resources_from_dump(dump)
         if not res["listeners"]:
             return False
+        now = self._clock()
         with self._lock:
-            changed = self._cache.get(node_id) != res
-            self._cache[node_id] = res  # re-put refreshes the TTL: the config is still current
-            if not changed:
+            old = self._entries.get(node_id)
+            changed = old is None or old["resources"] != res
+            renew = not changed and now - old["saved_at"] >= min(60.0, self.ttl / 10)
+            if not changed and not renew:
                 return False
-            if self._path:
-                fd, tmp = tempfile.mkstemp(dir=self._path.parent, prefix=".lkg-")
-                with os.fdopen(fd, "w") as f:
-                    json.dump(dict(self._cache.items()), f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self._path)
-        return True
+            self._entries.pop(node_id, None)
+            self._entries[node_id] = {"saved_at": now, "resources": res}
+            while len(self._entries) > self.maxsize:
+                self._entries.pop(next(iter(self._entries)))  # the least recently stored
+            self._write()
+        return changed
+
+    def _write(self) -> None:
+        if not self._path:
+            return
+        fd, tmp = tempfile.mkstemp(dir=self._path.parent, prefix=".lkg-")  # mode 0600
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": _FORMAT, "nodes": self._entries}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._path)
 
     def get(self, node_id: str) -> dict[str, Any] | None:
         with self._lock:
-            return self._cache.get(node_id)
+            e = self._entries.get(node_id)
+        if e is None or self._clock() - e["saved_at"] > self.ttl:
+            return None
+        return e["resources"]
+
+    def age(self, node_id: str) -> float | None:
+        """Seconds since the config of `node_id` was taken (None: none kept)."""
+        with self._lock:
+            e = self._entries.get(node_id)
+        return None if e is None else self._clock() - e["saved_at"]

@@ -3,13 +3,20 @@ last-known-good config, drain and stop.
 
 When Envoy has to (re)start while the control plane is unreachable, it boots from the last config
 it accepted, made static (`sidecar.lkg`); once the control plane answers again the supervisor
-drains that Envoy and starts one on ADS, which then follows the control plane as usual.
+hot-restarts Envoy onto ADS (`--restart-epoch`, same base id): the new Envoy takes the listen
+sockets over and the old one drains only after the new one has its config, so no call is lost.
+(Envoy cannot move a running process from static listeners to LDS: static ones are immutable.)
+
+Envoy dies with its supervisor (parent-death signal), its admin port is checked to be its own,
+and a port another process holds is fatal ("address already in use"), not a crash loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
+import subprocess
 import threading
 import time
 import urllib.error
@@ -17,9 +24,20 @@ from collections.abc import Callable
 from typing import Any
 
 from sidecar.envoy_process import EnvoyError, EnvoyProcess
-from sidecar.lkg import LastKnownGood, static_bootstrap
+from sidecar.lkg import Keys, LastKnownGood, static_bootstrap
 
 log = logging.getLogger("meshlm.sidecar")
+
+
+class PortInUse(EnvoyError):
+    """Another process holds a port of this sidecar: restarting cannot fix that."""
+
+
+def _port_in_use(text: str) -> str | None:
+    for line in text.splitlines():
+        if "address already in use" in line.lower():
+            return line.strip()
+    return None
 
 
 def reachable(address: tuple[str, int], timeout: float = 0.5) -> bool:
@@ -46,7 +64,11 @@ class Supervisor:
         poll_interval: float = 0.5,
         backoff: tuple[float, float] = (0.2, 15.0),
         on_event: Callable[[str], None] | None = None,
+        on_fatal: Callable[[str], None] | None = None,
+        keys: Callable[[], Keys] | None = None,
     ) -> None:
+        """`keys` reads tenant -> plaintext keys for a native-authz last-known-good boot;
+        `on_fatal` is told when the supervisor gives up (a port held by another process)."""
         self.node_id = node_id
         self.bootstrap = bootstrap
         self.xds_address = xds_address
@@ -56,6 +78,10 @@ class Supervisor:
         self.poll_interval = poll_interval
         self.backoff = backoff
         self.on_event = on_event or (lambda msg: log.info("%s: %s", node_id, msg))
+        self.on_fatal = on_fatal or (lambda msg: None)
+        self.keys = keys
+        self.failed: str | None = None  # why the supervisor gave up
+        self._config_seen = False  # the control plane sent listeners to this Envoy
         self.envoy: EnvoyProcess | None = None
         self.mode = "stopped"  # "ads" | "lkg" | "stopped"
         self.restarts = 0
@@ -88,28 +114,82 @@ class Supervisor:
     def stop(self) -> None:
         self._stop.set()
         if self._thread:
+            # The thread drains and stops Envoy itself: Envoy dies with the thread that
+            # started it (parent-death signal), so it must outlive the drain.
             self._thread.join(timeout=self.drain_time_s + 15)
         self._shutdown_envoy()
         self.mode = "stopped"
 
     # -- the loop -------------------------------------------------------------------------
 
+    def _new_envoy(self, boot: dict[str, Any]) -> EnvoyProcess:
+        return EnvoyProcess(
+            boot,
+            concurrency=self.concurrency,
+            extra_args=self._envoy_args(),
+            die_with_parent=True,
+            hot_restart=True,
+            # One base id per sidecar (its admin port is its own): an Envoy killed with its
+            # supervisor leaves 104 bytes of shared memory that the next one reuses.
+            base_id=self.admin_port or None,
+        )
+
+    def _envoy_args(self) -> tuple[str, ...]:
+        drain = int(self.drain_time_s)
+        args = ("--drain-time-s", str(drain), "--drain-strategy", "immediate")
+        # After a hot restart the old Envoy drains, then exits (the default waits 900 s).
+        args += ("--parent-shutdown-time-s", str(drain + 1))
+        # Access logs reach the log within a second (Envoy's default buffers them 10 s).
+        return (*args, "--file-flush-interval-msec", "1000")
+
     def _launch(self) -> None:
         res = self.lkg.get(self.node_id)
-        if reachable(self.xds_address) or res is None:
+        cp_up = reachable(self.xds_address)
+        if cp_up or res is None:
             boot, mode = self.bootstrap, "ads"
         else:
-            boot, mode = static_bootstrap(self.bootstrap, res), "lkg"
-        args = ("--drain-time-s", str(int(self.drain_time_s)), "--drain-strategy", "immediate")
-        # Access logs reach the log within a second (Envoy's default buffers them 10 s).
-        args += ("--file-flush-interval-msec", "1000")
-        self.envoy = EnvoyProcess(boot, concurrency=self.concurrency, extra_args=args).start()
-        self.envoy.wait_ready(timeout=60)
+            boot, mode = static_bootstrap(self.bootstrap, res, keys=self._keys()), "lkg"
+        self.envoy = self._new_envoy(boot).start()
+        self._config_seen = False
+        waited = mode == "ads" and not cp_up
+        if waited:
+            host, port = self.xds_address
+            self.on_event(f"waiting for the control plane at {host}:{port}: no listeners until "
+                          "it answers (and no last-known-good config)")  # fmt: skip
+        self._wait_ready(self.envoy)
         self.mode = mode
         self._ready.set()
-        self.on_event(f"envoy ready ({mode})")
+        if mode == "ads" and not self._listeners_received():
+            self.on_event("envoy up (ads), still waiting for the control plane: no listeners yet")
+        elif waited:
+            self.on_event("config from the control plane arrived: envoy ready (ads)")
+        else:
+            self.on_event(f"envoy ready ({mode})")
+
+    def _keys(self) -> Keys | None:
+        return self.keys() if self.keys else None
+
+    def _wait_ready(self, envoy: EnvoyProcess) -> None:
+        try:
+            envoy.wait_ready(timeout=60)
+        except EnvoyError as e:
+            held = _port_in_use(str(e))
+            if held:
+                raise PortInUse(held) from None
+            raise
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except PortInUse as e:
+            self.failed = f"giving up: another process holds a port of this sidecar: {e}"
+            self.on_event(self.failed)
+            self.on_fatal(self.failed)
+        finally:
+            self._ready.clear()
+            self._shutdown_envoy()
+
+    def _loop(self) -> None:
         delay = self.backoff[0]
         started = time.monotonic()
         while not self._stop.is_set():
@@ -117,6 +197,8 @@ class Supervisor:
                 self._launch()
                 started = time.monotonic()
                 self._watch()
+            except PortInUse:
+                raise
             except Exception as e:  # whatever broke, the sidecar keeps trying (with backoff)
                 self.on_event(f"envoy failed: {(str(e) or repr(e)).splitlines()[0]}")
             if self._stop.is_set():
@@ -132,26 +214,62 @@ class Supervisor:
             delay = min(delay * 2, self.backoff[1])
 
     def _watch(self) -> None:
-        """Returns when Envoy died or must be replaced (LKG mode and control plane is back)."""
-        assert self.envoy is not None and self.envoy.proc is not None
+        """Returns when Envoy died or must be replaced."""
         while not self._stop.wait(self.poll_interval):
+            assert self.envoy is not None and self.envoy.proc is not None
             if self.envoy.proc.poll() is not None:
                 raise EnvoyError(f"envoy exited with {self.envoy.proc.returncode}")
             if self.mode == "lkg":
                 if reachable(self.xds_address):
-                    self.on_event("control plane is back: switching from last-known-good to ADS")
-                    return
+                    self._switch_to_ads()
                 continue
-            self._save_lkg()
+            self._follow_ads()
 
-    def _save_lkg(self) -> None:
+    def _switch_to_ads(self) -> None:
+        """Hot restart from the last-known-good Envoy onto an ADS one (see module doc)."""
+        old = self.envoy
+        assert old is not None and old.proc is not None
+        self.on_event("control plane is back: hot restart from last-known-good onto ADS")
+        self.envoy = old.hot_restart_into(self.bootstrap)
+        self._config_seen = False
+        try:
+            self._wait_ready(self.envoy)
+        except BaseException:
+            old.stop()
+            raise
+        # Once the new Envoy is initialized the old one drains and exits by itself.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            old.proc.wait(timeout=self.drain_time_s + 10)
+        old.stop()
+        self.mode = "ads"
+        self.on_event(f"envoy ready (ads), restart epoch {self.envoy.restart_epoch}")
+
+    def _follow_ads(self) -> None:
+        """Note the control plane's first config, refuse a port held elsewhere, keep the
+        last-known-good copy current."""
         assert self.envoy is not None
         try:
             dump = self.envoy.config_dump_eds()
         except (OSError, urllib.error.URLError, ValueError):
             return
+        for d in _listeners_dump(dump).get("dynamic_listeners", []):
+            held = _port_in_use(d.get("error_state", {}).get("details", ""))
+            if held:
+                raise PortInUse(f"listener {d.get('name')}: {held}")
+        if not self._config_seen and _listeners_dump(dump).get("version_info"):
+            self._config_seen = True
+            version = _listeners_dump(dump)["version_info"]
+            self.on_event(f"config from the control plane arrived (listeners version {version})")
         if self.lkg.put(self.node_id, dump):
             self.saved_at = time.time()
+
+    def _listeners_received(self) -> bool:
+        assert self.envoy is not None
+        try:
+            self._config_seen = bool(_listeners_dump(self.envoy.config_dump()).get("version_info"))
+        except (OSError, urllib.error.URLError, ValueError):
+            return False
+        return self._config_seen
 
     def _shutdown_envoy(self) -> None:
         if self.envoy is None:
@@ -163,3 +281,10 @@ class Supervisor:
         except (OSError, urllib.error.URLError):
             pass
         self.envoy.stop()
+
+
+def _listeners_dump(dump: dict[str, Any]) -> dict[str, Any]:
+    for c in dump.get("configs", []):
+        if c.get("@type", "").endswith(".ListenersConfigDump"):
+            return c
+    return {}
