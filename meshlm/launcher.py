@@ -56,9 +56,12 @@ class LocalMesh:
         self.caller_port, self.caller_admin = free_port(), free_port()
         versions = self.mesh["services"][SERVICE]["versions"]
         self.runtimes = {v: Runtime(v, cfg.get("precision", "int4")) for v, cfg in versions.items()}
-        # Callers reach a version through its sidecar's inbound listener.
+        # Callers reach a version through its sidecar's inbound listener; the rollout gates read
+        # the runtimes' metrics and the caller's Envoy stats where this mesh file says, only.
         for v, rt in self.runtimes.items():
             versions[v]["endpoints"] = [f"127.0.0.1:{rt.inbound_port}"]
+            versions[v]["metrics_urls"] = [f"http://127.0.0.1:{rt.metrics_port}/metrics"]
+        self.mesh["caller_sidecars"] = [{"admin_url": self.caller_admin_url()}]
         self.mesh["control_plane"] = {
             **self.mesh.get("control_plane", {}),
             "grpc_port": self.grpc_port,
@@ -107,7 +110,6 @@ class LocalMesh:
             "sidecar", "--xds", f"127.0.0.1:{self.grpc_port}",
             "--node-id", f"{SERVICE}-{rt.version}", "--service", SERVICE, "--version", rt.version,
             "--inbound-port", str(rt.inbound_port), "--local-endpoint", f"127.0.0.1:{rt.port}",
-            "--runtime-metrics", f"http://127.0.0.1:{rt.metrics_port}/metrics",
             "--admin-port", str(rt.admin_port),
             "--lkg-file", str(self.workdir / f"lkg-{rt.version}.json"),
         ]  # fmt: skip

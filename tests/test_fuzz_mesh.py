@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from meshlm.launcher import demo_mesh
 from xds_server.control_plane import ControlPlane
-from xds_server.mesh import Mesh, MeshError, parse_mesh
+from xds_server.mesh import Mesh, MeshError, load_yaml, parse_mesh
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 VALID = demo_mesh()
@@ -91,8 +91,26 @@ def test_mutated_valid_mesh(path: tuple, op: str, junk: object) -> None:
 @given(st.text(max_size=200))
 def test_random_yaml_text(text: str) -> None:
     try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError:
+        raw = load_yaml(text)
+    except MeshError as e:
+        assert FIELD.match(str(e)), f"the error must name a field: {e}"
+        return
+    _parse_or_mesh_error(raw)
+
+
+VALID_LINES = yaml.safe_dump(VALID, sort_keys=False).splitlines(keepends=True)
+
+
+@FUZZ
+@given(st.integers(0, len(VALID_LINES) - 1), st.integers(0, len(VALID_LINES)))
+def test_a_line_repeated_elsewhere(line: int, at: int) -> None:
+    """A copied line is a duplicate key (named with its line) or some other field error."""
+    lines = list(VALID_LINES)
+    lines.insert(at, lines[line])
+    try:
+        raw = load_yaml("".join(lines))
+    except MeshError as e:
+        assert FIELD.match(str(e)), f"the error must name a field: {e}"
         return
     _parse_or_mesh_error(raw)
 

@@ -301,7 +301,7 @@ def _no_duplicate_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
         first: dict[tuple[str, str], int] = {}
         for k, v in node.value:
             key = k.value if isinstance(k, yaml.ScalarNode) else "?"
-            here = f"{path}.{key}" if path else str(key)
+            here = f"{path}.{key}" if path else (key if key.strip() == key and key else repr(key))
             line = k.start_mark.line + 1
             if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
                 if (k.tag, key) in first:
