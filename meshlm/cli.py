@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, help_text = COMMANDS[argv[0]]
     module = importlib.import_module(module_name)
-    cmd = argparse.ArgumentParser(prog=f"meshlm {argv[0]}", description=help_text)
+    # No abbreviations: `--token SECRET` must fail, not be taken for `--token-file`.
+    cmd = argparse.ArgumentParser(
+        prog=f"meshlm {argv[0]}", description=help_text, allow_abbrev=False
+    )
     module.add_arguments(cmd)
     return int(module.run(cmd.parse_args(argv[1:])) or 0)
 

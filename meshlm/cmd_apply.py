@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import urllib.error
 import urllib.request
+
+from xds_server.admin_token import TOKEN_ENV, TokenError, client_token
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", required=True, help="the mesh file (YAML)")
     p.add_argument("--admin", default="http://127.0.0.1:18001", help="control plane admin URL")
-    p.add_argument("--token", default=os.environ.get("MESHLM_ADMIN_TOKEN"),
-                   help="admin bearer token (default: $MESHLM_ADMIN_TOKEN)")  # fmt: skip
+    p.add_argument("--token-file", help=f"file holding the admin bearer token (default: "
+                   f"${TOKEN_ENV}, else the local control plane's token file)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for ACKs")
 
 
@@ -24,18 +25,21 @@ def run(args: argparse.Namespace) -> int:
     try:
         with open(args.mesh, "rb") as f:
             body = f.read()
-    except OSError as e:
+        token, source = client_token(args.admin, args.token_file)
+    except (OSError, TokenError) as e:
         print(f"meshlm apply: {e}", file=sys.stderr)
         return 2
     url = f"{args.admin.rstrip('/')}/v1/mesh?timeout={args.timeout:g}"
     req = urllib.request.Request(url, data=body, method="POST")
-    req.add_header("Authorization", f"Bearer {args.token or ''}")
+    req.add_header("Authorization", f"Bearer {token or ''}")
     try:
         with urllib.request.urlopen(req, timeout=args.timeout + 10) as r:
             reply = json.loads(r.read())
     except urllib.error.HTTPError as e:
         detail = json.loads(e.read() or b"{}")
         msg = detail.get("error") or f"not ACKed by {detail.get('missing')}: {detail.get('errors')}"
+        if e.code == 401:
+            msg += f" (token: {source})"
         print(f"meshlm apply: HTTP {e.code}: {msg}", file=sys.stderr)
         return 1
     except (OSError, ValueError) as e:

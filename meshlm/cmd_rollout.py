@@ -5,22 +5,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import urllib.error
 import urllib.request
 from typing import Any
 
+from xds_server.admin_token import TOKEN_ENV, TokenError, client_token
+
 ACTIONS = ("start", "status", "pause", "resume", "abort", "promote")
-TOKEN_ENV = "MESHLM_ADMIN_TOKEN"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=ACTIONS)
     p.add_argument("service", nargs="?", help="the service (status without one lists all)")
     p.add_argument("--admin", default="http://127.0.0.1:18001", help="control plane admin URL")
-    p.add_argument("--token", default=None, help=f"admin bearer token (default: ${TOKEN_ENV})")
+    p.add_argument("--token-file", help=f"file holding the admin bearer token (default: "
+                   f"${TOKEN_ENV}, else the local control plane's token file)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the raw JSON reply")
     p.add_argument("--timeout", type=float, default=120.0, help="HTTP timeout in seconds")
     s = p.add_argument_group("start (defaults: the mesh file's rollouts.SERVICE)")
@@ -99,7 +100,11 @@ def render(st: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    token = args.token or os.environ.get(TOKEN_ENV)
+    try:
+        token, source = client_token(args.admin, args.token_file)
+    except TokenError as e:
+        print(f"meshlm rollout: {e}", file=sys.stderr)
+        return 2
     if args.action != "status" and not args.service:
         print(f"meshlm rollout {args.action}: SERVICE is required", file=sys.stderr)
         return 2
@@ -118,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if code >= 400:
         err = reply.get("error", reply) if isinstance(reply, dict) else reply
+        if code == 401:
+            err = f"{err} (token: {source})"
         print(f"meshlm rollout {args.action}: HTTP {code}: {err}", file=sys.stderr)
         return 1
     if args.json:

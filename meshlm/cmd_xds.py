@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 from meshlm.signals import termination_event
-
-TOKEN_ENV = "MESHLM_ADMIN_TOKEN"
+from xds_server.admin_token import TOKEN_ENV
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,15 +17,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, help="ADS port (default: control_plane.grpc_port)")
     p.add_argument("--admin-port", type=int, help="admin HTTP port (default: mesh file)")
     p.add_argument("--debounce", help="quiet time before a push, e.g. 100ms (default: mesh file)")
-    p.add_argument("--admin-token", help=f"bearer token for mutations (default: ${TOKEN_ENV}, "
-                   "else a new one written to a 0600 file)")  # fmt: skip
+    p.add_argument("--token-file", help="file holding the bearer token for mutations (default: "
+                   f"${TOKEN_ENV}, else a new one in a private file clients find)")  # fmt: skip
     p.add_argument("--grpc-host", default="127.0.0.1", help="ADS listen address")
     p.add_argument("--rollout-store", help="rollout state file, kept across restarts "
                    "(default: .meshlm/rollouts.json beside the mesh file)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    from xds_server.admin import AdminServer, make_token_file
+    from xds_server import admin_token
+    from xds_server.admin import AdminServer
     from xds_server.control_plane import ControlPlane
     from xds_server.discovery import configured_sources
     from xds_server.mesh import MeshError, load_mesh, parse_duration
@@ -37,7 +37,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         mesh = load_mesh(args.mesh)
         debounce = parse_duration(args.debounce, "--debounce") if args.debounce else None
-    except (OSError, MeshError) as e:
+        token, token_note = os.environ.get(TOKEN_ENV), f"from ${TOKEN_ENV}"
+        if args.token_file:
+            token, token_note = (
+                admin_token.read_token_file(args.token_file),
+                f"from {args.token_file}",
+            )
+    except (OSError, MeshError, admin_token.TokenError) as e:
         print(f"meshlm xds-server: {e}", file=sys.stderr)
         return 2
     grpc_port = mesh.control_plane.grpc_port if args.grpc_port is None else args.grpc_port
@@ -48,17 +54,27 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"meshlm xds-server: cannot listen on gRPC port {grpc_port}: {e}", file=sys.stderr)
         return 1
-    token = args.admin_token or os.environ.get(TOKEN_ENV)
-    token_note = "from --admin-token" if args.admin_token else f"from ${TOKEN_ENV}"
-    if not token:
-        token, path = make_token_file(admin_port)
-        token_note = f"written to {path} (mode 0600)"
     try:
-        admin = AdminServer(cp, token=token, port=admin_port).start()
+        admin = AdminServer(cp, token=token or admin_token.new_token(), port=admin_port)
     except OSError as e:
         cp.stop()
-        print(f"meshlm xds-server: cannot listen on admin port {admin_port}: {e}", file=sys.stderr)
+        reason = (e.strerror or str(e)).lower()
+        print(
+            f"meshlm xds-server: cannot listen on admin port {admin_port}: {reason}",
+            file=sys.stderr,
+        )
         return 1
+    written = not token  # a token of our own, kept in a file only once every port is ours
+    if written:
+        try:
+            path = admin_token.write_token(admin.port, admin.token)
+        except (OSError, admin_token.TokenError) as e:
+            admin.stop()
+            cp.stop()
+            print(f"meshlm xds-server: cannot write the admin token: {e}", file=sys.stderr)
+            return 1
+        token_note = f"written to {path} (mode 0600)"
+    admin.start()
     store = Path(args.rollout_store or Path(args.mesh).resolve().parent / ".meshlm/rollouts.json")
     store.parent.mkdir(parents=True, exist_ok=True)
     rollouts = RolloutController(cp, str(store), configured_sources(cp))
@@ -74,4 +90,6 @@ def run(args: argparse.Namespace) -> int:
     rollouts.close()
     admin.stop()
     cp.stop()
+    if written:
+        admin_token.remove_token(admin.port, admin.token)
     return 0

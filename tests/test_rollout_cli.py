@@ -68,9 +68,15 @@ def admin(tmp_path: Path) -> Iterator[tuple[str, FakeControlPlane]]:
         c.close()
 
 
-def test_cli_start_status_pause_abort_fake_metrics(admin, capsys) -> None:
+def _token_file(tmp_path: Path) -> str:
+    path = tmp_path / "admin.token"
+    path.write_text(TOKEN + "\n")
+    return str(path)
+
+
+def test_cli_start_status_pause_abort_fake_metrics(admin, capsys, tmp_path) -> None:
     url, cp = admin
-    a = ["--admin", url, "--token", TOKEN]
+    a = ["--admin", url, "--token-file", _token_file(tmp_path)]
     assert main(["rollout", "start", "llm", *a, "--steps", "10,50"]) == 0
     out = capsys.readouterr().out
     assert "llm: Progressing" in out and "v2 10 %" in out
@@ -84,16 +90,19 @@ def test_cli_start_status_pause_abort_fake_metrics(admin, capsys) -> None:
     assert [w["v2"] for _, w in cp.calls] == [10, 0]
 
 
-def test_cli_mutations_need_the_token_and_errors_are_clear_fake_metrics(admin, capsys) -> None:
+def test_cli_mutations_need_the_token_and_errors_are_clear_fake_metrics(
+    admin, capsys, tmp_path
+) -> None:
     url, cp = admin
+    token = ["--token-file", _token_file(tmp_path)]
     assert main(["rollout", "start", "llm", "--admin", url]) == 1
     assert "HTTP 401" in capsys.readouterr().err
     assert cp.calls == []
-    assert main(["rollout", "promote", "nope", "--admin", url, "--token", TOKEN]) == 1
+    assert main(["rollout", "promote", "nope", "--admin", url, *token]) == 1
     assert "HTTP 404" in capsys.readouterr().err
     assert main(["rollout", "status", "--admin", url]) == 0
     assert "no rollouts" in capsys.readouterr().out
-    assert main(["rollout", "pause", "--admin", url, "--token", TOKEN]) == 2  # no SERVICE
+    assert main(["rollout", "pause", "--admin", url, *token]) == 2  # no SERVICE
     dead = "http://127.0.0.1:9"
     assert main(["rollout", "status", "llm", "--admin", dead, "--timeout", "2"]) == 1
     assert "cannot reach" in capsys.readouterr().err

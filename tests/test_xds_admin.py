@@ -10,6 +10,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
@@ -17,8 +18,7 @@ import yaml
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.ports import free_port
-from tests.test_xds_protocol import AdsClient, sotw
-from tests.test_xds_support import Caller, eventually, upstreams
+from tests.test_xds_support import AdsClient, Caller, eventually, sotw, upstreams
 from xds_server import types as t
 
 TOKEN = "test-admin-token"
@@ -82,11 +82,22 @@ def test_bad_input_gets_400_naming_the_field(server: dict) -> None:
     assert status == 400
 
 
-def test_nack_gives_409_with_envoys_error(server: dict) -> None:
-    path = "/v1/services/llm/versions/v1/endpoints"
-    status, body = _post(server["admin"], path, {"add": "bad-host:1"}, TOKEN)
-    assert status == 409 and "malformed IP address" in body["errors"]["caller-a"], body
-    status, body = _post(server["admin"], path, {"remove": "bad-host:1"}, TOKEN)
+def test_nack_gives_409_with_the_sidecars_error(server: dict) -> None:
+    c = AdsClient(server["grpc_port"], "nacker-1")
+    try:
+        c.send(sotw(t.ROUTE, ["outbound"]))
+        first = c.recv()
+        c.send(sotw(t.ROUTE, ["outbound"], first.version_info, first.nonce))
+        with ThreadPoolExecutor(1) as pool:
+            path = "/v1/services/llm/weights"
+            reply = pool.submit(_post, server["admin"], path, {"v1": 90, "v2": 10}, TOKEN)
+            pushed = c.recv()
+            c.send(sotw(t.ROUTE, ["outbound"], first.version_info, pushed.nonce, "bad route"))
+            status, body = reply.result(timeout=30)
+        assert status == 409 and body["errors"]["nacker-1"].endswith(": bad route"), body
+    finally:
+        c.close()
+    status, body = _post(server["admin"], "/v1/services/llm/weights", {"v1": 100}, TOKEN)
     assert status == 200, body
     assert Caller(server["port"]).who() == "v1"
 
@@ -134,14 +145,3 @@ def _post(admin: str, path: str, doc: dict, token: str | None) -> tuple[int, dic
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
-
-
-def test_token_file_is_private() -> None:
-    from xds_server.admin import make_token_file
-
-    token, path = make_token_file(free_port())
-    try:
-        assert path.read_text().strip() == token and len(token) >= 32
-        assert path.stat().st_mode & 0o777 == 0o600
-    finally:
-        path.unlink()

@@ -29,6 +29,7 @@ from xds_server import mesh as m
 from xds_server import ratelimit
 from xds_server.ads import AdsServicer
 from xds_server.cache import SnapshotCache
+from xds_server.listen import listen_error
 from xds_server.snapshot import make_version
 from xds_server.sync import Limits, SyncStatus
 
@@ -144,8 +145,14 @@ class ControlPlane:
         asyncio.set_event_loop(loop)
 
         async def boot() -> None:
+            reason = listen_error(host, port)  # before gRPC, which would log its own error
+            if reason:
+                raise OSError(reason)
             server = grpc.aio.server(
                 options=[
+                    # Linux lets a second SO_REUSEPORT server share the port and take half of
+                    # the sidecars; gRPC sets it unless told not to.
+                    ("grpc.so_reuseport", 0),
                     ("grpc.max_concurrent_streams", 100_000),
                     ("grpc.keepalive_time_ms", 30_000),
                     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
@@ -156,9 +163,12 @@ class ControlPlane:
             )
             # Tenants' mesh-wide rate limits, on the ADS port (sidecars reach it by xds_cluster).
             ratelimit.add_to_server(server, lambda: self.cache.mesh)
-            bound = server.add_insecure_port(f"{host}:{port}")
-            if not bound:
-                raise OSError(f"cannot listen on {host}:{port}")
+            try:
+                bound = server.add_insecure_port(f"{host}:{port}")
+            except RuntimeError:  # taken between the check and now
+                bound = 0
+            if not bound or (port and bound != port):
+                raise OSError(listen_error(host, port) or f"gRPC could not bind {host}:{port}")
             await server.start()
             self._server = server
             ready.set_result(bound)
@@ -167,6 +177,7 @@ class ControlPlane:
             loop.run_until_complete(boot())
         except BaseException as e:
             ready.set_exception(e)
+            loop.close()
             return
         try:
             loop.run_forever()
