@@ -158,8 +158,9 @@ class Supervisor:
                           "it answers (and no last-known-good config)")  # fmt: skip
         self._wait_ready(self.envoy)
         self.mode = mode
+        configured = mode == "lkg" or self._follow_ads()
         self._ready.set()
-        if mode == "ads" and not self._listeners_received():
+        if not configured:
             self.on_event("envoy up (ads), still waiting for the control plane: no listeners yet")
         elif waited:
             self.on_event("config from the control plane arrived: envoy ready (ads)")
@@ -174,6 +175,8 @@ class Supervisor:
             envoy.wait_ready(timeout=60)
         except EnvoyError as e:
             held = _port_in_use(str(e))
+            if "unable to bind domain socket" in str(e):  # the hot-restart id is the admin port
+                held = f"admin port {self.admin_port}: address already in use by another Envoy"
             if held:
                 raise PortInUse(held) from None
             raise
@@ -244,31 +247,25 @@ class Supervisor:
         self.mode = "ads"
         self.on_event(f"envoy ready (ads), restart epoch {self.envoy.restart_epoch}")
 
-    def _follow_ads(self) -> None:
-        """Note the control plane's first config, refuse a port held elsewhere, keep the
-        last-known-good copy current."""
+    def _follow_ads(self) -> bool:
+        """Refuse a port held elsewhere, note the control plane's first config, keep the
+        last-known-good copy current. True once listeners came from the control plane."""
         assert self.envoy is not None
         try:
             dump = self.envoy.config_dump_eds()
         except (OSError, urllib.error.URLError, ValueError):
-            return
-        for d in _listeners_dump(dump).get("dynamic_listeners", []):
+            return self._config_seen
+        lds = _listeners_dump(dump)
+        for d in lds.get("dynamic_listeners", []):
             held = _port_in_use(d.get("error_state", {}).get("details", ""))
             if held:
                 raise PortInUse(f"listener {d.get('name')}: {held}")
-        if not self._config_seen and _listeners_dump(dump).get("version_info"):
+        if not self._config_seen and lds.get("version_info"):
             self._config_seen = True
-            version = _listeners_dump(dump)["version_info"]
-            self.on_event(f"config from the control plane arrived (listeners version {version})")
+            if self.ready:  # else _launch says it is ready
+                self.on_event(f"config from the control plane arrived ({lds['version_info']})")
         if self.lkg.put(self.node_id, dump):
             self.saved_at = time.time()
-
-    def _listeners_received(self) -> bool:
-        assert self.envoy is not None
-        try:
-            self._config_seen = bool(_listeners_dump(self.envoy.config_dump()).get("version_info"))
-        except (OSError, urllib.error.URLError, ValueError):
-            return False
         return self._config_seen
 
     def _shutdown_envoy(self) -> None:

@@ -130,13 +130,15 @@ def test_second_sidecar_on_the_same_ports_exits_with_address_in_use(tmp_path) ->
             caller = Caller(port)
             assert eventually(lambda: caller.who() == "v1", what="routed via ADS")
             xds = f"127.0.0.1:{cp.grpc_port}"
-            second = subprocess.run(
-                [sys.executable, "-m", "meshlm.cli", "sidecar", "--xds", xds,
-                 "--node-id", "caller-2", "--outbound-port", str(port)],
-                capture_output=True, text=True, timeout=60,
-            )  # fmt: skip
-            out = second.stdout + second.stderr
-            assert second.returncode != 0 and "address already in use" in out.lower(), out
+            # The same listener port; then the same admin port too.
+            for admin in ((), ("--admin-port", str(sv.admin_port))):
+                second = subprocess.run(
+                    [sys.executable, "-m", "meshlm.cli", "sidecar", "--xds", xds,
+                     "--node-id", "caller-2", "--outbound-port", str(port), *admin],
+                    capture_output=True, text=True, timeout=60,
+                )  # fmt: skip
+                out = second.stdout + second.stderr
+                assert second.returncode == 1 and "address already in use" in out.lower(), out
             # The first sidecar keeps every connection: nothing was split off to the second.
             assert [caller.who() for _ in range(20)] == ["v1"] * 20
             caller.close()
