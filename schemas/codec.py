@@ -1,18 +1,21 @@
 """Encode and decode the inference messages, with validation.
 
 Every `decode_*` first runs the verifier (`schemas.verify`) and then checks values and limits;
-anything wrong raises `WireError(field, message)` — never another exception, never a silent
-out-of-bounds read. Encoders reuse one flatbuffers.Builder per thread. Token arrays come back as
-zero-copy numpy int32 views of the received buffer.
+anything wrong raises `WireError(field, message)` — never another exception (a MemoryError or a
+RecursionError becomes a WireError too), never a silent out-of-bounds read. Encoders reuse one
+flatbuffers.Builder per thread. Token arrays come back as zero-copy numpy int32 views of the
+received buffer.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import flatbuffers
 import numpy as np
@@ -239,9 +242,34 @@ def _offset_vector(b: flatbuffers.Builder, offsets: list[int]) -> int:
     return b.EndVector()
 
 
+_R = TypeVar("_R")
+
+
+def _wire_errors_only(message: str) -> Callable[[Callable[..., _R]], Callable[..., _R]]:
+    """Make any exception other than WireError escaping a decoder a WireError on `message`."""
+
+    def wrap(decode: Callable[..., _R]) -> Callable[..., _R]:
+        @functools.wraps(decode)
+        def decode_or_wire_error(*args: Any, **kwargs: Any) -> _R:
+            try:
+                return decode(*args, **kwargs)
+            except WireError:
+                raise
+            except Exception as e:  # MemoryError, RecursionError, a bug: the caller's contract
+                # is WireError (gRPC INVALID_ARGUMENT), never a crash or an INTERNAL.
+                raise WireError(message, f"cannot be decoded ({type(e).__name__})") from None
+
+        return decode_or_wire_error
+
+    return wrap
+
+
+@_wire_errors_only("GenerateRequest")
 def decode_generate_request(buf: bytes, limits: Limits = DEFAULT_LIMITS) -> GenerateRequest:
     """Verify and validate a GenerateRequest; raise WireError naming the field at fault."""
-    verify(buf, GENERATE_REQUEST, limits.max_buffer_bytes)
+    # Counts first: each stop string or message is read (and copied) once per offset to it.
+    counts = {"stop": limits.max_stop, "messages": limits.max_messages}
+    verify(buf, GENERATE_REQUEST, limits.max_buffer_bytes, counts)
     t = fb.GenerateRequest.GetRootAs(buf, 0)
     req = GenerateRequest(
         request_id=_text(t.RequestId()),
@@ -452,6 +480,7 @@ def encode_token_chunk_builder(
     return _finish(b, fb.TokenChunkEnd(b))
 
 
+@_wire_errors_only("TokenChunk")
 def decode_token_chunk(buf: bytes, max_size: int = DEFAULT_LIMITS.max_buffer_bytes) -> TokenChunk:
     verify(buf, TOKEN_CHUNK, max_size)
     t = fb.TokenChunk.GetRootAs(buf, 0)
@@ -480,6 +509,7 @@ def encode_info_request() -> bytes:
     return _finish(b, fb.InfoRequestEnd(b))
 
 
+@_wire_errors_only("InfoRequest")
 def decode_info_request(buf: bytes) -> None:
     verify(buf, INFO_REQUEST, 1 << 16)
 
@@ -499,6 +529,7 @@ def encode_model_info(info: ModelInfo) -> bytes:
     return _finish(b, fb.ModelInfoEnd(b))
 
 
+@_wire_errors_only("ModelInfo")
 def decode_model_info(buf: bytes) -> ModelInfo:
     verify(buf, MODEL_INFO, 1 << 16)
     t = fb.ModelInfo.GetRootAs(buf, 0)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 import struct
+import subprocess
+import sys
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +14,8 @@ import pytest
 
 from schemas import codec as c
 from schemas.meshlm import inference_generated as fb
+from schemas.verify import verify
+from tests.fuzz import codec as fuzz
 
 LIMITS = c.Limits(context_length=2048, vocab_size=49152)
 
@@ -206,3 +211,101 @@ def test_oversized_buffer_is_refused_before_parsing() -> None:
 )
 def test_value_checks_name_the_field(kw, field) -> None:
     assert _field_error(_req(**kw)) == field
+
+
+# --- aliased offsets (issue 9, defect 1): bounded work whatever the buffer references --------
+
+ALIASING = [s for s in fuzz.ALIASED if s != "wide"]
+
+
+@pytest.mark.parametrize("shape", ALIASING)
+def test_aliased_offsets_are_refused_with_memory_bounded_by_the_buffer(shape) -> None:
+    buf = fuzz.aliased(shape, 1 << 16)
+    tracemalloc.start()
+    try:
+        with pytest.raises(c.WireError) as e:
+            c.decode_generate_request(buf, LIMITS)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert e.value.field.split("[")[0] in ("stop", "messages"), e.value
+    # Each alias used to be copied again: 4000x the buffer for "stop", 17x for "stop16".
+    assert peak < 2 * len(buf), f"{shape}: {peak} bytes allocated for a {len(buf)}-byte buffer"
+
+
+def test_count_limits_are_checked_before_the_elements() -> None:
+    with pytest.raises(c.WireError, match=r"^stop: 5461 elements exceed the limit of 16$"):
+        c.decode_generate_request(fuzz.aliased("wide", 1 << 16), LIMITS)
+    with pytest.raises(c.WireError, match=r"^messages: 4000 elements exceed the limit of 256$"):
+        c.decode_generate_request(fuzz.aliased("table", 1 << 16), LIMITS)
+
+
+def test_verifier_budget_refuses_aliases_without_count_limits() -> None:
+    buf = fuzz.aliased("stop", 1 << 16)  # 8192 offsets to one 32 KiB string
+    with pytest.raises(c.WireError, match="alias the same data too often") as e:
+        verify(buf, c.GENERATE_REQUEST, len(buf))
+    assert re.fullmatch(r"stop\[\d\]", e.value.field)  # after a few aliases, not thousands
+
+
+def test_shared_strings_and_vtables_of_a_normal_builder_pass_the_budget() -> None:
+    # flatbuffers dedups vtables, and CreateSharedString aliases on purpose: 256 messages that
+    # share their role and content must still decode.
+    b = fb.flatbuffers.Builder(1024)
+    msgs = []
+    for _ in range(LIMITS.max_messages):
+        role, content = b.CreateSharedString("user"), b.CreateSharedString("hi")
+        fb.ChatMessageStart(b)
+        fb.ChatMessageAddRole(b, role)
+        fb.ChatMessageAddContent(b, content)
+        msgs.append(fb.ChatMessageEnd(b))
+    vec = c._offset_vector(b, msgs)
+    stop = c._offset_vector(b, [b.CreateSharedString("\n")] * LIMITS.max_stop)
+    fb.GenerateRequestStart(b)
+    fb.GenerateRequestAddMessages(b, vec)
+    fb.GenerateRequestAddStop(b, stop)
+    b.Finish(fb.GenerateRequestEnd(b))
+    got = c.decode_generate_request(bytes(b.Output()), LIMITS)
+    assert len(got.messages) == 256 and got.stop == ["\n"] * 16
+
+
+# Decodes under an address-space limit a little above what the process already holds (set after
+# the imports): what escapes the decoder is printed as "<type> <field>".
+_UNDER_RLIMIT = """
+import resource, sys
+from schemas import codec as c
+from tests.fuzz import codec as fuzz
+buf = fuzz.aliased(sys.argv[1]) if sys.argv[1] in fuzz.ALIASED else c.encode_generate_request(
+    c.GenerateRequest(prompt="y" * (int(sys.argv[1]) << 20)))
+with open("/proc/self/statm") as f:
+    size = int(f.read().split()[0]) * resource.getpagesize()
+extra = int(sys.argv[2]) << 20
+resource.setrlimit(resource.RLIMIT_AS, (size + extra, size + extra))
+try:
+    c.decode_generate_request(buf)
+    print("accepted")
+except Exception as e:
+    print(type(e).__name__, getattr(e, "field", ""))
+"""
+
+
+def _decode_under_rlimit(what: str, extra_mib: int) -> str:
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", _UNDER_RLIMIT, what, str(extra_mib)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_one_mib_aliased_stop_vector_is_a_wire_error_in_256_mib() -> None:
+    # It used to ask for 64 GiB and, under this limit, raise MemoryError out of the codec.
+    assert _decode_under_rlimit("stop", 256) == "WireError stop"
+
+
+def test_memory_error_inside_the_decoder_becomes_a_wire_error() -> None:
+    # A valid 3 MiB prompt with no memory left to copy it: refused, not crashed.
+    assert _decode_under_rlimit("3", 1) == "WireError GenerateRequest"

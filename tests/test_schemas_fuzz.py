@@ -1,20 +1,23 @@
 """Hostile buffers never crash the codec: they raise WireError, or decode to a valid message.
 
-Random bytes, truncations, bit flips and overwritten offsets. A bit flip inside a string's bytes
-can yield another valid request, so for flips and overwrites the property is "WireError or a
-request that passes every value check"; a truncated buffer is always refused (unless only the
-alignment padding after its last string is gone).
+Random bytes, truncations, bit flips, overwritten offsets, and offsets aliasing one object. A bit
+flip inside a string's bytes can yield another valid request, so for flips and overwrites the
+property is "WireError or a request that passes every value check"; a truncated buffer is always
+refused (unless only the alignment padding after its last string is gone).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import struct
+import tracemalloc
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas import codec as c
+from tests.fuzz import codec as fuzz
 
 LIMITS = c.Limits(context_length=2048, vocab_size=49152)
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -106,3 +109,29 @@ def test_hostile_offsets(buf: bytes, data: st.DataObject, value: int) -> None:
     b[pos : pos + 4] = struct.pack("<I", value)
     _request_or_wire_error(bytes(b))
     _chunk_or_wire_error(bytes(b))
+
+
+_aliased = functools.lru_cache(fuzz.aliased)  # building 4000 tables in Python takes a while
+
+
+@FUZZ
+@given(
+    st.sampled_from(sorted(fuzz.ALIASED)), st.sampled_from([256, 4096, 1 << 15]), st.data(), HOSTILE
+)
+def test_aliased_offsets_cost_at_most_the_buffer(
+    shape: str, size: int, data: st.DataObject, value: int
+) -> None:
+    # A shared-offset request, perhaps with one u32 overwritten (a count, a length, an offset):
+    # whatever the decoder answers, it copies no more than about the buffer's own size (plus
+    # the Python objects of at most 256 messages and 16 stop strings).
+    b = bytearray(_aliased(shape, size))
+    if data.draw(st.booleans()):
+        pos = data.draw(st.integers(0, len(b) // 4 - 1)) * 4
+        b[pos : pos + 4] = struct.pack("<I", value)
+    tracemalloc.start()
+    try:
+        _request_or_wire_error(bytes(b))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * len(b) + (64 << 10), f"{peak} bytes allocated for a {len(b)}-byte buffer"

@@ -7,6 +7,11 @@ Property, for every input: the decoders either raise `WireError` (the runtime an
 INVALID_ARGUMENT with its message) or return a message that passes every value check. Any
 other exception is a bug; the input is written to `--crashes` and the run fails.
 The default test run covers the same property with a bounded count (tests/test_fuzz_codec.py).
+The seeds include `aliased()` requests whose offsets point many times at one object (issue 9);
+
+    .venv/bin/python -m tests.fuzz.codec --aliased stop
+
+decodes one such 1 MiB request and prints the CPU seconds and peak RSS it cost.
 """
 
 from __future__ import annotations
@@ -14,15 +19,28 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
+import resource
 import struct
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+import flatbuffers
+
 from schemas import codec as c
+from schemas.meshlm import inference_generated as fb
 
 LIMITS = c.Limits(context_length=2048, vocab_size=49152)
+# aliased() shapes: (what aliases, how many times; None = as many as fit)
+ALIASED: dict[str, tuple[str, int | None]] = {
+    "stop": ("stop", None),
+    "stop16": ("stop", 16),
+    "content": ("content", 4000),
+    "content256": ("content", 256),
+    "table": ("table", 4000),
+    "wide": ("wide", None),
+}
 
 SEEDS = [
     c.encode_generate_request(
@@ -48,6 +66,49 @@ SEEDS = [
     c.encode_token_chunk("r", 3, [], "", "error", 0, None, c.ErrorInfo(13, "boom", "x")),
     c.encode_info_request(),
 ]
+
+
+def aliased(shape: str, size: int = 1 << 20) -> bytes:
+    """A well-formed GenerateRequest of about `size` bytes whose offsets alias one object
+    (issue 9, defect 1: each alias used to be verified and copied again). Shapes (ALIASED):
+
+    - "stop": a stop vector of `size / 8` offsets to one string of half the buffer;
+    - "stop16": 16 stop offsets (the count limit) to one string that fills the buffer;
+    - "content": 4000 ChatMessages (under the verifier's table count) sharing one content string;
+    - "content256": 256 ChatMessages (the count limit) sharing one content string;
+    - "table": a messages vector of 4000 offsets to one ChatMessage with such a content;
+    - "wide": a stop vector of as many distinct one-byte strings as fit (no aliasing).
+    """
+    kind, count = ALIASED[shape]
+    b = flatbuffers.Builder(size + 1024)
+    if kind == "wide":
+        offsets = [b.CreateString("x") for _ in range(size // 12)]
+    elif kind == "stop":
+        big = size // 2 if count is None else size - 128
+        offsets = [b.CreateString("y" * big)] * (count or (size - big) // 4)
+    else:
+        role, content = b.CreateString("user"), b.CreateString("y" * (size - 16 * count - 64))
+        offsets = []
+        for _ in range(1 if kind == "table" else count):
+            fb.ChatMessageStart(b)
+            fb.ChatMessageAddRole(b, role)
+            fb.ChatMessageAddContent(b, content)
+            offsets.append(fb.ChatMessageEnd(b))
+        offsets *= count if kind == "table" else 1
+    vec = c._offset_vector(b, offsets)
+    prompt = b.CreateString("Hello") if kind in ("stop", "wide") else 0
+    fb.GenerateRequestStart(b)
+    if prompt:
+        fb.GenerateRequestAddPrompt(b, prompt)
+        fb.GenerateRequestAddStop(b, vec)
+    else:
+        fb.GenerateRequestAddMessages(b, vec)
+    b.Finish(fb.GenerateRequestEnd(b))
+    return bytes(b.Output())
+
+
+# Mutating aliased buffers reaches the count limits and the verifier's budget from both sides.
+SEEDS += [aliased(shape, 4096) for shape in ALIASED]
 HOSTILE_U32 = [0, 1, 2, 3, 4, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0xFFFFFFFC, 0x10000, 0xFFFF]
 
 
@@ -114,12 +175,35 @@ def run(inputs: int, seed: int = 1, crashes: Path | None = None) -> Counter[str]
     return seen
 
 
+def measure(shape: str) -> int:
+    buf = aliased(shape)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    try:
+        outcome = check(buf)
+    except Exception as e:  # what the codec must never do: reported, not raised
+        outcome = f"{type(e).__name__} (not WireError)"
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    print(
+        f"{shape}: {len(buf)} bytes -> {outcome}; {cpu:.2f} CPU s, "
+        f"peak RSS {after.ru_maxrss / 1024:.0f} MiB"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--inputs", type=int, default=100_000)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--crashes", type=Path, default=Path("fuzz-crashes"))
+    p.add_argument(
+        "--aliased",
+        choices=ALIASED,
+        help="instead: decode one 1 MiB aliased request; print the outcome, CPU s, peak RSS",
+    )
     a = p.parse_args(argv)
+    if a.aliased:
+        return measure(a.aliased)
     t0 = time.monotonic()
     try:
         seen = run(a.inputs, a.seed, a.crashes)
