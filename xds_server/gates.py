@@ -110,7 +110,7 @@ MAX_BODY = 4 * 2**20  # a filtered Envoy /stats or a runtime's /metrics is a few
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     """A source that redirects is refused: a redirect could lead to any other URL or scheme."""
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN201
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[override]
         raise urllib.error.HTTPError(
             req.full_url, code, f"redirect to {newurl!r} not followed", headers, fp
         )
