@@ -29,8 +29,8 @@ def _services(ups: dict[str, EchoUpstream], weights: dict[str, int], **extra) ->
     }
 
 
-def _caller(mesh: Mesh) -> tuple[int, int]:
-    port, admin = free_port(), free_port()
+def _caller(mesh: Mesh, admin: int | None = None) -> tuple[int, int]:
+    port, admin = free_port(), admin or free_port()
     mesh.start_sidecar("caller", admin_port=admin, outbound_port=port)
     call = echo_call(port)
     wait_until(lambda: call() in ("v1", "v2"), 30, "caller routes llm")
@@ -136,7 +136,10 @@ def test_sidecar_envoy_restarted_while_control_plane_down_uses_last_known_good(t
 def test_control_plane_killed_mid_rollout_traffic_flows_rollout_resumes(tmp_path) -> None:
     t_start = time.monotonic()
     ups = {"v1": EchoUpstream("v1"), "v2": EchoUpstream("v2")}
-    mesh = Mesh(tmp_path, {"services": _services(ups, {"v1": 100, "v2": 0})})
+    admin = free_port()  # the caller's, where the rollout gates read (mesh caller_sidecars)
+    callers = [{"admin_url": f"http://127.0.0.1:{admin}"}]
+    mesh = Mesh(tmp_path, {"services": _services(ups, {"v1": 100, "v2": 0}),
+                           "caller_sidecars": callers})  # fmt: skip
     spec = {
         "stable": "v1",
         "canary": "v2",
@@ -147,7 +150,7 @@ def test_control_plane_killed_mid_rollout_traffic_flows_rollout_resumes(tmp_path
     }
     try:
         mesh.start_control_plane()
-        port, _ = _caller(mesh)
+        port, _ = _caller(mesh, admin)
         with Load(echo_call(port), RATE) as load:
             time.sleep(1)
             status, reply = mesh.admin("POST", "/rollouts/llm", spec)
