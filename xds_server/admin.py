@@ -9,20 +9,24 @@
 Mutations need `Authorization: Bearer <token>` and answer once every affected sidecar ACKed
 (200), or a sidecar NACKed (409), or the timeout passed (504, naming the sidecars still behind);
 `?timeout=SECONDS` (default 10). Other APIs (rollouts) are mounted under their own prefix.
+
+Hardened for a loopback port that any local process (or a browser page, by DNS rebinding) can
+reach: the Host header must name a loopback address with the admin port (403); the token is
+checked before any body is read (401); a body needs a Content-Length of at most MAX_BODY (411,
+413); a request must arrive within READ_DEADLINE; at most MAX_CONNECTIONS are served at once
+(503); JSON nested too deeply is refused (400).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
-import os
-import secrets
-import tempfile
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -36,16 +40,10 @@ log = logging.getLogger(__name__)
 Mount = Callable[[str, str, bytes], tuple[int, Any]]
 
 
-def make_token_file(port: int, token: str | None = None) -> tuple[str, Path]:
-    """A fresh token written to a file only this user can read; returns (token, path)."""
-    token = token or secrets.token_urlsafe(32)
-    base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
-    path = base / f"meshlm-admin-{port}.token"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.chmod(path, 0o600)
-    return token, path
+MAX_BODY = 4 << 20  # bytes: a mesh file with thousands of tenants
+MAX_CONNECTIONS = 32
+READ_DEADLINE = 5.0  # seconds for a request's line, headers and body (slowloris)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 
 class AdminServer:
@@ -64,9 +62,11 @@ class AdminServer:
         self.token = token
         self.mounts = dict(mounts or {})
         handler = type("Handler", (_Handler,), {"admin": self})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _BoundedServer((host, port), handler)
         self.port = self.httpd.server_address[1]
+        # DNS rebinding: a browser page's requests carry the page's host name in Host.
+        names = {*LOOPBACK_HOSTS, f"[{host}]" if ":" in host else host} - {"0.0.0.0", "[::]"}
+        self.hosts = {f"{name}:{self.port}" for name in names}
         self._thread: threading.Thread | None = None
 
     @property
@@ -79,7 +79,8 @@ class AdminServer:
         return self
 
     def stop(self) -> None:
-        self.httpd.shutdown()
+        if self._thread is not None:  # shutdown() waits for a serve_forever() that never ran
+            self.httpd.shutdown()
         self.httpd.server_close()
 
     # -- routing --------------------------------------------------------------------------------
@@ -103,6 +104,8 @@ class AdminServer:
             doc = json.loads(body or b"{}")
             if not isinstance(doc, dict):
                 raise ValueError("expected a JSON object")
+        except RecursionError:
+            return 400, {"error": "bad request: JSON nested too deeply"}
         except ValueError as e:
             return 400, {"error": f"bad request: {e}"}
         service = parts[2]
@@ -127,11 +130,20 @@ class AdminServer:
         try:
             timeout = float(query.get("timeout", ["10"])[0])
             mesh = parse_mesh(load_yaml(body or b"", "mesh"))
+            if mesh.authz.keys_file != self.cp.mesh.authz.keys_file:
+                # Else any token holder could make the control plane read any file.
+                return 400, {
+                    "error": "authz.keys_file: cannot be changed over the admin API "
+                    "(restart the control plane with the new mesh file)"
+                }
             return _outcome(self.cp.apply_mesh(mesh, timeout=timeout))
         except yaml.YAMLError as e:
             return 400, {"error": f"mesh: not YAML: {e}"}
         except ValueError as e:  # MeshError names the field; nothing was pushed
             return 400, {"error": str(e)}
+
+    def host_allowed(self, header: str | None) -> bool:
+        return (header or "").strip().lower() in self.hosts
 
     def authorized(self, header: str | None) -> bool:
         scheme, _, presented = (header or "").partition(" ")
@@ -146,9 +158,64 @@ def _outcome(r: ApplyResult) -> tuple[int, Any]:
     return (409 if r.errors else 504), r.to_json()
 
 
+class _BoundedServer(ThreadingHTTPServer):
+    """One thread per connection, at most MAX_CONNECTIONS of them; the others get 503."""
+
+    daemon_threads = True
+    request_queue_size = 64  # listen backlog (socketserver's default of 5 drops bursts)
+    _BUSY = b'{"error": "too many admin connections"}'
+    _BUSY = (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY), _BUSY)
+    )
+
+    def __init__(self, address: tuple[str, int], handler: type) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.setblocking(False)
+                request.send(self._BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class _Handler(BaseHTTPRequestHandler):
     admin: AdminServer
     protocol_version = "HTTP/1.1"
+    timeout = READ_DEADLINE  # on every recv and send of the socket
+    _cut_off = False
+
+    def handle_one_request(self) -> None:
+        # A socket timeout alone lets a client that sends a byte every few seconds hold its
+        # connection forever (slowloris): the whole request gets one deadline.
+        self._deadline = threading.Timer(READ_DEADLINE, self._cut)
+        self._deadline.daemon = True
+        self._deadline.start()
+        try:
+            super().handle_one_request()
+        finally:
+            self._deadline.cancel()
+
+    def _cut(self) -> None:
+        self._cut_off = self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
 
     def do_GET(self) -> None:
         self._serve("GET")
@@ -179,23 +246,42 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(code, {"error": message or self.responses.get(code, ("error",))[0]})
 
     def _serve(self, method: str) -> None:
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            self.close_connection = True
-            return self._reply(400, {"error": "bad Content-Length"})
+        if self._cut_off:
+            return  # what arrived before the deadline is not a whole request
+        status, error = self._refuse(method)
+        if status:
+            self.close_connection = True  # an unread body must not be taken for a request
+            return self._reply(status, {"error": error})
+        length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
-        if method != "GET" and not self.admin.authorized(self.headers.get("Authorization")):
-            status, reply = 401, {"error": "mutations need Authorization: Bearer <admin token>"}
-        else:
-            try:
-                status, reply = self.admin.handle(method, self.path, body)
-            except Exception as e:  # never kill the admin thread; say what went wrong
-                log.exception("admin %s %s", method, self.path)
-                status, reply = 500, {"error": f"{type(e).__name__}: {e}"}
+        self._deadline.cancel()
+        if len(body) < length:
+            self.close_connection = True
+            return
+        try:
+            status, reply = self.admin.handle(method, self.path, body)
+        except RecursionError:  # a mounted API's JSON parser
+            status, reply = 400, {"error": "bad request: JSON nested too deeply"}
+        except Exception as e:  # never kill the admin thread; say what went wrong
+            log.exception("admin %s %s", method, self.path)
+            status, reply = 500, {"error": f"{type(e).__name__}: {e}"}
         self._reply(status, reply)
+
+    def _refuse(self, method: str) -> tuple[int, str]:
+        """(status, error) when the request must be refused before its body is read."""
+        if not self.admin.host_allowed(self.headers.get("Host")):
+            return 403, f"the Host header must be one of {', '.join(sorted(self.admin.hosts))}"
+        if method != "GET" and not self.admin.authorized(self.headers.get("Authorization")):
+            return 401, "mutations need Authorization: Bearer <admin token>"
+        if self.headers.get("Transfer-Encoding"):
+            return 411, "send the body with a Content-Length, not chunked"
+        # RFC 9112 6.3: a request with neither Content-Length nor Transfer-Encoding has no body.
+        raw = self.headers.get("Content-Length") or "0"
+        if not raw.isdigit():
+            return 400, "bad Content-Length"
+        if int(raw) > MAX_BODY:
+            return 413, f"a body of {int(raw)} bytes is over the limit of {MAX_BODY}"
+        return 0, ""
 
     def _reply(self, status: int, reply: Any, *, body: bool = True) -> None:
         data = json.dumps(reply, indent=1, default=str).encode()

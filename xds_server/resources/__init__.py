@@ -133,8 +133,13 @@ def _wasm_xds(mode: str) -> ModuleType:
 def _read_keys(path: str) -> dict[str, list[str]]:
     try:
         raw = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ResourceError(f"authz.keys_file: cannot read {path}: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or type(e).__name__
+        raise ResourceError(f"authz.keys_file: cannot read {path}: {why}") from None
+    except yaml.YAMLError as e:  # its message quotes the file: secrets stay out of errors
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise ResourceError(f"authz.keys_file: {path} is not YAML{where}") from None
     if not isinstance(raw, dict):
         raise ResourceError("authz.keys_file: expected a mapping tenant -> key or [keys]")
     return {str(t): [k] if isinstance(k, str) else list(k) for t, k in raw.items()}
