@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cachetools import TLRUCache
+
 _TYPE = "@type"
 _FORMAT = 2  # {"format": 2, "nodes": {node: {"saved_at": unix time, "resources": {...}}}}
 Keys = Mapping[str, Sequence[str]]  # tenant -> plaintext keys (native authz mode)
@@ -163,33 +165,32 @@ def static_bootstrap(
 
 class LastKnownGood:
     """Bounded, expiring store of accepted configs per node; mirrored to a 0600 file so that a
-    restarted supervisor has it too. Each entry keeps the time it was taken (also in the file,
-    so a reload does not make an old copy young). A config older than `ttl` is not served: a
-    sidecar that has been cut off for that long should not pretend to be current."""
+    restarted supervisor has it too. Each entry keeps the time it was taken, in the file too, and
+    expires `ttl` after that time, so a reload does not make an old copy young. A config older
+    than `ttl` is not served: a sidecar cut off that long should not pretend to be current."""
 
     def __init__(
         self,
         path: str | Path | None = None,
         *,
         ttl: float = 24 * 3600.0,
-        maxsize: int = 64,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.ttl = ttl
-        self.maxsize = maxsize
         self._clock = clock
-        self._entries: dict[str, dict[str, Any]] = {}  # node -> {"saved_at", "resources"}
+        # node -> {"saved_at": unix time, "resources": {...}}; expires at saved_at + ttl.
+        self._cache: TLRUCache[str, dict[str, Any]] = TLRUCache(
+            maxsize=64, ttu=lambda _node, e, _now: e["saved_at"] + ttl, timer=clock
+        )
         self._path = Path(path) if path else None
         self._lock = threading.Lock()
         if self._path and self._path.exists():
             try:
                 doc = json.loads(self._path.read_text())
                 if doc.get("format") == _FORMAT:  # an older file has no age: it is no cache
-                    self._entries = {
-                        n: e
-                        for n, e in doc["nodes"].items()
-                        if isinstance(e.get("saved_at"), (int, float)) and "resources" in e
-                    }
+                    for node, e in doc["nodes"].items():
+                        if isinstance(e.get("saved_at"), (int, float)) and "resources" in e:
+                            self._cache[node] = e
             except (OSError, ValueError, AttributeError, KeyError, TypeError):
                 pass  # a corrupt cache is no cache; the control plane is the source of truth
 
@@ -202,37 +203,21 @@ class LastKnownGood:
             return False
         now = self._clock()
         with self._lock:
-            old = self._entries.get(node_id)
+            old = self._cache.get(node_id)
             changed = old is None or old["resources"] != res
-            renew = not changed and now - old["saved_at"] >= min(60.0, self.ttl / 10)
-            if not changed and not renew:
+            if not changed and now - old["saved_at"] < min(60.0, self.ttl / 10):
                 return False
-            self._entries.pop(node_id, None)
-            self._entries[node_id] = {"saved_at": now, "resources": res}
-            while len(self._entries) > self.maxsize:
-                self._entries.pop(next(iter(self._entries)))  # the least recently stored
-            self._write()
+            self._cache[node_id] = {"saved_at": now, "resources": res}
+            if self._path:
+                fd, tmp = tempfile.mkstemp(dir=self._path.parent, prefix=".lkg-")  # 0600
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"format": _FORMAT, "nodes": dict(self._cache.items())}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self._path)
         return changed
-
-    def _write(self) -> None:
-        if not self._path:
-            return
-        fd, tmp = tempfile.mkstemp(dir=self._path.parent, prefix=".lkg-")  # mode 0600
-        with os.fdopen(fd, "w") as f:
-            json.dump({"format": _FORMAT, "nodes": self._entries}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._path)
 
     def get(self, node_id: str) -> dict[str, Any] | None:
         with self._lock:
-            e = self._entries.get(node_id)
-        if e is None or self._clock() - e["saved_at"] > self.ttl:
-            return None
-        return e["resources"]
-
-    def age(self, node_id: str) -> float | None:
-        """Seconds since the config of `node_id` was taken (None: none kept)."""
-        with self._lock:
-            e = self._entries.get(node_id)
-        return None if e is None else self._clock() - e["saved_at"]
+            e = self._cache.get(node_id)
+        return None if e is None else e["resources"]

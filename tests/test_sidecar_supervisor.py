@@ -73,6 +73,9 @@ def test_envoy_restarted_while_control_plane_down_serves_last_known_good(tmp_pat
             sv.envoy.kill()
             eventually(lambda: sv.restarts == 1 and sv.ready, what="restarted")
             assert sv.mode == "lkg"
+            # Static listeners from the dump keep SO_REUSEPORT off (issue 9, defect 9).
+            listeners = sv.envoy.bootstrap["static_resources"]["listeners"]
+            assert [x["enable_reuse_port"] for x in listeners] == [False]
             # The accepted config, not a default: all traffic still goes to v2.
             assert [caller.who() for _ in range(10)] == ["v2"] * 10
             # The stored copy survives the supervisor too, in a file only its owner can read.
