@@ -13,6 +13,7 @@ import asyncio
 import collections
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -61,8 +62,18 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
             await _close(context, e)
 
 
+_last_warning = 0.0
+
+
 async def _close(context: grpc.aio.ServicerContext, e: NodeRejected) -> None:
-    log.warning("ADS stream rejected: %s", e)
+    # At most one warning a second: a client retrying a rejected stream must not flood the log
+    # (every rejection is in /debug/syncz "rejected" too).
+    global _last_warning
+    now = time.monotonic()
+    level = logging.WARNING if now - _last_warning >= 1.0 else logging.DEBUG
+    if level == logging.WARNING:
+        _last_warning = now
+    log.log(level, "ADS stream rejected: %s", e)
     await context.abort(grpc.StatusCode[e.code], str(e))
 
 
