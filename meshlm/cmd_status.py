@@ -55,6 +55,8 @@ def render(doc: dict[str, Any]) -> str:
     rows = [("NODE", "TYPE", "SENT", "ACKED", "ERROR")]
     for node_id, ns in sorted(doc.get("nodes", {}).items()):
         name = node_id if ns.get("connected") else f"{node_id} (disconnected)"
+        if ns.get("lagging"):  # left out of the ACK quorum (control_plane.lagging_after)
+            name += " (lagging)"
         if ns.get("error"):
             rows.append((name, "-", "-", "-", ns["error"]))
         types = ns.get("types", {})

@@ -121,6 +121,7 @@ def test_a_never_acking_sidecar_is_reported_lagging_and_left_out_of_the_quorum()
         assert syncz["lagging"] == ["stuck"]
         assert syncz["nodes"]["stuck"]["lagging"] and not syncz["nodes"]["good"]["lagging"]
         assert syncz["nodes"]["stuck"]["behind_since"]
+        assert "stuck (lagging)" in render(syncz) and "good (lagging)" not in render(syncz)
     finally:
         good.close()
         stuck.close()
