@@ -22,7 +22,7 @@ from tests.test_xds_support import AdsClient, eventually, sotw
 from xds_server import types as t
 from xds_server.admin import AdminServer
 from xds_server.control_plane import ControlPlane
-from xds_server.mesh import parse_mesh
+from xds_server.mesh import MeshError, parse_mesh
 from xds_server.node import NodeInfo
 from xds_server.sync import Limits
 
@@ -126,6 +126,11 @@ def test_a_never_acking_sidecar_is_reported_lagging_and_left_out_of_the_quorum()
         good.close()
         stuck.close()
         plane.stop()
+
+
+def test_lagging_after_must_be_positive() -> None:
+    with pytest.raises(MeshError, match="control_plane.lagging_after: must be more than 0s"):
+        mesh("v1", lagging_after="0s")
 
 
 def test_a_waiting_change_does_not_block_the_next_one(cp: ControlPlane) -> None:

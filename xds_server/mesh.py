@@ -438,11 +438,14 @@ def _tenants(raw: Any, roles: Any) -> Any:
 def _control_plane(raw: Any) -> ControlPlaneConfig:
     d = _mapping(raw, "control_plane")
     _only(d, "control_plane", {"grpc_port", "admin_port", "debounce", "lagging_after"})
+    lagging_after = parse_duration(d.get("lagging_after", "30s"), "control_plane.lagging_after")
+    if lagging_after <= 0:  # 0 would count every change as applied before any ACK
+        raise MeshError("control_plane.lagging_after: must be more than 0s")
     return ControlPlaneConfig(
         grpc_port=_port(d.get("grpc_port", 18000), "control_plane.grpc_port", allow_zero=True),
         admin_port=_port(d.get("admin_port", 18001), "control_plane.admin_port", allow_zero=True),
         debounce=parse_duration(d.get("debounce", "100ms"), "control_plane.debounce"),
-        lagging_after=parse_duration(d.get("lagging_after", "30s"), "control_plane.lagging_after"),
+        lagging_after=lagging_after,
     )
 
 
