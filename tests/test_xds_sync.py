@@ -129,7 +129,7 @@ def test_a_never_acking_sidecar_is_reported_lagging_and_left_out_of_the_quorum()
 
 
 def test_lagging_after_must_be_positive() -> None:
-    with pytest.raises(MeshError, match="control_plane.lagging_after: must be more than 0s"):
+    with pytest.raises(MeshError, match=r"control_plane\.lagging_after: must be more than 0s"):
         mesh("v1", lagging_after="0s")
 
 
