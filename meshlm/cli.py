@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> module with `add_arguments(parser)` and `run(args) -> int`
@@ -38,7 +39,15 @@ def main(argv: list[str] | None = None) -> int:
         prog=f"meshlm {argv[0]}", description=help_text, allow_abbrev=False
     )
     module.add_arguments(cmd)
-    return int(module.run(cmd.parse_args(argv[1:])) or 0)
+    args = cmd.parse_args(argv[1:])
+    try:
+        code = int(module.run(args) or 0)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below, not at exit
+        return code
+    except BrokenPipeError:  # `meshlm policy compile | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"meshlm {argv[0]}: output closed early (broken pipe)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ def run(args: argparse.Namespace) -> int:
     from meshlm.launcher import SERVICE, LocalMesh
     from meshlm.traffic import TenantLoad, Traffic, summarize
 
+    if args.workdir is not None and not args.workdir.is_dir():
+        print(f"meshlm demo: --workdir {args.workdir}: no such directory", file=sys.stderr)
+        return 2
     faults = {"v2": ["--fault-error-percent", "10", "--fault-delay-ms", "1500"]}
     mesh = LocalMesh(workdir=args.workdir, faults=faults if args.faulty_canary else None)
     print(f"meshlm demo: logs and report in {mesh.workdir}", flush=True)

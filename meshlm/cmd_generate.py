@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from model_runtime.client import generate
+    from model_runtime.client import GENERATE, generate
     from schemas.codec import WireError
 
     if args.raw:
@@ -58,7 +58,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"meshlm generate: invalid request: {e}", file=sys.stderr)
         return 2
     except grpc.RpcError as e:
-        print(f"\nmeshlm generate: {e.code().name}: {e.details()}", file=sys.stderr)
+        detail = e.details() or ""
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # Envoy's 404: no route, empty details
+            whom = f"authority {args.authority!r}" if args.authority else "its default authority"
+            hint = "is --authority a service of the mesh, the target a runtime or sidecar?"
+            detail = f"{detail}; " if detail else ""
+            detail += f"{args.target} has no route to {GENERATE} for {whom} ({hint})"
+        newline = "\n" if tokens else ""
+        print(f"{newline}meshlm generate: {e.code().name}: {detail}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

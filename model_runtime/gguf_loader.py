@@ -77,6 +77,9 @@ def _field(reader, key: str, default=None):
 def read_gguf(path: str | Path) -> GGUFModel:
     from gguf import GGUFReader
 
+    with open(path, "rb") as f:  # else the reader fails on its own terms (numpy dtype errors)
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file (no GGUF magic)")
     reader = GGUFReader(str(path))
     arch = _field(reader, "general.architecture")
     if arch != "llama":

@@ -365,6 +365,8 @@ def validate_generate_request(req: GenerateRequest, limits: Limits = DEFAULT_LIM
             raise WireError(f"stop[{i}]", f"must be 1..{limits.max_stop_bytes} bytes")
     if req.priority is not None and not -1000 <= req.priority <= 1000:
         raise WireError("priority", f"{req.priority} is outside [-1000, 1000]")
+    if req.seed is not None and not 0 <= req.seed < 1 << 64:  # a uint64 on the wire
+        raise WireError("seed", f"{req.seed} is outside [0, 2^64)")
 
 
 # --- TokenChunk (one per streamed event: keep it cheap) --------------------------------------
