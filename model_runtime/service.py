@@ -47,17 +47,25 @@ class _Abort(Exception):
 
 
 def _priority(req_priority: int | None, metadata: dict[str, Any]) -> int:
-    if req_priority is not None:
-        return req_priority
+    """The scheduling priority: what the body asks, never above the verified header.
+
+    The sidecar's authz filter drops any client-sent `x-meshlm-priority` and sets the tenant's
+    own, so that header is the most this request may get; the body's `priority` may only lower
+    it (issue 9, defect 4). Without the header (native authz mode, which cannot set it, or a call
+    that bypassed the mesh) the ceiling is the default level, 0 ("normal"). A header that is not
+    a priority fails closed to the lowest level, -1000.
+    """
     raw = str(metadata.get(PRIORITY_HEADER, "")).strip().lower()
     if not raw:
-        return 0
-    if raw in PRIORITY_NAMES:
-        return PRIORITY_NAMES[raw]
-    try:
-        return max(-1000, min(1000, int(raw)))
-    except ValueError:
-        return 0
+        ceiling = 0
+    elif raw in PRIORITY_NAMES:
+        ceiling = PRIORITY_NAMES[raw]
+    else:
+        try:
+            ceiling = max(-1000, min(1000, int(raw)))
+        except ValueError:
+            ceiling = -1000
+    return ceiling if req_priority is None else min(req_priority, ceiling)
 
 
 class InferenceService:

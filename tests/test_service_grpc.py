@@ -6,6 +6,7 @@ import json
 import struct
 import threading
 import time
+import tracemalloc
 import urllib.request
 from collections.abc import Iterator
 
@@ -21,9 +22,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from model_runtime.client import Client
 from model_runtime.engine import Engine
 from model_runtime.faults import Faults
-from model_runtime.service import SERVICE, Runtime, _priority
+from model_runtime.service import PRIORITY_HEADER, SERVICE, Runtime, _priority
 from model_runtime.telemetry import MetricsServer, Telemetry
 from schemas import codec
+from tests.fuzz import codec as fuzz
 from xds_server.gates import parse_runtime_metrics
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
@@ -164,6 +166,27 @@ def test_malformed_buffers_get_invalid_argument_and_server_keeps_serving(
         call.cancel()
 
 
+@pytest.mark.parametrize("shape", ["stop", "stop16", "content", "content256", "table"])
+def test_aliased_offsets_get_invalid_argument_at_the_cost_of_the_buffer(
+    client, runtime, shape
+) -> None:
+    # Offsets aliasing one string or message (issue 9, defect 1): each alias used to be verified
+    # and copied again, 4000x the buffer for "stop" (a 1 MiB one asked for 64 GiB).
+    buf = fuzz.aliased(shape, 1 << 16)
+    tracemalloc.start()  # the runtime serves from this process: its allocations are traced
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            list(client.generate_raw(buf, timeout=60))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().split("[")[0].split(":")[0] in ("stop", "messages")
+    assert peak < 2 * len(buf) + (512 << 10), f"{peak} bytes for a {len(buf)}-byte request"
+    chunks = list(client.generate(prompt="Hi", max_new_tokens=1, timeout=60))
+    assert chunks[-1].finish_reason == "length"  # and the runtime keeps serving
+
+
 def test_server_still_serves_after_the_fuzz(client) -> None:
     assert client.info().precision == "int4"
     chunks = list(client.generate(messages=QUESTION, max_new_tokens=8))
@@ -222,11 +245,50 @@ def test_metrics_endpoint_and_otel_instruments(client, runtime) -> None:
     assert {"meshlm.ttft", "meshlm.tpot", "meshlm.kv_blocks_used", "meshlm.queue_depth"} <= names
 
 
-def test_priority_comes_from_the_request_then_the_filter_header() -> None:
-    assert _priority(5, {"x-meshlm-priority": "high"}) == 5
+def test_priority_is_the_body_bounded_by_the_verified_header() -> None:
+    assert _priority(5, {"x-meshlm-priority": "high"}) == 1  # the body may not raise it
+    assert _priority(-5, {"x-meshlm-priority": "high"}) == -5  # but may lower it
     assert _priority(None, {"x-meshlm-priority": "high"}) == 1
     assert _priority(None, {"x-meshlm-priority": "-3"}) == -3
     assert _priority(None, {}) == 0
+    assert _priority(7, {}) == 0  # no verified header: "normal" at most
+    assert _priority(None, {"x-meshlm-priority": "urgent"}) == -1000  # fails closed
+
+
+def test_body_priority_cannot_jump_the_queue_past_the_verified_header(loaded) -> None:
+    # A "low" tenant asks for priority 1000 in the body, then a "normal" one asks for nothing.
+    # Both wait in the queue of an engine that has not started; once it starts (one sequence at
+    # a time) it admits "normal" first, so "normal" waited less though it came later.
+    engine = Engine(loaded, max_batch=1, max_queue=8)
+    rt = Runtime().start()
+    rt.set_model(loaded, engine)
+    waits: dict[str, int] = {}
+
+    def call(c: Client, tier: str, priority: int | None) -> None:
+        md = [(PRIORITY_HEADER, tier)]
+        first, *_ = c.generate("Hi", max_new_tokens=2, priority=priority, metadata=md, timeout=120)
+        waits[tier] = first.queue_wait_us
+
+    try:
+        with Client(rt.target) as c:
+            threads = []
+            for depth, (tier, priority) in enumerate((("low", 1000), ("normal", None)), 1):
+                threads.append(threading.Thread(target=call, args=(c, tier, priority)))
+                threads[-1].start()
+                _wait_queue_depth(engine, depth)
+            engine.start()
+            for t in threads:
+                t.join(timeout=120)
+        assert waits["normal"] < waits["low"], waits
+    finally:
+        rt.shutdown(grace=1)
+
+
+def _wait_queue_depth(engine: Engine, depth: int, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while engine.stats()["queue_depth"] != depth:
+        assert time.monotonic() < end, f"the queue never held {depth} requests"
+        time.sleep(0.02)
 
 
 def test_engine_full_is_resource_exhausted(loaded) -> None:
