@@ -176,7 +176,7 @@ class _Stream:
         serve `tu`: nothing is kept for it, so made-up type URLs cost no memory."""
         if tu in t.SHORT:
             return False
-        if first:
+        if first and len(self._replies) < _MAX_OUTSTANDING_NONCES:  # a client not reading
             self._replies.append(self._empty_reply(tu))
         return True
 
