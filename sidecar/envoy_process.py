@@ -166,6 +166,8 @@ class EnvoyProcess:
                 raise EnvoyError(f"envoy exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if self.is_live():
+                    # Read at start only; a last-known-good one can hold plaintext keys.
+                    (self.workdir / "bootstrap.json").unlink(missing_ok=True)
                     return
             except (OSError, urllib.error.URLError, ValueError):
                 pass

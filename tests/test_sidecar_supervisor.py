@@ -298,8 +298,10 @@ def test_native_authz_last_known_good_boot_allows_keys_and_denies_bad_ones(tmp_p
                 assert _call(ch, "demo-free-key") == "runtime"
                 for bad in (None, "not-a-key", "[redacted]"):
                     assert _call(ch, bad) == "UNAUTHENTICATED", bad
-            # The keys were not copied into the cache file.
+            # The keys were not copied into the cache file, nor left in Envoy's directory.
             assert "demo-acme-key" not in (tmp_path / "lkg.json").read_text()
+            for f in sv.envoy.workdir.iterdir():
+                assert "demo-acme-key" not in f.read_text(errors="replace"), f
         finally:
             sv.stop()
             cp.stop()
