@@ -163,10 +163,9 @@ class _BoundedServer(ThreadingHTTPServer):
 
     daemon_threads = True
     request_queue_size = 64  # listen backlog (socketserver's default of 5 drops bursts)
-    _BUSY = b'{"error": "too many admin connections"}'
     _BUSY = (
         b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY), _BUSY)
+        b'Connection: close\r\nContent-Length: 39\r\n\r\n{"error": "too many admin connections"}'
     )
 
     def __init__(self, address: tuple[str, int], handler: type) -> None:
