@@ -2,7 +2,9 @@
 
 import urllib.request
 
-from sidecar.envoy_process import EnvoyProcess
+import pytest
+
+from sidecar.envoy_process import EnvoyError, EnvoyProcess
 from sidecar.ports import free_port
 
 HCM = (
@@ -67,3 +69,15 @@ def test_static_envoy_serves_direct_response_and_stops() -> None:
         assert "static_listeners" in envoy.admin_get("/config_dump")
         proc = envoy.proc
     assert proc is not None and proc.poll() is not None
+
+
+def test_ready_only_counts_the_childs_own_admin_port() -> None:
+    """An Envoy already on the admin port (an orphan) must not make a new one look ready."""
+    with EnvoyProcess({}) as first:
+        second = EnvoyProcess({"admin": {"address": {"socket_address": {
+            "address": "127.0.0.1", "port_value": first.admin_port}}}}).start()  # fmt: skip
+        try:
+            with pytest.raises(EnvoyError, match="Address already in use"):
+                second.wait_ready(timeout=30)
+        finally:
+            second.stop()
