@@ -116,7 +116,7 @@ def mutate(rng: random.Random, buf: bytes) -> bytes:
     """One to four stacked mutations of `buf`."""
     b = bytearray(buf)
     for _ in range(rng.randint(1, 4)):
-        op = rng.randrange(9)
+        op = rng.randrange(10)
         n = len(b)
         if op == 0 and n:  # bit flip
             i = rng.randrange(n * 8)
@@ -142,6 +142,11 @@ def mutate(rng: random.Random, buf: bytes) -> bytes:
             b[rng.randrange(n)] = rng.choice([0, 0x7F, 0x80, 0xFF, 0xC3, 0xED])
         elif op == 8:  # random bytes
             b = bytearray(rng.getrandbits(8) for _ in range(rng.randint(0, 128)))
+        elif op == 9 and n >= 8:  # aim the u32 at q where the one at p points (aliasing)
+            p, q = (rng.randrange(n // 4) * 4 for _ in range(2))
+            target = p + struct.unpack_from("<I", b, p)[0]
+            if q < target < n:
+                struct.pack_into("<I", b, q, target - q)
     return bytes(b)
 
 
