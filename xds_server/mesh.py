@@ -11,6 +11,7 @@ import dataclasses
 import fnmatch
 import importlib
 import ipaddress
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -301,7 +302,7 @@ def _no_duplicate_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
         first: dict[tuple[str, str], int] = {}
         for k, v in node.value:
             key = k.value if isinstance(k, yaml.ScalarNode) else "?"
-            here = f"{path}.{key}" if path else (key if key.strip() == key and key else repr(key))
+            here = f"{path}.{field_name(key)}" if path else field_name(key)
             line = k.start_mark.line + 1
             if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
                 if (k.tag, key) in first:
@@ -723,14 +724,26 @@ def _mapping(raw: Any, path: str) -> dict:
     return raw
 
 
+def field_name(key: object) -> str:
+    """A key as one segment of an error's field path: plain names as they are, anything else
+    quoted with its `:` escaped, so the path still ends at the first `: `."""
+    if isinstance(key, str) and _NAME.match(key):
+        return key
+    return json.dumps(str(key)).replace(":", "\\u003a")
+
+
 def _only(d: dict, path: str, allowed: set[str]) -> None:
     for k in d:
         if k not in allowed:
-            raise MeshError(f"{path}.{k}: unknown field (allowed: {', '.join(sorted(allowed))})")
+            raise MeshError(
+                f"{path}.{field_name(k)}: unknown field (allowed: {', '.join(sorted(allowed))})"
+            )
 
 
 def _name(name: str, path: str) -> None:
     if not _NAME.match(name) or "|" in name:
+        if path.endswith(f".{name}"):  # the path ends with the bad name itself: quote it
+            path = f"{path[: -len(name) - 1]}.{field_name(name)}"
         raise MeshError(f"{path}: invalid name {name!r} (letters, digits, _ . -)")
 
 
