@@ -30,8 +30,12 @@ def demo_mesh() -> dict[str, Any]:
 
 @dataclass
 class Runtime:
+    """One runtime replica and its inbound sidecar. Its name is the version when the version
+    has one replica, `<version>-<i>` when it has several."""
+
     version: str
     precision: str
+    name: str = ""
     port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
     inbound_port: int = field(default_factory=free_port)
@@ -45,8 +49,11 @@ class LocalMesh:
         *,
         workdir: Path | None = None,
         faults: dict[str, list[str]] | None = None,
+        replicas: dict[str, int] | None = None,
         torch_threads: int = 1,
     ) -> None:
+        """`faults` maps a runtime name or a version to extra `meshlm serve` arguments;
+        `replicas` maps a version to its number of runtime replicas (default 1)."""
         self.mesh = copy.deepcopy(mesh or demo_mesh())
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="meshlm-demo-"))
         self.faults = faults or {}
@@ -55,12 +62,20 @@ class LocalMesh:
         self.grpc_port, self.admin_port = free_port(), free_port()
         self.caller_port, self.caller_admin = free_port(), free_port()
         versions = self.mesh["services"][SERVICE]["versions"]
-        self.runtimes = {v: Runtime(v, cfg.get("precision", "int4")) for v, cfg in versions.items()}
-        # Callers reach a version through its sidecar's inbound listener; the rollout gates read
-        # the runtimes' metrics and the caller's Envoy stats where this mesh file says, only.
-        for v, rt in self.runtimes.items():
-            versions[v]["endpoints"] = [f"127.0.0.1:{rt.inbound_port}"]
-            versions[v]["metrics_urls"] = [f"http://127.0.0.1:{rt.metrics_port}/metrics"]
+        self.runtimes: dict[str, Runtime] = {}
+        for v, cfg in versions.items():
+            n = (replicas or {}).get(v, 1)
+            for i in range(n):
+                name = v if n == 1 else f"{v}-{i}"
+                self.runtimes[name] = Runtime(v, cfg.get("precision", "int4"), name)
+        # Callers reach a version through its sidecars' inbound listeners; the rollout gates
+        # read the runtimes' metrics and the caller's Envoy stats where this mesh file says, only.
+        for v in versions:
+            mine = self.replicas(v)
+            versions[v]["endpoints"] = [f"127.0.0.1:{rt.inbound_port}" for rt in mine]
+            versions[v]["metrics_urls"] = [
+                f"http://127.0.0.1:{rt.metrics_port}/metrics" for rt in mine
+            ]
         self.mesh["caller_sidecars"] = [{"admin_url": self.caller_admin_url()}]
         self.mesh["control_plane"] = {
             **self.mesh.get("control_plane", {}),
@@ -68,6 +83,15 @@ class LocalMesh:
             "admin_port": self.admin_port,
         }
         self.procs: list[Proc] = []
+
+    def replicas(self, version: str) -> list[Runtime]:
+        return [rt for rt in self.runtimes.values() if rt.version == version]
+
+    def serve_args(self, rt: Runtime) -> list[str]:
+        """The `meshlm serve` command line of one replica (its faults included)."""
+        args = ["serve", "--precision", rt.precision, "--port", str(rt.port)]
+        args += ["--metrics-port", str(rt.metrics_port)]
+        return args + self.faults.get(rt.name, self.faults.get(rt.version, []))
 
     @property
     def admin_url(self) -> str:
@@ -88,30 +112,28 @@ class LocalMesh:
         wait_until(lambda: self.admin("GET", "/debug/syncz"), 60, "the control plane", cp)
         say(f"control plane up: ADS 127.0.0.1:{self.grpc_port}, admin {self.admin_url}")
         threads = {"OMP_NUM_THREADS": str(self.torch_threads)}
-        for v, rt in self.runtimes.items():
-            args = ["serve", "--precision", rt.precision, "--port", str(rt.port)]
-            args += ["--metrics-port", str(rt.metrics_port), *self.faults.get(v, [])]
-            self._spawn(f"runtime-{v}", args, env=threads)
-        for v, rt in self.runtimes.items():
-            self._spawn(f"sidecar-{v}", self._sidecar_args(rt))
+        for name, rt in self.runtimes.items():
+            self._spawn(f"runtime-{name}", self.serve_args(rt), env=threads)
+        for name, rt in self.runtimes.items():
+            self._spawn(f"sidecar-{name}", self._sidecar_args(rt))
         self._spawn("sidecar-caller", self._caller_args())
-        for v, rt in self.runtimes.items():
-            proc = self._proc(f"runtime-{v}")
-            wait_until(lambda rt=rt: _serving(rt.port), 180, f"runtime {v} SERVING", proc)
-            say(f"runtime {v} ({rt.precision}) SERVING on 127.0.0.1:{rt.port}")
-        for name, port in [(f"sidecar-{v}", rt.admin_port) for v, rt in self.runtimes.items()] + [
+        for name, rt in self.runtimes.items():
+            proc = self.proc(f"runtime-{name}")
+            wait_until(lambda rt=rt: _serving(rt.port), 180, f"runtime {name} SERVING", proc)
+            say(f"runtime {name} ({rt.precision}) SERVING on 127.0.0.1:{rt.port}")
+        for name, port in [(f"sidecar-{n}", rt.admin_port) for n, rt in self.runtimes.items()] + [
             ("sidecar-caller", self.caller_admin)
         ]:
-            wait_until(lambda p=port: _envoy_live(p), 60, f"{name} ready", self._proc(name))
+            wait_until(lambda p=port: _envoy_live(p), 60, f"{name} ready", self.proc(name))
         say(f"sidecars ready: caller on {self.caller_target}, inbound for {list(self.runtimes)}")
 
     def _sidecar_args(self, rt: Runtime) -> list[str]:
         return [
             "sidecar", "--xds", f"127.0.0.1:{self.grpc_port}",
-            "--node-id", f"{SERVICE}-{rt.version}", "--service", SERVICE, "--version", rt.version,
+            "--node-id", f"{SERVICE}-{rt.name}", "--service", SERVICE, "--version", rt.version,
             "--inbound-port", str(rt.inbound_port), "--local-endpoint", f"127.0.0.1:{rt.port}",
             "--admin-port", str(rt.admin_port),
-            "--lkg-file", str(self.workdir / f"lkg-{rt.version}.json"),
+            "--lkg-file", str(self.workdir / f"lkg-{rt.name}.json"),
         ]  # fmt: skip
 
     def _caller_args(self) -> list[str]:
@@ -128,7 +150,7 @@ class LocalMesh:
         self.procs.append(proc)
         return proc
 
-    def _proc(self, name: str) -> Proc:
+    def proc(self, name: str) -> Proc:
         return next(p for p in self.procs if p.name == name)
 
     def admin(self, method: str, path: str, body: Any = None, timeout: float = 60) -> Any:
