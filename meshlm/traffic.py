@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from meshlm.sla import percentile
 from model_runtime.client import Client
 
 PROMPTS = (
@@ -115,10 +116,3 @@ def summarize(outcomes: list[Outcome]) -> dict:
         "by_tenant": {t: dict(c) for t, c in sorted(by_tenant.items())},
         "ttft_ms": {"p50": percentile(ttfts, 50), "p99": percentile(ttfts, 99)},
     }
-
-
-def percentile(sorted_values: list[float], p: float) -> float | None:
-    if not sorted_values:
-        return None
-    k = min(len(sorted_values) - 1, max(0, round(p / 100 * len(sorted_values) + 0.5) - 1))
-    return round(sorted_values[k], 1)
