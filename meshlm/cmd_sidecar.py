@@ -38,7 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--version", help="the version of that service")
     p.add_argument("--inbound-port", type=int, help="listener in front of the local runtime")
     p.add_argument("--local-endpoint", help="the local runtime HOST:PORT")
-    p.add_argument("--runtime-metrics", help="the local runtime's metrics URL (for rollouts)")
     p.add_argument("--outbound-port", type=int, help="listener for calls to mesh services")
     p.add_argument("--admin-port", type=int, default=0, help="Envoy admin, loopback only")
     p.add_argument("--delta", action="store_true", help="incremental xDS (DELTA_GRPC)")
@@ -109,11 +108,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"meshlm sidecar: {e}", file=sys.stderr)
         return 2
-    # Announced to the control plane: where rollouts read this sidecar's stats and runtime.
-    meta = boot["node"]["metadata"]
-    meta["meshlm.admin"] = f"http://127.0.0.1:{admin_port}"
-    if args.runtime_metrics:
-        meta["meshlm.runtime_metrics"] = args.runtime_metrics
     stop = termination_event()
     sv = Supervisor(
         node_id,
