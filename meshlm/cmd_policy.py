@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from wasm_filters.policy import Policy, PolicyError, compile_filter_config, hash_key, parse_policy
+from xds_server.mesh import MeshError, load_yaml
 
 GRPC_NAMES = {
     0: "OK",
@@ -41,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_policy(mesh: Path) -> Policy:
     """The policy of a mesh file (its `tenants:` and optional `roles:`)."""
-    raw: Any = yaml.safe_load(mesh.read_text())
+    raw: Any = load_yaml(mesh.read_text(), source=str(mesh))
     if not isinstance(raw, dict):
         raise PolicyError(f"{mesh}: not a mapping")
     return parse_policy(raw.get("tenants"), roles=raw.get("roles"))
@@ -54,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         policy = load_policy(args.mesh)
         config = compile_filter_config(policy, service=args.service)
-    except (OSError, yaml.YAMLError, PolicyError) as e:
+    except (OSError, MeshError, PolicyError) as e:
         print(f"meshlm policy: {e}", file=sys.stderr)
         return 2
     if args.action == "compile":

@@ -93,3 +93,13 @@ def test_demo_with_a_missing_workdir(tmp_path: Path) -> None:
     r = meshlm("demo", "--workdir", str(tmp_path / "nope"))
     assert_clear(r, 2, f"--workdir {tmp_path / 'nope'}: no such directory")
     assert "processes" not in r.stdout  # refused before anything started
+
+
+def test_policy_compile_refuses_a_duplicate_tenant(tmp_path: Path) -> None:
+    # `policy compile` reads the mesh file as strictly as the control plane (issue 9, defect 13).
+    tenant = {"key_sha256": "0" * 64, "allow": ["llm/*"]}
+    line = f"  acme: {yaml.safe_dump(tenant, default_flow_style=True).strip()}\n"
+    mesh = tmp_path / "mesh.yaml"
+    mesh.write_text("tenants:\n" + line + line)
+    r = meshlm("policy", "compile", "--mesh", str(mesh), "--service", "llm")
+    assert_clear(r, 2, "tenants.acme: duplicate key 'acme' at line 3 (first at line 2)")
