@@ -319,6 +319,8 @@ def test_spec_errors_name_the_field() -> None:
         parse_rollout("llm", {"stable": "v1", "canary": "v2", "interval": "soon"})
     with pytest.raises(RolloutSpecError, match=r"rollouts\.llm\.gates\.p99: unknown gate"):
         parse_rollout("llm", {"stable": "v1", "canary": "v2", "gates": {"p99": 1}})
+    with pytest.raises(RolloutSpecError, match=r"rollouts\.llm\.ack_timeout: at most 600s"):
+        parse_rollout("llm", {"stable": "v1", "canary": "v2", "ack_timeout": "11m"})
     spec = parse_rollout("llm", {"stable": "v1", "canary": "v2", "steps": [10, 50]})
     assert spec.steps == (10, 50, 100)
     assert parse_rollout("llm", SPEC).gates.ttft_p99_max == pytest.approx(0.8)

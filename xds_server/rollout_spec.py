@@ -11,6 +11,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# The control plane waits at most this long for ACKs (control_plane.MAX_TIMEOUT).
+MAX_ACK_TIMEOUT = 600.0
+
 
 class RolloutSpecError(ValueError):
     pass
@@ -120,6 +123,8 @@ def parse_rollout(service: str, d: dict[str, Any]) -> RolloutSpec:
         raise RolloutSpecError(f"{where}.interval: must be positive")
     threshold = _int(d.get("threshold", 2), f"{where}.threshold", 1)
     ack_timeout = parse_duration(d.get("ack_timeout", "10s"), f"{where}.ack_timeout")
+    if ack_timeout > MAX_ACK_TIMEOUT:
+        raise RolloutSpecError(f"{where}.ack_timeout: at most {MAX_ACK_TIMEOUT:.0f}s")
 
     g = d.get("gates", {}) or {}
     if not isinstance(g, dict):
