@@ -1,11 +1,13 @@
-"""A proxy-wasm (ABI 0.2.1) host on `wasmtime`, enough to run the real `authz.wasm` without Envoy.
+"""A proxy-wasm (ABI 0.2.1) host on `wasmtime`, enough to run the real filters without Envoy.
 
 It implements the host calls the filter imports, with Envoy's semantics where they matter:
 header lookups return the first value and NotFound when absent, replace drops every old value,
 shared data has Envoy's compare-and-swap (cas 0 writes unconditionally), a new configuration
 gets a new root context (as an ECDS update does) and a refused one leaves the previous root in
-charge. The clock is settable so token-bucket refills are tested without sleeping. Several
-hosts may share one `SharedData`, as Envoy's worker VMs do.
+charge. A request body arrives in the chunks given: while the filter answers
+StopIterationAndBuffer, the body callback sees everything buffered so far, as in Envoy. The
+clock is settable so token-bucket refills are tested without sleeping. Several hosts may share
+one `SharedData`, as Envoy's worker VMs do.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from pathlib import Path
 import wasmtime
 
 WASM_PATH = Path(__file__).resolve().parent / "authz.wasm"
+CLASSIFY_WASM_PATH = Path(__file__).resolve().parent / "classify.wasm"
 
 OK, NOT_FOUND, BAD_ARGUMENT, CAS_MISMATCH = 0, 1, 2, 8
 REQUEST_HEADERS = 0
+REQUEST_BODY = 0  # BufferType::HttpRequestBody
+CONTINUE, STOP_ITERATION = 0, 1  # FilterHeadersStatus / FilterDataStatus (StopIterationAndBuffer)
 PLUGIN_CONFIGURATION = 7
 LOG_LEVELS = ("trace", "debug", "info", "warn", "error", "critical")
 
@@ -80,6 +85,7 @@ class WasmHost:
         self._ids = itertools.count(1)
         self._config = b""
         self._headers: list[tuple[bytes, bytes]] = []
+        self._body = b""
         self._local: Decision | None = None
         raw = wasm.read_bytes() if isinstance(wasm, Path) else wasm
         engine, module = _compiled(raw)
@@ -118,9 +124,11 @@ class WasmHost:
         *,
         path: str = "/meshlm.inference.v1.Inference/Generate",
         grpc: bool = True,
+        body: bytes | list[bytes] | None = None,
     ) -> Decision:
-        """Run one request's headers through the filter. `:path`/content-type are added
-        unless given. Raises wasmtime.Trap if the filter traps (it must not)."""
+        """Run one request through the filter: its headers, then `body` (one chunk or several;
+        None: the headers end the stream). `:path`/content-type are added unless given.
+        Raises wasmtime.Trap if the filter traps (it must not)."""
         items = list(headers.items()) if isinstance(headers, dict) else list(headers)
         hs = [(_b(k).lower(), _b(v)) for k, v in items]
         names = {k for k, _ in hs}
@@ -131,12 +139,26 @@ class WasmHost:
         self._headers, self._local = hs, None
         ctx = next(self._ids)
         self._ex["proxy_on_context_create"](self.store, ctx, self.root_id or 0)
-        action = self._ex["proxy_on_request_headers"](self.store, ctx, len(hs), 1)
+        chunks = [] if body is None else [body] if isinstance(body, bytes) else list(body)
+        eos = int(not chunks)
+        action = self._ex["proxy_on_request_headers"](self.store, ctx, len(hs), eos)
+        self._body, buffered = b"", action == STOP_ITERATION and self._local is None
+        for i, chunk in enumerate(chunks):
+            if self._local is not None:
+                break
+            self._body = self._body + chunk if buffered else chunk
+            last = int(i == len(chunks) - 1)
+            on_body = self._ex["proxy_on_request_body"]
+            data_action = on_body(self.store, ctx, len(self._body), last)
+            if buffered and data_action == CONTINUE:
+                action, buffered = CONTINUE, False
+            elif not buffered and data_action == STOP_ITERATION and action == CONTINUE:
+                raise AssertionError("filter buffered a body it had let through")
         self._ex["proxy_on_done"](self.store, ctx)
         self._ex["proxy_on_delete"](self.store, ctx)
         if self._local is not None:
             return self._local
-        assert action == 0, "filter paused without a local response"
+        assert action == CONTINUE, "filter kept the request paused at its end, no local response"
         return Decision(allowed=True, request_headers=list(self._headers))
 
     # ---- memory helpers ----
@@ -166,9 +188,13 @@ class WasmHost:
     def _proxy_get_buffer_bytes(
         self, caller: wasmtime.Caller, kind: int, start: int, max_size: int, p_out: int, s_out: int
     ) -> int:
-        if kind != PLUGIN_CONFIGURATION:
+        if kind == PLUGIN_CONFIGURATION:
+            data = self._config
+        elif kind == REQUEST_BODY:
+            data = self._body
+        else:
             return NOT_FOUND
-        self._give(caller, self._config[start : start + max_size], p_out, s_out)
+        self._give(caller, data[start : start + max_size], p_out, s_out)
         return OK
 
     def _proxy_get_header_map_value(
@@ -306,6 +332,8 @@ _EXPORTS = (
     "proxy_on_context_create",
     "proxy_on_configure",
     "proxy_on_request_headers",
+    "proxy_on_request_body",
+    "proxy_on_request_trailers",
     "proxy_on_done",
     "proxy_on_delete",
     "proxy_on_memory_allocate",

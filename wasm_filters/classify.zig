@@ -1,0 +1,419 @@
+//! meshlm classify: a proxy-wasm (ABI 0.2.1) HTTP filter for the caller-side (outbound)
+//! listener that sets `x-meshlm-class` on every Generate call, so routes can steer a request
+//! class (issue 11: semantic circuit breaking).
+//!
+//! The class key: sha256("meshlm-class-v1", :authority, kind, normalised text), first 8 bytes as
+//! 16 lowercase hex characters. kind is what the request carries: the last user message of
+//! `messages` (else the last message), `prompt`, or `prompt_token_ids`. The text is ASCII-
+//! lowercased, whitespace runs become one space, ends are trimmed, and only its first
+//! `prefix_bytes` (default 64) count. Why this key:
+//! - the same kind of request shares a class: requests that open alike (a template, a repeated
+//!   query of death) collide on purpose; sampling settings, request ids and the system prompt
+//!   (shared by every call of one app) are left out, or each call would be its own class;
+//! - no tenant: the caller sidecar does not know it (authz runs in the runtime's sidecar), and a
+//!   query of death is poison whoever sends it, so it must cluster across tenants;
+//! - :authority keeps equal texts to different services apart;
+//! - only a hash leaves the filter: no prompt text in headers, logs or stats.
+//! Bodies: the filter pauses Generate calls only, buffers until the first gRPC frame is whole
+//! (5-byte prefix + one FlatBuffers GenerateRequest) or `max_body_bytes` have arrived, then
+//! classifies. A frame over the limit is classified by its prefix: text that lies inside it
+//! counts, so a long prompt whose start arrived gets the class it would get whole. A body that is
+//! not a GenerateRequest (bad offsets, compressed frame, no text field) gets no class and passes
+//! on unchanged; the runtime rejects it as before. A client-sent `x-meshlm-class` is always
+//! removed. Every read of the body is bounds-checked: a hostile body cannot crash the VM.
+//! This is not an authz filter: it is deployed with failure_policy FAIL_OPEN (a failed VM lets
+//! calls through unclassified; the listener also strips client-sent class headers before it).
+//! Build: `python -m wasm_filters.build`.
+
+const std = @import("std");
+const Sha256 = std.crypto.hash.sha2.Sha256;
+
+extern "env" fn proxy_log(level: u32, msg: [*]const u8, len: usize) u32;
+extern "env" fn proxy_get_buffer_bytes(kind: u32, start: usize, max: usize, out: *?[*]u8, out_len: *usize) u32;
+extern "env" fn proxy_get_header_map_value(map: u32, key: [*]const u8, key_len: usize, out: *?[*]u8, out_len: *usize) u32;
+extern "env" fn proxy_replace_header_map_value(map: u32, key: [*]const u8, key_len: usize, val: [*]const u8, val_len: usize) u32;
+extern "env" fn proxy_remove_header_map_value(map: u32, key: [*]const u8, key_len: usize) u32;
+extern "env" fn proxy_define_metric(kind: u32, name: [*]const u8, name_len: usize, out_id: *u32) u32;
+extern "env" fn proxy_increment_metric(id: u32, offset: i64) u32;
+
+const OK: u32 = 0;
+const REQUEST_HEADERS: u32 = 0;
+const REQUEST_BODY: u32 = 0; // BufferType::HttpRequestBody
+const PLUGIN_CONFIGURATION: u32 = 7;
+const COUNTER: u32 = 0;
+const LOG_INFO: u32 = 2;
+const LOG_ERROR: u32 = 4;
+const CONTINUE: u32 = 0;
+const STOP_ITERATION: u32 = 1; // headers: FilterHeadersStatus::StopIteration
+const STOP_AND_BUFFER: u32 = 1; // body: FilterDataStatus::StopIterationAndBuffer
+
+const CLASS_HEADER = "x-meshlm-class";
+const GENERATE_PATH = "/meshlm.inference.v1.Inference/Generate";
+const FRAME_PREFIX = 5; // gRPC: compressed flag (1) + message length (u32 big endian)
+
+const gpa = std.heap.wasm_allocator;
+/// What the host hands us lives here and is dropped at the end of each exported call.
+var scratch = std.heap.ArenaAllocator.init(std.heap.wasm_allocator);
+
+const Config = struct { prefix_bytes: u32 = 64, max_body_bytes: u32 = 64 * 1024 };
+
+var roots: std.AutoHashMapUnmanaged(u32, Config) = .empty;
+var stream_root: std.AutoHashMapUnmanaged(u32, u32) = .empty;
+/// Streams paused in on_request_headers, waiting for their body.
+var pending: std.AutoHashMapUnmanaged(u32, void) = .empty;
+
+var m_classified: u32 = 0;
+var m_prefix: u32 = 0;
+var m_invalid: u32 = 0;
+var m_no_body: u32 = 0;
+var globals_defined = false;
+
+fn log(level: u32, comptime fmt: []const u8, args: anytype) void {
+    var buf: [256]u8 = undefined;
+    const msg = std.fmt.bufPrint(&buf, fmt, args) catch buf[0..];
+    _ = proxy_log(level, msg.ptr, msg.len);
+}
+
+fn metric(name: []const u8) u32 {
+    var id: u32 = 0;
+    if (proxy_define_metric(COUNTER, name.ptr, name.len, &id) != OK) return 0;
+    return id;
+}
+
+fn bump(id: u32) void {
+    if (id != 0) _ = proxy_increment_metric(id, 1);
+}
+
+// ---- lifecycle ----
+export fn proxy_abi_version_0_2_1() void {}
+
+export fn proxy_on_memory_allocate(size: usize) ?[*]u8 {
+    const mem = scratch.allocator().alloc(u8, @max(size, 1)) catch return null;
+    return mem.ptr;
+}
+
+export fn proxy_on_vm_start(_: u32, _: usize) u32 {
+    return 1;
+}
+
+export fn proxy_on_context_create(id: u32, parent: u32) void {
+    if (parent == 0) {
+        roots.put(gpa, id, .{}) catch {};
+    } else {
+        stream_root.put(gpa, id, parent) catch {};
+    }
+}
+
+export fn proxy_on_done(_: u32) u32 {
+    return 1;
+}
+
+export fn proxy_on_delete(id: u32) void {
+    _ = stream_root.remove(id);
+    _ = pending.remove(id);
+    _ = roots.remove(id);
+}
+
+export fn proxy_on_configure(root_id: u32, size: usize) u32 {
+    defer _ = scratch.reset(.{ .retain_with_limit = 16 * 1024 });
+    if (!globals_defined) {
+        m_classified = metric("meshlm_classify.classified");
+        m_prefix = metric("meshlm_classify.classified_by_prefix");
+        m_invalid = metric("meshlm_classify.unclassified.invalid");
+        m_no_body = metric("meshlm_classify.unclassified.no_body");
+        globals_defined = true;
+    }
+    const slot = roots.getPtr(root_id) orelse return 0;
+    var cfg = Config{};
+    if (size > 0) {
+        var ptr: ?[*]u8 = null;
+        var len: usize = 0;
+        if (proxy_get_buffer_bytes(PLUGIN_CONFIGURATION, 0, size, &ptr, &len) != OK or ptr == null) {
+            log(LOG_ERROR, "rejected configuration: unreadable", .{});
+            return 0;
+        }
+        cfg = parseConfig(ptr.?[0..len]) catch |e| {
+            log(LOG_ERROR, "rejected configuration: {s}", .{@errorName(e)});
+            return 0;
+        };
+    }
+    slot.* = cfg;
+    log(LOG_INFO, "classify: prefix_bytes={d} max_body_bytes={d}", .{ cfg.prefix_bytes, cfg.max_body_bytes });
+    return 1;
+}
+
+fn parseConfig(raw: []const u8) !Config {
+    const cfg = try std.json.parseFromSliceLeaky(Config, scratch.allocator(), raw, .{});
+    if (cfg.prefix_bytes < 1 or cfg.prefix_bytes > 4096) return error.BadPrefixBytes;
+    // Envoy's default per-connection buffer limit is 1 MiB; stay well under it.
+    if (cfg.max_body_bytes < 64 or cfg.max_body_bytes > 512 * 1024) return error.BadMaxBodyBytes;
+    return cfg;
+}
+
+// ---- headers ----
+fn header(name: []const u8) ?[]const u8 {
+    var ptr: ?[*]u8 = null;
+    var len: usize = 0;
+    if (proxy_get_header_map_value(REQUEST_HEADERS, name.ptr, name.len, &ptr, &len) != OK) return null;
+    if (ptr == null) return null;
+    return ptr.?[0..len];
+}
+
+export fn proxy_on_request_headers(ctx: u32, _: u32, end_of_stream: u32) u32 {
+    defer _ = scratch.reset(.{ .retain_with_limit = 16 * 1024 });
+    // The class is ours alone, whatever happens next.
+    _ = proxy_remove_header_map_value(REQUEST_HEADERS, CLASS_HEADER.ptr, CLASS_HEADER.len);
+    const path = header(":path") orelse return CONTINUE;
+    const ctype = header("content-type") orelse return CONTINUE;
+    if (!std.mem.eql(u8, path, GENERATE_PATH) or !std.mem.startsWith(u8, ctype, "application/grpc"))
+        return CONTINUE;
+    if (end_of_stream != 0) {
+        bump(m_no_body);
+        return CONTINUE;
+    }
+    pending.put(gpa, ctx, {}) catch return CONTINUE; // out of memory: unclassified, not stuck
+    // Hold the headers (and so route selection) until the body says which class this is.
+    return STOP_ITERATION;
+}
+
+export fn proxy_on_request_body(ctx: u32, body_size: usize, end_of_stream: u32) u32 {
+    defer _ = scratch.reset(.{ .retain_with_limit = 256 * 1024 });
+    if (!pending.contains(ctx)) return CONTINUE;
+    const cfg = roots.get(stream_root.get(ctx) orelse 0) orelse Config{};
+    const want = wanted(body_size, cfg.max_body_bytes);
+    if (body_size < want and end_of_stream == 0) return STOP_AND_BUFFER;
+    _ = pending.remove(ctx);
+    if (body_size < want) { // the stream ended inside its first frame
+        bump(m_invalid);
+        return CONTINUE;
+    }
+    var ptr: ?[*]u8 = null;
+    var len: usize = 0;
+    const n = @min(body_size, want);
+    if (n == 0 or proxy_get_buffer_bytes(REQUEST_BODY, 0, n, &ptr, &len) != OK or ptr == null) {
+        bump(m_invalid);
+        return CONTINUE;
+    }
+    var key: [16]u8 = undefined;
+    const by_prefix = classify(ptr.?[0..@min(len, n)], header(":authority") orelse "", cfg.prefix_bytes, &key) catch {
+        bump(m_invalid);
+        return CONTINUE;
+    };
+    // Setting a request header from Wasm clears the route cache: RDS matches see the class.
+    _ = proxy_replace_header_map_value(REQUEST_HEADERS, CLASS_HEADER.ptr, CLASS_HEADER.len, &key, key.len);
+    bump(m_classified);
+    if (by_prefix) bump(m_prefix);
+    return CONTINUE;
+}
+
+/// A stream that ends in trailers before its frame was whole goes on unclassified.
+export fn proxy_on_request_trailers(ctx: u32, _: u32) u32 {
+    if (pending.remove(ctx)) bump(m_invalid);
+    return CONTINUE;
+}
+
+/// Bytes to wait for: the whole first frame, capped at the limit; the prefix first.
+fn wanted(body_size: usize, limit: usize) usize {
+    if (body_size < FRAME_PREFIX) return FRAME_PREFIX;
+    var ptr: ?[*]u8 = null;
+    var len: usize = 0;
+    if (proxy_get_buffer_bytes(REQUEST_BODY, 0, FRAME_PREFIX, &ptr, &len) != OK or ptr == null or len < FRAME_PREFIX)
+        return 0;
+    const msg_len = std.mem.readInt(u32, ptr.?[1..5], .big);
+    return @min(@as(usize, FRAME_PREFIX) +| msg_len, limit);
+}
+
+// ---- the body ----
+const Invalid = error{Invalid};
+
+/// A bounds-checked view of a FlatBuffers buffer of which only `buf` (a prefix) may be present.
+const Fb = struct {
+    buf: []const u8,
+    whole: bool, // false: the message continues past `buf`
+
+    fn u32At(self: Fb, pos: usize) Invalid!u32 {
+        if (pos > self.buf.len or self.buf.len - pos < 4) return error.Invalid;
+        return std.mem.readInt(u32, self.buf[pos..][0..4], .little);
+    }
+
+    fn u16At(self: Fb, pos: usize) Invalid!u16 {
+        if (pos > self.buf.len or self.buf.len - pos < 2) return error.Invalid;
+        return std.mem.readInt(u16, self.buf[pos..][0..2], .little);
+    }
+
+    /// The table at `pos`: its position and its vtable's field slots.
+    fn table(self: Fb, pos: usize) Invalid!Table {
+        const soff: i32 = @bitCast(try self.u32At(pos));
+        const vt: i64 = @as(i64, @intCast(pos)) - soff;
+        if (vt < 0 or vt > self.buf.len) return error.Invalid;
+        const vpos: usize = @intCast(vt);
+        const vlen = try self.u16At(vpos);
+        if (vlen < 4 or vlen % 2 != 0 or vpos + vlen > self.buf.len) return error.Invalid;
+        return .{ .fb = self, .pos = pos, .vt = self.buf[vpos + 4 .. vpos + vlen], .tlen = try self.u16At(vpos + 2) };
+    }
+};
+
+const Table = struct {
+    fb: Fb,
+    pos: usize,
+    vt: []const u8,
+    tlen: u16,
+
+    fn slot(self: Table, field: usize) Invalid!?usize {
+        if (2 * field + 2 > self.vt.len) return null;
+        const off = std.mem.readInt(u16, self.vt[2 * field ..][0..2], .little);
+        if (off == 0) return null;
+        if (@as(usize, off) + 4 > self.tlen) return error.Invalid;
+        return self.pos + off;
+    }
+
+    /// Where an offset field points (string, vector or table), or null when absent.
+    fn ref(self: Table, field: usize) Invalid!?usize {
+        const at = (try self.slot(field)) orelse return null;
+        const target = at +| try self.fb.u32At(at);
+        if (target > self.fb.buf.len and self.fb.whole) return error.Invalid;
+        return target;
+    }
+
+    /// A string or byte vector: its bytes inside the view, and whether all of them are.
+    fn bytes(self: Table, field: usize, elem: usize) Invalid!?Seen {
+        const at = (try self.ref(field)) orelse return null;
+        return try seen(self.fb, at, elem);
+    }
+};
+
+const Seen = struct { data: []const u8, complete: bool };
+
+fn seen(fb: Fb, at: usize, elem: usize) Invalid!Seen {
+    @setRuntimeSafety(true); // a missed check traps (fail open), never reads wild memory
+    const count = fb.u32At(at) catch {
+        if (fb.whole) return error.Invalid;
+        return .{ .data = "", .complete = false }; // begins past the prefix we hold
+    };
+    const start = at + 4;
+    const size = @as(u64, count) * elem;
+    if (start + size <= fb.buf.len) return .{ .data = fb.buf[start..][0..@intCast(size)], .complete = true };
+    if (fb.whole) return error.Invalid;
+    return .{ .data = fb.buf[start..], .complete = false };
+}
+
+// GenerateRequest fields (schemas/inference.fbs): prompt 2, prompt_token_ids 3, messages 4;
+// ChatMessage: role 0, content 1.
+const F_PROMPT = 2;
+const F_IDS = 3;
+const F_MESSAGES = 4;
+
+/// Fill `key` (16 hex chars) for the gRPC frame in `body`; true when classified by a prefix.
+fn classify(body: []const u8, authority: []const u8, prefix_bytes: u32, key: *[16]u8) Invalid!bool {
+    @setRuntimeSafety(true);
+    if (body.len < FRAME_PREFIX or body[0] != 0) return error.Invalid; // compressed: unreadable
+    const msg_len = std.mem.readInt(u32, body[1..5], .big);
+    const msg = body[FRAME_PREFIX..];
+    if (msg.len > msg_len) return error.Invalid; // a second frame: not one unary request
+    const fb = Fb{ .buf = msg, .whole = msg.len == msg_len };
+    const root = try fb.table(try fb.u32At(0));
+    var h = Sha256.init(.{});
+    h.update("meshlm-class-v1\x00");
+    for (authority) |c| h.update(&[_]u8{std.ascii.toLower(c)});
+    h.update("\x00");
+    var text: Seen = undefined;
+    var raw = false;
+    var kinds: u32 = 0;
+    if (try root.bytes(F_PROMPT, 1)) |p| {
+        kinds += 1;
+        text = p;
+        h.update("prompt\x00");
+    }
+    if (try root.bytes(F_IDS, 4)) |ids| {
+        kinds += 1;
+        // Token ids are not text: the first prefix_bytes of their little-endian bytes count.
+        text = .{ .data = ids.data[0 .. ids.data.len - ids.data.len % 4], .complete = ids.complete };
+        raw = true;
+        h.update("ids\x00");
+    }
+    if (try root.ref(F_MESSAGES)) |at| {
+        kinds += 1;
+        text = try lastUserMessage(fb, at);
+        h.update("messages\x00");
+    }
+    if (kinds != 1) return error.Invalid; // the runtime requires exactly one
+    var norm = Normaliser{ .h = &h, .left = prefix_bytes };
+    if (raw) norm.feedRaw(text.data) else norm.feed(text.data);
+    // A text cut short by the prefix, before it filled prefix_bytes, is not that short text.
+    if (!text.complete and norm.left > 0) h.update("\x00truncated");
+    var digest: [32]u8 = undefined;
+    h.final(&digest);
+    key.* = std.fmt.bytesToHex(digest[0..8], .lower);
+    return !fb.whole;
+}
+
+/// The content of the last message whose role is "user", else of the last message.
+fn lastUserMessage(fb: Fb, at: usize) Invalid!Seen {
+    @setRuntimeSafety(true);
+    const n = fb.u32At(at) catch {
+        if (fb.whole) return error.Invalid;
+        return .{ .data = "", .complete = false };
+    };
+    if (n == 0) return error.Invalid;
+    const room = (fb.buf.len - at - 4) / 4; // u32At(at) succeeded: at + 4 <= len
+    if (n > room and fb.whole) return error.Invalid;
+    var pick: ?Seen = null;
+    var last: ?Seen = null;
+    var i: usize = @min(n, room);
+    while (i > 0) {
+        i -= 1;
+        const slot = at + 4 + 4 * i;
+        const off = fb.u32At(slot) catch {
+            if (fb.whole) return error.Invalid;
+            continue; // this element's offset lies past the prefix
+        };
+        const msg = fb.table(slot +| off) catch {
+            if (fb.whole) return error.Invalid;
+            continue;
+        };
+        const content = (try msg.bytes(1, 1)) orelse return error.Invalid; // required
+        const role = (try msg.bytes(0, 1)) orelse return error.Invalid;
+        if (last == null) last = content;
+        if (role.complete and std.mem.eql(u8, role.data, "user")) {
+            pick = content;
+            break;
+        }
+    }
+    return pick orelse last orelse .{ .data = "", .complete = false };
+}
+
+/// Lowercase ASCII, collapse whitespace runs to one space, trim; hash at most `left` bytes.
+const Normaliser = struct {
+    h: *Sha256,
+    left: u32,
+    space: bool = false,
+    started: bool = false,
+
+    fn feed(self: *Normaliser, data: []const u8) void {
+        for (data) |c| {
+            if (self.left == 0) return;
+            if (std.ascii.isWhitespace(c)) {
+                self.space = self.started;
+                continue;
+            }
+            if (self.space) {
+                self.emit(' ');
+                self.space = false;
+                if (self.left == 0) return;
+            }
+            self.emit(std.ascii.toLower(c));
+            self.started = true;
+        }
+    }
+
+    fn feedRaw(self: *Normaliser, data: []const u8) void {
+        const n = @min(data.len, self.left);
+        self.h.update(data[0..n]);
+        self.left -= @intCast(n);
+    }
+
+    fn emit(self: *Normaliser, c: u8) void {
+        self.h.update(&[_]u8{c});
+        self.left -= 1;
+    }
+};
