@@ -55,6 +55,9 @@ AUTHZ_MODES = ("wasm", "native", "none")
 # The gRPC methods every mesh service serves (schemas/inference.fbs): an allow rule's method
 # part must match one of them, so a typo is an error at load, not a denial at run time.
 METHODS = ("Generate", "Info")
+# A service's host pick inside a version: least_loaded weighs hosts by the runtimes' ORCA load
+# reports (Envoy's client_side_weighted_round_robin), ring_hash follows route.hash_policy.
+LOAD_BALANCING = ("least_loaded", "round_robin", "ring_hash")
 
 
 def parse_duration(value: Any, path: str) -> float:
@@ -166,6 +169,8 @@ class Service:
     retry_policy: RetryPolicy | None = None
     health_check: HealthCheck | None = None
     connect_timeout: float = 1.0
+    # Default: ring_hash when route.hash_policy is set (sticky hosts), else round_robin.
+    load_balancing: str = "round_robin"
 
 
 @dataclass(frozen=True)
@@ -464,16 +469,19 @@ def _service(name: str, raw: Any, path: str) -> Service:
             "retry_policy",
             "health_check",
             "connect_timeout",
+            "load_balancing",
         },
     )
     vraw = _mapping(d.get("versions"), f"{path}.versions")
     if not vraw:
         raise MeshError(f"{path}.versions: at least one version is required")
     versions = {v: _version(v, x, f"{path}.versions.{v}") for v, x in vraw.items()}
+    route = _route(d.get("route"), versions, f"{path}.route")
     return Service(
         name=name,
         versions=versions,
-        route=_route(d.get("route"), versions, f"{path}.route"),
+        route=route,
+        load_balancing=_load_balancing(d.get("load_balancing"), route, f"{path}.load_balancing"),
         outlier_detection=_opt(d, "outlier_detection", path, _outlier),
         circuit_breakers=_opt(d, "circuit_breakers", path, _circuit_breakers),
         retry_policy=_opt(d, "retry_policy", path, _retry_policy),
@@ -573,6 +581,16 @@ def _route(raw: Any, versions: dict[str, Version], path: str) -> Route:
             d.get("stream_idle_timeout", "300s"), f"{path}.stream_idle_timeout"
         ),
     )
+
+
+def _load_balancing(raw: Any, route: Route, path: str) -> str:
+    if raw is None:
+        return "ring_hash" if route.hash_policy else "round_robin"
+    if raw not in LOAD_BALANCING:
+        raise MeshError(f"{path}: expected one of {', '.join(LOAD_BALANCING)}, got {raw!r}")
+    if raw == "ring_hash" and route.hash_policy is None:
+        raise MeshError(f"{path}: ring_hash needs route.hash_policy (the header to hash)")
+    return raw
 
 
 def _check_weights(weights: dict[str, Any], versions: dict[str, Version], path: str) -> dict:

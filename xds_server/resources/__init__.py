@@ -44,7 +44,9 @@ def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) 
     for svc in mesh.services.values():
         for v, ver in svc.versions.items():
             name = names.outbound_cluster(svc.name, v)
-            out[t.CLUSTER][name] = clusters.cluster(name, svc, active_health=probe)
+            out[t.CLUSTER][name] = clusters.cluster(
+                name, svc, active_health=probe, caller_side=True
+            )
             out[t.ENDPOINT][name] = endpoints.load_assignment(name, ver.endpoints)
     rc = routes.outbound_route_config(mesh)
     out[t.ROUTE][rc.name] = rc
@@ -82,9 +84,9 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
     )
     out[t.CLUSTER][cname] = clusters.cluster(cname, svc)
     out[t.ENDPOINT][cname] = endpoints.load_assignment(cname, local)
-    rc = routes.inbound_route_config(svc, ver.name)
-    out[t.ROUTE][rc.name] = rc
     authz = _authz_filters(mesh, svc.name, out)
+    rc = routes.inbound_route_config(svc, ver.name, tuple(f.name for f in authz))
+    out[t.ROUTE][rc.name] = rc
     lname = names.inbound_listener(svc.name, ver.name)
     out[t.LISTENER][lname] = listeners.http_listener(
         lname,

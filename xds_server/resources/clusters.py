@@ -3,17 +3,36 @@
 from __future__ import annotations
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
-from envoy.config.core.v3 import base_pb2, health_check_pb2, protocol_pb2
+from envoy.config.core.v3 import base_pb2, extension_pb2, health_check_pb2, protocol_pb2
+from envoy.extensions.load_balancing_policies.client_side_weighted_round_robin.v3 import (
+    client_side_weighted_round_robin_pb2 as cswrr_pb2,
+)
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2 as hpo
 from envoy.type.v3 import percent_pb2
+from google.protobuf import wrappers_pb2
 
 from xds_server import mesh as m
 from xds_server.resources.common import ads, duration, pack, u32
 
 _HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+_CSWRR = "envoy.load_balancing_policies.client_side_weighted_round_robin"
+# least_loaded, tuned for token streams (seconds). A stream's load outlives its request, so
+# per-request reports (read once, at the end of a stream) come too late: the runtime reports
+# out of band every OOB_REPORTING_PERIOD on its data port. A new host serves at the mean weight
+# for BLACKOUT_PERIOD (a few reports) before its own weight counts, so a just-started replica is
+# not flooded on one low first report; weights are recomputed every WEIGHT_UPDATE_PERIOD; a host
+# silent for WEIGHT_EXPIRATION_PERIOD (its ORCA stream broken) falls back to the mean weight.
+OOB_REPORTING_PERIOD = 1.0
+BLACKOUT_PERIOD = 3.0
+WEIGHT_UPDATE_PERIOD = 1.0
+WEIGHT_EXPIRATION_PERIOD = 10.0
 
 
-def cluster(name: str, svc: m.Service, *, active_health: bool = True) -> cluster_pb2.Cluster:
+def cluster(
+    name: str, svc: m.Service, *, active_health: bool = True, caller_side: bool = False
+) -> cluster_pb2.Cluster:
+    """`caller_side`: a cluster of a version's replicas (their inbound sidecars), where the
+    service's load_balancing applies; the inbound cluster has one host, its runtime."""
     c = cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.EDS,
@@ -23,9 +42,13 @@ def cluster(name: str, svc: m.Service, *, active_health: bool = True) -> cluster
         connect_timeout=duration(svc.connect_timeout),
         # A header hash (sticky tenants) only picks a host with a consistent-hash balancer.
         lb_policy=cluster_pb2.Cluster.RING_HASH
-        if svc.route.hash_policy
+        if svc.load_balancing == "ring_hash"
         else cluster_pb2.Cluster.ROUND_ROBIN,
     )
+    if caller_side and svc.load_balancing == "least_loaded":
+        # Replaces lb_policy. With a hash_policy, the hash still picks the version (the route's
+        # use_hash_policy) and load picks the replica: CSWRR ignores the hash.
+        c.load_balancing_policy.CopyFrom(least_loaded())
     # gRPC needs HTTP/2 to the upstream, stated explicitly (no ALPN on plaintext loopback).
     c.typed_extension_protocol_options[_HTTP_OPTIONS].CopyFrom(
         pack(
@@ -43,6 +66,22 @@ def cluster(name: str, svc: m.Service, *, active_health: bool = True) -> cluster
     if svc.health_check and active_health:
         c.health_checks.append(health_check(svc.health_check))
     return c
+
+
+def least_loaded() -> cluster_pb2.LoadBalancingPolicy:
+    """Envoy's client_side_weighted_round_robin on ORCA out-of-band reports: weight = qps /
+    utilization, so a host that reports more utilization per request gets fewer."""
+    cfg = cswrr_pb2.ClientSideWeightedRoundRobin(
+        enable_oob_load_report=wrappers_pb2.BoolValue(value=True),
+        oob_reporting_period=duration(OOB_REPORTING_PERIOD),
+        blackout_period=duration(BLACKOUT_PERIOD),
+        weight_update_period=duration(WEIGHT_UPDATE_PERIOD),
+        weight_expiration_period=duration(WEIGHT_EXPIRATION_PERIOD),
+    )
+    ext = extension_pb2.TypedExtensionConfig(name=_CSWRR, typed_config=pack(cfg))
+    return cluster_pb2.LoadBalancingPolicy(
+        policies=[cluster_pb2.LoadBalancingPolicy.Policy(typed_extension_config=ext)]
+    )
 
 
 def outlier_detection(o: m.OutlierDetection) -> outlier_detection_pb2.OutlierDetection:

@@ -8,7 +8,12 @@ from google.protobuf import wrappers_pb2
 
 from xds_server import mesh as m
 from xds_server.resources import names
-from xds_server.resources.common import duration, u32
+from xds_server.resources.common import duration, pack, u32
+
+# The one method a caller-side Envoy's least_loaded balancer calls on every host it balances
+# over (out-of-band ORCA, xds/service/orca/v3/orca.proto): it reaches the runtime through its
+# inbound sidecar without tenant authz, since Envoy sends no API key on it.
+ORCA_PATH = "/xds.service.orca.v3.OpenRcaService/StreamCoreMetrics"
 
 
 def stable_and_canary(mesh: m.Mesh, svc: m.Service) -> tuple[str, str | None]:
@@ -74,15 +79,31 @@ def _service_vhost(mesh: m.Mesh, svc: m.Service) -> rc.VirtualHost:
     return rc.VirtualHost(name=svc.name, domains=[svc.name, f"{svc.name}:*"], routes=routes)
 
 
-def inbound_route_config(svc: m.Service, version: str) -> route_pb2.RouteConfiguration:
+def inbound_route_config(
+    svc: m.Service, version: str, authz_filters: tuple[str, ...] = ()
+) -> route_pb2.RouteConfiguration:
+    """`authz_filters`: the listener's tenant filters (authz, rate limits), turned off on the
+    ORCA route only. That route carries read-only load figures (utilization, rps, queue and KV
+    use) of this runtime, no tenant data; every other path still passes every filter."""
+    cluster = names.inbound_cluster(svc.name, version)
+    orca = rc.Route(
+        name=f"{svc.name}-{version}-orca",
+        match=rc.RouteMatch(path=ORCA_PATH),
+        route=_action(svc, cluster=cluster, retries=False),
+    )
+    off = pack(rc.FilterConfig(disabled=True))
+    for f in authz_filters:
+        orca.typed_per_filter_config[f].CopyFrom(off)
     route = rc.Route(
         name=f"{svc.name}-{version}-local",
         match=rc.RouteMatch(prefix="/"),
-        route=_action(svc, cluster=names.inbound_cluster(svc.name, version), retries=False),
+        route=_action(svc, cluster=cluster, retries=False),
     )
     return route_pb2.RouteConfiguration(
         name=names.inbound_route(svc.name, version),
-        virtual_hosts=[rc.VirtualHost(name=f"{svc.name}-local", domains=["*"], routes=[route])],
+        virtual_hosts=[
+            rc.VirtualHost(name=f"{svc.name}-local", domains=["*"], routes=[orca, route])
+        ],
     )
 
 
