@@ -29,6 +29,8 @@ class MeshError(ValueError):
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+# x-meshlm-class: a hash of the request, never its text (issue 11).
+CLASS_KEY = re.compile(r"^[0-9a-f]{16}$")
 _NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
 # Envoy's retry_on tokens (HTTP router + gRPC, see router filter docs, x-envoy-retry-grpc-on).
 RETRY_ON = frozenset(
@@ -160,6 +162,30 @@ class HealthCheck:
 
 
 @dataclass(frozen=True)
+class Isolation:
+    """Semantic circuit breaking (issue 11): a request class (`x-meshlm-class`) whose error rate
+    over `window` reaches `error_rate` (with at least `min_requests`) is routed to the `pool`
+    version, or answered UNAVAILABLE when there is none. After `cooldown` (doubled on each
+    relapse) `probe_percent` % of the class tries the main pool again (half-open)."""
+
+    error_rate: float  # a fraction: "0.8%" -> 0.008
+    window: float = 600.0
+    min_requests: int = 20
+    pool: str | None = None
+    cooldown: float = 30.0
+    max_classes: int = 10_000  # outcome windows kept per service (least recently seen go)
+    probe_percent: int = 10
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """One class routed away from the main pool, set by the isolation controller."""
+
+    key: str  # 16 hex digits: the x-meshlm-class header
+    probe_percent: int = 0  # half-open: this share of the class still reaches the main pool
+
+
+@dataclass(frozen=True)
 class Service:
     name: str
     versions: dict[str, Version]
@@ -171,6 +197,8 @@ class Service:
     connect_timeout: float = 1.0
     # Default: ring_hash when route.hash_policy is set (sticky hosts), else round_robin.
     load_balancing: str = "round_robin"
+    isolation: Isolation | None = None
+    quarantined: tuple[Quarantine, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -266,6 +294,15 @@ class Mesh:
             eps = tuple(e for e in ver.endpoints if e != ep)
         versions = {**svc.versions, version: dataclasses.replace(ver, endpoints=eps)}
         return self._replace_service(svc, versions=versions)
+
+    def with_quarantined(self, service: str, entries: tuple[Quarantine, ...]) -> Mesh:
+        svc = self._service(service)
+        if entries and svc.isolation is None:
+            raise MeshError(f"services.{service}.isolation: needed to quarantine a class")
+        for q in entries:
+            if not CLASS_KEY.match(q.key):
+                raise MeshError(f"services.{service}.quarantined: {q.key!r} is not a class key")
+        return self._replace_service(svc, quarantined=tuple(entries))
 
     def _service(self, name: str) -> Service:
         if name not in self.services:
@@ -470,6 +507,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
             "health_check",
             "connect_timeout",
             "load_balancing",
+            "isolation",
         },
     )
     vraw = _mapping(d.get("versions"), f"{path}.versions")
@@ -486,6 +524,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
         circuit_breakers=_opt(d, "circuit_breakers", path, _circuit_breakers),
         retry_policy=_opt(d, "retry_policy", path, _retry_policy),
         health_check=_opt(d, "health_check", path, _health_check),
+        isolation=_opt(d, "isolation", path, lambda i, p: _isolation(i, p, route)),
         connect_timeout=_positive(d.get("connect_timeout", "1s"), f"{path}.connect_timeout"),
     )
 
@@ -666,6 +705,47 @@ def _retry_policy(d: dict, path: str) -> RetryPolicy:
         num_retries=_int(d.get("num_retries", 1), f"{path}.num_retries", 0, 10),
         per_try_timeout=None if pt is None else parse_duration(pt, f"{path}.per_try_timeout"),
     )
+
+
+def _isolation(d: dict, path: str, route: Route) -> Isolation:
+    keys = {"error_rate", "window", "min_requests", "pool", "cooldown", "max_classes"}
+    _only(d, path, keys | {"probe_percent"})
+    if "error_rate" not in d:
+        raise MeshError(f"{path}.error_rate: required, e.g. 0.8%")
+    pool = d.get("pool")
+    if pool is not None:
+        if not isinstance(pool, str) or pool not in route.weights:
+            raise MeshError(
+                f"{path}.pool: unknown version {pool!r} (known: {', '.join(route.weights)})"
+            )
+        if route.weights[pool]:  # else healthy traffic would share the quarantine pool
+            raise MeshError(f"{path}.pool: version {pool} must have weight 0 in route.weights")
+    return Isolation(
+        error_rate=_rate(d["error_rate"], f"{path}.error_rate"),
+        window=_positive(d.get("window", "10m"), f"{path}.window"),
+        min_requests=_int(d.get("min_requests", 20), f"{path}.min_requests", 1, 1_000_000),
+        pool=pool,
+        cooldown=_positive(d.get("cooldown", "30s"), f"{path}.cooldown"),
+        max_classes=_int(d.get("max_classes", 10_000), f"{path}.max_classes", 1, 1_000_000),
+        probe_percent=_int(d.get("probe_percent", 10), f"{path}.probe_percent", 1, 100),
+    )
+
+
+def _rate(raw: Any, path: str) -> float:
+    """`0.8%` or a fraction like 0.008 -> 0.008; it must be more than 0 and at most 100 %."""
+    if isinstance(raw, str) and raw.strip().endswith("%"):
+        try:
+            value = float(raw.strip()[:-1]) / 100.0
+        except ValueError:
+            value = None
+    elif isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        value = float(raw)
+    else:
+        value = None
+    if value is None or not 0.0 < value <= 1.0:  # NaN fails too
+        raise MeshError(f"{path}: expected a rate like 0.8% or 0.008 (above 0, at most 100%)"
+                        f", got {raw!r}")  # fmt: skip
+    return value
 
 
 def _health_check(d: dict, path: str) -> HealthCheck:

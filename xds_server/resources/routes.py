@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from envoy.config.core.v3 import base_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from google.protobuf import wrappers_pb2
 
 from xds_server import mesh as m
@@ -39,6 +41,8 @@ def outbound_route_config(mesh: m.Mesh) -> route_pb2.RouteConfiguration:
 def _service_vhost(mesh: m.Mesh, svc: m.Service) -> rc.VirtualHost:
     routes = []
     stable, canary = stable_and_canary(mesh, svc)
+    if svc.stall is not None:
+        routes += _version_pins(svc, {stable, canary} - {None})
     if canary is not None:
         # Header pins before the weighted split: `x-canary: always|never`.
         for value, version in (("always", canary), ("never", stable)):
@@ -55,12 +59,15 @@ def _service_vhost(mesh: m.Mesh, svc: m.Service) -> rc.VirtualHost:
                         ],
                     ),
                     route=_action(svc, cluster=names.outbound_cluster(svc.name, version)),
+                    response_headers_to_add=_served_by(svc, version),
                 )
             )
     weighted = rc.WeightedCluster(
         clusters=[
             rc.WeightedCluster.ClusterWeight(
-                name=names.outbound_cluster(svc.name, v), weight=u32(w)
+                name=names.outbound_cluster(svc.name, v),
+                weight=u32(w),
+                response_headers_to_add=_served_by(svc, v),
             )
             for v, w in svc.route.weights.items()
         ],
@@ -76,7 +83,40 @@ def _service_vhost(mesh: m.Mesh, svc: m.Service) -> rc.VirtualHost:
         )
     )
     # gRPC clients put the service name (maybe with a port) in :authority.
-    return rc.VirtualHost(name=svc.name, domains=[svc.name, f"{svc.name}:*"], routes=routes)
+    vhost = rc.VirtualHost(name=svc.name, domains=[svc.name, f"{svc.name}:*"], routes=routes)
+    if svc.stall is not None:
+        vhost.response_headers_to_add.append(_header(m.STALL_HEADER, svc.stall.header_value()))
+    return vhost
+
+
+def _version_pins(svc: m.Service, pinned: set[str]) -> list[rc.Route]:
+    """`x-meshlm-version: V` pins a resumed stream to the version that served it. Only the
+    versions a caller reaches anyway (weight above 0, or the x-canary pins) get a pin route; any
+    other value falls through to the usual routes."""
+    reachable = [v for v, w in svc.route.weights.items() if w > 0 or v in pinned]
+    return [
+        rc.Route(
+            name=f"{svc.name}-resume-{v}",
+            match=rc.RouteMatch(
+                prefix="/",
+                headers=[rc.HeaderMatcher(name=m.VERSION_HEADER, string_match=_exact(v))],
+            ),
+            route=_action(svc, cluster=names.outbound_cluster(svc.name, v)),
+            response_headers_to_add=_served_by(svc, v),
+        )
+        for v in reachable
+    ]
+
+
+def _served_by(svc: m.Service, version: str) -> list:
+    return [] if svc.stall is None else [_header(m.VERSION_HEADER, version)]
+
+
+def _header(name: str, value: str):  # -> HeaderValueOption
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=name, value=value),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
 
 
 def inbound_route_config(
@@ -133,14 +173,32 @@ def _action(
                 header=rc.RouteAction.HashPolicy.Header(header_name=svc.route.hash_policy.header)
             )
         )
-    if retries and svc.retry_policy:
-        rp = rc.RetryPolicy(
-            retry_on=svc.retry_policy.retry_on, num_retries=u32(svc.retry_policy.num_retries)
-        )
-        if svc.retry_policy.per_try_timeout is not None:
-            rp.per_try_timeout.CopyFrom(duration(svc.retry_policy.per_try_timeout))
+    policy = svc.retry_policy or (m.RetryPolicy() if svc.stall else None)
+    if retries and policy:
+        rp = rc.RetryPolicy(retry_on=policy.retry_on, num_retries=u32(policy.num_retries))
+        if policy.per_try_timeout is not None:
+            rp.per_try_timeout.CopyFrom(duration(policy.per_try_timeout))
+        if svc.stall is not None:
+            _stall_retries(rp, svc.stall)
         a.retry_policy.CopyFrom(rp)
     return a
+
+
+def _stall_retries(rp: rc.RetryPolicy, stall: m.Stall) -> None:
+    """An upstream silent for the stall's hard limit is reset (Envoy's per-try idle timeout, so
+    it counts in the cluster's stats and outlier detection); before response headers the try is
+    retried on another host (`reset`, `previous_hosts`), after them the caller library resumes.
+    A resume refused by the replica it avoids (UNAVAILABLE) moves on the same way."""
+    rp.per_try_idle_timeout.CopyFrom(duration(stall.hard_limit))
+    on = rp.retry_on.split(",")
+    rp.retry_on = ",".join(on + [c for c in ("reset", "unavailable") if c not in on])
+    rp.retry_host_predicate.append(
+        rc.RetryPolicy.RetryHostPredicate(
+            name="envoy.retry_host_predicates.previous_hosts",
+            typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()),
+        )
+    )
+    rp.host_selection_retry_max_attempts = 5
 
 
 def _exact(value: str):  # -> StringMatcher
