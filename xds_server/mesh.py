@@ -147,6 +147,46 @@ class RetryPolicy:
     per_try_timeout: float | None = None
 
 
+# Caller-side route headers for stall resume (issue 10): the response says which version
+# served and the service's stall policy; a resume's request pins that version.
+VERSION_HEADER = "x-meshlm-version"
+STALL_HEADER = "x-meshlm-stall"
+
+
+@dataclass(frozen=True)
+class Stall:
+    """Token-stall detection in the caller library (issue 10): a stream with `consecutive`
+    inter-token gaps over `gap` in a row, or one gap over `hard_limit`, is resumed on another
+    replica of the same version, at most `max_resumes` times. Callers learn it from the
+    `x-meshlm-stall` response header that the caller-side route adds."""
+
+    gap: float = 1.0
+    consecutive: int = 3
+    hard_limit: float = 10.0
+    max_resumes: int = 2
+
+    def header_value(self) -> str:
+        return (
+            f"gap_ms={round(self.gap * 1000)};consecutive={self.consecutive};"
+            f"hard_limit_ms={round(self.hard_limit * 1000)};max_resumes={self.max_resumes}"
+        )
+
+    @classmethod
+    def from_header(cls, value: str) -> Stall:
+        """The inverse of header_value; ValueError names a bad or missing part."""
+        parts = dict(p.partition("=")[::2] for p in value.replace(" ", "").split(";") if p)
+        want = ("gap_ms", "consecutive", "hard_limit_ms", "max_resumes")
+        if sorted(parts) != sorted(want) or not all(parts[k].isdigit() for k in want):
+            raise ValueError(f"{STALL_HEADER}: expected {'=N;'.join(want)}=N, got {value!r}")
+        stall = cls(
+            gap=int(parts["gap_ms"]) / 1000,
+            consecutive=int(parts["consecutive"]),
+            hard_limit=int(parts["hard_limit_ms"]) / 1000,
+            max_resumes=int(parts["max_resumes"]),
+        )
+        return _stall_checked(stall, STALL_HEADER, ValueError)
+
+
 @dataclass(frozen=True)
 class HealthCheck:
     """Active gRPC health checking (grpc.health.v1)."""
@@ -194,6 +234,7 @@ class Service:
     circuit_breakers: CircuitBreakers | None = None
     retry_policy: RetryPolicy | None = None
     health_check: HealthCheck | None = None
+    stall: Stall | None = None
     connect_timeout: float = 1.0
     # Default: ring_hash when route.hash_policy is set (sticky hosts), else round_robin.
     load_balancing: str = "round_robin"
@@ -506,6 +547,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
             "retry_policy",
             "health_check",
             "connect_timeout",
+            "stall",
             "load_balancing",
             "isolation",
         },
@@ -524,6 +566,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
         circuit_breakers=_opt(d, "circuit_breakers", path, _circuit_breakers),
         retry_policy=_opt(d, "retry_policy", path, _retry_policy),
         health_check=_opt(d, "health_check", path, _health_check),
+        stall=_opt(d, "stall", path, _stall),
         isolation=_opt(d, "isolation", path, lambda i, p: _isolation(i, p, route)),
         connect_timeout=_positive(d.get("connect_timeout", "1s"), f"{path}.connect_timeout"),
     )
@@ -746,6 +789,25 @@ def _rate(raw: Any, path: str) -> float:
         raise MeshError(f"{path}: expected a rate like 0.8% or 0.008 (above 0, at most 100%)"
                         f", got {raw!r}")  # fmt: skip
     return value
+
+
+def _stall(d: dict, path: str) -> Stall:
+    _only(d, path, {"gap", "consecutive", "hard_limit", "max_resumes"})
+    stall = Stall(
+        gap=_positive(d.get("gap", "1s"), f"{path}.gap"),
+        consecutive=_int(d.get("consecutive", 3), f"{path}.consecutive", 1, 100),
+        hard_limit=_positive(d.get("hard_limit", "10s"), f"{path}.hard_limit"),
+        max_resumes=_int(d.get("max_resumes", 2), f"{path}.max_resumes", 0, 10),
+    )
+    return _stall_checked(stall, path, MeshError)
+
+
+def _stall_checked(stall: Stall, path: str, error: type[ValueError]) -> Stall:
+    if not 0.001 <= stall.gap < stall.hard_limit <= 3600:
+        raise error(f"{path}.hard_limit: must be more than gap (at least 1ms) and at most 1h")
+    if not (1 <= stall.consecutive <= 100 and 0 <= stall.max_resumes <= 10):
+        raise error(f"{path}: consecutive must be 1..100 and max_resumes 0..10")
+    return stall
 
 
 def _health_check(d: dict, path: str) -> HealthCheck:
