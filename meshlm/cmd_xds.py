@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-host", default="127.0.0.1", help="ADS listen address")
     p.add_argument("--rollout-store", help="rollout state file, kept across restarts "
                    "(default: .meshlm/rollouts.json beside the mesh file)")  # fmt: skip
+    p.add_argument("--isolation-store", help="quarantined request classes, kept across restarts "
+                   "(default: .meshlm/isolation.json beside the mesh file)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +50,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     grpc_port = mesh.control_plane.grpc_port if args.grpc_port is None else args.grpc_port
     admin_port = mesh.control_plane.admin_port if args.admin_port is None else args.admin_port
-    cp = ControlPlane(mesh, debounce=debounce)
+    isolation = args.isolation_store or Path(args.mesh).resolve().parent / ".meshlm/isolation.json"
+    try:
+        cp = ControlPlane(mesh, debounce=debounce, isolation_store=str(isolation))
+    except ValueError as e:  # an isolation store that is not ours: left as it is
+        print(f"meshlm xds-server: {e}", file=sys.stderr)
+        return 2
     try:
         cp.start(grpc_port, host=args.grpc_host)
     except OSError as e:

@@ -5,6 +5,8 @@
   POST /v1/services/{s}/weights                   {"v1": 90, "v2": 10}
   POST /v1/services/{s}/versions/{v}/endpoints    {"add": "host:port"} or {"remove": "host:port"}
   POST /v1/mesh                                   a whole mesh file (YAML); keeps live weights
+  GET  /isolation                                 quarantined request classes per service
+  POST /isolation/{s}/{class}/release|pin         end a quarantine / hold one until released
 
 Mutations need `Authorization: Bearer <token>` and answer once every affected sidecar ACKed
 (200), or a sidecar NACKed (409), or the timeout passed (504, naming the sidecars still behind);
@@ -61,6 +63,8 @@ class AdminServer:
         self.cp = cp
         self.token = token
         self.mounts = dict(mounts or {})
+        # GET /isolation, POST /isolation/{service}/{class}/release|pin (issue 11)
+        self.mounts.setdefault("/isolation", cp.isolation.handle)
         handler = type("Handler", (_Handler,), {"admin": self})
         self.httpd = _BoundedServer((host, port), handler)
         self.port = self.httpd.server_address[1]

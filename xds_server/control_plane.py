@@ -25,10 +25,11 @@ from typing import Any
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
+from xds_server import accesslog, ratelimit
 from xds_server import mesh as m
-from xds_server import ratelimit
 from xds_server.ads import AdsServicer
 from xds_server.cache import SnapshotCache
+from xds_server.isolation import Isolation, push_loop
 from xds_server.listen import listen_error
 from xds_server.snapshot import make_version
 from xds_server.sync import Limits, SyncStatus
@@ -83,8 +84,13 @@ class ControlPlane:
         debounce: float | None = None,
         incarnation: str | None = None,
         limits: Limits | None = None,
+        isolation_store: str | None = None,
     ) -> None:
         self.incarnation = incarnation or new_incarnation()
+        # Quarantined request classes (issue 11); restored ones are in the very first snapshot,
+        # so a restart leaves no window of unprotected traffic.
+        self.isolation = Isolation(lambda: self.cache.mesh, isolation_store)
+        mesh = self.isolation.overlay(mesh)
         self.cache = SnapshotCache(mesh, self.incarnation)
         limits = limits or Limits(lagging_after=mesh.control_plane.lagging_after)
         self.sync = SyncStatus(
@@ -110,11 +116,19 @@ class ControlPlane:
         )
         self._thread.start()
         self.grpc_port = ready.result(timeout=30)
+        self._isolation_stop = threading.Event()
+        threading.Thread(
+            target=push_loop,
+            args=(self.isolation, self._push_isolation, self._isolation_stop),
+            name="isolation",
+            daemon=True,
+        ).start()
         return self
 
     def stop(self, grace: float = 0.5) -> None:
         if self._loop is None or self._server is None:
             return
+        self._isolation_stop.set()
         server = self._server
 
         async def shutdown() -> None:
@@ -163,6 +177,8 @@ class ControlPlane:
             )
             # Tenants' mesh-wide rate limits, on the ADS port (sidecars reach it by xds_cluster).
             ratelimit.add_to_server(server, lambda: self.cache.mesh)
+            # Outcomes per request class from the caller sidecars' access logs (issue 11).
+            accesslog.add_to_server(server, self.isolation)
             try:
                 bound = server.add_insecure_port(f"{host}:{port}")
             except RuntimeError:  # taken between the check and now
@@ -251,10 +267,19 @@ class ControlPlane:
             mesh = edit(self.mesh)
             if mesh is None:
                 return None
-            version, nodes = self._stage(mesh)
+            version, nodes = self._stage(self.isolation.overlay(mesh))
         if timeout == 0:
             return ApplyResult(version=version, ok=False, missing=nodes)
         return self.wait_for_ack(version, nodes, timeout=timeout)
+
+    def _push_isolation(self) -> tuple[m.Mesh, ApplyResult] | None:
+        """The isolation controller's routes, when they differ from the live ones."""
+        with self._mutate:
+            mesh = self.isolation.overlay(self.mesh)
+            if mesh is self.mesh:
+                return None
+            version, nodes = self._stage(mesh)
+        return mesh, self.wait_for_ack(version, nodes, timeout=10.0)
 
     def _stage(self, mesh: m.Mesh) -> tuple[str, list[str]]:
         # Raises (nothing staged, nothing pushed) when a group with a connected sidecar cannot

@@ -47,20 +47,25 @@ class RolloutStore:
     def save(self, rollouts: dict[str, dict[str, Any]]) -> None:
         data = json.dumps({"format": FORMAT, "rollouts": rollouts}, indent=1, sort_keys=True)
         with self._lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", dir=self.path.parent)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-                raise
-            dfd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)  # make the rename itself durable
-            finally:
-                os.close(dfd)
+            write_atomic(self.path, data)
+
+
+def write_atomic(path: Path, data: str) -> None:
+    """Replace `path` by `data`: a temp file beside it, fsynced, renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)  # make the rename itself durable
+    finally:
+        os.close(dfd)

@@ -58,7 +58,8 @@ def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) 
         route_config_name=rc.name,
         stat_prefix="outbound",
         stream_idle_timeout=idle,
-        access_log=access_log.access_logs(mesh.access_log, names.OUTBOUND_LISTENER, tenant=False),
+        access_log=access_log.access_logs(mesh.access_log, names.OUTBOUND_LISTENER, tenant=False)
+        + ([access_log.outcome_log()] if any(s.isolation for s in mesh.services.values()) else []),
     )
 
 

@@ -9,14 +9,18 @@ the verified one (`%REQ(...)%` reads the request headers as they are after the f
 from __future__ import annotations
 
 from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.core.v3 import config_source_pb2, grpc_service_pb2
 from envoy.config.core.v3 import substitution_format_string_pb2 as sfs
+from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.extensions.access_loggers.file.v3 import file_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.access_loggers.stream.v3 import stream_pb2
 from google.protobuf import struct_pb2
 
 from xds_server import mesh as m
-from xds_server.resources.common import pack
-from xds_server.resources.names import TENANT_HEADER
+from xds_server.resources.common import duration, pack
+from xds_server.resources.names import CLASS_HEADER, TENANT_HEADER
+from xds_server.resources.ratelimit import XDS_CLUSTER
 
 # Envoy access-log command operators; a value that is one command keeps its type (numbers).
 FIELDS = {
@@ -59,3 +63,34 @@ def access_logs(cfg: m.AccessLog, listener: str, *, tenant: bool) -> list[access
             file_pb2.FileAccessLog(path=cfg.path, log_format=log_format),
         )
     return [accesslog_pb2.AccessLog(name=name, typed_config=pack(typed))]
+
+
+# Outcomes per request class, streamed to the control plane's AccessLogService (issue 11):
+# only calls that carry a class header, with the gRPC status from the trailers (or the headers
+# of a trailers-only reply); response flags and the upstream cluster come with every entry.
+OUTCOME_LOG_NAME = "meshlm-isolation"
+OUTCOME_FLUSH_S = 0.2  # Envoy's default is 1 s: a query of death should trip within seconds
+
+
+def outcome_log() -> accesslog_pb2.AccessLog:
+    cfg = als_pb2.HttpGrpcAccessLogConfig(
+        common_config=als_pb2.CommonGrpcAccessLogConfig(
+            log_name=OUTCOME_LOG_NAME,
+            grpc_service=grpc_service_pb2.GrpcService(
+                envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=XDS_CLUSTER)
+            ),
+            transport_api_version=config_source_pb2.V3,
+            buffer_flush_interval=duration(OUTCOME_FLUSH_S),
+        ),
+        additional_request_headers_to_log=[CLASS_HEADER],
+        additional_response_headers_to_log=["grpc-status"],
+        additional_response_trailers_to_log=["grpc-status"],
+    )
+    present = accesslog_pb2.AccessLogFilter(
+        header_filter=accesslog_pb2.HeaderFilter(
+            header=rc.HeaderMatcher(name=CLASS_HEADER, present_match=True)
+        )
+    )
+    return accesslog_pb2.AccessLog(
+        name="envoy.access_loggers.http_grpc", filter=present, typed_config=pack(cfg)
+    )

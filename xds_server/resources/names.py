@@ -6,6 +6,8 @@ OUTBOUND_ROUTE = "outbound"
 TENANT_HEADER = "x-meshlm-tenant"
 # Set by the authz filter alone; inbound listeners drop client-sent ones before any filter.
 IDENTITY_HEADERS = (TENANT_HEADER, "x-meshlm-priority")
+# The request class (a hash), set by the caller-side sidecar; isolation routes match it.
+CLASS_HEADER = "x-meshlm-class"
 
 
 def outbound_cluster(service: str, version: str) -> str:

@@ -6,11 +6,14 @@ from envoy.config.core.v3 import base_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.type.v3 import percent_pb2
 from google.protobuf import wrappers_pb2
 
 from xds_server import mesh as m
 from xds_server.resources import names
 from xds_server.resources.common import duration, pack, u32
+
+QUARANTINED_MESSAGE = "request class quarantined: it broke runtimes (no isolation pool)"
 
 # The one method a caller-side Envoy's least_loaded balancer calls on every host it balances
 # over (out-of-band ORCA, xds/service/orca/v3/orca.proto): it reaches the runtime through its
@@ -39,7 +42,8 @@ def outbound_route_config(mesh: m.Mesh) -> route_pb2.RouteConfiguration:
 
 
 def _service_vhost(mesh: m.Mesh, svc: m.Service) -> rc.VirtualHost:
-    routes = []
+    # Quarantined classes first: neither a canary pin nor the split may reach the main pool.
+    routes = [_quarantine_route(svc, q) for q in svc.quarantined]
     stable, canary = stable_and_canary(mesh, svc)
     if svc.stall is not None:
         routes += _version_pins(svc, {stable, canary} - {None})
@@ -117,6 +121,38 @@ def _header(name: str, value: str):  # -> HeaderValueOption
         header=base_pb2.HeaderValue(key=name, value=value),
         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
     )
+
+
+def quarantine_route_name(service: str, key: str) -> str:
+    return f"{service}-isolation-{key}"
+
+
+def _quarantine_route(svc: m.Service, q: m.Quarantine) -> rc.Route:
+    match = rc.RouteMatch(
+        prefix="/", headers=[rc.HeaderMatcher(name=names.CLASS_HEADER, string_match=_exact(q.key))]
+    )
+    if q.probe_percent:
+        # Half-open: the route takes all but probe_percent of the class; the rest falls through
+        # to the main pool's routes.
+        match.runtime_fraction.CopyFrom(
+            base_pb2.RuntimeFractionalPercent(
+                default_value=percent_pb2.FractionalPercent(numerator=100 - q.probe_percent),
+                runtime_key=f"meshlm.isolation.{svc.name}.{q.key}",
+            )
+        )
+    route = rc.Route(name=quarantine_route_name(svc.name, q.key), match=match)
+    pool = svc.isolation.pool if svc.isolation else None
+    if pool is not None:
+        route.route.CopyFrom(_action(svc, cluster=names.outbound_cluster(svc.name, pool)))
+    else:
+        # A local reply to a gRPC call: Envoy sends grpc-status 14 (UNAVAILABLE) for a 503,
+        # with the body as grpc-message.
+        route.direct_response.CopyFrom(
+            rc.DirectResponseAction(
+                status=503, body=base_pb2.DataSource(inline_string=QUARANTINED_MESSAGE)
+            )
+        )
+    return route
 
 
 def inbound_route_config(
