@@ -1,4 +1,5 @@
-"""`meshlm generate`: stream a generation from a runtime or, through a sidecar, from the mesh."""
+"""`meshlm generate`: stream a generation from a runtime or, through a sidecar, from the mesh, with
+the caller library (meshlm/caller.py): a stream whose replica stalls or dies resumes on another."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from model_runtime.client import GENERATE, generate
+    from meshlm.caller import Caller
+    from model_runtime.client import GENERATE
     from schemas.codec import WireError
 
     if args.raw:
@@ -35,11 +37,10 @@ def run(args: argparse.Namespace) -> int:
         msgs = [{"role": "system", "content": args.system}] if args.system else []
         what = {"messages": [*msgs, {"role": "user", "content": args.prompt}]}
     tokens, ttft_us, reason = 0, None, None
+    caller = Caller(args.target, api_key=args.api_key, authority=args.authority)
+    stream = None
     try:
-        for chunk in generate(
-            args.target,
-            api_key=args.api_key,
-            authority=args.authority,
+        stream = caller.generate(
             timeout=args.timeout,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
@@ -48,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop=args.stop,
             **what,
-        ):
+        )
+        for chunk in stream:
             sys.stdout.write(chunk.text_delta)
             sys.stdout.flush()
             tokens += len(chunk.token_ids)
@@ -69,8 +71,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        if stream is not None:
+            stream.close()
+        caller.close()
     sys.stdout.write("\n")
     if args.stats:
         ttft = "-" if ttft_us is None else f"{ttft_us / 1000:.0f} ms"
-        print(f"[{tokens} tokens, finish {reason}, TTFT {ttft}]", file=sys.stderr)
+        resumed = f", resumed {len(stream.resumes)}x" if stream.resumes else ""
+        print(f"[{tokens} tokens, finish {reason}, TTFT {ttft}{resumed}]", file=sys.stderr)
     return 0

@@ -1,5 +1,7 @@
 """Tenants' traffic for the demo: real gRPC Generate (or Info) calls through a caller-side
-sidecar, open loop at a fixed rate per tenant, every outcome recorded by gRPC status."""
+sidecar, open loop at a fixed rate per tenant, every outcome recorded by gRPC status. Generate
+goes through the caller library (meshlm/caller.py: stalled streams resume on another replica);
+`resume=False` uses the bare client instead (what plain Envoy retries give)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from meshlm.caller import Caller
 from meshlm.sla import percentile
 from model_runtime.client import Client
 
@@ -38,17 +41,25 @@ class Outcome:
     status: str  # gRPC status code name, "OK" when the stream finished
     ttft_ms: float | None
     latency_ms: float
+    prompt: str = ""
+    token_ids: tuple[int, ...] = ()  # what the caller received
+    resumes: int = 0
 
 
 class Traffic:
     def __init__(
-        self, target: str, loads: list[TenantLoad], *, authority: str, max_new_tokens: int = 8
+        self,
+        target: str,
+        loads: list[TenantLoad],
+        *,
+        authority: str,
+        max_new_tokens: int = 8,
+        resume: bool = True,
     ) -> None:
         self.loads = loads
         self.max_new_tokens = max_new_tokens
-        self.clients = {
-            t.name: Client(target, api_key=t.api_key, authority=authority) for t in loads
-        }
+        kind = Caller if resume else Client
+        self.clients = {t.name: kind(target, api_key=t.api_key, authority=authority) for t in loads}
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -83,19 +94,25 @@ class Traffic:
         t0 = time.monotonic()
         ttft = None
         status = "OK"
+        ids: list[int] = []
+        stream = None
         try:
             if load.method == "Info":
                 client.info(timeout=30)
             else:
                 chat = [{"role": "user", "content": prompt}]
-                for chunk in client.generate(
+                stream = client.generate(
                     messages=chat, max_new_tokens=self.max_new_tokens, timeout=60
-                ):
+                )
+                for chunk in stream:
                     if ttft is None and len(chunk.token_ids):
                         ttft = (time.monotonic() - t0) * 1000
+                    ids.extend(int(t) for t in chunk.token_ids)
         except grpc.RpcError as e:
             status = e.code().name
-        outcome = Outcome(t0, load.name, status, ttft, (time.monotonic() - t0) * 1000)
+        resumes = len(getattr(stream, "resumes", ()))
+        latency = (time.monotonic() - t0) * 1000
+        outcome = Outcome(t0, load.name, status, ttft, latency, prompt, tuple(ids), resumes)
         with self._lock:
             self.outcomes.append(outcome)
 

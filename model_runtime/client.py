@@ -5,7 +5,8 @@ service name and `api_key`).
         print(chunk.text_delta, end="")
 
 Closing the iterator early (break, `.close()`) cancels the call, which frees the request's KV
-blocks on the runtime.
+blocks on the runtime. Callers of the mesh want `meshlm.caller.Caller` instead: the same calls,
+plus resuming a stream on another replica when its replica stalls or dies (issue 10).
 """
 
 from __future__ import annotations
