@@ -8,6 +8,7 @@ and routes gRPC to the first upstream and everything else to the second.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from concurrent import futures
@@ -70,23 +71,30 @@ class EchoHttpUpstream:
 
 
 class _EchoMetadata(grpc.GenericRpcHandler):
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         def unary(request: bytes, context: grpc.ServicerContext) -> bytes:
             md: dict[str, str] = {}
             for k, v in context.invocation_metadata():
                 md[k] = v if isinstance(v, str) else v.decode(errors="replace")
             md[":path"] = details.method
+            md[":body-sha256"] = hashlib.sha256(request).hexdigest()
+            if self.tag:
+                md[":upstream"] = self.tag
             return json.dumps(md).encode()
 
         return grpc.unary_unary_rpc_method_handler(unary)
 
 
 class EchoGrpcUpstream:
-    """grpcio server on loopback: every method answers with the request metadata as JSON."""
+    """grpcio server on loopback: every method answers with the request metadata as JSON, plus
+    `:path`, `:body-sha256` (of the request message as received) and `:upstream` (`tag`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tag: str = "") -> None:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        self.server.add_generic_rpc_handlers((_EchoMetadata(),))
+        self.server.add_generic_rpc_handlers((_EchoMetadata(tag),))
         self.port = self.server.add_insecure_port("127.0.0.1:0")
 
     def __enter__(self) -> EchoGrpcUpstream:

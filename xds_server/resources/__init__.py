@@ -60,7 +60,21 @@ def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) 
         stream_idle_timeout=idle,
         access_log=access_log.access_logs(mesh.access_log, names.OUTBOUND_LISTENER, tenant=False)
         + ([access_log.outcome_log()] if any(s.isolation for s in mesh.services.values()) else []),
+        authz_filters=_classify_filters(),
+        # The class is the filter's alone; stripped first, so a failed VM can't pass a spoof.
+        strip_request_headers=(names.CLASS_HEADER,),
     )
+
+
+def _classify_filters() -> list[listeners.HttpFilter]:
+    """The class filter (issue 11) on every caller-side listener, inline (see classify_xds)."""
+    try:
+        cx = importlib.import_module("wasm_filters.classify_xds")
+    except ModuleNotFoundError:
+        raise ResourceError(
+            "outbound listener: the class filter needs wasm_filters, which is not installed"
+        ) from None
+    return [cx.classify_http_filter()]
 
 
 def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -> None:
