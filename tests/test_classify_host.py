@@ -10,9 +10,10 @@ import random
 import re
 
 import pytest
+import wasmtime
 
 from schemas.codec import ChatMessage, GenerateRequest, encode_generate_request
-from wasm_filters.host import CLASSIFY_WASM_PATH, Decision, WasmHost
+from wasm_filters.host import _IMPORTS, CLASSIFY_WASM_PATH, Decision, WasmHost
 
 GEN = "/meshlm.inference.v1.Inference/Generate"
 HEX16 = re.compile(rb"[0-9a-f]{16}")
@@ -194,3 +195,11 @@ def test_hostile_bodies_never_trap_or_hang(host: WasmHost) -> None:
         d = call(host, data)
         v = d.header("x-meshlm-class")
         assert v is None or HEX16.fullmatch(v)
+
+
+def test_module_speaks_proxy_wasm_0_2_1_with_body_callbacks() -> None:
+    module = wasmtime.Module.from_file(wasmtime.Engine(), str(CLASSIFY_WASM_PATH))
+    exports = {e.name for e in module.exports}
+    assert exports >= {"proxy_abi_version_0_2_1", "proxy_on_request_body", "memory"}
+    assert {(i.module, i.name) for i in module.imports} <= {("env", n) for n, _, _ in _IMPORTS}
+    assert CLASSIFY_WASM_PATH.stat().st_size < 200_000
