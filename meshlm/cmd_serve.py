@@ -39,9 +39,80 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="D",
         help="hold back the first token of every stream by D ms",
     )
+    p.add_argument(
+        "--fault-slow-decode",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="make every decode step take about F times as long (F >= 1)",
+    )
+    p.add_argument(
+        "--no-tenant-isolation",
+        dest="tenant_isolation",
+        action="store_false",
+        help="schedule by priority then arrival only (no fair share or per-tenant limits)",
+    )
+    p.add_argument(
+        "--tenant-max-streams",
+        type=int,
+        metavar="N",
+        help="running streams one tenant may hold (default: 3/4 of --max-batch, at least 1)",
+    )
+    p.add_argument(
+        "--tenant-max-queued-tokens",
+        type=int,
+        default=16384,
+        metavar="T",
+        help="tokens (prompt + max_new_tokens) one tenant may have waiting",
+    )
+    p.add_argument(
+        "--fault-stall-after",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after every Nth token of a stream, hold its delivery (see --fault-stall-ms)",
+    )
+    p.add_argument(
+        "--fault-stall-ms",
+        type=float,
+        metavar="MS",
+        help="how long each --fault-stall-after stall lasts (default: until the call ends)",
+    )
+    p.add_argument(
+        "--fault-exit-after",
+        type=int,
+        default=0,
+        metavar="N",
+        help="exit hard (no drain) once a stream has sent N tokens",
+    )
+    p.add_argument(
+        "--replica-id",
+        type=_replica_id,
+        metavar="ID",
+        help="this replica's id, sent as x-meshlm-replica (default: HOST:PORT of the listener)",
+    )
+    p.add_argument(
+        "--fault-poison",
+        metavar="REGEX",
+        help="a Generate call whose prompt or message text matches is a query of death",
+    )
+    p.add_argument(
+        "--fault-poison-action",
+        choices=("exit", "stall", "error"),
+        default="exit",
+        help="what a --fault-poison call does: exit the runtime hard (default), never answer, "
+        "or fail with INTERNAL",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish streams")
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=("debug", "info", "warning", "error", "critical"))  # fmt: skip
+
+
+def _replica_id(value: str) -> str:
+    # A header value (printable ASCII, no spaces), at most the codec's avoid_replica length.
+    if not 0 < len(value) <= 256 or not all("!" <= c <= "~" for c in value):
+        raise argparse.ArgumentTypeError("must be 1-256 printable ASCII characters, no spaces")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +124,16 @@ def run(args: argparse.Namespace) -> int:
     from xds_server.listen import listen_error
 
     try:
-        faults = Faults(args.fault_error_percent, args.fault_delay_ms)
+        faults = Faults(
+            args.fault_error_percent,
+            args.fault_delay_ms,
+            stall_after=args.fault_stall_after,
+            stall_ms=args.fault_stall_ms,
+            exit_after=args.fault_exit_after,
+            slow_decode=args.fault_slow_decode,
+            poison=args.fault_poison,
+            poison_action=args.fault_poison_action,
+        )
     except ValueError as e:
         log.error("%s", e)
         return 2
@@ -79,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
             f"{args.host}:{args.port}",
             max_workers=args.max_batch + args.max_queue + 16,
             faults=faults,
+            replica_id=args.replica_id,
         ).start()
     except (OSError, RuntimeError) as e:  # taken since the check; gRPC raises RuntimeError
         print(f"meshlm serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
@@ -119,6 +200,10 @@ def run(args: argparse.Namespace) -> int:
             max_batch=args.max_batch,
             max_queue=args.max_queue,
             tpot_target_ms=args.tpot_target_ms,
+            tenant_isolation=args.tenant_isolation,
+            tenant_max_streams=args.tenant_max_streams,
+            tenant_max_queued_tokens=args.tenant_max_queued_tokens,
+            slow_decode=faults.slow_decode,
         )
         engine.start()
         runtime.set_model(loaded, engine)

@@ -1,7 +1,8 @@
 """The engine: a scheduler thread that runs continuous batching over the paged KV cache.
 
-Each loop iteration: apply cancels, admit waiting requests (highest priority first) while the
-adaptive batch limit and the KV pool allow, run one prefill chunk (so a long prompt never stalls
+Each loop iteration: apply cancels, admit waiting requests (highest priority first, then a fair
+share of tokens per tenant: model_runtime/fair.py) while the adaptive batch limit, the per-tenant
+stream limit and the KV pool allow, run one prefill chunk (so a long prompt never stalls
 running streams for long), then one decode step for every running sequence. Requests join and
 leave between decode steps. `static_batching=True` admits a batch only when the previous one has
 finished entirely (kept for the benchmark's comparison).
@@ -10,9 +11,8 @@ finished entirely (kept for the benchmark's comparison).
 from __future__ import annotations
 
 import collections
-import heapq
-import itertools
 import math
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model_runtime.fair import FairQueue
 from model_runtime.kvcache import BlockPool, SeqCache, block_keys, layout_decode, layout_prefill
 from model_runtime.model import KVCache
-from model_runtime.sampling import sample
+from model_runtime.sampling import generator_at, sample
 
 
 @dataclass
@@ -34,7 +35,9 @@ class GenerateParams:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop sequences (text)
+    resume_ids: list[int] = field(default_factory=list)  # already delivered (issue 10)
     priority: int = 0  # higher first
+    tenant: str = ""  # the verified tenant (fair share and per-tenant limits key on it)
 
 
 @dataclass
@@ -46,6 +49,7 @@ class TokenEvent:
     queue_wait_s: float  # set on the first event
     ttft_s: float | None  # set on the first event that carries a token
     error: str | None = None
+    shed: bool = False  # dropped from the queue under overload (the caller: RESOURCE_EXHAUSTED)
 
 
 class EngineFull(Exception):
@@ -69,6 +73,8 @@ class _Request:
     admitted_at: float | None = None
     text: str = ""  # text produced but not yet emitted (held back for stop sequences)
     finished: bool = False
+    seed: int = 0  # the base of every sampled token's generator (sampling.generator_at)
+    n_resumed: int = 0  # tokens delivered before a resume (counted in n_generated)
 
 
 PREFILL_CHUNK = 256
@@ -86,9 +92,19 @@ class Engine:
         max_queue: int = 64,
         tpot_target_ms: float | None = None,
         static_batching: bool = False,
+        tenant_isolation: bool = True,
+        tenant_max_streams: int | None = None,
+        tenant_max_queued_tokens: int = 16384,
+        slow_decode: float = 1.0,
     ):
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        if tenant_max_streams is None:  # leave room for another tenant's call to start at once
+            tenant_max_streams = max(1, max_batch * 3 // 4)
+        if tenant_max_streams < 1 or tenant_max_queued_tokens < 1:
+            raise ValueError("tenant_max_streams and tenant_max_queued_tokens must be >= 1")
+        if not slow_decode >= 1.0:
+            raise ValueError(f"slow_decode factor {slow_decode} must be >= 1")
         self.loaded = loaded
         self.model = loaded.model
         self.tok = loaded.tokenizer
@@ -104,9 +120,14 @@ class Engine:
         self.max_queue = max_queue
         self.tpot_target = None if tpot_target_ms is None else tpot_target_ms / 1000
         self.static = static_batching
+        # Tenant isolation (issue 12): fair share of tokens inside a priority class, per-tenant
+        # limits, shedding of the lowest priority when the queue is full. Off: priority + FIFO.
+        self.isolation = tenant_isolation
+        self.tenant_max_streams = tenant_max_streams
+        self.tenant_max_queued_tokens = tenant_max_queued_tokens
+        self.slow_decode = slow_decode
         self._lock = threading.Condition()
-        self._waiting: list[tuple[int, int, _Request]] = []  # heap of (-priority, seq, req)
-        self._seq = itertools.count()
+        self._waiting = FairQueue(fair=tenant_isolation)
         self._cancels: set[str] = set()
         self._known: dict[str, _Request] = {}
         self._prefilling: list[_Request] = []
@@ -119,6 +140,8 @@ class Engine:
         self._batch_size = 0
         self.prefix_hit_tokens = 0
         self.tokens_generated = 0
+        self.requests_admitted = 0  # accepted by submit(), monotonic (ORCA rps)
+        self.requests_shed = 0
 
     # ---- public API (any thread) ----
 
@@ -131,25 +154,64 @@ class Engine:
         self, request_id: str, params: GenerateParams, on_event: Callable[[TokenEvent], None]
     ) -> None:
         self._validate(params)
-        gen = None
-        if params.temperature > 0:
-            gen = torch.Generator()
-            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+        gen = torch.Generator() if params.temperature > 0 else None
         req = _Request(request_id, params, on_event, time.monotonic(), gen, self.tok.detokenizer())
-        req.tokens = list(params.prompt_ids)
+        req.seed = params.seed if params.seed is not None else secrets.randbits(64)
+        req.tokens = [*params.prompt_ids, *params.resume_ids]
+        if params.resume_ids and self._replay(req):
+            return
         with self._lock:
             if not self._accepting:
                 raise EngineFull("engine is shutting down and admits no new requests")
             if request_id in self._known:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
+            cost = len(params.prompt_ids) + params.max_new_tokens
+            if self.isolation:
+                self._check_tenant(params, cost)
+            victim = None
             if len(self._waiting) >= self.max_queue:
-                raise EngineFull(
-                    f"queue full: {len(self._waiting)} requests waiting (max_queue "
-                    f"{self.max_queue}), {len(self._running) + len(self._prefilling)} running"
-                )
+                victim = self._waiting.victim_for(params.priority) if self.isolation else None
+                if victim is None:
+                    raise EngineFull(
+                        f"queue full: {len(self._waiting)} requests waiting (max_queue "
+                        f"{self.max_queue}), {len(self._running) + len(self._prefilling)} "
+                        f"running; none waiting has a priority below this one's "
+                        f"({params.priority})"
+                    )
+                self._waiting.pop(victim)
             self._known[request_id] = req
-            heapq.heappush(self._waiting, (-params.priority, next(self._seq), req))
+            self._waiting.push(req, params.tenant, params.priority, cost)
+            self.requests_admitted += 1
             self._lock.notify_all()
+        if victim is not None:
+            self._shed(victim.request, params.priority)
+
+    def _check_tenant(self, params: GenerateParams, cost: int) -> None:
+        queued = self._waiting.queued_tokens(params.tenant)
+        if queued + cost > self.tenant_max_queued_tokens:
+            raise EngineFull(
+                f"tenant queue full: tenant {params.tenant or '(none)'!r} has {queued} tokens "
+                f"queued and this call asks for {cost} (tenant_max_queued_tokens "
+                f"{self.tenant_max_queued_tokens})"
+            )
+
+    def _shed(self, req: _Request, by_priority: int) -> None:
+        self.requests_shed += 1
+        msg = (
+            f"shed under overload: queue full (max_queue {self.max_queue}) and a request of "
+            f"priority {by_priority} took the place of this one (priority {req.params.priority}, "
+            "the lowest waiting)"
+        )
+        waited = time.monotonic() - req.submitted
+        ev = TokenEvent(req.rid, [], "", "error", waited, None, msg, shed=True)
+        req.first_event_sent = True
+        try:
+            req.on_event(ev)
+        finally:
+            req.finished = True
+            with self._lock:
+                self._known.pop(req.rid, None)
+                self._lock.notify_all()
 
     def cancel(self, request_id: str) -> None:
         """Frees the request's KV blocks and emits finish_reason "cancelled" (no-op if done)."""
@@ -190,8 +252,22 @@ class Engine:
                 "prefix_hit_tokens": self.prefix_hit_tokens,
                 "nonfinite_fallbacks": self.loaded.guard.fallbacks if self.loaded.guard else 0,
                 "tokens_generated": self.tokens_generated,
+                "requests_admitted": self.requests_admitted,
+                "requests_shed": self.requests_shed,
+                "tenants": self._tenant_stats(),
                 "tpot_p95_ms": 1000 * tp[int(0.95 * (len(tp) - 1))] if tp else None,
             }
+
+    def _tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Running streams and queued tokens per tenant that has either (caller holds the lock)."""
+        out: dict[str, dict[str, int]] = {}
+        for r in (*tuple(self._running), *tuple(self._prefilling)):
+            t = out.setdefault(r.params.tenant, {"running": 0, "queued_tokens": 0})
+            t["running"] += 1
+        for e in self._waiting.ordered():
+            t = out.setdefault(e.tenant, {"running": 0, "queued_tokens": 0})
+            t["queued_tokens"] += e.cost
+        return out
 
     # ---- validation ----
 
@@ -211,6 +287,18 @@ class Engine:
             )
         if p.max_new_tokens < 1:
             raise ValueError("max_new_tokens: must be >= 1")
+        if len(p.resume_ids) > p.max_new_tokens:
+            raise ValueError(
+                f"resume_token_ids: {len(p.resume_ids)} ids already delivered exceed "
+                f"max_new_tokens {p.max_new_tokens}"
+            )
+        if any(not isinstance(t, int) or t < 0 or t >= v for t in p.resume_ids):
+            raise ValueError(f"resume_token_ids: token ids must be integers in [0, {v})")
+        if len(p.prompt_ids) + len(p.resume_ids) >= self.ctx:
+            raise ValueError(
+                f"resume_token_ids: {len(p.resume_ids)} ids after a prompt of "
+                f"{len(p.prompt_ids)} tokens leave no room in the context length {self.ctx}"
+            )
         if not (p.temperature >= 0 and math.isfinite(p.temperature)):
             raise ValueError("temperature: must be a finite number >= 0")
         if not 0 < p.top_p <= 1:
@@ -262,7 +350,10 @@ class Engine:
         if self._prefilling:
             self._guarded(self._prefilling[:1], self._prefill_step)
         if self._running:
+            t1 = time.monotonic()
             self._guarded(list(self._running), self._decode_step)
+            if self.slow_decode > 1.0:  # fault: --fault-slow-decode
+                time.sleep((time.monotonic() - t1) * (self.slow_decode - 1.0))
         if busy:
             self._record_tpot(time.monotonic() - t0)
 
@@ -278,10 +369,8 @@ class Engine:
             ids, self._cancels = self._cancels, set()
             if not ids:
                 return
-            waiting = [w for w in self._waiting if w[2].rid in ids]
-            self._waiting = [w for w in self._waiting if w[2].rid not in ids]
-            heapq.heapify(self._waiting)
-        for _, _, r in waiting:
+            waiting = self._waiting.remove_requests(lambda r: r.rid in ids)
+        for r in waiting:
             self._finish(r, "cancelled")
         for r in [*self._prefilling, *self._running]:
             if r.rid in ids:
@@ -292,17 +381,20 @@ class Engine:
             if self.static and (self._running or self._prefilling):
                 return
             while self._waiting and len(self._running) + len(self._prefilling) < self.max_batch:
-                req = self._waiting[0][2]
+                entry = self._waiting.first(self._may_start)
+                if entry is None:
+                    break  # every waiting tenant is at its stream limit
+                req = entry.request
                 p = req.params
                 total = min(len(p.prompt_ids) + p.max_new_tokens, self.ctx)
-                keys = block_keys(p.prompt_ids, self.block_size)
+                keys = block_keys(req.tokens, self.block_size)  # the prompt + any resume ids
                 hit = self.pool.match_prefix(keys)
-                if len(hit) * self.block_size >= len(p.prompt_ids):
+                if len(hit) * self.block_size >= len(req.tokens):
                     hit = hit[:-1]  # the last prompt token is always computed (its logits)
                 need = self._blocks_for(total) - len(hit)
                 if need > self.pool.available() - self.pool.unreferenced(hit):
                     break  # wait for blocks to be freed
-                heapq.heappop(self._waiting)
+                self._waiting.pop(entry)
                 self.pool.acquire(hit)
                 req.cache.blocks = hit + self.pool.allocate(need)
                 req.cache.written = len(hit) * self.block_size
@@ -311,14 +403,20 @@ class Engine:
                 req.admitted_at = time.monotonic()
                 self._prefilling.append(req)
 
+    def _may_start(self, entry) -> bool:
+        if not self.isolation:
+            return True
+        mine = sum(r.params.tenant == entry.tenant for r in (*self._running, *self._prefilling))
+        return mine < self.tenant_max_streams
+
     def _prefill_step(self, reqs: list[_Request]) -> None:
         req = reqs[0]
         c = req.cache
-        n_prompt = len(req.params.prompt_ids)
+        n_prompt = len(req.tokens)  # the prompt + any resume ids: nothing sampled yet
         start = c.written
         n = min(PREFILL_CHUNK, n_prompt - start)
         lay = layout_prefill(c, start, n, self.block_size).to(self.device)
-        tokens = torch.tensor([req.params.prompt_ids[start : start + n]], device=self.device)
+        tokens = torch.tensor([req.tokens[start : start + n]], device=self.device)
         logits = self.model(tokens, self.kv, lay)
         c.written += n
         self._register_full_blocks(req)
@@ -355,7 +453,8 @@ class Engine:
     def _accept_token(self, req: _Request, logits: torch.Tensor, chosen: int | None = None):
         p = req.params
         if chosen is None:
-            chosen = sample(logits, p.temperature, p.top_k, p.top_p, req.gen)
+            gen = None if req.gen is None else generator_at(req.gen, req.seed, req.n_generated)
+            chosen = sample(logits, p.temperature, p.top_k, p.top_p, gen)
         now = time.monotonic()
         if req.first_token_at is None:
             req.first_token_at = now
@@ -366,7 +465,16 @@ class Engine:
             return
         req.tokens.append(chosen)
         req.pending = chosen
-        req.text += req.detok.push([chosen])
+        out, reason = self._text_after(req, chosen)
+        self._emit(req, [chosen], out, reason)
+        if reason is not None:
+            self._release(req)
+
+    def _text_after(self, req: _Request, token: int) -> tuple[str, str | None]:
+        """Advance the stream's text by `token` (already counted in n_generated and tokens):
+        the text delta to send with it, and the finish reason if it ends the stream."""
+        p = req.params
+        req.text += req.detok.push([token])
         reason = None
         if p.stop:
             hit = min((i for i in (req.text.find(s) for s in p.stop) if i >= 0), default=-1)
@@ -380,21 +488,35 @@ class Engine:
         if reason is not None:
             if reason == "length":
                 req.text += req.detok.flush()
-            self._emit(req, [chosen], req.text, reason)
-            req.text = ""
-            self._release(req)
-            return
+            out, req.text = req.text, ""
+            return out, reason
         hold = max((len(s) - 1 for s in p.stop), default=0)
-        out = req.text[: len(req.text) - hold] if hold else req.text
+        out = req.text[: max(0, len(req.text) - hold)]
         req.text = req.text[len(out) :]
-        self._emit(req, [chosen], out, None)
+        return out, None
+
+    def _replay(self, req: _Request) -> bool:
+        """Resume (issue 10): run the ids the caller already got through the text state, so
+        the resumed stream's deltas are exactly what the uninterrupted stream's would have been
+        from there (no byte or space lost at the boundary; stop sequences match across it).
+        True if those ids had already ended the stream: the final event is sent, nothing runs.
+        """
+        for token in req.params.resume_ids:
+            req.n_generated += 1
+            _, reason = self._text_after(req, token)
+            if reason is not None:
+                req.finished = True
+                self._emit(req, [], "", reason)
+                return True
+        req.n_resumed = req.n_generated
+        return False
 
     def _emit(self, req: _Request, ids: list[int], text: str, reason: str | None, error=None):
         first = not req.first_event_sent
         req.first_event_sent = True
         qw = (req.admitted_at or time.monotonic()) - req.submitted if first else 0.0
         ttft = None
-        if ids and req.first_token_at is not None and req.n_generated == 1:
+        if ids and req.first_token_at is not None and req.n_generated == req.n_resumed + 1:
             ttft = req.first_token_at - req.submitted
         ev = TokenEvent(req.rid, ids, text, reason, qw, ttft, error)
         try:

@@ -12,6 +12,7 @@ on `shutdown()`: NOT_SERVING first, then `server.stop(grace)` lets in-flight str
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -24,6 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from model_runtime.faults import Faults
+from model_runtime.orca import OrcaService
 from model_runtime.telemetry import Telemetry
 from schemas import codec
 from schemas.codec import ErrorInfo, Limits, WireError
@@ -35,6 +37,7 @@ GENERATE = f"/{SERVICE}/Generate"
 INFO = f"/{SERVICE}/Info"
 TENANT_HEADER = "x-meshlm-tenant"  # set by the sidecar's authz filter after it verified the key
 PRIORITY_HEADER = "x-meshlm-priority"
+REPLICA_HEADER = "x-meshlm-replica"  # the replica serving a stream; a resume avoids it (issue 10)
 PRIORITY_NAMES = {"low": -1, "normal": 0, "default": 0, "high": 1}
 _POLL_S = 0.25  # how often a waiting stream re-checks deadline and liveness
 _CANCELLED = object()  # wakes a stream whose RPC ended (client cancel, deadline, drain)
@@ -79,8 +82,10 @@ class InferenceService:
         telemetry: Telemetry,
         faults: Faults | None = None,
         limits: Limits | None = None,
+        replica_id: str = "",
     ) -> None:
         self.loaded, self.engine = loaded, engine
+        self.replica_id = replica_id
         self.telemetry = telemetry
         self.faults = faults or Faults()
         info = loaded.info
@@ -108,6 +113,8 @@ class InferenceService:
 
     def generate(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         started = time.monotonic()
+        if self.replica_id:  # also on refusals, which answer with trailers only
+            context.set_trailing_metadata(((REPLICA_HEADER, self.replica_id),))
         md = dict(context.invocation_metadata())
         stats: dict[str, Any] = {"code": "OK", "ttft": None, "tpot": None}
         with self.telemetry.span("Generate", md) as span:
@@ -135,6 +142,20 @@ class InferenceService:
         rendered = tok.apply_chat_template(messages)
         return tok.encode(rendered) if isinstance(rendered, str) else list(rendered)
 
+    def _poison_fault(self, req: codec.GenerateRequest, context: grpc.ServicerContext) -> None:
+        """`--fault-poison`: a query of death exits, stalls or fails (issue 11)."""
+        texts = [req.prompt or ""] + [m.content for m in req.messages or ()]
+        if not self.faults.poisoned(texts):
+            return
+        action = self.faults.poison_action
+        if action == "exit":
+            self.faults.poison_exit()
+        if action == "stall":
+            log.warning("fault injected (--fault-poison): a request matched; never answering it")
+            while context.is_active():
+                time.sleep(0.1)
+        raise _Abort(grpc.StatusCode.INTERNAL, "fault injected (--fault-poison)")
+
     def _generate(
         self,
         request: bytes,
@@ -150,6 +171,14 @@ class InferenceService:
             req = codec.decode_generate_request(request, self.limits)
         except WireError as e:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if req.avoid_replica and req.avoid_replica == self.replica_id:
+            # Before any response header, so the sidecar's retry (previous_hosts) may move the
+            # call to another host; after headers nothing in Envoy can (issue 10).
+            raise _Abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"avoid_replica: this is replica {self.replica_id!r}, which the call asks to "
+                "avoid; try another replica",
+            )
         if req.model and req.model.lower() not in (
             self.model_info.name.lower(),
             self.model_info.version.lower(),
@@ -159,6 +188,7 @@ class InferenceService:
                 f"model: {req.model!r} is not served here (this runtime serves "
                 f"{self.model_info.name!r})",
             )
+        self._poison_fault(req, context)
         tenant = md.get(TENANT_HEADER, "")
         log.debug("Generate tenant=%s request_id=%s", tenant, req.request_id)
         if tenant:
@@ -180,7 +210,9 @@ class InferenceService:
             top_k=req.top_k,
             seed=req.seed,
             stop=list(req.stop),
+            resume_ids=[] if req.resume_token_ids is None else req.resume_token_ids.tolist(),
             priority=_priority(req.priority, md),
+            tenant=str(tenant),  # the verified header only: no body field can choose it
         )
         events: queue.SimpleQueue = queue.SimpleQueue()
         ended = threading.Event()
@@ -204,7 +236,9 @@ class InferenceService:
         except ValueError as e:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         try:
-            yield from self._stream(rid, reply_id, context, events, started, stats)
+            yield from self._stream(
+                rid, reply_id, context, events, started, stats, req.resume_index, ended
+            )
         finally:
             # Frees the request's KV blocks at once if it is still running (cancel, deadline,
             # drain past the grace period); a no-op for a finished request.
@@ -218,8 +252,10 @@ class InferenceService:
         events: queue.SimpleQueue,
         started: float,
         stats: dict[str, Any],
+        first_index: int = 0,
+        ended: threading.Event | None = None,
     ) -> Iterator[bytes]:
-        index = 0
+        index = first_index  # a resumed stream continues the chunk indexes (issue 10)
         first_at = last_at = None
         tokens = 0
         while True:
@@ -245,8 +281,14 @@ class InferenceService:
                     stats["ttft"] = now - started
                 last_at = now
             error = None
+            if ev.shed:  # dropped from the queue before its first token (overload)
+                raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, ev.error or "shed")
             if ev.finish_reason == "error":
                 error = ErrorInfo(grpc.StatusCode.INTERNAL.value[0], ev.error or "engine error")
+            if index == first_index and self.replica_id:
+                # With the first chunk, not earlier: until a token exists the call has no
+                # response headers, so the sidecar may still retry a slow replica.
+                context.send_initial_metadata(((REPLICA_HEADER, self.replica_id),))
             yield codec.encode_token_chunk(
                 reply_id,
                 index,
@@ -258,6 +300,13 @@ class InferenceService:
                 error,
             )
             index += 1
+            if ev.token_ids and self._stream_faults(
+                tokens - len(ev.token_ids), tokens, ev.finish_reason is not None, ended
+            ):
+                self.engine.cancel(rid)  # the call ended during an injected stall
+                expired = context.time_remaining() is not None and context.time_remaining() <= 0
+                stats["code"] = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
+                return
             if ev.finish_reason is None:
                 continue
             if tokens > 1 and first_at is not None and last_at is not None:
@@ -268,6 +317,20 @@ class InferenceService:
                 # Cancelled by the runtime itself (drain past its grace period): retryable.
                 raise _Abort(grpc.StatusCode.UNAVAILABLE, "request cancelled by the runtime")
             return
+
+    def _stream_faults(
+        self, sent_before: int, sent: int, final: bool, ended: threading.Event | None
+    ) -> bool:
+        """--fault-exit-after / --fault-stall-after, once a chunk's tokens were sent. Only this
+        stream's delivery waits; the engine keeps decoding every stream. True if the call ended
+        (cancel, deadline) during a stall."""
+        if self.faults.exit_due(sent):
+            self.faults.exit_hard(sent)
+        stall = None if final or ended is None else self.faults.stall_s(sent_before, sent)
+        if stall is None:
+            return False
+        log.debug("fault: stream stalls after %d tokens for %s s", sent, stall)
+        return ended.wait(None if math.isinf(stall) else stall)
 
 
 class Runtime:
@@ -281,6 +344,7 @@ class Runtime:
         telemetry: Telemetry | None = None,
         faults: Faults | None = None,
         limits: Limits | None = None,
+        replica_id: str | None = None,
     ) -> None:
         self.telemetry = telemetry or Telemetry()
         self.faults = faults
@@ -299,6 +363,8 @@ class Runtime:
             maximum_concurrent_rpcs=max_workers,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.orca = OrcaService(lambda: self.engine)
+        self.server.add_generic_rpc_handlers((self.orca.handler(),))
         self.server.add_generic_rpc_handlers(
             (
                 grpc.method_handlers_generic_handler(
@@ -314,6 +380,7 @@ class Runtime:
         if self.port == 0:
             raise OSError(f"cannot bind gRPC address {address}")
         self.host = address.rsplit(":", 1)[0]
+        self.replica_id = replica_id or self.target  # sent as x-meshlm-replica on every stream
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     @property
@@ -332,7 +399,12 @@ class Runtime:
         """Serve `loaded` through a started `engine`; health turns SERVING."""
         self.engine = engine
         self.service = InferenceService(
-            loaded, engine, telemetry=self.telemetry, faults=self.faults, limits=self.limits
+            loaded,
+            engine,
+            telemetry=self.telemetry,
+            faults=self.faults,
+            limits=self.limits,
+            replica_id=self.replica_id,
         )
         self.telemetry.engine_stats = engine.stats
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -357,6 +429,7 @@ class Runtime:
         """Drain: NOT_SERVING, refuse new calls, let in-flight streams finish within `grace`,
         then stop the engine."""
         self.health.enter_graceful_shutdown()
+        self.orca.close()
         self.server.stop(grace).wait()
         if self.engine is not None:
             self.engine.shutdown(drain_timeout=grace)
