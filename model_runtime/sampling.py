@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
+
+
+def generator_at(gen: torch.Generator, seed: int, position: int) -> torch.Generator:
+    """Reseed `gen` for the token at `position` (0-based) of a stream seeded with `seed`.
+
+    Each token draws from its own derived seed rather than from one running generator, so a
+    stream resumed after k tokens on another replica (issue 10) samples token k exactly as the
+    uninterrupted stream did, however many numbers the sampler consumed before.
+    """
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return gen.manual_seed(int.from_bytes(digest, "little"))
 
 
 def sample(

@@ -61,6 +61,9 @@ GENERATE_REQUEST = Table(
         Field("seed", "scalar", 8),
         Field("stop", "strings"),
         Field("priority", "scalar", 4),
+        Field("resume_token_ids", "vector", 4),
+        Field("resume_index", "scalar", 4),
+        Field("avoid_replica", "string"),
     ),
 )
 ERROR = Table(
@@ -135,6 +138,9 @@ class GenerateRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     priority: int | None = None
+    resume_token_ids: Any = None  # ids the caller already got (issue 10); numpy once decoded
+    resume_index: int = 0  # the index of the resumed stream's first chunk
+    avoid_replica: str = ""  # a replica id that must not serve this call
 
 
 @dataclass(frozen=True)
@@ -202,6 +208,8 @@ def encode_generate_request(req: GenerateRequest) -> bytes:
     b = _builder()
     rid, model, prompt = _str(b, req.request_id), _str(b, req.model), _str(b, req.prompt)
     ids = _int32_vector(b, req.prompt_token_ids) if req.prompt_token_ids is not None else 0
+    resume = _int32_vector(b, req.resume_token_ids) if req.resume_token_ids is not None else 0
+    avoid = _str(b, req.avoid_replica)
     msgs = 0
     if req.messages is not None:
         offs = []
@@ -221,6 +229,8 @@ def encode_generate_request(req: GenerateRequest) -> bytes:
         (fb.GenerateRequestAddPromptTokenIds, ids),
         (fb.GenerateRequestAddMessages, msgs),
         (fb.GenerateRequestAddStop, stop),
+        (fb.GenerateRequestAddResumeTokenIds, resume),
+        (fb.GenerateRequestAddAvoidReplica, avoid),
     ):
         if value:
             slot_add(b, value)
@@ -232,6 +242,8 @@ def encode_generate_request(req: GenerateRequest) -> bytes:
         fb.GenerateRequestAddSeed(b, req.seed)
     if req.priority is not None:
         fb.GenerateRequestAddPriority(b, req.priority)
+    if req.resume_index:
+        fb.GenerateRequestAddResumeIndex(b, req.resume_index)
     return _finish(b, fb.GenerateRequestEnd(b))
 
 
@@ -268,7 +280,11 @@ def _wire_errors_only(message: str) -> Callable[[Callable[..., _R]], Callable[..
 def decode_generate_request(buf: bytes, limits: Limits = DEFAULT_LIMITS) -> GenerateRequest:
     """Verify and validate a GenerateRequest; raise WireError naming the field at fault."""
     # Counts first: each stop string or message is read (and copied) once per offset to it.
-    counts = {"stop": limits.max_stop, "messages": limits.max_messages}
+    counts = {
+        "stop": limits.max_stop,
+        "messages": limits.max_messages,
+        "resume_token_ids": _max_tokens(limits),
+    }
     verify(buf, GENERATE_REQUEST, limits.max_buffer_bytes, counts)
     t = fb.GenerateRequest.GetRootAs(buf, 0)
     req = GenerateRequest(
@@ -289,6 +305,9 @@ def decode_generate_request(buf: bytes, limits: Limits = DEFAULT_LIMITS) -> Gene
         seed=t.Seed(),
         stop=[_text(t.Stop(i)) for i in range(t.StopLength())],
         priority=t.Priority(),
+        resume_token_ids=None if t.ResumeTokenIdsIsNone() else _ids(t.ResumeTokenIdsAsNumpy()),
+        resume_index=t.ResumeIndex(),
+        avoid_replica=_text(t.AvoidReplica()),
     )
     validate_generate_request(req, limits)
     return req
@@ -299,9 +318,20 @@ def _ids(a: Any) -> np.ndarray:
     return a if isinstance(a, np.ndarray) else np.zeros(0, dtype="<i4")
 
 
+def _max_tokens(limits: Limits) -> int:
+    return min(limits.max_prompt_tokens, limits.context_length or 1 << 30)
+
+
+def _check_vocab(name: str, ids: np.ndarray, limits: Limits) -> None:
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or (limits.vocab_size is not None and hi >= limits.vocab_size):
+        bad = lo if lo < 0 else hi
+        raise WireError(name, f"token id {bad} is outside [0, {limits.vocab_size or '2^31'})")
+
+
 def validate_generate_request(req: GenerateRequest, limits: Limits = DEFAULT_LIMITS) -> None:
     """Value checks shared by the decoder and by callers that build requests in Python."""
-    for name in ("request_id", "model"):
+    for name in ("request_id", "model", "avoid_replica"):
         if len(getattr(req, name).encode()) > limits.max_id_bytes:
             raise WireError(name, f"longer than {limits.max_id_bytes} bytes")
     given = [
@@ -322,17 +352,12 @@ def validate_generate_request(req: GenerateRequest, limits: Limits = DEFAULT_LIM
             raise WireError("prompt", f"longer than {limits.max_prompt_bytes} bytes")
     if req.prompt_token_ids is not None:
         ids = np.asarray(req.prompt_token_ids)
-        max_tokens = min(limits.max_prompt_tokens, limits.context_length or 1 << 30)
+        max_tokens = _max_tokens(limits)
         if ids.size == 0:
             raise WireError("prompt_token_ids", "is empty")
         if ids.size > max_tokens:
             raise WireError("prompt_token_ids", f"{ids.size} tokens exceed the limit {max_tokens}")
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or (limits.vocab_size is not None and hi >= limits.vocab_size):
-            bad = lo if lo < 0 else hi
-            raise WireError(
-                "prompt_token_ids", f"token id {bad} is outside [0, {limits.vocab_size or '2^31'})"
-            )
+        _check_vocab("prompt_token_ids", ids, limits)
     if req.messages is not None:
         if not req.messages:
             raise WireError("messages", "is empty")
@@ -367,6 +392,32 @@ def validate_generate_request(req: GenerateRequest, limits: Limits = DEFAULT_LIM
         raise WireError("priority", f"{req.priority} is outside [-1000, 1000]")
     if req.seed is not None and not 0 <= req.seed < 1 << 64:  # a uint64 on the wire
         raise WireError("seed", f"{req.seed} is outside [0, 2^64)")
+    if not 0 <= req.resume_index < 1 << 32:  # a uint32 on the wire
+        raise WireError("resume_index", f"{req.resume_index} is outside [0, 2^32)")
+    if req.resume_token_ids is not None:
+        _validate_resume(req, np.asarray(req.resume_token_ids), limits)
+
+
+def _validate_resume(req: GenerateRequest, ids: np.ndarray, limits: Limits) -> None:
+    """Resume ids (issue 10): counted against max_new_tokens, and with the prompt they must
+    leave room in the context for one more token (a text prompt's length is checked by the
+    runtime once it is tokenized)."""
+    if ids.size == 0:
+        return
+    if ids.size > req.max_new_tokens:
+        raise WireError(
+            "resume_token_ids",
+            f"{ids.size} ids already delivered exceed max_new_tokens {req.max_new_tokens}",
+        )
+    context = limits.context_length or 1 << 30
+    prompt = 0 if req.prompt_token_ids is None else len(req.prompt_token_ids)
+    if max(prompt, 1) + ids.size >= context:
+        raise WireError(
+            "resume_token_ids",
+            f"{ids.size} ids after a prompt of {prompt or 'at least 1'} tokens leave no room "
+            f"in the context of {context}",
+        )
+    _check_vocab("resume_token_ids", ids, limits)
 
 
 # --- TokenChunk (one per streamed event: keep it cheap) --------------------------------------

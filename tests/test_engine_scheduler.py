@@ -197,6 +197,17 @@ def test_stop_sequence_and_length(engine, smollm_bf16):
     assert s.finish == "length" and len(s.ids) == 3 and s.text == "The capital of"
 
 
+def test_stop_sequence_longer_than_the_text_so_far_is_honoured(engine, smollm_bf16):
+    # The text held back for a stop sequence was sliced with a negative end while the stream
+    # was shorter than the stop sequence, so its first characters went out early and the stop
+    # sequence was never matched.
+    plain = run(engine, [chat(smollm_bf16, PROMPTS[0], max_new_tokens=6)])[0]
+    stop = plain.text.strip()
+    assert len(stop) > 8, plain.text
+    s = run(engine, [chat(smollm_bf16, PROMPTS[0], stop=[stop])])[0]
+    assert s.finish == "stop" and stop not in s.text and s.text.strip() == ""
+
+
 def test_seeded_sampling_is_reproducible(smollm_bf16):
     # Same seed, same conditions -> same tokens. (A prefix-cache hit changes the prefill's
     # matmul shapes, hence bf16 rounding, so fresh engines keep the conditions equal.)

@@ -212,8 +212,49 @@ class GenerateRequest(object):
             return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
         return None
 
+    # GenerateRequest
+    def ResumeTokenIds(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return 0
+
+    # GenerateRequest
+    def ResumeTokenIdsAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Int32Flags, o)
+        return 0
+
+    # GenerateRequest
+    def ResumeTokenIdsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # GenerateRequest
+    def ResumeTokenIdsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        return o == 0
+
+    # GenerateRequest
+    def ResumeIndex(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(30))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
+        return 0
+
+    # GenerateRequest
+    def AvoidReplica(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(32))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
 def GenerateRequestStart(builder):
-    builder.StartObject(12)
+    builder.StartObject(15)
 
 def GenerateRequestAddRequestId(builder, requestId):
     builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(requestId), 0)
@@ -259,6 +300,18 @@ def GenerateRequestStartStopVector(builder, numElems):
 
 def GenerateRequestAddPriority(builder, priority):
     builder.PrependInt32Slot(11, priority, None)
+
+def GenerateRequestAddResumeTokenIds(builder, resumeTokenIds):
+    builder.PrependUOffsetTRelativeSlot(12, flatbuffers.number_types.UOffsetTFlags.py_type(resumeTokenIds), 0)
+
+def GenerateRequestStartResumeTokenIdsVector(builder, numElems):
+    return builder.StartVector(4, numElems, 4)
+
+def GenerateRequestAddResumeIndex(builder, resumeIndex):
+    builder.PrependUint32Slot(13, resumeIndex, 0)
+
+def GenerateRequestAddAvoidReplica(builder, avoidReplica):
+    builder.PrependUOffsetTRelativeSlot(14, flatbuffers.number_types.UOffsetTFlags.py_type(avoidReplica), 0)
 
 def GenerateRequestEnd(builder):
     return builder.EndObject()
