@@ -207,10 +207,51 @@ def test_oversized_buffer_is_refused_before_parsing() -> None:
         ({"prompt": "x", "stop": ["ok", ""]}, "stop[1]"),
         ({"prompt": "x", "priority": 5000}, "priority"),
         ({"prompt": "x", "request_id": "r" * 300}, "request_id"),
+        ({"prompt": "x", "resume_token_ids": [5, 49152]}, "resume_token_ids"),
+        ({"prompt": "x", "resume_token_ids": [-2]}, "resume_token_ids"),
+        ({"prompt": "x", "max_new_tokens": 2, "resume_token_ids": [5] * 3}, "resume_token_ids"),
+        (
+            {
+                "prompt_token_ids": [1] * 1000,
+                "max_new_tokens": 2000,
+                "resume_token_ids": [5] * 1048,
+            },
+            "resume_token_ids",
+        ),
+        (
+            {"prompt": "x", "max_new_tokens": 2000, "resume_token_ids": [5] * 2047},
+            "resume_token_ids",
+        ),
+        ({"prompt": "x", "resume_token_ids": [5] * 3000}, "resume_token_ids"),
+        ({"prompt": "x", "avoid_replica": "r" * 300}, "avoid_replica"),
     ],
 )
 def test_value_checks_name_the_field(kw, field) -> None:
     assert _field_error(_req(**kw)) == field
+
+
+def test_resume_fields_round_trip_and_stay_absent_by_default() -> None:
+    req = c.GenerateRequest(
+        prompt_token_ids=[1, 2],
+        max_new_tokens=9,
+        resume_token_ids=[7, 49151, 0],
+        resume_index=3,
+        avoid_replica="10.0.0.7:50051",
+    )
+    got = c.decode_generate_request(c.encode_generate_request(req), LIMITS)
+    assert got.resume_token_ids.tolist() == [7, 49151, 0] and got.resume_index == 3
+    assert got.avoid_replica == "10.0.0.7:50051"
+    # Exactly max_new_tokens already delivered is a stream that only needs its final chunk.
+    full = c.GenerateRequest(prompt="x", max_new_tokens=3, resume_token_ids=[1, 2, 3])
+    assert c.decode_generate_request(c.encode_generate_request(full), LIMITS).max_new_tokens == 3
+    plain = c.decode_generate_request(_req(prompt="x"), LIMITS)
+    assert (plain.resume_token_ids, plain.resume_index, plain.avoid_replica) == (None, 0, "")
+
+
+def test_resume_count_is_refused_before_the_ids_are_read() -> None:
+    buf = _req(prompt="x", resume_token_ids=[5] * 3000)
+    with pytest.raises(c.WireError, match=r"^resume_token_ids: 3000 elements exceed the limit"):
+        c.decode_generate_request(buf, LIMITS)
 
 
 # --- aliased offsets (issue 9, defect 1): bounded work whatever the buffer references --------
