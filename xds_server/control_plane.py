@@ -236,6 +236,18 @@ class ControlPlane:
 
         return self._change(pinned, timeout)
 
+    def set_slo_state(
+        self, service: str, state: m.SloState, *, timeout: float = 10.0
+    ) -> ApplyResult | None:
+        """The SLO loop's actions in force (xds_server/slo.py); None when already so."""
+
+        def edit(live: m.Mesh) -> m.Mesh | None:
+            if live.services[service].slo_state == state:
+                return None
+            return live.with_slo_state(service, state)
+
+        return self._change(edit, timeout)
+
     def apply_mesh(self, mesh: m.Mesh, *, timeout: float = 10.0) -> ApplyResult:
         """A new mesh file (tenants, endpoints, resilience...) that keeps the live traffic split:
         weights and `x-canary` pins of a service whose versions are unchanged belong to the

@@ -187,6 +187,36 @@ class Stall:
         return _stall_checked(stall, STALL_HEADER, ValueError)
 
 
+SLO_ACTIONS = ("shed", "tighten_outlier", "scale_out")
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A service's objectives, evaluated every `interval` by the SLO loop (xds_server/slo.py):
+    after `intervals` breached intervals in a row (the worst metric `deviation` past its target)
+    it takes the next of `actions`; after `recover_intervals` met intervals it undoes the last."""
+
+    ttft_p99: float | None = None  # seconds
+    tpot_p99: float | None = None
+    success_rate: float | None = None  # percent of calls not failed by a server fault
+    interval: float = 10.0
+    deviation: float = 0.15  # a fraction past the target: 0.15 = TTFT p99 15 % over
+    intervals: int = 3
+    recover_intervals: int = 6
+    actions: tuple[str, ...] = SLO_ACTIONS
+    max_replicas: int = 1  # scale_out adds at most this many replicas
+    min_requests: int = 10  # fewer calls in an interval: no verdict either way
+
+
+@dataclass(frozen=True)
+class SloState:
+    """What the SLO loop has done to a service (never read from the mesh file): tenants whose
+    rate limits are tightened at the sidecars, and whether outlier detection is tightened."""
+
+    shed_tenants: tuple[str, ...] = ()
+    outlier_tightened: bool = False
+
+
 @dataclass(frozen=True)
 class HealthCheck:
     """Active gRPC health checking (grpc.health.v1)."""
@@ -238,6 +268,8 @@ class Service:
     connect_timeout: float = 1.0
     # Default: ring_hash when route.hash_policy is set (sticky hosts), else round_robin.
     load_balancing: str = "round_robin"
+    slo: Slo | None = None
+    slo_state: SloState = field(default_factory=SloState)
     isolation: Isolation | None = None
     quarantined: tuple[Quarantine, ...] = ()
 
@@ -344,6 +376,9 @@ class Mesh:
             if not CLASS_KEY.match(q.key):
                 raise MeshError(f"services.{service}.quarantined: {q.key!r} is not a class key")
         return self._replace_service(svc, quarantined=tuple(entries))
+
+    def with_slo_state(self, service: str, state: SloState) -> Mesh:
+        return self._replace_service(self._service(service), slo_state=state)
 
     def _service(self, name: str) -> Service:
         if name not in self.services:
@@ -549,6 +584,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
             "connect_timeout",
             "stall",
             "load_balancing",
+            "slo",
             "isolation",
         },
     )
@@ -562,6 +598,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
         versions=versions,
         route=route,
         load_balancing=_load_balancing(d.get("load_balancing"), route, f"{path}.load_balancing"),
+        slo=_opt(d, "slo", path, _slo),
         outlier_detection=_opt(d, "outlier_detection", path, _outlier),
         circuit_breakers=_opt(d, "circuit_breakers", path, _circuit_breakers),
         retry_policy=_opt(d, "retry_policy", path, _retry_policy),
@@ -673,6 +710,43 @@ def _load_balancing(raw: Any, route: Route, path: str) -> str:
     if raw == "ring_hash" and route.hash_policy is None:
         raise MeshError(f"{path}: ring_hash needs route.hash_policy (the header to hash)")
     return raw
+
+
+def _slo(d: dict, path: str) -> Slo:
+    keys = {"ttft_p99", "tpot_p99", "success_rate", "interval", "deviation", "intervals"}
+    _only(d, path, keys | {"recover_intervals", "actions", "max_replicas", "min_requests"})
+    if not keys & {"ttft_p99", "tpot_p99", "success_rate"} & set(d):
+        raise MeshError(f"{path}: needs at least one of ttft_p99, tpot_p99, success_rate")
+    rate = d.get("success_rate")
+    if rate is not None and (
+        isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < 100
+    ):
+        raise MeshError(f"{path}.success_rate: expected a percentage above 0, below 100")
+    dev = _rate(d.get("deviation", "15%"), f"{path}.deviation")
+    n = _int(d.get("intervals", 3), f"{path}.intervals", 1, 100)
+    actions = d.get("actions", list(SLO_ACTIONS))
+    if not isinstance(actions, list) or not actions:
+        raise MeshError(f"{path}.actions: expected a list of {', '.join(SLO_ACTIONS)}")
+    for i, a in enumerate(actions):
+        if a not in SLO_ACTIONS:
+            raise MeshError(f"{path}.actions[{i}]: expected one of {', '.join(SLO_ACTIONS)}")
+    if len(set(actions)) != len(actions):
+        raise MeshError(f"{path}.actions: an action is listed twice")
+    return Slo(
+        ttft_p99=None if "ttft_p99" not in d else _positive(d["ttft_p99"], f"{path}.ttft_p99"),
+        tpot_p99=None if "tpot_p99" not in d else _positive(d["tpot_p99"], f"{path}.tpot_p99"),
+        success_rate=None if rate is None else float(rate),
+        interval=_positive(d.get("interval", "10s"), f"{path}.interval"),
+        deviation=dev,
+        intervals=n,
+        # Hysteresis: undoing takes twice as long as acting unless said otherwise.
+        recover_intervals=_int(
+            d.get("recover_intervals", 2 * n), f"{path}.recover_intervals", n, 1000
+        ),
+        actions=tuple(actions),
+        max_replicas=_int(d.get("max_replicas", 1), f"{path}.max_replicas", 1, 16),
+        min_requests=_int(d.get("min_requests", 10), f"{path}.min_requests", 0, 1_000_000),
+    )
 
 
 def _check_weights(weights: dict[str, Any], versions: dict[str, Version], path: str) -> dict:

@@ -42,6 +42,29 @@ class Limit(Protocol):
     fill_interval_ms: int
 
 
+@dataclass(frozen=True)
+class ShedLimit:
+    """A tenant shed by the SLO loop (xds_server/slo.py): SHED_FRACTION of its own limit, or
+    one call a second when it has none; bounded, and gone when the loop undoes it."""
+
+    max_tokens: int
+    tokens_per_fill: int
+    fill_interval_ms: int
+
+
+SHED_FRACTION = 4  # a shed tenant keeps a quarter of its rate
+
+
+def shed(limit: Limit | None) -> ShedLimit:
+    if limit is None:
+        return ShedLimit(1, 1, 1000)
+    return ShedLimit(
+        max(1, limit.max_tokens // SHED_FRACTION),
+        max(1, limit.tokens_per_fill // SHED_FRACTION),
+        limit.fill_interval_ms,
+    )
+
+
 @dataclass
 class _Bucket:
     tokens: int
@@ -104,6 +127,10 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
                 for t in tenants
                 if t.rate_limit is not None
             }
+            for svc in mesh.services.values():
+                for t in tenants:
+                    if t.name in svc.slo_state.shed_tenants:
+                        self._by_key[(svc.name, t.name)] = shed(t.rate_limit)
             self._seen = mesh
             self._buckets.keep_only(set(self._by_key))
         return self._by_key

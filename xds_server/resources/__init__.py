@@ -133,7 +133,8 @@ def _authz_filters(
         filters = [listeners.ecds_filter(names.AUTHZ_FILTER)]
     # Limits are mesh-wide promises: the control plane's rate-limit service holds the buckets
     # (issue 9, defect 5); the authz filter's per-sidecar buckets are the local tier.
-    if any(tn.rate_limit is not None for tn in mesh.tenants.tenants):
+    # A service with an SLO gets it too: the SLO loop sheds tenants there (xds_server/slo.py).
+    if mesh.services[service].slo or any(tn.rate_limit for tn in mesh.tenants.tenants):
         filters.append(ratelimit.ratelimit_filter(service))
     return filters
 

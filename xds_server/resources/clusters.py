@@ -59,8 +59,11 @@ def cluster(
             )
         )
     )
-    if svc.outlier_detection:
-        c.outlier_detection.CopyFrom(outlier_detection(svc.outlier_detection))
+    od = svc.outlier_detection
+    if svc.slo_state.outlier_tightened:
+        od = tightened(od or m.OutlierDetection(consecutive_gateway_failure=5))
+    if od:
+        c.outlier_detection.CopyFrom(outlier_detection(od))
     if svc.circuit_breakers:
         c.circuit_breakers.CopyFrom(circuit_breakers(svc.circuit_breakers))
     if svc.health_check and active_health:
@@ -81,6 +84,22 @@ def least_loaded() -> cluster_pb2.LoadBalancingPolicy:
     ext = extension_pb2.TypedExtensionConfig(name=_CSWRR, typed_config=pack(cfg))
     return cluster_pb2.LoadBalancingPolicy(
         policies=[cluster_pb2.LoadBalancingPolicy.Policy(typed_extension_config=ext)]
+    )
+
+
+def tightened(o: m.OutlierDetection) -> m.OutlierDetection:
+    """The SLO loop's tighter outlier detection (bounded): half the consecutive failures
+    (at least 1), a check every 2 s at most, up to half the hosts ejected."""
+
+    def half(n: int | None) -> int | None:
+        return None if n is None else max(1, n // 2)
+
+    return m.OutlierDetection(
+        consecutive_5xx=half(o.consecutive_5xx),
+        consecutive_gateway_failure=half(o.consecutive_gateway_failure or 5),
+        interval=min(o.interval, 2.0),
+        base_ejection_time=o.base_ejection_time,
+        max_ejection_percent=max(o.max_ejection_percent, 50),
     )
 
 

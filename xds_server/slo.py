@@ -1,0 +1,353 @@
+"""The SLO loop (issue 12, item 4): per service, every `slo.interval`, measure what callers saw,
+and when the worst metric stays past its target by more than `slo.deviation` for
+`slo.intervals` intervals in a row, take the next bounded action; when the SLO holds for
+`slo.recover_intervals` intervals in a row, undo the last one.
+
+Hysteresis, so it never flaps: an action needs N breached intervals in a row, an undo needs
+`recover_intervals` (default 2N) intervals in a row within the SLO (deviation <= 0). An
+interval in between (inside the deviation band) or without a verdict (too few calls, a source
+down) breaks both runs: no data neither acts nor undoes (Flagger's trap). After each step both
+counts restart.
+
+Measurements come only from what the operator configured (xds_server/discovery.py): the
+caller sidecars' grpc_stats counters and the versions' runtime metrics URLs.
+
+Actions, in `slo.actions` order: `shed` tightens the rate limits of the service's
+lowest-priority tenants at the sidecars (the mesh-wide rate-limit service, xds_server/
+ratelimit.py), only when a higher priority class also uses the service; `tighten_outlier`
+halves the outlier detection thresholds (xds_server/resources/clusters.py `tightened`);
+`scale_out` starts a replica through a `Scaler` and adds it by EDS (one per step, up to
+`slo.max_replicas`). Every step is logged with its reason and kept in `status()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from xds_server import mesh as m
+from xds_server.gates import (
+    EnvoyStatsSource,
+    GrpcCounts,
+    MeasurementError,
+    RuntimeMetricsSource,
+    delta,
+)
+from xds_server.resources.names import outbound_cluster
+from xds_server.scaler import Scaler, ScalerError
+
+log = logging.getLogger("meshlm.slo")
+PRIORITY_ORDER = ("high", "normal", "low")
+HISTORY = 100
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One interval as callers saw it. None: not measured (a source down or not configured)."""
+
+    requests: int | None = None
+    success_rate: float | None = None
+    ttft_p99: float | None = None  # seconds
+    tpot_p99: float | None = None
+
+
+def deviation(slo: m.Slo, r: Reading) -> tuple[float | None, str]:
+    """The worst metric's relative distance past its target (0.2 = 20 % worse than the SLO,
+    negative = within it) and what it is; None when this interval gives no verdict."""
+    if r.requests is not None and r.requests < slo.min_requests:
+        return None, f"too few calls ({r.requests} < min_requests {slo.min_requests})"
+    parts: list[tuple[float, str]] = []
+    for name, target, value in (
+        ("TTFT p99", slo.ttft_p99, r.ttft_p99),
+        ("TPOT p99", slo.tpot_p99, r.tpot_p99),
+    ):
+        if target is not None and value is not None:
+            parts.append(
+                (value / target - 1, f"{name} {value * 1e3:.0f}ms (SLO {target * 1e3:.0f}ms)")
+            )
+    if slo.success_rate is not None and r.success_rate is not None and r.requests:
+        # Against the error budget: 99 % seen for a 99.5 % SLO spends it twice (+100 %).
+        allowed = 100.0 - slo.success_rate
+        parts.append(
+            (
+                (100.0 - r.success_rate) / allowed - 1,
+                f"success {r.success_rate:.2f}% (SLO {slo.success_rate:g}%)",
+            )
+        )
+    if not parts:
+        return None, "no measurement for any objective"
+    worst = max(parts)
+    return worst[0], worst[1]
+
+
+class Hysteresis:
+    """The decision alone: +1 (take the next action), -1 (undo the last), 0 (hold)."""
+
+    def __init__(self, slo: m.Slo, steps: int) -> None:
+        self.slo, self.steps = slo, steps
+        self.level = 0  # actions in force
+        self.breached = self.met = 0
+
+    def observe(self, dev: float | None) -> int:
+        if dev is not None and dev > self.slo.deviation:
+            self.breached, self.met = self.breached + 1, 0
+        elif dev is not None and dev <= 0:
+            self.breached, self.met = 0, self.met + 1
+        else:  # inside the band, or no verdict: a run is broken either way
+            self.breached = self.met = 0
+        if self.breached >= self.slo.intervals and self.level < self.steps:
+            self.level, self.breached = self.level + 1, 0
+            return 1
+        if self.met >= self.slo.recover_intervals and self.level > 0:
+            self.level, self.met = self.level - 1, 0
+            return -1
+        return 0
+
+
+def steps(slo: m.Slo) -> list[str]:
+    """The actions in order, `scale_out` once per replica it may add."""
+    out: list[str] = []
+    for a in slo.actions:
+        out += [a] * (slo.max_replicas if a == "scale_out" else 1)
+    return out
+
+
+def lowest_priority_tenants(mesh: m.Mesh, service: str) -> tuple[str, ...]:
+    """Tenants allowed on `service` in its lowest priority class, when a higher class also
+    uses it (shedding everyone would be an outage, not a protection)."""
+    policy = mesh.tenants
+    tenants = [t for t in getattr(policy, "tenants", ()) if policy.methods_for(t, service)]
+    ranks = {t.name: PRIORITY_ORDER.index(t.priority) for t in tenants}
+    if len(set(ranks.values())) < 2:
+        return ()
+    worst = max(ranks.values())
+    return tuple(sorted(n for n, r in ranks.items() if r == worst))
+
+
+class SloController:
+    """One service's loop: `tick()` measures one interval, decides and acts. The control
+    plane (`cp`) is what set_slo_state / add_endpoint / remove_endpoint are called on."""
+
+    def __init__(
+        self,
+        cp: Any,  # xds_server.control_plane.ControlPlane
+        service: str,
+        *,
+        scaler: Scaler | None = None,
+        read: Callable[[], Reading] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cp, self.service, self.scaler, self.clock = cp, service, scaler, clock
+        self.slo: m.Slo = cp.mesh.services[service].slo
+        self.plan = steps(self.slo)
+        self.decide = Hysteresis(self.slo, len(self.plan))
+        self.state = m.SloState()
+        self.replicas: list[tuple[str, str]] = []  # (version, endpoint) added by scale_out
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self.last: dict[str, Any] = {}
+        self._read = read or self._measure
+        self._before: dict[str, dict[str, GrpcCounts]] = {}
+        self._lock = threading.Lock()
+
+    # -- measuring ------------------------------------------------------------------------------
+    def _measure(self) -> Reading:
+        svc = self.cp.mesh.services[self.service]
+        from xds_server import discovery  # imports the control plane module: only at run time
+
+        counts: GrpcCounts | None = GrpcCounts()
+        try:
+            for v in svc.versions:
+                src = EnvoyStatsSource(
+                    functools.partial(discovery.caller_admin_urls, self.cp),
+                    outbound_cluster(self.service, v),
+                )
+                now = src.read()
+                counts = counts + delta(self._before.get(v), now)
+                self._before[v] = now
+        except MeasurementError as e:
+            log.info("slo %s: gRPC counts unavailable: %s", self.service, e)
+            counts = None
+        urls = [u for ver in svc.versions.values() for u in ver.metrics_urls]
+        ttft = tpot = None
+        if urls:
+            try:
+                lat = RuntimeMetricsSource(urls).read()
+                ttft, tpot = lat.ttft_p99, lat.tpot_p99
+            except MeasurementError as e:
+                log.info("slo %s: runtime metrics unavailable: %s", self.service, e)
+        return Reading(
+            requests=None if counts is None else counts.total,
+            success_rate=None if counts is None else counts.success_rate,
+            ttft_p99=ttft,
+            tpot_p99=tpot,
+        )
+
+    # -- one interval ---------------------------------------------------------------------------
+    def tick(self) -> dict[str, Any]:
+        with self._lock:
+            reading = self._read()
+            dev, what = deviation(self.slo, reading)
+            step = self.decide.observe(dev)
+            self.last = {
+                "time": self.clock(),
+                "reading": asdict(reading),
+                "deviation": None if dev is None else round(dev, 4),
+                "worst": what,
+                "breached_intervals": self.decide.breached,
+                "met_intervals": self.decide.met,
+            }
+            if step > 0:
+                action = self.plan[self.decide.level - 1]
+                self._record(action, "apply", self._apply(action), what, dev)
+            elif step < 0:
+                action = self.plan[self.decide.level]
+                self._record(action, "undo", self._undo(action), what, dev)
+            self._reassert()
+            return self.last
+
+    def _record(self, action: str, direction: str, done: str, what: str, dev: float | None) -> None:
+        why = (
+            f"{what}: {dev:+.0%} for {self.slo.intervals} intervals (threshold "
+            f"{self.slo.deviation:+.0%})"
+            if direction == "apply"
+            else f"SLO held for {self.slo.recover_intervals} intervals ({what})"
+        )
+        entry = {"time": self.clock(), "action": action, "direction": direction,
+                 "level": self.decide.level, "reason": why, "done": done}  # fmt: skip
+        self.history.append(entry)
+        log.warning("slo %s: %s %s: %s; %s", self.service, direction, action, done, why)
+
+    def _apply(self, action: str) -> str:
+        if action == "shed":
+            tenants = lowest_priority_tenants(self.cp.mesh, self.service)
+            self.state = m.SloState(tenants, self.state.outlier_tightened)
+            if not tenants:
+                return "no lower-priority tenant to shed (one priority class uses the service)"
+            return f"rate limits of {', '.join(tenants)} cut to a quarter"
+        if action == "tighten_outlier":
+            self.state = m.SloState(self.state.shed_tenants, True)
+            return "outlier detection tightened"
+        return self._scale_out()
+
+    def _undo(self, action: str) -> str:
+        if action == "shed":
+            self.state = m.SloState((), self.state.outlier_tightened)
+            return "rate limits restored"
+        if action == "tighten_outlier":
+            self.state = m.SloState(self.state.shed_tenants, False)
+            return "outlier detection restored"
+        return self._scale_in()
+
+    def _scale_out(self) -> str:
+        if self.scaler is None:
+            return "no scaler configured (meshlm xds-server --scaler)"
+        version = _main_version(self.cp.mesh.services[self.service])
+        try:
+            endpoint = self.scaler.scale_out(self.service, version)
+        except ScalerError as e:
+            return f"scale-out failed: {e}"
+        self.replicas.append((version, endpoint))
+        self.cp.add_endpoint(self.service, version, endpoint)
+        return f"replica {endpoint} added to {version}"
+
+    def _scale_in(self) -> str:
+        if not self.replicas:
+            return "no replica of ours to remove"
+        version, endpoint = self.replicas.pop()
+        svc = self.cp.mesh.services[self.service]
+        if version in svc.versions and any(
+            str(e) == endpoint for e in svc.versions[version].endpoints
+        ):
+            # Out of EDS first: no new call reaches the replica while it stops.
+            self.cp.remove_endpoint(self.service, version, endpoint)
+        try:
+            self.scaler.scale_in(self.service, version, endpoint)  # type: ignore[union-attr]
+        except ScalerError as e:
+            return f"replica {endpoint} removed from {version}; stopping it failed: {e}"
+        return f"replica {endpoint} removed from {version}"
+
+    def _reassert(self) -> None:
+        """A `meshlm apply` replaces the mesh: what is in force is put back at once."""
+        mesh = self.cp.mesh
+        if self.service not in mesh.services:
+            return
+        svc = mesh.services[self.service]
+        if svc.slo_state != self.state:
+            self.cp.set_slo_state(self.service, self.state)
+        for version, endpoint in self.replicas:
+            ver = svc.versions.get(version)
+            if ver is not None and not any(str(e) == endpoint for e in ver.endpoints):
+                self.cp.add_endpoint(self.service, version, endpoint)
+
+    # -- running ---------------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.slo.interval):
+            try:
+                self.tick()
+            except Exception:  # one bad interval must not end the loop
+                log.exception("slo %s: interval failed", self.service)
+
+    def close(self) -> None:
+        """Stop the replicas this loop started (the control plane is going away)."""
+        while self.replicas:
+            self._scale_in()
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "service": self.service,
+                "slo": asdict(self.slo),
+                "level": self.decide.level,
+                "in_force": self.plan[: self.decide.level],
+                "state": asdict(self.state),
+                "replicas": [e for _, e in self.replicas],
+                "last": self.last,
+                "history": list(self.history),
+            }
+
+
+def _main_version(svc: m.Service) -> str:
+    """The version carrying most of the traffic (the first on a tie)."""
+    return max(svc.route.weights, key=lambda v: svc.route.weights[v])
+
+
+class SloLoops:
+    """Every service's loop in its own thread, and the admin API's `GET /slo[/service]`."""
+
+    def __init__(self, cp: Any, scaler: Scaler | None = None) -> None:
+        self.loops = {
+            name: SloController(cp, name, scaler=scaler)
+            for name, svc in cp.mesh.services.items()
+            if svc.slo is not None
+        }
+        self._stop = threading.Event()
+
+    def start(self) -> SloLoops:
+        for name, loop in self.loops.items():
+            threading.Thread(
+                target=loop.run, args=(self._stop,), name=f"slo-{name}", daemon=True
+            ).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for loop in self.loops.values():
+            loop.close()
+
+    def handle(self, method: str, target: str, body: bytes = b"") -> tuple[int, Any]:
+        parts = [p for p in target.split("?", 1)[0].split("/") if p][1:]
+        if method != "GET" or len(parts) > 1:
+            return 404, {"error": f"no such endpoint: {method} {target}"}
+        if not parts:
+            return 200, {n: loop.status() for n, loop in self.loops.items()}
+        if parts[0] not in self.loops:
+            return 404, {
+                "error": f"services.{parts[0]}: no slo block (known: {', '.join(self.loops)})"
+            }
+        return 200, self.loops[parts[0]].status()
