@@ -203,3 +203,11 @@ def test_module_speaks_proxy_wasm_0_2_1_with_body_callbacks() -> None:
     assert exports >= {"proxy_abi_version_0_2_1", "proxy_on_request_body", "memory"}
     assert {(i.module, i.name) for i in module.imports} <= {("env", n) for n, _, _ in _IMPORTS}
     assert CLASSIFY_WASM_PATH.stat().st_size < 200_000
+
+
+def test_a_resumed_stream_keeps_the_class_of_its_request(host: WasmHost) -> None:
+    """Issue 10's resume fields are not the request's kind: a query of death resumed on another
+    replica is still the same class."""
+    first = klass(host, body(prompt="crash me", request_id="a"))
+    resumed = body(prompt="crash me", resume_token_ids=[5, 6], resume_index=2, avoid_replica="v1-0")
+    assert klass(host, resumed) == first is not None
