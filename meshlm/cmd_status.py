@@ -37,10 +37,30 @@ def run(args: argparse.Namespace) -> int:
         rollouts = _get(base + "/rollouts")
     except (OSError, urllib.error.URLError, ValueError):
         rollouts = {}  # a control plane without rollouts mounted
+    try:
+        slo = _get(base + "/slo")
+    except (OSError, urllib.error.URLError, ValueError):
+        slo = {}  # a control plane without the SLO loop
     print(render(doc))
     if rollouts:
         print("\n" + render_rollouts(rollouts))
+    if slo:
+        print("\n" + render_slo(slo))
     return 0
+
+
+def render_slo(slo: dict[str, Any]) -> str:
+    """Per service: the SLO loop's last interval and the actions in force, with their reasons."""
+    lines = ["SLO  DEVIATION  IN FORCE  LAST"]
+    for service, s in sorted(slo.items()):
+        last = s.get("last") or {}
+        dev = last.get("deviation")
+        dev_s = "n/a" if dev is None else f"{dev:+.0%}"
+        in_force = ",".join(s.get("in_force") or []) or "-"
+        lines.append(f"{service}  {dev_s}  {in_force}  {last.get('worst', '')}")
+        for h in s.get("history", [])[-5:]:
+            lines.append(f"  {h['direction']} {h['action']}: {h['done']} ({h['reason']})")
+    return "\n".join(lines)
 
 
 def render_rollouts(rollouts: dict[str, Any]) -> str:

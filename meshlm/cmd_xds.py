@@ -22,6 +22,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-host", default="127.0.0.1", help="ADS listen address")
     p.add_argument("--rollout-store", help="rollout state file, kept across restarts "
                    "(default: .meshlm/rollouts.json beside the mesh file)")  # fmt: skip
+    p.add_argument("--scaler", choices=("none", "local", "command"), default="none",
+                   help="how the SLO loop's scale_out adds replicas: local starts `meshlm "
+                   "serve` + its sidecar; command runs --scale-out/in-command")  # fmt: skip
+    p.add_argument("--scale-out-command", help="prints the new replica's host:port last "
+                   "(gets $MESHLM_SERVICE, $MESHLM_VERSION)")  # fmt: skip
+    p.add_argument("--scale-in-command", help="stops the replica at $MESHLM_ENDPOINT")
+    p.add_argument("--scaler-serve-args", default="",
+                   help="extra `meshlm serve` arguments of a local scaler's replicas")  # fmt: skip
     p.add_argument("--isolation-store", help="quarantined request classes, kept across restarts "
                    "(default: .meshlm/isolation.json beside the mesh file)")  # fmt: skip
 
@@ -34,8 +42,13 @@ def run(args: argparse.Namespace) -> int:
     from xds_server.mesh import MeshError, load_mesh, parse_duration
     from xds_server.rollout import RolloutController
     from xds_server.rollout_api import RolloutAPI, spec_from_mesh
+    from xds_server.slo import SloLoops
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.scaler == "command" and not (args.scale_out_command and args.scale_in_command):
+        print("meshlm xds-server: --scaler command needs --scale-out-command and "
+              "--scale-in-command", file=sys.stderr)  # fmt: skip
+        return 2
     try:
         mesh = load_mesh(args.mesh)
         debounce = parse_duration(args.debounce, "--debounce") if args.debounce else None
@@ -85,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     store = Path(args.rollout_store or Path(args.mesh).resolve().parent / ".meshlm/rollouts.json")
     store.parent.mkdir(parents=True, exist_ok=True)
     rollouts = RolloutController(cp, str(store), configured_sources(cp))
+    slo = SloLoops(cp, _scaler(args, f"127.0.0.1:{cp.grpc_port}")).start()
+    admin.mounts["/slo"] = slo.handle
     api = RolloutAPI(rollouts, lambda service: spec_from_mesh(cp.mesh, service))
     admin.mounts["/rollouts"] = api.handle
     print(
@@ -95,8 +110,21 @@ def run(args: argparse.Namespace) -> int:
     stop = termination_event()
     stop.wait()
     rollouts.close()
+    slo.stop()
     admin.stop()
     cp.stop()
     if written:
         admin_token.remove_token(admin.port, admin.token)
     return 0
+
+
+def _scaler(args: argparse.Namespace, xds: str):  # -> xds_server.scaler.Scaler | None
+    import shlex
+
+    from xds_server.scaler import CommandScaler, LocalScaler
+
+    if args.scaler == "local":
+        return LocalScaler(xds, serve_args=shlex.split(args.scaler_serve_args))
+    if args.scaler == "command":
+        return CommandScaler(args.scale_out_command, args.scale_in_command)
+    return None
