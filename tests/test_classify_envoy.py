@@ -120,7 +120,7 @@ def test_a_garbage_body_is_not_classified_and_reaches_the_upstream_unchanged(
         got = call(port, body)
         assert "x-meshlm-class" not in got
         assert got[":body-sha256"] == hashlib.sha256(body).hexdigest()
-    big = msg(prompt="long " * 40_000)  # 200 KB: classified by its first 64 KiB
+    big = msg(prompt="long " * 80_000)  # 400 KB: classified by its first 320 KiB
     got = call(port, big)
     assert got[":body-sha256"] == hashlib.sha256(big).hexdigest()
     assert len(got["x-meshlm-class"]) == 16

@@ -15,14 +15,17 @@
 //! - :authority keeps equal texts to different services apart;
 //! - only a hash leaves the filter: no prompt text in headers, logs or stats.
 //! Bodies: the filter pauses Generate calls only, buffers until the first gRPC frame is whole
-//! (5-byte prefix + one FlatBuffers GenerateRequest) or `max_body_bytes` have arrived, then
-//! classifies. A frame over the limit is classified by its prefix: text that lies inside it
-//! counts, so a long prompt whose start arrived gets the class it would get whole. A body that is
+//! (5-byte prefix + one FlatBuffers GenerateRequest) or `max_body_bytes` (default 320 KiB, above
+//! the runtime's 256 KiB prompt limit) have arrived, then classifies. A frame over the limit is
+//! classified by its prefix: text that lies inside it counts (the class it would get whole);
+//! text past it (builders put strings behind the table) leaves the kind alone, marked truncated,
+//! so such oversized requests of one kind share a class. A body that is
 //! not a GenerateRequest (bad offsets, compressed frame, no text field) gets no class and passes
 //! on unchanged; the runtime rejects it as before. A client-sent `x-meshlm-class` is always
 //! removed. Every read of the body is bounds-checked: a hostile body cannot crash the VM.
-//! This is not an authz filter: it is deployed with failure_policy FAIL_OPEN (a failed VM lets
-//! calls through unclassified; the listener also strips client-sent class headers before it).
+//! This is not an authz filter: it is deployed with failure_policy FAIL_OPEN (after a VM failure
+//! calls pass unclassified; Envoy fails the one call that was inside the VM with UNAVAILABLE; the
+//! listener strips client-sent class headers before this filter). See classify_xds.py.
 //! Build: `python -m wasm_filters.build`.
 
 const std = @import("std");
@@ -55,7 +58,7 @@ const gpa = std.heap.wasm_allocator;
 /// What the host hands us lives here and is dropped at the end of each exported call.
 var scratch = std.heap.ArenaAllocator.init(std.heap.wasm_allocator);
 
-const Config = struct { prefix_bytes: u32 = 64, max_body_bytes: u32 = 64 * 1024 };
+const Config = struct { prefix_bytes: u32 = 64, max_body_bytes: u32 = 320 * 1024 };
 
 var roots: std.AutoHashMapUnmanaged(u32, Config) = .empty;
 var stream_root: std.AutoHashMapUnmanaged(u32, u32) = .empty;

@@ -33,7 +33,9 @@ CLASSIFY_FILTER = "meshlm.classify"
 CLASS_HEADER = "x-meshlm-class"
 VM_ID = "meshlm_classify"
 PREFIX_BYTES = 64  # bytes of normalised text that make a class (see classify.zig)
-MAX_BODY_BYTES = 64 * 1024  # a larger first frame is classified by this prefix
+# Above the runtime's 256 KiB prompt limit: any prompt it serves is classified whole; a larger
+# first frame (many long messages) is classified by this prefix.
+MAX_BODY_BYTES = 320 * 1024
 
 
 def classify_filter_config(
