@@ -170,21 +170,23 @@ class Engine:
                 self._check_tenant(params, cost)
             victim = None
             if len(self._waiting) >= self.max_queue:
-                victim = self._waiting.victim_for(params.priority) if self.isolation else None
+                victim = None
+                if self.isolation:
+                    victim = self._waiting.victim_for(params.priority, params.tenant, cost)
                 if victim is None:
                     raise EngineFull(
                         f"queue full: {len(self._waiting)} requests waiting (max_queue "
                         f"{self.max_queue}), {len(self._running) + len(self._prefilling)} "
                         f"running; none waiting has a priority below this one's "
-                        f"({params.priority})"
+                        f"({params.priority}) nor is another tenant's backlog larger"
                     )
-                self._waiting.pop(victim)
+                self._waiting.pop(victim[0], served=False)
             self._known[request_id] = req
             self._waiting.push(req, params.tenant, params.priority, cost)
             self.requests_admitted += 1
             self._lock.notify_all()
         if victim is not None:
-            self._shed(victim.request, params.priority)
+            self._shed(victim[0].request, victim[1])
 
     def _check_tenant(self, params: GenerateParams, cost: int) -> None:
         queued = self._waiting.queued_tokens(params.tenant)
@@ -195,13 +197,9 @@ class Engine:
                 f"{self.tenant_max_queued_tokens})"
             )
 
-    def _shed(self, req: _Request, by_priority: int) -> None:
+    def _shed(self, req: _Request, why: str) -> None:
         self.requests_shed += 1
-        msg = (
-            f"shed under overload: queue full (max_queue {self.max_queue}) and a request of "
-            f"priority {by_priority} took the place of this one (priority {req.params.priority}, "
-            "the lowest waiting)"
-        )
+        msg = f"shed under overload: queue full (max_queue {self.max_queue}); {why}"
         waited = time.monotonic() - req.submitted
         ev = TokenEvent(req.rid, [], "", "error", waited, None, msg, shed=True)
         req.first_event_sent = True

@@ -9,9 +9,11 @@ generations has far-away finish tags, so a quiet tenant's short call goes ahead 
 waiting behind the whole flood. With `fair=False` the order is the old one: priority, then
 arrival (the off switch of `meshlm serve --no-tenant-isolation`).
 
-Under overload (a full queue) the lowest priority is shed first: `victim_for(priority)` names the
-waiting request to drop so that a higher-priority one can take its place (the lowest priority,
-and in it the request that would be served last).
+Under overload (a full queue) the lowest priority is shed first: `victim_for()` names the waiting
+request to drop so that a new one can take its place: the request served last if its priority is
+below the new one's; else, in fair mode, the last request of the tenant that holds the most queued
+tokens at the new request's priority, if that is another tenant and holds more than the new
+request's tenant would (so a flood cannot fill the queue and lock a quiet tenant out).
 """
 
 from __future__ import annotations
@@ -73,9 +75,10 @@ class FairQueue:
         """The next request to admit among those `eligible` says may run now."""
         return next((e for e in self.ordered() if eligible(e)), None)
 
-    def pop(self, e: Entry) -> None:
+    def pop(self, e: Entry, served: bool = True) -> None:
+        """Takes `e` out of the queue; a served request moves the virtual clock, a shed one not."""
         self._remove(e)
-        if self.fair:
+        if self.fair and served:
             self._vtime[e.priority] = max(self._vtime[e.priority], e.start)
 
     def remove_requests(self, pred: Callable[[Any], bool]) -> list[Any]:
@@ -85,13 +88,30 @@ class FairQueue:
             self._remove(e)
         return [e.request for e in gone]
 
-    def victim_for(self, priority: int) -> Entry | None:
-        """The waiting request a new one of `priority` may displace from a full queue: the one
-        served last among the lowest priority, if that priority is below `priority`."""
+    def victim_for(self, priority: int, tenant: str, cost: int) -> tuple[Entry, str] | None:
+        """The waiting request a new one may displace from a full queue, and why (see above)."""
         if not self._entries:
             return None
         last = self.ordered()[-1]
-        return last if last.priority < priority else None
+        if last.priority < priority:
+            return last, (
+                f"a request of priority {priority} took the place of this one (priority "
+                f"{last.priority}, the lowest waiting)"
+            )
+        if not self.fair:
+            return None
+        held: dict[str, int] = defaultdict(int)
+        for e in self._entries:
+            if e.priority == priority:
+                held[e.tenant] += e.cost
+        heavy = max(held, key=held.__getitem__, default=None)
+        if heavy is None or heavy == tenant or held[heavy] <= held[tenant] + cost:
+            return None
+        mine = [e for e in self._entries if e.tenant == heavy and e.priority == priority]
+        return max(mine, key=self._key), (
+            f"tenant {heavy!r} holds the most queued tokens at priority {priority} "
+            f"({held[heavy]}) and another tenant's request took the place of this one"
+        )
 
     def requests(self) -> Iterable[Any]:
         return [e.request for e in self._entries]

@@ -147,6 +147,24 @@ def test_overload_sheds_the_lowest_priority_first(smollm_int4, engines) -> None:
     assert order.first[2:] == ["high", "normal"]
 
 
+def test_a_flood_cannot_fill_the_queue_and_lock_a_quiet_tenant_out(smollm_int4, engines):
+    engine = Engine(smollm_int4, max_batch=1, max_queue=2)
+    engines.append(engine)
+    order = Order()
+    for i in range(2):
+        p = params(smollm_int4, f"Write a long story number {i}.", "noisy", 24)
+        engine.submit(f"noisy-{i}", p, order.sink(f"noisy-{i}"))
+    engine.submit("quiet", params(smollm_int4, "Hi.", "quiet", 4), order.sink("quiet"))
+    shed = order.last["noisy-1"]
+    assert shed.shed and "tenant 'noisy' holds the most queued tokens at priority 0" in shed.error
+    with pytest.raises(EngineFull, match="nor is another tenant's backlog larger"):
+        p = params(smollm_int4, "Write a long story.", "noisy", 24)
+        engine.submit("noisy-2", p, order.sink("noisy-2"))
+    engine.start()
+    order.wait(3)
+    assert order.first == ["noisy-1", "quiet", "noisy-0"]
+
+
 def test_fair_queue_orders_by_tokens_not_requests() -> None:
     q = FairQueue()
     for i in range(3):
