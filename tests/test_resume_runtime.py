@@ -73,6 +73,25 @@ def test_resume_after_5_tokens_is_the_uninterrupted_stream(client, sampling) -> 
     assert resumed[-1].finish_reason == full[-1].finish_reason
 
 
+def test_resume_inside_a_multibyte_character_loses_no_byte(client) -> None:
+    emojis = [{"role": "user", "content": "Reply with three dragon emojis."}]
+    full = list(client.generate(messages=emojis, max_new_tokens=10, timeout=120))
+    # The first point where a chunk's token held back an incomplete character.
+    k = next((i + 1 for i, c in enumerate(full[:-1]) if i and not c.text_delta), None)
+    assert k is not None, [c.text_delta for c in full]
+    resumed = list(
+        client.generate(
+            messages=emojis,
+            max_new_tokens=10,
+            resume_token_ids=ids_of(full[:k]),
+            resume_index=k,
+            timeout=120,
+        )
+    )
+    assert text_of(full[:k]) + text_of(resumed) == text_of(full)
+    assert "\ufffd" not in text_of(resumed[:-1])
+
+
 def test_stop_sequence_across_the_resume_boundary(client) -> None:
     plain = stream(client, max_new_tokens=12)
     # A stop string that begins before the resume point and ends after it.
