@@ -38,12 +38,18 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, urllib.error.URLError, ValueError):
         rollouts = {}  # a control plane without rollouts mounted
     try:
+        isolation = _get(base + "/isolation")
+    except (OSError, urllib.error.URLError, ValueError):
+        isolation = {}  # an older control plane
+    try:
         slo = _get(base + "/slo")
     except (OSError, urllib.error.URLError, ValueError):
         slo = {}  # a control plane without the SLO loop
     print(render(doc))
     if rollouts:
         print("\n" + render_rollouts(rollouts))
+    if any(s.get("quarantined") for s in isolation.values()):
+        print("\n" + render_isolation(isolation))
     if slo:
         print("\n" + render_slo(slo))
     return 0
@@ -60,6 +66,19 @@ def render_slo(slo: dict[str, Any]) -> str:
         lines.append(f"{service}  {dev_s}  {in_force}  {last.get('worst', '')}")
         for h in s.get("history", [])[-5:]:
             lines.append(f"  {h['direction']} {h['action']}: {h['done']} ({h['reason']})")
+    return "\n".join(lines)
+
+
+def render_isolation(isolation: dict[str, Any]) -> str:
+    """One line per quarantined request class (issue 11)."""
+    lines = ["QUARANTINE  CLASS  STATE  SINCE  ACKED  WHY"]
+    for service, s in sorted(isolation.items()):
+        for q in s.get("quarantined", []):
+            acked = q.get("applied") or "pending"
+            lines.append(
+                f"{service}  {q['key']}  {q['state']}  {q.get('since_iso', '?')}  {acked}  "
+                f"{q.get('why', '')}"
+            )
     return "\n".join(lines)
 
 

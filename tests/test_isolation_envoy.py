@@ -11,8 +11,13 @@ itself, its header replaces the client's, so the tests read class keys from the 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -26,6 +31,7 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.ports import free_port
 from tests.test_xds_support import eventually
+from xds_server.admin import AdminServer
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 from xds_server.resources.routes import QUARANTINED_MESSAGE
@@ -142,6 +148,17 @@ def rig(tmp_path, **isolation: Any) -> Iterator[Rig]:
         pool.server.stop(0)
 
 
+def _http(admin: AdminServer, method: str, path: str, token: str = "") -> tuple[int, Any]:
+    req = urllib.request.Request(admin.url + path, method=method, data=b"" if token else None)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def trip(r: Rig) -> float:
     """Poison calls until the class is quarantined and every sidecar ACKed it; seconds taken."""
     t0 = time.monotonic()
@@ -166,8 +183,22 @@ def test_a_poison_class_is_quarantined_and_healthy_traffic_is_unaffected(tmp_pat
         assert r.main.poison_calls == before  # the main pool never sees it again
         healthy = [r.call(f"question {i}", f"{i:016x}")[0] for i in range(1, 21)]
         assert healthy == ["v1"] * 20
-        # GET on the admin API and `meshlm status` read the same state.
-        assert r.cp.isolation.handle("GET", "/isolation")[1]["llm"]["quarantined"][0]["key"]
+        # The admin API shows it (GET) and releases it only with the token (POST).
+        admin = AdminServer(r.cp, token="t0ken").start()
+        try:
+            assert _http(admin, "GET", "/isolation")[1]["llm"]["quarantined"][0]["key"] == q["key"]
+            release = f"/isolation/llm/{q['key']}/release"
+            assert _http(admin, "POST", release, token="wrong")[0] == 401
+            assert r.quarantined()
+            status = subprocess.run(
+                [sys.executable, "-m", "meshlm.cli", "status", "--admin", admin.url],
+                capture_output=True, text=True, timeout=60, check=True,
+            ).stdout  # fmt: skip
+            assert f"llm  {q['key']}  open" in status and "grpc-status 14" in status
+            assert _http(admin, "POST", release, token="t0ken")[0] == 200
+            eventually(lambda: not r.isolation_routes(), what="the class route removed")
+        finally:
+            admin.stop()
 
 
 def test_half_open_relapse_backs_off_then_a_healed_pool_releases(tmp_path) -> None:

@@ -238,6 +238,16 @@ def test_outcomes_from_access_log_entries() -> None:
     assert outcome(entry(flags=["downstream_remote_reset"], code=0))[2] is False  # caller left
     assert outcome(entry(code=0))[2] is True  # no response at all
     assert outcome(entry(route=f"llm-isolation-{POISON}", trailers={"grpc-status": "14"}))[3]
+    # The pool was down when it came: nothing about its class.
+    before = "upstream connect error or disconnect/reset before headers. reset reason: "
+    gone = {"grpc-status": "14", "grpc-message": before + "remote connection failure"}
+    assert outcome(entry(trailers=gone)) is None
+    assert outcome(entry(flags=["no_healthy_upstream", "upstream_retry_limit_exceeded"])) is None
+    died = {"grpc-status": "14", "grpc-message": before + "connection termination"}
+    # It was in flight when the runtime died.
+    assert outcome(entry(trailers=died))[2:] == (
+        True, False, "grpc-status 14 (connection termination)"
+    )  # fmt: skip
     e = entry()
     del e.request.request_headers["x-meshlm-class"]
     assert outcome(e) is None

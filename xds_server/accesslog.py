@@ -18,13 +18,12 @@ from xds_server.resources.names import CLASS_HEADER
 from xds_server.resources.routes import quarantine_route_name
 
 # Response flags that are the upstream's fault. Not: the client leaving (downstream_*), no
-# healthy host or overflow (the pool's state, not this class's doing), denials and limits.
+# healthy host, overflow or a refused connection (the pool's state, not this class's doing),
+# denials and limits.
 FAULT_FLAGS = (
     "upstream_request_timeout",
     "upstream_remote_reset",
-    "upstream_connection_failure",
     "upstream_connection_termination",
-    "upstream_retry_limit_exceeded",
     "upstream_protocol_error",
     "upstream_max_stream_duration_reached",
     "stream_idle_timeout",
@@ -33,23 +32,44 @@ FAULT_FLAGS = (
 )
 
 
+# A call that found the pool down says nothing about its class: the runtime side's Envoy
+# answers it with one of these in grpc-message (its local reply's body), and so does ours.
+NOT_THE_CLASS = (
+    "connection failure",  # "reset reason: [remote ]connection failure": nothing listened
+    "no healthy upstream",
+    "upstream overflow",
+)
+NOT_THE_CLASS_FLAGS = ("no_healthy_upstream", "upstream_overflow", "upstream_connection_failure")
+
+
 def outcome(entry: data_pb2.HTTPAccessLogEntry) -> tuple[str, str, bool, bool, str] | None:
-    """(service, class, failed, rerouted, reason) of one entry; None when it has no class."""
+    """(service, class, failed, rerouted, reason) of one entry; None when it has no class or
+    tells nothing about its class (the pool was down when it came)."""
     key = entry.request.request_headers.get(CLASS_HEADER, "")
     service = entry.request.authority.rsplit(":", 1)[0]
     if not key or not service:
         return None
     rerouted = entry.common_properties.route_name == quarantine_route_name(service, key)
     flags = entry.common_properties.response_flags
+    resp = entry.response
+    message = resp.response_trailers.get("grpc-message") or resp.response_headers.get(
+        "grpc-message", ""
+    )
+    if any(getattr(flags, f) for f in NOT_THE_CLASS_FLAGS) or any(
+        m in message for m in NOT_THE_CLASS
+    ):
+        return None
     for name in FAULT_FLAGS:
         if getattr(flags, name):
             return service, key, True, rerouted, name
     if flags.downstream_remote_reset or flags.downstream_connection_termination:
         return service, key, False, rerouted, "the caller left"
-    resp = entry.response
     status = resp.response_trailers.get("grpc-status") or resp.response_headers.get("grpc-status")
     if status is not None:
-        return service, key, status in SERVER_FAULT_CODES, rerouted, f"grpc-status {status}"
+        reason = f"grpc-status {status}"
+        if "reset reason: " in message:  # Envoy's own words, never the caller's text
+            reason += f" ({message.split('reset reason: ', 1)[1][:60]})"
+        return service, key, status in SERVER_FAULT_CODES, rerouted, reason
     code = resp.response_code.value
     return service, key, code >= 500 or code == 0, rerouted, f"HTTP {code}"
 

@@ -83,8 +83,8 @@ def outcome_log() -> accesslog_pb2.AccessLog:
             buffer_flush_interval=duration(OUTCOME_FLUSH_S),
         ),
         additional_request_headers_to_log=[CLASS_HEADER],
-        additional_response_headers_to_log=["grpc-status"],
-        additional_response_trailers_to_log=["grpc-status"],
+        additional_response_headers_to_log=["grpc-status", "grpc-message"],
+        additional_response_trailers_to_log=["grpc-status", "grpc-message"],
     )
     present = accesslog_pb2.AccessLogFilter(
         header_filter=accesslog_pb2.HeaderFilter(
