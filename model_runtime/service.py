@@ -288,7 +288,12 @@ class InferenceService:
             if index == first_index and self.replica_id:
                 # With the first chunk, not earlier: until a token exists the call has no
                 # response headers, so the sidecar may still retry a slow replica.
-                context.send_initial_metadata(((REPLICA_HEADER, self.replica_id),))
+                try:
+                    context.send_initial_metadata(((REPLICA_HEADER, self.replica_id),))
+                except grpc.RpcError:  # the client cancelled just before: not a runtime error
+                    self.engine.cancel(rid)
+                    stats["code"] = "CANCELLED"
+                    return
             yield codec.encode_token_chunk(
                 reply_id,
                 index,
