@@ -94,3 +94,28 @@ def test_route_without_stall_block_is_unchanged() -> None:
     assert not any(r.name.startswith("llm-resume-") for r in routes)
     assert not any(r.route.retry_policy.HasField("per_try_idle_timeout") for r in routes)
     assert not any(c.response_headers_to_add for c in routes[-1].route.weighted_clusters.clusters)
+
+
+def test_failure_percentage_outlier_detection() -> None:
+    """A replica that stalls gRPC streams after their headers records a 200 and then a timeout
+    per stream, so only its failure percentage can eject it (consecutive counters reset)."""
+    from xds_server.resources.clusters import outlier_detection
+
+    raw = _mesh()
+    raw["services"]["llm"]["outlier_detection"] = {
+        "failure_percentage_threshold": 30,
+        "failure_percentage_request_volume": 5,
+    }
+    od = outlier_detection(parse_mesh(raw).services["llm"].outlier_detection)
+    assert (od.failure_percentage_threshold.value, od.enforcing_failure_percentage.value) == (
+        30,
+        100,
+    )
+    assert od.failure_percentage_minimum_hosts.value == 2
+    assert od.failure_percentage_request_volume.value == 5
+    raw["services"]["llm"]["outlier_detection"] = {"failure_percentage_threshold": 0}
+    with pytest.raises(
+        MeshError,
+        match=r"^services\.llm\.outlier_detection\.failure_percentage_threshold: 0 out of range",
+    ):
+        parse_mesh(raw)

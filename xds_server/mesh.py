@@ -123,6 +123,13 @@ class OutlierDetection:
     interval: float = 10.0
     base_ejection_time: float = 30.0
     max_ejection_percent: int = 10
+    # Ejects a host whose share of failed calls in an interval reaches this percent. Unlike the
+    # consecutive counters it sees a replica that stalls gRPC streams after their headers (issue
+    # 10): each such stream records a 200 (headers) and then a timeout, which resets a counter.
+    failure_percentage_threshold: int | None = None
+    failure_percentage_minimum_hosts: int = 2
+    failure_percentage_request_volume: int = 10
+
 
 
 @dataclass(frozen=True)
@@ -774,9 +781,24 @@ def _outlier(d: dict, path: str) -> OutlierDetection:
             "interval",
             "base_ejection_time",
             "max_ejection_percent",
+            "failure_percentage_threshold",
+            "failure_percentage_minimum_hosts",
+            "failure_percentage_request_volume",
         },
     )
+    fp = "failure_percentage"
     return OutlierDetection(
+        failure_percentage_threshold=(
+            None
+            if d.get(f"{fp}_threshold") is None
+            else _int(d[f"{fp}_threshold"], f"{path}.{fp}_threshold", 1, 100)
+        ),
+        failure_percentage_minimum_hosts=_int(
+            d.get(f"{fp}_minimum_hosts", 2), f"{path}.{fp}_minimum_hosts", 1
+        ),
+        failure_percentage_request_volume=_int(
+            d.get(f"{fp}_request_volume", 10), f"{path}.{fp}_request_volume", 1
+        ),
         consecutive_5xx=_opt_int(d, "consecutive_5xx", path, 1),
         consecutive_gateway_failure=_opt_int(d, "consecutive_gateway_failure", path, 1),
         interval=parse_duration(d.get("interval", "10s"), f"{path}.interval"),

@@ -118,6 +118,11 @@ def outlier_detection(o: m.OutlierDetection) -> outlier_detection_pb2.OutlierDet
     if o.consecutive_gateway_failure is not None:
         od.consecutive_gateway_failure.CopyFrom(u32(o.consecutive_gateway_failure))
         od.enforcing_consecutive_gateway_failure.CopyFrom(u32(100))
+    if o.failure_percentage_threshold is not None:
+        od.failure_percentage_threshold.CopyFrom(u32(o.failure_percentage_threshold))
+        od.enforcing_failure_percentage.CopyFrom(u32(100))
+        od.failure_percentage_minimum_hosts.CopyFrom(u32(o.failure_percentage_minimum_hosts))
+        od.failure_percentage_request_volume.CopyFrom(u32(o.failure_percentage_request_volume))
     return od
 
 
