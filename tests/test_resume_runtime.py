@@ -188,3 +188,18 @@ def test_resume_naming_this_replica_is_refused_before_any_header(client) -> None
     # Another replica's id is no reason to refuse.
     ok = stream(client, max_new_tokens=2, avoid_replica="replica-b")
     assert ok[-1].finish_reason in ("stop", "length")
+
+
+def test_a_resume_reuses_the_prefix_cache_for_the_prompt_and_delivered_ids(
+    client, runtime, smollm_int4
+) -> None:
+    full = stream(client, max_new_tokens=20)
+    k = runtime.engine.block_size + 1  # the delivered ids fill at least one more block
+    assert len(full) > k
+    before = runtime.engine.stats()["prefix_hit_tokens"]
+    stream(client, max_new_tokens=20, resume_token_ids=ids_of(full[:k]), resume_index=k)
+    n_context = len(smollm_int4.tokenizer.encode_chat(STORY)) + k
+    block = runtime.engine.block_size
+    # Every full block of prompt + delivered ids is reused; the last token is always computed.
+    hits = runtime.engine.stats()["prefix_hit_tokens"] - before
+    assert hits == block * ((n_context - 1) // block) > 0
