@@ -1,0 +1,142 @@
+"""`meshlm demo --scenario hot-replica`: one replica of two decodes at half speed.
+
+Two int4 replicas of v1, each behind its inbound sidecar, the caller-side sidecar, and one
+tenant's open-loop Generate traffic. Replica v1-1 runs with `--fault-slow-decode 2`. With
+`load_balancing: least_loaded` the caller's Envoy weighs the replicas by their ORCA
+out-of-band reports (the slow one holds more streams at the same load, so it reports more
+utilization and gets fewer calls); with `round_robin` each gets half. The report adds
+`share_by_replica` (Generate calls each runtime answered, from its own /metrics totals) and the
+`sla` object (meshlm/sla.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.request
+from typing import Any
+
+BENCH_TITLE = "Load-aware routing: one replica of two decodes at half speed"
+SLOW, FAST = "v1-1", "v1-0"
+SLOW_FACTOR = "2"
+RATE = 1.2  # calls per second in all: the slow replica overloads under round robin
+MAX_NEW_TOKENS = 16
+WARMUP_CALLS = 6
+
+
+def run(args: argparse.Namespace, name: str) -> int:
+    print("meshlm demo --scenario hot-replica: one replica of two decodes at half speed")
+    try:
+        report = _run(least_loaded=True, seconds=60.0, workdir=args.workdir, say=_say)
+    except (TimeoutError, RuntimeError, OSError) as e:
+        print(f"meshlm demo: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2))
+    print(f"JSON report: {report['workdir']}/report.json")
+    share = report["share_by_replica"].get(SLOW)
+    return 0 if share is not None and share < 0.5 and report["sla"]["ok"] else 1
+
+
+def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
+    r = _run(least_loaded=mechanism, seconds=30.0 if quick else 60.0, workdir=None,
+             say=lambda m: None)  # fmt: skip
+    return {"sla": r["sla"], "slow_replica_share": r["share_by_replica"].get(SLOW)}
+
+
+def _say(msg: str) -> None:
+    print(f"  {msg}", flush=True)
+
+
+def _mesh(least_loaded: bool) -> dict[str, Any]:
+    from meshlm.launcher import SERVICE, demo_mesh
+
+    mesh = demo_mesh()
+    svc = mesh["services"][SERVICE]
+    svc["versions"] = {"v1": {"precision": "int4", "endpoints": [], "metrics_urls": []}}
+    svc["route"] = {**svc["route"], "weights": {"v1": 100}}
+    svc["load_balancing"] = "least_loaded" if least_loaded else "round_robin"
+    mesh.pop("rollouts", None)
+    return mesh
+
+
+def _run(*, least_loaded: bool, seconds: float, workdir: Any, say: Any) -> dict[str, Any]:
+    from meshlm.launcher import SERVICE, LocalMesh
+    from meshlm.sla import sla
+    from meshlm.traffic import TenantLoad, Traffic
+
+    lb = "least_loaded" if least_loaded else "round_robin"
+    faults = {SLOW: ["--fault-slow-decode", SLOW_FACTOR]}
+    mesh = LocalMesh(_mesh(least_loaded), workdir=workdir, replicas={"v1": 2}, faults=faults)
+    say(f"logs and report in {mesh.workdir}; load_balancing {lb}; {SLOW} decodes "
+        f"{SLOW_FACTOR}x slower")  # fmt: skip
+    traffic = None
+    try:
+        mesh.start(say=say)
+        _warm_up(mesh, say)
+        before = _generated(mesh)
+        load = TenantLoad("acme", "demo-acme-key", rate=RATE)
+        traffic = Traffic(
+            mesh.caller_target, [load], authority=SERVICE, max_new_tokens=MAX_NEW_TOKENS
+        ).start()
+        say(f"traffic: acme {RATE:g} Generate calls/s, {MAX_NEW_TOKENS} tokens, {seconds:.0f} s")
+        time.sleep(seconds)
+        traffic.stop()
+        time.sleep(0.5)  # a runtime counts a stream once its trailers are out
+        after = _generated(mesh)
+        served = {n: after[n] - before[n] for n in after}
+        total = sum(served.values())
+        report = {
+            "scenario": "hot-replica",
+            "load_balancing": lb,
+            "workdir": str(mesh.workdir),
+            "slow_replica": {"name": SLOW, "slow_decode": float(SLOW_FACTOR)},
+            "offered_rate_per_s": RATE,
+            "max_new_tokens": MAX_NEW_TOKENS,
+            "seconds": seconds,
+            "sla": sla(traffic.outcomes),
+            "served_by_replica": served,
+            "share_by_replica": {n: round(c / total, 3) for n, c in served.items()}
+            if total
+            else {},
+            "orca_reports_received": _orca_reports(mesh),
+        }
+        (mesh.workdir / "report.json").write_text(json.dumps(report, indent=2))
+        return report
+    finally:
+        if traffic is not None:
+            traffic.stop()
+        mesh.stop()
+        say("all processes stopped")
+
+
+def _warm_up(mesh: Any, say: Any) -> None:
+    """A few calls through the mesh (first-call costs out of the figures), then past Envoy's
+    blackout period, so least_loaded starts with weights from real reports."""
+    from meshlm.launcher import SERVICE
+    from meshlm.traffic import TenantLoad, Traffic
+    from xds_server.resources.clusters import BLACKOUT_PERIOD
+
+    warm = Traffic(mesh.caller_target, [TenantLoad("acme", "demo-acme-key", rate=2.0)],
+                   authority=SERVICE, max_new_tokens=4).start()  # fmt: skip
+    time.sleep(WARMUP_CALLS / 2.0)
+    warm.stop()
+    time.sleep(BLACKOUT_PERIOD)
+    say(f"warmed up: {sum(o.status == 'OK' for o in warm.outcomes)} calls")
+
+
+def _generated(mesh: Any) -> dict[str, int]:
+    """Generate calls each runtime answered OK so far (its /metrics totals)."""
+    out = {}
+    for name, rt in mesh.runtimes.items():
+        url = f"http://127.0.0.1:{rt.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            totals = json.loads(r.read()).get("totals", {})
+        out[name] = int(totals.get("Generate", {}).get("OK", 0))
+    return out
+
+
+def _orca_reports(mesh: Any) -> int:
+    stats = mesh.envoy_stats(mesh.caller_admin, "lb_orca_oob.reports_received")
+    return sum(stats.values())
