@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -219,7 +220,9 @@ class Stream:
                 return
             replica = attempt.headers.get(REPLICA_HEADER, "")
             version = attempt.headers.get(VERSION_HEADER, version)
-            avoid = replica or avoid
+            # Unknown when the attempt failed before its headers (a refusal: every other host
+            # was down or ejected): then the next try may go anywhere, the same replica too.
+            avoid = replica
             stall = self.caller.stall
             if len(self.resumes) >= stall.max_resumes:
                 raise StreamLost(
@@ -250,15 +253,18 @@ class Stream:
         first = True
         while True:
             stall = self.caller.stall
-            # The hard limit is checked one gap late, so that the caller-side route's
-            # per_try_idle_timeout (the hard limit) resets the stream first and the stall counts
-            # in Envoy's stats and outlier detection; this check is the backstop.
+            # Before an attempt's first token the wait is queueing and prefill, not a stall: the
+            # caller-side route's per_try_idle_timeout (the hard limit) retries a silent host
+            # there, before any header. After it the hard limit is checked one gap late, so that
+            # the same Envoy timeout resets the stream first and the stall counts in Envoy's
+            # stats and outlier detection; this check is the backstop.
             wait = stall.gap if slow + 1 >= stall.consecutive else stall.hard_limit + stall.gap
-            until = last + wait
+            until = math.inf if first else last + wait
             if self.deadline is not None:
                 until = min(until, self.deadline)
+            timeout = None if until == math.inf else max(0.0, until - time.monotonic())
             try:
-                kind, value, at = attempt.events.get(timeout=max(0.0, until - time.monotonic()))
+                kind, value, at = attempt.events.get(timeout=timeout)
             except queue.Empty:
                 if self.deadline is not None and time.monotonic() >= self.deadline:
                     raise _deadline(self) from None

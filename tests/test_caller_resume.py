@@ -28,7 +28,7 @@ from xds_server.mesh import VERSION_HEADER, parse_mesh
 
 CHAT = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 N = 14  # max_new_tokens: the faults strike after 5
-STALL = {"gap": "300ms", "consecutive": 3, "hard_limit": "1500ms", "max_resumes": 2}
+STALL = {"gap": "1s", "consecutive": 3, "hard_limit": "3s", "max_resumes": 2}
 
 
 @dataclass
