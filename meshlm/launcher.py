@@ -7,6 +7,7 @@ import copy
 import json
 import secrets
 import tempfile
+import threading
 import urllib.request
 from dataclasses import dataclass, field
 from importlib import resources
@@ -83,6 +84,9 @@ class LocalMesh:
             "admin_port": self.admin_port,
         }
         self.procs: list[Proc] = []
+        self.restarts: dict[str, int] = {}  # runtime name -> restarts by keep_runtimes_alive
+        self._stopping = threading.Event()
+        self._restarting = threading.Lock()  # a restart and stop() never interleave
 
     def replicas(self, version: str) -> list[Runtime]:
         return [rt for rt in self.runtimes.values() if rt.version == version]
@@ -127,6 +131,26 @@ class LocalMesh:
             wait_until(lambda p=port: _envoy_live(p), 60, f"{name} ready", self.proc(name))
         say(f"sidecars ready: caller on {self.caller_target}, inbound for {list(self.runtimes)}")
 
+    def keep_runtimes_alive(self, say: Any = print) -> None:
+        """From now on, restart any runtime that exits by itself (same ports and arguments), as
+        a pod's `restartPolicy: Always` would; `restarts` counts them per runtime. The sidecar
+        in front of it keeps running and health-checks it back in."""
+
+        def loop() -> None:
+            while not self._stopping.wait(0.5):
+                for name, rt in self.runtimes.items():
+                    with self._restarting:
+                        old = self.proc(f"runtime-{name}")
+                        if old.alive() or self._stopping.is_set():
+                            continue
+                        self.procs.remove(old)
+                        threads = {"OMP_NUM_THREADS": str(self.torch_threads)}
+                        self._spawn(f"runtime-{name}", self.serve_args(rt), env=threads)
+                        self.restarts[name] = self.restarts.get(name, 0) + 1
+                    say(f"runtime {name} exited ({old.popen.poll()}); restarted")
+
+        threading.Thread(target=loop, name="keep-runtimes-alive", daemon=True).start()
+
     def _sidecar_args(self, rt: Runtime) -> list[str]:
         return [
             "sidecar", "--xds", f"127.0.0.1:{self.grpc_port}",
@@ -169,6 +193,8 @@ class LocalMesh:
 
     def stop(self) -> None:
         # Callers first, then sidecars, runtimes, control plane: nothing is left behind.
+        with self._restarting:
+            self._stopping.set()
         for proc in reversed(self.procs):
             proc.stop()
 

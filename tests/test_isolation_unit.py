@@ -229,15 +229,20 @@ def entry(**kw: Any) -> data_pb2.HTTPAccessLogEntry:
 
 def test_outcomes_from_access_log_entries() -> None:
     assert outcome(entry(trailers={"grpc-status": "0"}))[2] is False
-    assert outcome(entry(trailers={"grpc-status": "14"}))[2] is True
+    assert outcome(entry(trailers={"grpc-status": "13"}))[2] is True
+    # UNAVAILABLE from the runtime itself (loading, draining): the pool's state, not the class.
+    assert outcome(entry(trailers={"grpc-status": "14", "grpc-message": "still loading"})) is None
     assert outcome(entry(trailers={"grpc-status": "16"}))[2] is False  # a denial
     assert outcome(entry(trailers={"grpc-status": "8"}))[2] is False  # a rate limit
     assert outcome(entry(flags=["upstream_remote_reset"]))[2:] == (
         True, False, "upstream_remote_reset"
     )  # fmt: skip
+    mid_stream = entry(flags=["upstream_remote_reset"])
+    mid_stream.common_properties.time_to_first_upstream_rx_byte.FromMilliseconds(40)
+    assert outcome(mid_stream) is None  # in flight beside a crash, not its cause
     assert outcome(entry(flags=["downstream_remote_reset"], code=0))[2] is False  # caller left
     assert outcome(entry(code=0))[2] is True  # no response at all
-    assert outcome(entry(route=f"llm-isolation-{POISON}", trailers={"grpc-status": "14"}))[3]
+    assert outcome(entry(route=f"llm-isolation-{POISON}", trailers={"grpc-status": "13"}))[3]
     # The pool was down when it came: nothing about its class.
     before = "upstream connect error or disconnect/reset before headers. reset reason: "
     gone = {"grpc-status": "14", "grpc-message": before + "remote connection failure"}

@@ -39,6 +39,8 @@ NOT_THE_CLASS = (
     "no healthy upstream",
     "upstream overflow",
 )
+UNAVAILABLE = "14"
+MID_STREAM = ("upstream_remote_reset", "upstream_connection_termination")
 NOT_THE_CLASS_FLAGS = ("no_healthy_upstream", "upstream_overflow", "upstream_connection_failure")
 
 
@@ -61,10 +63,20 @@ def outcome(entry: data_pb2.HTTPAccessLogEntry) -> tuple[str, str, bool, bool, s
         return None
     for name in FAULT_FLAGS:
         if getattr(flags, name):
+            if name in MID_STREAM and entry.common_properties.HasField(
+                "time_to_first_upstream_rx_byte"
+            ):
+                # The runtime was already answering this call when it died: it was in flight
+                # beside whatever killed it (a query of death kills before its first token).
+                return None
             return service, key, True, rerouted, name
     if flags.downstream_remote_reset or flags.downstream_connection_termination:
         return service, key, False, rerouted, "the caller left"
     status = resp.response_trailers.get("grpc-status") or resp.response_headers.get("grpc-status")
+    if status == UNAVAILABLE and "reset reason: " not in message:
+        # The pool's state (loading, draining, shedding: "retry later"), not this call's doing;
+        # a runtime that died with the call in flight shows as Envoy's reset instead.
+        return None
     if status is not None:
         reason = f"grpc-status {status}"
         if "reset reason: " in message:  # Envoy's own words, never the caller's text

@@ -14,6 +14,7 @@ SCENARIOS: dict[str, str] = {
     "canary": "meshlm.scenarios.canary",
     "faulty-canary": "meshlm.scenarios.canary",
     "hot-replica": "meshlm.scenarios.hot_replica",
+    "poison": "meshlm.scenarios.poison",
 }
 
 

@@ -1,0 +1,29 @@
+"""`meshlm demo --scenario poison` end to end on real processes, with short phases: a query of
+death (every runtime runs `--fault-poison`) is quarantined to the isolation pool within seconds,
+the main pool never sees it again, and every process is stopped."""
+
+from __future__ import annotations
+
+from meshlm.scenarios import SCENARIOS, load
+from tests.test_demo_e2e import _processes_of
+
+
+def test_poison_scenario_quarantines_the_query_of_death(tmp_path) -> None:
+    poison = load("poison")
+    assert SCENARIOS["poison"] == "meshlm.scenarios.poison"
+    key = poison.poison_class()
+    assert len(key) == 16
+    report = poison._run(mechanism=True, phases=(5.0, 25.0), workdir=tmp_path, say=print)
+    assert set(report["sla"]) >= {"requests", "ok", "availability", "ttft_ms", "e2e_ms"}
+    assert set(report["sla"]["e2e_ms"]) == {"p50", "p99", "p999"}
+    assert report["poison_class"] == key
+    quarantined = {q["key"]: q for q in report["quarantined_classes"]}
+    assert key in quarantined and "failed" in quarantined[key]["why"]
+    assert quarantined[key]["when"].endswith("Z")
+    assert report["time_to_quarantine_s"] is not None and report["time_to_quarantine_s"] < 20
+    assert report["runtime_restarts_total"] >= 1  # the launcher restarted what the poison killed
+    # After the quarantine the main pool never sees the poison again.
+    assert report["restarts_of_main_after_quarantine"] == 0
+    assert report["healthy_availability"] is not None
+    assert (tmp_path / "report.json").is_file()
+    assert _processes_of(tmp_path) == []
