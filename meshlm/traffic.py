@@ -32,6 +32,7 @@ class TenantLoad:
     api_key: str
     rate: float  # requests per second, open loop
     method: str = "Generate"
+    prompts: tuple[str, ...] = PROMPTS  # sent in turn
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class Traffic:
         n = 0
         start = time.monotonic()
         while not self._stop.is_set():
-            self._pool.submit(self._call, load, PROMPTS[n % len(PROMPTS)])
+            self._pool.submit(self._call, load, load.prompts[n % len(load.prompts)])
             n += 1
             self._stop.wait(max(0.0, start + n / load.rate - time.monotonic()))
 

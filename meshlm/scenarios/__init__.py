@@ -13,6 +13,7 @@ from types import ModuleType
 SCENARIOS: dict[str, str] = {
     "canary": "meshlm.scenarios.canary",
     "faulty-canary": "meshlm.scenarios.canary",
+    "noisy-tenant": "meshlm.scenarios.noisy_tenant",
     "hot-replica": "meshlm.scenarios.hot_replica",
     "poison": "meshlm.scenarios.poison",
 }

@@ -1,0 +1,189 @@
+"""`meshlm demo --scenario noisy-tenant`: one tenant floods long generations inside its rate
+limit while a quiet tenant of the same priority sends short calls.
+
+Two int4 runtimes, each behind its inbound sidecar (Wasm authz verifies the key and sets
+`x-meshlm-tenant`): v1 runs `--no-tenant-isolation` (priority, then arrival), v2 the default
+scheduler (a fair share of tokens per tenant inside a priority, per-tenant stream limit, a full
+queue sheds the heaviest tenant's backlog first). On each, in the same run: the quiet tenant
+alone (its baseline), then the quiet tenant beside the flood. The report adds, per tenant, TTFT
+p50/p99 and
+
+    interference_suppression = 1 - (quiet TTFT p99 degradation with isolation)
+                                   / (quiet TTFT p99 degradation without)
+
+where a degradation is the quiet tenant's TTFT p99 beside the flood minus alone, on the same
+runtime; plus the `sla` object (meshlm/sla.py) of the isolated flood phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_TITLE = "Tenant isolation: a tenant floods long generations beside a quiet one"
+GOAL = 0.95
+SERVE_ARGS = ["--max-batch", "8", "--max-queue", "16"]
+QUIET_RATE, QUIET_TOKENS = 1.0, 4
+NOISY_RATE, NOISY_TOKENS = 3.0, 48  # at most 16 in flight (the traffic's pool): a flood
+NOISY_PROMPTS = tuple(
+    f"Write a long story about {x}." for x in ("a dragon", "the sea", "a robot", "a city")
+)
+# seconds: the quiet tenant alone, beside the flood, and the flood's first seconds left out
+PHASES = {"full": (15.0, 40.0, 5.0), "quick": (8.0, 20.0, 4.0), "smoke": (4.0, 10.0, 2.0)}
+KEYS = {"quiet": "demo-quiet-key", "noisy": "demo-noisy-key"}
+RATE_LIMITS = {  # both inside their limits: the flood is allowed traffic
+    "quiet": {"max_tokens": 5, "tokens_per_fill": 2, "fill_interval": "1s"},
+    "noisy": {"max_tokens": 10, "tokens_per_fill": 5, "fill_interval": "1s"},
+}
+
+
+def run(args: argparse.Namespace, name: str) -> int:
+    print("meshlm demo --scenario noisy-tenant: a flood of long generations beside a quiet tenant")
+    try:
+        report = measure_both("full", workdir=args.workdir, say=_say)
+    except (TimeoutError, RuntimeError, OSError) as e:
+        print(f"meshlm demo: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2))
+    print(f"JSON report: {report['workdir']}/report.json")
+    s = report["interference_suppression"]
+    print(f"interference suppression {s if s is None else f'{100 * s:.1f} %'} "
+          f"(goal {100 * GOAL:.0f} %)")  # fmt: skip
+    return 0 if s is not None and s > 0.5 else 1
+
+
+def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
+    version = "v2" if mechanism else "v1"
+    mesh = _local_mesh(None, versions=[version])
+    try:
+        mesh.start(say=lambda m: None)
+        r = _phases(mesh, version, PHASES["quick" if quick else "full"], say=lambda m: None)
+    finally:
+        mesh.stop()
+    return {
+        k: r[k] for k in ("sla", "tenants", "quiet_alone_ttft_ms", "quiet_ttft_p99_degradation_ms")
+    }
+
+
+def measure_both(phases: str, workdir: Path | None, say: Any) -> dict[str, Any]:
+    """One mesh, both schedulers, the report as `meshlm demo` writes it; `phases` names the
+    durations in PHASES."""
+    mesh = _local_mesh(workdir, versions=["v1", "v2"])
+    say(f"logs and report in {mesh.workdir}; v1 --no-tenant-isolation, v2 isolation on")
+    try:
+        mesh.start(say=say)
+        off = _phases(mesh, "v1", PHASES[phases], say)
+        on = _phases(mesh, "v2", PHASES[phases], say)
+    finally:
+        mesh.stop()
+        say("all processes stopped")
+    d_off, d_on = off["quiet_ttft_p99_degradation_ms"], on["quiet_ttft_p99_degradation_ms"]
+    suppression = None
+    if d_off is not None and d_on is not None and d_off > 0:
+        suppression = round(1 - max(0.0, d_on) / d_off, 4)
+    report = {
+        "scenario": "noisy-tenant",
+        "workdir": str(mesh.workdir),
+        "traffic": {
+            "quiet": {"rate_per_s": QUIET_RATE, "max_new_tokens": QUIET_TOKENS},
+            "noisy": {"rate_per_s": NOISY_RATE, "max_new_tokens": NOISY_TOKENS},
+            "rate_limits": RATE_LIMITS,
+            "serve_args": SERVE_ARGS,
+        },
+        "interference_suppression": suppression,
+        "goal": GOAL,
+        "sla": on["sla"],
+        "isolation_off": off,
+        "isolation_on": on,
+    }
+    (mesh.workdir / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _say(msg: str) -> None:
+    print(f"  {msg}", flush=True)
+
+
+def _local_mesh(workdir: Path | None, versions: list[str]) -> Any:
+    from meshlm.launcher import SERVICE, LocalMesh, demo_mesh
+    from wasm_filters.policy import hash_key
+
+    mesh = demo_mesh()
+    svc = mesh["services"][SERVICE]
+    svc["versions"] = {v: {"precision": "int4", "endpoints": []} for v in versions}
+    svc["route"] = {**svc["route"], "weights": {v: 100 // len(versions) for v in versions}}
+    mesh.pop("rollouts", None)
+    mesh["tenants"] = {
+        name: {
+            "key_sha256": hash_key(key),
+            "allow": [f"{SERVICE}/Generate"],
+            "rate_limit": RATE_LIMITS[name],
+            "priority": "normal",  # the same priority: only the fair share tells them apart
+        }
+        for name, key in KEYS.items()
+    }
+    faults = {"v1": [*SERVE_ARGS, "--no-tenant-isolation"], "v2": SERVE_ARGS}
+    return LocalMesh(mesh, workdir=workdir, faults=faults)
+
+
+def _traffic(target: str, tenant: str, rate: float, tokens: int, prompts: Any = None) -> Any:
+    from meshlm.launcher import SERVICE
+    from meshlm.traffic import PROMPTS, TenantLoad, Traffic
+
+    load = TenantLoad(tenant, KEYS[tenant], rate=rate, prompts=prompts or PROMPTS)
+    # the bare client: a caller that resumes slow streams elsewhere would hide the scheduler
+    return Traffic(target, [load], authority=SERVICE, max_new_tokens=tokens, resume=False)
+
+
+def _phases(
+    mesh: Any, version: str, durations: tuple[float, float, float], say: Any
+) -> dict[str, Any]:
+    """On one runtime, through its inbound sidecar: warm-up, the quiet tenant alone, then the
+    quiet tenant beside the flood (its first seconds left out while the backlog builds)."""
+    from meshlm.sla import latency, sla
+
+    alone_s, flood_s, settle_s = durations
+    target = f"127.0.0.1:{mesh.runtimes[version].inbound_port}"
+    warm = _traffic(target, "quiet", 2.0, QUIET_TOKENS).start()
+    time.sleep(2.0)
+    warm.stop()
+    quiet = _traffic(target, "quiet", QUIET_RATE, QUIET_TOKENS).start()
+    t_alone = time.monotonic()
+    time.sleep(alone_s)
+    noisy = _traffic(target, "noisy", NOISY_RATE, NOISY_TOKENS, NOISY_PROMPTS).start()
+    t_flood = time.monotonic()
+    say(f"{version}: quiet alone {alone_s:.0f} s, now beside the flood for {flood_s:.0f} s")
+    time.sleep(flood_s)
+    quiet.stop()
+    noisy.stop()
+    alone = [o for o in quiet.outcomes if t_alone <= o.at < t_flood]
+    beside = [o for o in quiet.outcomes if o.at >= t_flood + settle_s]
+    flood = [o for o in noisy.outcomes if o.at >= t_flood + settle_s]
+
+    def ttft(calls: list[Any]) -> dict[str, Any]:
+        lat = latency(o.ttft_ms for o in calls if o.status == "OK" and o.ttft_ms is not None)
+        return {"p50": lat["p50"], "p99": lat["p99"]}
+
+    def tenant(calls: list[Any]) -> dict[str, Any]:
+        by_status: dict[str, int] = {}
+        for o in calls:
+            by_status[o.status] = by_status.get(o.status, 0) + 1
+        return {"requests": len(calls), "by_status": by_status, "ttft_ms": ttft(calls)}
+
+    alone_p99, beside_p99 = ttft(alone)["p99"], ttft(beside)["p99"]
+    degradation = None
+    if alone_p99 is not None and beside_p99 is not None:
+        degradation = round(beside_p99 - alone_p99, 1)
+    say(f"{version}: quiet TTFT p99 alone {alone_p99} ms, beside the flood {beside_p99} ms")
+    return {
+        "runtime": version,
+        "isolation": version != "v1",
+        "quiet_alone_ttft_ms": ttft(alone),
+        "tenants": {"quiet": tenant(beside), "noisy": tenant(flood)},
+        "quiet_ttft_p99_degradation_ms": degradation,
+        "sla": sla([*beside, *flood]),
+    }
