@@ -87,7 +87,7 @@ class Mesh2:
 
 
 @contextlib.contextmanager
-def two_replicas(load_balancing: str) -> Iterator[Mesh2]:
+def two_replicas(load_balancing: str, **route: object) -> Iterator[Mesh2]:
     """A caller Envoy -> two inbound sidecars (Wasm authz) -> a busy and an idle replica."""
     replicas = {"busy": OrcaReplica("busy", 0.9), "idle": OrcaReplica("idle", 0.1)}
     inbound = {n: free_port() for n in replicas}
@@ -97,6 +97,7 @@ def two_replicas(load_balancing: str) -> Iterator[Mesh2]:
                 "llm": {
                     "versions": {"v1": {"endpoints": [f"127.0.0.1:{p}" for p in inbound.values()]}},
                     "load_balancing": load_balancing,
+                    "route": {"weights": {"v1": 100}, **route},
                 }
             },
             "tenants": {"acme": {"key_sha256": hash_key(KEY), "allow": ["llm/*"]}},
@@ -170,3 +171,16 @@ def test_the_authz_bypass_is_the_orca_method_alone() -> None:
             first = orca_load_report_pb2.OrcaLoadReport.FromString(next(stream))
             stream.cancel()
             assert first.application_utilization == pytest.approx(0.1)
+
+
+def test_with_a_hash_policy_the_hash_picks_the_version_and_load_picks_the_replica() -> None:
+    """Sticky sessions and least_loaded together: the route still hashes the tenant header to
+    pick a version (use_hash_policy), and CSWRR, which ignores the hash, picks the replica."""
+    sticky = {"hash_policy": {"header": "x-meshlm-tenant"}, "use_hash_policy": True}
+    with two_replicas("least_loaded", **sticky) as m:
+        eventually(lambda: sum(m.shares(4).values()) == 4, 30, "calls through the mesh")
+        route = m.caller.config_dump("dynamic_route_configs")["configs"][0]
+        action = route["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
+        assert action["hash_policy"] == [{"header": {"header_name": "x-meshlm-tenant"}}]
+        assert action["weighted_clusters"]["use_hash_policy"] is True
+        eventually(lambda: m.shares(40)["busy"] <= 10, 30, "the busy replica's share falls")
