@@ -3,7 +3,7 @@ to the control plane's AccessLogService; a failing class trips and the control p
 to the quarantine pool (RDS, ACK-gated); half-open probes relapse and release; a control-plane
 restart keeps the quarantine; with no pool the class gets UNAVAILABLE at the caller's Envoy.
 
-The upstreams are real grpcio servers: the main pool answers UNAVAILABLE to any body that holds
+The upstreams are real grpcio servers: the main pool answers INTERNAL to any body that holds
 POISON (a query of death), the quarantine pool answers every call. Calls carry real
 GenerateRequest bodies and an `x-meshlm-class` header; where the caller sidecar classifies calls
 itself, its header replaces the client's, so the tests read class keys from the control plane.
@@ -41,7 +41,7 @@ POISON_KEY = "00000000deadbeef"
 
 
 class Upstream:
-    """Answers its name; while `poisoned`, UNAVAILABLE to bodies that hold b"POISON"."""
+    """Answers its name; while `poisoned`, INTERNAL to bodies that hold b"POISON"."""
 
     def __init__(self, name: str, poisoned: bool) -> None:
         self.name, self.poisoned = name, poisoned
@@ -62,7 +62,7 @@ class Upstream:
             with self._lock:
                 self.poison_calls += 1
             if self.poisoned:
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: runtime crashed")
+                context.abort(grpc.StatusCode.INTERNAL, f"{self.name}: runtime crashed")
         return self.name.encode()
 
 
@@ -176,7 +176,7 @@ def test_a_poison_class_is_quarantined_and_healthy_traffic_is_unaffected(tmp_pat
     with rig(tmp_path, cooldown="1h") as r:
         assert trip(r) < 10
         (q,) = r.quarantined()
-        assert q["state"] == "open" and "grpc-status 14" in q["why"]
+        assert q["state"] == "open" and "grpc-status 13" in q["why"]
         assert r.isolation_routes() == [f"llm-isolation-{q['key']}"]
         before = r.main.poison_calls
         assert {r.poison()[0] for _ in range(10)} == {"q"}  # the pool serves the class
@@ -194,7 +194,7 @@ def test_a_poison_class_is_quarantined_and_healthy_traffic_is_unaffected(tmp_pat
                 [sys.executable, "-m", "meshlm.cli", "status", "--admin", admin.url],
                 capture_output=True, text=True, timeout=60, check=True,
             ).stdout  # fmt: skip
-            assert f"llm  {q['key']}  open" in status and "grpc-status 14" in status
+            assert f"llm  {q['key']}  open" in status and "grpc-status 13" in status
             assert _http(admin, "POST", release, token="t0ken")[0] == 200
             eventually(lambda: not r.isolation_routes(), what="the class route removed")
         finally:
@@ -255,4 +255,4 @@ def test_without_a_pool_the_class_gets_unavailable_fast(tmp_path) -> None:
         assert r.main.poison_calls == before
         assert r.call("hello", "1111111111111111")[0] == "v1"
         assert r.cp.isolation.handle("POST", f"/isolation/llm/{key}/release")[0] == 200
-        eventually(lambda: r.poison()[0] == "UNAVAILABLE" and r.main.poison_calls > before)
+        eventually(lambda: r.poison()[0] == "INTERNAL" and r.main.poison_calls > before)
