@@ -145,7 +145,9 @@ class Isolation:
         self.changed.set()
         return "trip"
 
-    def _probe(self, t: Tripped, cfg: m.Isolation, failed: bool, reason: str, now: float) -> str:
+    def _probe(
+        self, t: Tripped, cfg: m.Isolation, failed: bool, reason: str, now: float
+    ) -> str | None:
         """A call of a tripped class that reached the main pool (half-open probe)."""
         if t.state != "half_open":
             return None  # in flight before the route changed
@@ -205,7 +207,8 @@ class Isolation:
             if t is None:
                 t = Tripped(service, key, "pinned", now, "pinned by hand", 0.0, now)
                 self._tripped[(service, key)] = t
-            t.state, t.why = "pinned", f"pinned by hand ({t.why})" if t.state != "pinned" else t.why
+            elif t.state != "pinned":
+                t.state, t.why = "pinned", f"pinned by hand (was: {t.why})"
             self._saved_locked()
             out = t.to_json()
         log.warning("isolation: class %s of %s pinned by hand", key, service)
