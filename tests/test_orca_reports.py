@@ -14,7 +14,8 @@ from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
 from xds.service.orca.v3.orca_pb2 import OrcaLoadReportRequest
 
 from model_runtime.client import Client
-from model_runtime.engine import Engine
+from model_runtime.engine import Engine, GenerateParams
+from model_runtime.faults import Faults
 from model_runtime.orca import utilization
 from model_runtime.service import Runtime
 
@@ -111,3 +112,29 @@ def test_utilization_is_the_largest_ratio_clamped() -> None:
     assert utilization({**stats, "kv_blocks_total": 100}, max_queue=8) == 0.75
     assert utilization({**stats, "kv_blocks_total": 100}, max_queue=0) == 0.25
     assert utilization({**stats, "running": 12, "kv_blocks_total": 100}, max_queue=8) == 1.0
+
+
+def test_slow_decode_fault_slows_decoding(smollm_int4) -> None:
+    """--fault-slow-decode F (the hot-replica scenario's slow replica): decode steps take about
+    F times as long. Best of two runs each, interleaved, so a busy machine does not decide."""
+    ids = smollm_int4.tokenizer.encode_chat(STORY)
+
+    def seconds(factor: float) -> float:
+        engine = Engine(smollm_int4, max_batch=1, slow_decode=factor)
+        engine.start()
+        done = threading.Event()
+        t0 = time.monotonic()
+        engine.submit(
+            f"r{factor}",
+            GenerateParams(ids, max_new_tokens=12),
+            lambda ev: ev.finish_reason and done.set(),
+        )
+        assert done.wait(120)
+        took = time.monotonic() - t0
+        engine.shutdown()
+        return took
+
+    runs = [(seconds(1.0), seconds(5.0)) for _ in range(2)]
+    assert min(s for _, s in runs) >= 2 * min(n for n, _ in runs)
+    with pytest.raises(ValueError, match=r"slow-decode factor 0\.5 is outside"):
+        Faults(slow_decode=0.5)
