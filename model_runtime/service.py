@@ -3,6 +3,12 @@
     /meshlm.inference.v1.Inference/Generate   GenerateRequest -> stream TokenChunk
     /meshlm.inference.v1.Inference/Info       InfoRequest     -> ModelInfo
     /grpc.health.v1.Health/{Check,Watch}      NOT_SERVING until a model serves, and on drain
+    /xds.service.orca.v3.OpenRcaService/StreamCoreMetrics   ORCA load reports (orca.py)
+
+The engine schedules by the tenant in `x-meshlm-tenant` (fair share, per-tenant limits). Behind
+the mesh only the sidecar's authz filter sets it (it drops client copies); a runtime reached
+directly believes whatever a caller sends, so it listens on loopback (`--host 127.0.0.1`) for
+its sidecar alone.
 
 `Runtime` owns the grpc.Server. It starts before the model is loaded (so health checks answer
 NOT_SERVING while weights load), serves once `set_model()` hands it a started engine, and drains
@@ -434,7 +440,7 @@ class Runtime:
         """Drain: NOT_SERVING, refuse new calls, let in-flight streams finish within `grace`,
         then stop the engine."""
         self.health.enter_graceful_shutdown()
-        self.orca.close()
+        self.orca.close()  # Envoy's report streams never end by themselves
         self.server.stop(grace).wait()
         if self.engine is not None:
             self.engine.shutdown(drain_timeout=grace)
