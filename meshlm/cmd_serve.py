@@ -137,6 +137,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 2
+    for flag, value in (
+        ("--tenant-max-streams", args.tenant_max_streams),
+        ("--tenant-max-queued-tokens", args.tenant_max_queued_tokens),
+    ):
+        if value is not None and value < 1:
+            log.error("%s must be at least 1, not %d", flag, value)
+            return 2
     weight_key = None
     if args.weight_key_file is not None:
         from model_runtime import sealed

@@ -210,3 +210,11 @@ def test_shed_call_answers_resource_exhausted_naming_the_reason(smollm_int4) -> 
         assert outcomes["acme"] in ("stop", "length")
     finally:
         rt.shutdown(grace=5)
+
+
+def test_serve_refuses_tenant_limits_below_one_before_loading() -> None:
+    from tests.test_cli_errors import assert_clear, meshlm
+
+    for flag in ("--tenant-max-streams", "--tenant-max-queued-tokens"):
+        r = meshlm("serve", "--port", "0", flag, "0")
+        assert_clear(r, 2, flag, "at least 1")
