@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -18,7 +19,10 @@ import yaml
 from sidecar.ports import free_port
 from tests.test_slo_envoy import Metrics
 from tests.test_xds_support import eventually
+from xds_server.control_plane import ControlPlane
+from xds_server.mesh import parse_mesh
 from xds_server.scaler import CommandScaler, ScalerError
+from xds_server.slo import Reading, SloController
 
 PY = shlex.quote(sys.executable)
 
@@ -118,3 +122,29 @@ def test_xds_server_scales_out_and_in_by_command_and_status_shows_why(tmp_path: 
         out, _ = proc.communicate(timeout=15)
         metrics.shutdown()
     assert proc.returncode == 0, out
+
+
+def test_status_answers_while_a_scale_out_is_under_way(tmp_path: Path) -> None:
+    """A replica can take minutes to load its model: `GET /slo` must not wait for it."""
+    go = tmp_path / "go"
+    out = py(f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+             "print('127.0.0.1:9')")  # fmt: skip
+    slo = {"ttft_p99": "1s", "intervals": 1, "actions": ["scale_out"], "min_requests": 0}
+    mesh = parse_mesh({"services": {"llm": {"versions": {"v1": {"endpoints": []}}, "slo": slo}}})
+    with ControlPlane(mesh, debounce=0.02) as cp:
+        loop = SloController(
+            cp, "llm", scaler=CommandScaler(out, "true"), read=lambda: Reading(ttft_p99=5.0)
+        )
+        ticking = threading.Thread(target=loop.tick)
+        ticking.start()
+        eventually(lambda: loop.status()["last"], 10, "the interval measured")
+        answered: list[dict] = []
+        asking = threading.Thread(target=lambda: answered.append(loop.status()))
+        asking.start()
+        asking.join(timeout=10)
+        assert answered and not go.exists() and ticking.is_alive()  # still scaling out
+        assert answered[0]["last"]["deviation"] == 4.0
+        go.touch()
+        ticking.join(timeout=30)
+        assert loop.status()["replicas"] == ["127.0.0.1:9"]
+        assert [str(e) for e in cp.mesh.services["llm"].versions["v1"].endpoints] == ["127.0.0.1:9"]

@@ -153,7 +153,8 @@ class SloController:
         self.last: dict[str, Any] = {}
         self._read = read or self._measure
         self._before: dict[str, dict[str, GrpcCounts]] = {}
-        self._lock = threading.Lock()
+        self._tick = threading.Lock()  # one interval at a time (a scale-out can take minutes)
+        self._lock = threading.Lock()  # what status() reads: never held while acting
 
     # -- measuring ------------------------------------------------------------------------------
     def _measure(self) -> Reading:
@@ -168,7 +169,10 @@ class SloController:
                     outbound_cluster(self.service, v),
                 )
                 now = src.read()
-                counts = counts + delta(self._before.get(v), now)
+                if v not in self._before:  # the first read is the baseline, not an interval
+                    counts = None
+                elif counts is not None:
+                    counts = counts + delta(self._before[v], now)
                 self._before[v] = now
         except MeasurementError as e:
             log.info("slo %s: gRPC counts unavailable: %s", self.service, e)
@@ -190,11 +194,11 @@ class SloController:
 
     # -- one interval ---------------------------------------------------------------------------
     def tick(self) -> dict[str, Any]:
-        with self._lock:
+        with self._tick:
             reading = self._read()
             dev, what = deviation(self.slo, reading)
             step = self.decide.observe(dev)
-            self.last = {
+            last = {
                 "time": self.clock(),
                 "reading": asdict(reading),
                 "deviation": None if dev is None else round(dev, 4),
@@ -202,6 +206,8 @@ class SloController:
                 "breached_intervals": self.decide.breached,
                 "met_intervals": self.decide.met,
             }
+            with self._lock:
+                self.last = last
             if step > 0:
                 action = self.plan[self.decide.level - 1]
                 self._record(action, "apply", self._apply(action), what, dev)
@@ -209,7 +215,7 @@ class SloController:
                 action = self.plan[self.decide.level]
                 self._record(action, "undo", self._undo(action), what, dev)
             self._reassert()
-            return self.last
+            return last
 
     def _record(self, action: str, direction: str, done: str, what: str, dev: float | None) -> None:
         why = (
@@ -220,7 +226,8 @@ class SloController:
         )
         entry = {"time": self.clock(), "action": action, "direction": direction,
                  "level": self.decide.level, "reason": why, "done": done}  # fmt: skip
-        self.history.append(entry)
+        with self._lock:
+            self.history.append(entry)
         log.warning("slo %s: %s %s: %s; %s", self.service, direction, action, done, why)
 
     def _apply(self, action: str) -> str:
