@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tenant-max-streams",
         type=int,
         metavar="N",
-        help="running streams one tenant may hold (default: 3/4 of --max-batch, at least 1)",
+        help="running streams one tenant may hold (default: 3/4 of --max-batch, at least 1); "
+        "calls without a verified tenant (a runtime used directly) are not limited",
     )
     p.add_argument(
         "--tenant-max-queued-tokens",

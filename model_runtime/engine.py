@@ -166,7 +166,7 @@ class Engine:
             if request_id in self._known:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
             cost = len(params.prompt_ids) + params.max_new_tokens
-            if self.isolation:
+            if self.isolation and params.tenant:  # untenanted: a direct call, global limits only
                 self._check_tenant(params, cost)
             victim = None
             if len(self._waiting) >= self.max_queue:
@@ -402,7 +402,7 @@ class Engine:
                 self._prefilling.append(req)
 
     def _may_start(self, entry) -> bool:
-        if not self.isolation:
+        if not self.isolation or not entry.tenant:
             return True
         mine = sum(r.params.tenant == entry.tenant for r in (*self._running, *self._prefilling))
         return mine < self.tenant_max_streams

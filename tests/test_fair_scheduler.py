@@ -218,3 +218,16 @@ def test_serve_refuses_tenant_limits_below_one_before_loading() -> None:
     for flag in ("--tenant-max-streams", "--tenant-max-queued-tokens"):
         r = meshlm("serve", "--port", "0", flag, "0")
         assert_clear(r, 2, flag, "at least 1")
+
+
+def test_untenanted_direct_calls_keep_the_whole_batch(smollm_int4, engines) -> None:
+    """No x-meshlm-tenant (a runtime used directly, its benchmark): no per-tenant limit."""
+    engine = Engine(smollm_int4, max_batch=4, max_queue=16)
+    engines.append(engine)
+    order = Order()
+    order.engine = engine
+    for i in range(4):
+        engine.submit(f"d{i}", params(smollm_int4, f"Story {i}.", "", 8), order.sink(f"d{i}"))
+    engine.start()
+    order.wait(4)
+    assert max(s.get("", {}).get("running", 0) for s in order.seen) == 4, order.seen

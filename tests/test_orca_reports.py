@@ -25,7 +25,7 @@ STORY = [{"role": "user", "content": "Write a long story about a dragon and a kn
 
 @pytest.fixture
 def runtime(smollm_int4) -> Iterator[Runtime]:
-    engine = Engine(smollm_int4, max_batch=4, max_queue=8, tenant_max_streams=4)
+    engine = Engine(smollm_int4, max_batch=4, max_queue=8)
     engine.start()
     rt = Runtime().start()
     rt.set_model(smollm_int4, engine)
