@@ -115,9 +115,8 @@ class LocalMesh:
         cp = self._spawn("xds-server", ["xds-server", "--mesh", str(mesh_file)], env=env)
         wait_until(lambda: self.admin("GET", "/debug/syncz"), 60, "the control plane", cp)
         say(f"control plane up: ADS 127.0.0.1:{self.grpc_port}, admin {self.admin_url}")
-        threads = {"OMP_NUM_THREADS": str(self.torch_threads)}
-        for name, rt in self.runtimes.items():
-            self._spawn(f"runtime-{name}", self.serve_args(rt), env=threads)
+        for name in self.runtimes:
+            self._spawn_runtime(name)
         for name, rt in self.runtimes.items():
             self._spawn(f"sidecar-{name}", self._sidecar_args(rt))
         self._spawn("sidecar-caller", self._caller_args())
@@ -131,6 +130,21 @@ class LocalMesh:
             wait_until(lambda p=port: _envoy_live(p), 60, f"{name} ready", self.proc(name))
         say(f"sidecars ready: caller on {self.caller_target}, inbound for {list(self.runtimes)}")
 
+    def restart_runtime(self, name: str, faults: list[str], say: Any = print) -> Proc:
+        """Stop one replica's runtime and start it again on the same ports with `faults` (a
+        scenario's way to change a fault mid-run); returns once it serves. A runtime that then
+        exits by itself stays down unless keep_runtimes_alive() runs."""
+        with self._restarting:
+            old = self.proc(f"runtime-{name}")
+            old.stop()
+            self.procs.remove(old)
+            self.faults[name] = faults
+            proc = self._spawn_runtime(name)
+        port = self.runtimes[name].port
+        wait_until(lambda: _serving(port), 180, f"runtime {name} SERVING", proc)
+        say(f"runtime {name} restarted with {' '.join(faults) or 'no faults'}")
+        return proc
+
     def keep_runtimes_alive(self, say: Any = print) -> None:
         """From now on, restart any runtime that exits by itself (same ports and arguments), as
         a pod's `restartPolicy: Always` would; `restarts` counts them per runtime. The sidecar
@@ -138,18 +152,21 @@ class LocalMesh:
 
         def loop() -> None:
             while not self._stopping.wait(0.5):
-                for name, rt in self.runtimes.items():
+                for name in list(self.runtimes):
                     with self._restarting:
                         old = self.proc(f"runtime-{name}")
                         if old.alive() or self._stopping.is_set():
                             continue
                         self.procs.remove(old)
-                        threads = {"OMP_NUM_THREADS": str(self.torch_threads)}
-                        self._spawn(f"runtime-{name}", self.serve_args(rt), env=threads)
+                        self._spawn_runtime(name)
                         self.restarts[name] = self.restarts.get(name, 0) + 1
                     say(f"runtime {name} exited ({old.popen.poll()}); restarted")
 
         threading.Thread(target=loop, name="keep-runtimes-alive", daemon=True).start()
+
+    def _spawn_runtime(self, name: str) -> Proc:
+        threads = {"OMP_NUM_THREADS": str(self.torch_threads)}
+        return self._spawn(f"runtime-{name}", self.serve_args(self.runtimes[name]), env=threads)
 
     def _sidecar_args(self, rt: Runtime) -> list[str]:
         return [

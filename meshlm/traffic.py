@@ -45,6 +45,7 @@ class Outcome:
     prompt: str = ""
     token_ids: tuple[int, ...] = ()  # what the caller received
     resumes: int = 0
+    detail: str = ""  # the error's details (never the prompt)
 
 
 class Traffic:
@@ -94,7 +95,7 @@ class Traffic:
         client = self.clients[load.name]
         t0 = time.monotonic()
         ttft = None
-        status = "OK"
+        status, detail = "OK", ""
         ids: list[int] = []
         stream = None
         try:
@@ -110,10 +111,10 @@ class Traffic:
                         ttft = (time.monotonic() - t0) * 1000
                     ids.extend(int(t) for t in chunk.token_ids)
         except grpc.RpcError as e:
-            status = e.code().name
+            status, detail = e.code().name, e.details() or ""
         resumes = len(getattr(stream, "resumes", ()))
         latency = (time.monotonic() - t0) * 1000
-        outcome = Outcome(t0, load.name, status, ttft, latency, prompt, tuple(ids), resumes)
+        outcome = Outcome(t0, load.name, status, ttft, latency, prompt, tuple(ids), resumes, detail)
         with self._lock:
             self.outcomes.append(outcome)
 

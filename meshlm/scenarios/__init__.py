@@ -16,6 +16,7 @@ SCENARIOS: dict[str, str] = {
     "noisy-tenant": "meshlm.scenarios.noisy_tenant",
     "hot-replica": "meshlm.scenarios.hot_replica",
     "poison": "meshlm.scenarios.poison",
+    "stall": "meshlm.scenarios.stall",
 }
 
 
