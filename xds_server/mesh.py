@@ -131,7 +131,6 @@ class OutlierDetection:
     failure_percentage_request_volume: int = 10
 
 
-
 @dataclass(frozen=True)
 class RetryBudget:
     budget_percent: float = 20.0
