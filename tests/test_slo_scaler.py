@@ -114,7 +114,8 @@ def test_xds_server_scales_out_and_in_by_command_and_status_shows_why(tmp_path: 
         metrics.ttft_ms = 300.0
         eventually(stopped.exists, 20, "scaled in by the command")
         assert stopped.read_text() == f"127.0.0.1:{replica}"
-        doc = _get(admin + "/slo")["llm"]
+        # The undo is recorded once the command has returned: a moment after the file exists.
+        doc = eventually(lambda: (d := _get(admin + "/slo")["llm"])["history"][1:] and d, 10)
         assert doc["replicas"] == [] and doc["in_force"] == []
         assert [h["direction"] for h in doc["history"]] == ["apply", "undo"]
     finally:

@@ -6,6 +6,9 @@ returns the endpoint callers reach it at (its inbound sidecar, host:port); `scal
   (and MESHLM_ENDPOINT for scale-in) in their environment, never on a shell line.
 - `LocalScaler` starts `meshlm serve` and its `meshlm sidecar` on loopback, as the local mesh
   does (processes, not imports: the control plane never imports the CLI or torch).
+
+A scaler may also have `metrics_url(endpoint)`: the new runtime's `GET /metrics`, which the SLO
+loop reads beside the version's metrics_urls (None: not known).
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class LocalScaler:
         self.xds, self.serve_args, self.timeout = xds, list(serve_args), timeout
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="meshlm-scaler-"))
         self.procs: dict[str, list[subprocess.Popen]] = {}
+        self.metrics: dict[str, str] = {}  # endpoint -> its runtime's GET /metrics
         self.count = 0
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
@@ -117,9 +121,14 @@ class LocalScaler:
                 why = "exited" if dead else f"not ready after {self.timeout:.0f}s"
                 raise ScalerError(f"replica {name} {why} (logs in {self.workdir})")
             time.sleep(0.5)
+        self.metrics[endpoint] = f"http://127.0.0.1:{metrics}/metrics"
         return endpoint
 
+    def metrics_url(self, endpoint: str) -> str | None:
+        return self.metrics.get(endpoint)
+
     def scale_in(self, service: str, version: str, endpoint: str) -> None:
+        self.metrics.pop(endpoint, None)
         for p in self.procs.pop(endpoint, []):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)

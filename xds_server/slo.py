@@ -178,6 +178,8 @@ class SloController:
             log.info("slo %s: gRPC counts unavailable: %s", self.service, e)
             counts = None
         urls = [u for ver in svc.versions.values() for u in ver.metrics_urls]
+        # The replicas this loop added are measured too, or scaling out could never show.
+        urls += [u for _, e in self.replicas if (u := self._replica_metrics(e)) is not None]
         ttft = tpot = None
         if urls:
             try:
@@ -263,6 +265,10 @@ class SloController:
         self.cp.add_endpoint(self.service, version, endpoint)
         return f"replica {endpoint} added to {version}"
 
+    def _replica_metrics(self, endpoint: str) -> str | None:
+        metrics_url = getattr(self.scaler, "metrics_url", None)
+        return metrics_url(endpoint) if metrics_url is not None else None
+
     def _scale_in(self) -> str:
         if not self.replicas:
             return "no replica of ours to remove"
@@ -302,8 +308,18 @@ class SloController:
 
     def close(self) -> None:
         """Stop the replicas this loop started (the control plane is going away)."""
-        while self.replicas:
-            self._scale_in()
+        with self._tick:
+            while self.replicas:
+                self._scale_in()
+
+    def undo_all(self) -> None:
+        """Its slo block was removed or changed: take back every action in force."""
+        with self._tick:
+            while self.replicas:
+                self._scale_in()
+            self.state = m.SloState()
+            if self.service in self.cp.mesh.services:
+                self.cp.set_slo_state(self.service, self.state)
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -325,36 +341,75 @@ def _main_version(svc: m.Service) -> str:
 
 
 class SloLoops:
-    """Every service's loop in its own thread, and the admin API's `GET /slo[/service]`."""
+    """Every service's loop in its own thread, and the admin API's `GET /slo[/service]`. The
+    slo blocks are read from the live mesh every `poll` seconds, so a later `meshlm apply`
+    counts: a new block gets a loop, a removed one's actions are undone and its loop ends, a
+    changed one starts over (its actions undone) with the new objectives."""
 
-    def __init__(self, cp: Any, scaler: Scaler | None = None) -> None:
-        self.loops = {
-            name: SloController(cp, name, scaler=scaler)
-            for name, svc in cp.mesh.services.items()
-            if svc.slo is not None
-        }
+    def __init__(self, cp: Any, scaler: Scaler | None = None, *, poll: float = 1.0) -> None:
+        self.cp, self.scaler, self.poll = cp, scaler, poll
+        self.loops: dict[str, SloController] = {}
+        self._stops: dict[str, threading.Event] = {}
         self._stop = threading.Event()
+        self._started = False
+        self._sync = threading.Lock()
+        self.sync()
+
+    def sync(self) -> None:
+        with self._sync:
+            if self._stop.is_set():
+                return
+            services = self.cp.mesh.services
+            want = {n: s.slo for n, s in services.items() if s.slo is not None}
+            for name, loop in list(self.loops.items()):
+                if want.get(name) == loop.slo:
+                    continue
+                self._stops.pop(name).set()
+                del self.loops[name]
+                log.warning("slo %s: slo block %s", name, "changed" if name in want else "removed")
+                loop.undo_all()
+            for name in want.keys() - self.loops.keys():
+                self.loops[name] = SloController(self.cp, name, scaler=self.scaler)
+                self._stops[name] = threading.Event()
+                if self._started:
+                    self._run(name)
+
+    def _run(self, name: str) -> None:
+        threading.Thread(
+            target=self.loops[name].run, args=(self._stops[name],), name=f"slo-{name}",
+            daemon=True,
+        ).start()  # fmt: skip
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll):
+            try:
+                self.sync()
+            except Exception:
+                log.exception("slo: reading the slo blocks failed")
 
     def start(self) -> SloLoops:
-        for name, loop in self.loops.items():
-            threading.Thread(
-                target=loop.run, args=(self._stop,), name=f"slo-{name}", daemon=True
-            ).start()
+        with self._sync:
+            self._started = True
+            for name in self.loops:
+                self._run(name)
+        threading.Thread(target=self._watch, name="slo-watch", daemon=True).start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        for loop in self.loops.values():
+        with self._sync:
+            self._stop.set()
+            for ev in self._stops.values():
+                ev.set()
+        for loop in list(self.loops.values()):
             loop.close()
 
     def handle(self, method: str, target: str, body: bytes = b"") -> tuple[int, Any]:
         parts = [p for p in target.split("?", 1)[0].split("/") if p][1:]
         if method != "GET" or len(parts) > 1:
             return 404, {"error": f"no such endpoint: {method} {target}"}
+        loops = dict(self.loops)
         if not parts:
-            return 200, {n: loop.status() for n, loop in self.loops.items()}
-        if parts[0] not in self.loops:
-            return 404, {
-                "error": f"services.{parts[0]}: no slo block (known: {', '.join(self.loops)})"
-            }
-        return 200, self.loops[parts[0]].status()
+            return 200, {n: loop.status() for n, loop in loops.items()}
+        if parts[0] not in loops:
+            return 404, {"error": f"services.{parts[0]}: no slo block (known: {', '.join(loops)})"}
+        return 200, loops[parts[0]].status()
