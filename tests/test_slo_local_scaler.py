@@ -4,6 +4,9 @@ Envoy; `scale_in` stops both processes."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
+
 from model_runtime.client import Client
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
@@ -40,7 +43,10 @@ def test_local_scaler_replica_serves_through_the_mesh_and_is_stopped(tmp_path) -
                                  outbound_port=port)  # fmt: skip
             with EnvoyProcess(boot):
                 assert eventually(lambda: _generate(port), 60, "a Generate call answered")
+            # The SLO loop reads the new runtime's TTFT there (issue 12 follow-up, gap b).
+            with urllib.request.urlopen(scaler.metrics_url(endpoint), timeout=5) as r:
+                assert json.loads(r.read())["ttft_ms"]["count"] >= 1
         finally:
             scaler.scale_in("llm", "v1", endpoint)
         assert all(p.poll() is not None for p in procs)
-        assert endpoint not in scaler.procs
+        assert endpoint not in scaler.procs and scaler.metrics_url(endpoint) is None
