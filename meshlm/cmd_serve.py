@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--tpot-target-ms", type=float, help="adaptive batching latency target")
     p.add_argument("--metrics-port", type=int, help="loopback HTTP GET /metrics (JSON)")
+    p.add_argument("--metrics-window", type=float, default=60.0, metavar="SECONDS",
+                   help="the /metrics percentiles cover the calls of the last SECONDS")  # fmt: skip
     p.add_argument(
         "--fault-error-percent",
         type=float,
@@ -145,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             log.error("%s must be at least 1, not %d", flag, value)
             return 2
+    if not args.metrics_window > 0:  # NaN too
+        log.error("--metrics-window must be above 0 seconds, not %s", args.metrics_window)
+        return 2
     weight_key = None
     if args.weight_key_file is not None:
         from model_runtime import sealed
@@ -172,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, RuntimeError) as e:  # taken since the check; gRPC raises RuntimeError
         print(f"meshlm serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
+    runtime.telemetry.window_s = args.metrics_window
     metrics = None
     if args.metrics_port is not None:
         try:
