@@ -4,26 +4,38 @@
         OrcaLoadReportRequest -> stream OrcaLoadReport, one every `report_interval`
 
 Envoy's `client_side_weighted_round_robin` with `enable_oob_load_report` opens this stream on each
-host and weighs the host by rps_fractional / application_utilization; it ignores the utilization
-unless rps_fractional comes with it (verified on Envoy 1.40, DESIGN.md). Per-request reports in
-trailers would be read once per token stream, too late for long streams, hence out-of-band.
+host and weighs the host by qps / (utilization + eps / qps * error_utilization_penalty), where
+utilization is application_utilization, or cpu_utilization when that is 0; a report without
+rps_fractional, or with no utilization at all, does not move the weight (Envoy docs for
+ClientSideWeightedRoundRobin; verified on Envoy 1.40, DESIGN.md). Per-request reports in trailers
+would be read once per token stream, too late for long streams, hence out-of-band.
 
-application_utilization is what limits this runtime: the largest of running streams / the
-(adaptive) batch limit, waiting requests / max_queue and KV blocks in use / all KV blocks, in
-[0, 1]. A replica that decodes slowly holds more streams at the same offered load (Little's law),
-so its utilization rises and its weight falls. rps_fractional is requests accepted per second over
-the last few seconds; cpu_utilization this process's CPU time per wall second per core.
-named_metrics: queue_length, running (streams), kv_used (fraction of KV blocks in use).
+Both figures cover the same window (the last WINDOW_S), so their ratio is what a host costs:
+
+- rps_fractional: requests admitted per second.
+- application_utilization: the time average of the streams in the runtime (running and queued)
+  over its batch limit, or of the KV blocks in use over all blocks where that is larger. By
+  Little's law the average number of streams is rps x the mean time a stream stays, so
+  qps / utilization = batch limit / mean stream time: a replica that decodes at half speed
+  weighs half as much at the same rps, however light the load. A snapshot would not do: at
+  light load it is mostly 0 and Envoy then falls back to cpu_utilization. Not clamped to 1
+  (ORCA allows more "when the usage exceeds the reporter dependent notion of soft limits"): past
+  the batch limit the queue still tells an overloaded replica from a less overloaded one.
+  Floored at UTILIZATION_FLOOR while rps > 0 (a stream shorter than a sample may be missed).
+
+cpu_utilization is not reported: the runtime shares its cores with other processes, and a
+replica slowed by anything but its own CPU (a sleep, a neighbour) would show less of it and look
+idle. named_metrics: queue_length, running (streams) and kv_used (fraction of KV blocks in use),
+all as of the report.
 """
 
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
@@ -33,36 +45,90 @@ SERVICE = "xds.service.orca.v3.OpenRcaService"
 MIN_INTERVAL_S = 0.1  # a client may not make the runtime report faster than this
 MAX_INTERVAL_S = 60.0
 DEFAULT_INTERVAL_S = 1.0  # when the request leaves report_interval unset
-RATE_WINDOW_S = 5.0
+WINDOW_S = 10.0  # both rps and utilization average over this (longer than most streams)
+SAMPLE_S = 0.05  # how often the streams in the runtime are counted
+UTILIZATION_FLOOR = 0.01
 
 
-def utilization(stats: dict[str, Any], max_queue: int) -> float:
-    """The largest of the batch, queue and KV ratios, clamped to [0, 1]."""
-    ratios = [
-        stats["running"] / max(1, stats["max_batch"]),
-        stats["queue_depth"] / max_queue if max_queue > 0 else 0.0,
-        stats["kv_blocks_used"] / max(1, stats["kv_blocks_total"]),
-    ]
-    return min(1.0, max(0.0, *ratios))
+class Sample(NamedTuple):
+    """Running totals at time `t` (monotonic s): requests admitted, and the integrals over time
+    of streams / batch limit and of the KV fraction in use (in seconds)."""
+
+    t: float
+    admitted: int
+    streams_s: float
+    kv_s: float
 
 
-class _Rates:
-    """Requests/s and CPU share over the last RATE_WINDOW_S, from monotonic counters."""
+def load(older: Sample, newer: Sample) -> tuple[float, float]:
+    """(rps, utilization) between two samples; (0, 0) over an empty span."""
+    span = newer.t - older.t
+    if span <= 0:
+        return 0.0, 0.0
+    rps = max(0, newer.admitted - older.admitted) / span
+    util = max(newer.streams_s - older.streams_s, newer.kv_s - older.kv_s) / span
+    return rps, max(util, UTILIZATION_FLOOR) if rps > 0 else max(util, 0.0)
 
-    def __init__(self) -> None:
-        self._samples: collections.deque[tuple[float, int, float]] = collections.deque()
-        self._cores = os.cpu_count() or 1
 
-    def update(self, admitted: int) -> tuple[float, float]:
-        now, cpu = time.monotonic(), time.process_time()
-        self._samples.append((now, admitted, cpu))
-        while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
-            self._samples.popleft()
-        t0, n0, c0 = self._samples[0]
-        if now - t0 <= 0:
-            return 0.0, 0.0
-        rps = max(0, admitted - n0) / (now - t0)
-        return rps, min(1.0, max(0.0, (cpu - c0) / (now - t0) / self._cores))
+class _Sampler:
+    """Integrates the engine's streams and KV use every SAMPLE_S, keeping WINDOW_S of samples.
+    One thread per runtime, started by the first report stream, stopped by close()."""
+
+    def __init__(self, engine: Callable[[], Any]) -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._samples: collections.deque[Sample] = collections.deque()
+        self._last: tuple[float, float] | None = None  # (streams ratio, kv ratio) last counted
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="orca-sampler", daemon=True)
+                self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def window(self) -> tuple[Sample, Sample] | None:
+        """The oldest and newest samples in the window, once there are two."""
+        self.sample()
+        with self._lock:
+            return (self._samples[0], self._samples[-1]) if len(self._samples) > 1 else None
+
+    def sample(self) -> None:
+        engine = self._engine()
+        if engine is None:
+            return
+        with self._lock:  # the report's sample and the thread's, in time order
+            stats = engine.stats()
+            now = time.monotonic()
+            ratios = (
+                (stats["running"] + stats["queue_depth"]) / max(1, engine.max_batch_limit),
+                stats["kv_blocks_used"] / max(1, stats["kv_blocks_total"]),
+            )
+            if not self._samples:
+                self._samples.append(Sample(now, stats["requests_admitted"], 0.0, 0.0))
+            else:
+                # left rectangles: what was counted last held until now
+                prev, (streams, kv) = self._samples[-1], self._last or ratios
+                dt = now - prev.t
+                self._samples.append(
+                    Sample(
+                        now,
+                        stats["requests_admitted"],
+                        prev.streams_s + streams * dt,
+                        prev.kv_s + kv * dt,
+                    )
+                )
+            self._last = ratios
+            while len(self._samples) > 2 and now - self._samples[1].t >= WINDOW_S:
+                self._samples.popleft()
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self.sample()
 
 
 class OrcaService:
@@ -70,6 +136,7 @@ class OrcaService:
 
     def __init__(self, engine: Callable[[], Any]) -> None:
         self._engine = engine
+        self._sampler = _Sampler(engine)
         self._closed = False
         self._lock = threading.Lock()
         self._streams: set[threading.Event] = set()  # one per open stream, set when it must end
@@ -92,22 +159,22 @@ class OrcaService:
             self._closed = True
             for ended in self._streams:
                 ended.set()
+        self._sampler.stop()
 
-    def report(self, rates: _Rates) -> OrcaLoadReport:
+    def report(self) -> OrcaLoadReport:
         engine = self._engine()
         if engine is None:
             return OrcaLoadReport()
+        window = self._sampler.window()
+        rps, util = load(*window) if window else (0.0, 0.0)
         stats = engine.stats()
-        rps, cpu = rates.update(stats.get("requests_admitted", 0))
-        kv_used = stats["kv_blocks_used"] / max(1, stats["kv_blocks_total"])
         return OrcaLoadReport(
-            application_utilization=utilization(stats, engine.max_queue),
-            cpu_utilization=cpu,
+            application_utilization=util,
             rps_fractional=rps,
             named_metrics={
                 "queue_length": float(stats["queue_depth"]),
                 "running": float(stats["running"]),
-                "kv_used": kv_used,
+                "kv_used": stats["kv_blocks_used"] / max(1, stats["kv_blocks_total"]),
             },
         )
 
@@ -121,10 +188,10 @@ class OrcaService:
             if self._closed or not context.add_callback(ended.set):
                 return
             self._streams.add(ended)
+        self._sampler.start()
         try:
-            rates = _Rates()
             while not ended.is_set():
-                yield self.report(rates)
+                yield self.report()
                 ended.wait(interval)
         finally:
             with self._lock:

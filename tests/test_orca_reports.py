@@ -16,7 +16,7 @@ from xds.service.orca.v3.orca_pb2 import OrcaLoadReportRequest
 from model_runtime.client import Client
 from model_runtime.engine import Engine, GenerateParams
 from model_runtime.faults import Faults
-from model_runtime.orca import utilization
+from model_runtime.orca import UTILIZATION_FLOOR, Sample, load
 from model_runtime.service import Runtime
 
 METHOD = "/xds.service.orca.v3.OpenRcaService/StreamCoreMetrics"
@@ -45,41 +45,79 @@ def reports(channel: grpc.Channel, interval_ms: int) -> Iterator[OrcaLoadReport]
     return stream(req, timeout=120)
 
 
-def test_utilization_rises_with_load_and_rps_comes_with_it(runtime: Runtime) -> None:
+def test_utilization_rises_with_load_past_the_batch_limit_and_rps_comes_with_it(
+    runtime: Runtime,
+) -> None:
     with grpc.insecure_channel(runtime.target) as ch:
         stream = reports(ch, 100)
         idle = next(stream)
-        assert idle.application_utilization == 0.0
+        assert idle.application_utilization == 0.0 and idle.rps_fractional == 0.0
         assert idle.named_metrics["running"] == 0 and idle.named_metrics["queue_length"] == 0
-        done = threading.Event()
-
-        def busy() -> None:
-            with Client(runtime.target) as c:
-                calls = [
-                    threading.Thread(
-                        target=lambda: list(c.generate(messages=STORY, max_new_tokens=64))
-                    )
-                    for _ in range(6)
-                ]
-                for t in calls:
-                    t.start()
-                for t in calls:
-                    t.join()
-            done.set()
-
-        load = threading.Thread(target=busy)
+        load = threading.Thread(target=calls, args=(runtime, 8, 0.0, 32))
         load.start()
+        seen = []
         try:
-            loaded = next(r for r in stream if r.named_metrics["running"] >= 4)
+            for r in stream:
+                seen.append(r)
+                if not load.is_alive():
+                    break
         finally:
             load.join()
             stream.cancel()
-    # four of four batch slots taken (or more queued): fully utilized, and the request rate
-    # Envoy needs beside the utilization to move weights
-    assert loaded.application_utilization == 1.0
-    assert loaded.rps_fractional > 0
-    assert 0 < loaded.named_metrics["kv_used"] <= 1
-    assert 0 <= loaded.cpu_utilization <= 1
+    # Eight streams on four batch slots: the time average passes 1 (ORCA allows it; the queue
+    # still counts), with the request rate Envoy needs beside it to move weights.
+    peak = max(seen, key=lambda r: r.application_utilization)
+    assert peak.application_utilization > 1.0, [r.application_utilization for r in seen]
+    assert peak.rps_fractional > 0
+    assert max(r.named_metrics["running"] for r in seen) == 4
+    assert max(r.named_metrics["queue_length"] for r in seen) >= 1
+    assert 0 < max(r.named_metrics["kv_used"] for r in seen) <= 1
+    # not reported: on shared cores a slowed replica shows less CPU and would look idle
+    assert all(r.cpu_utilization == 0 for r in seen)
+
+
+def calls(rt: Runtime, n: int, gap_s: float, max_new_tokens: int) -> None:
+    """`n` Generate calls on their own threads, started `gap_s` apart, all run to the end."""
+    with Client(rt.target) as c:
+        threads = []
+        for _ in range(n):
+            threads.append(
+                threading.Thread(
+                    target=lambda: list(c.generate(messages=STORY, max_new_tokens=max_new_tokens))
+                )
+            )
+            threads[-1].start()
+            time.sleep(gap_s)
+        for t in threads:
+            t.join()
+
+
+def cost(model, slow_decode: float) -> float:
+    """utilization / rps reported just after six short calls, 0.3 s apart: the mean time a
+    stream stayed over the batch limit (Little's law), what Envoy's weight is the inverse of."""
+    engine = Engine(model, max_batch=4, max_queue=8, slow_decode=slow_decode)
+    engine.start()
+    rt = Runtime().start()
+    rt.set_model(model, engine)
+    try:
+        with grpc.insecure_channel(rt.target) as ch:
+            first = reports(ch, 100)
+            next(first)  # the runtime counts its streams from the first report stream on
+            calls(rt, 6, 0.3, 12)
+            first.cancel()
+            after = next(reports(ch, 100))  # a fresh report, not one queued during the calls
+    finally:
+        rt.shutdown(grace=5)
+    assert after.rps_fractional > 0 and after.application_utilization > 0
+    return after.application_utilization / after.rps_fractional
+
+
+def test_slower_streams_report_more_utilization_per_request(smollm_int4) -> None:
+    """The hot-replica case: at light load the same calls on a replica that decodes 4x slower
+    cost more per request, although all streams have ended when the report is read (a snapshot
+    would say 0 for both). Best of two each, interleaved, so a busy machine does not decide."""
+    runs = [(cost(smollm_int4, 1.0), cost(smollm_int4, 4.0)) for _ in range(2)]
+    assert min(s for _, s in runs) > 1.5 * min(n for n, _ in runs), runs
 
 
 def test_report_interval_is_bounded_below(runtime: Runtime) -> None:
@@ -107,11 +145,16 @@ def test_drain_does_not_wait_for_open_report_streams(smollm_int4) -> None:
         assert list(stream) == []
 
 
-def test_utilization_is_the_largest_ratio_clamped() -> None:
-    stats = {"running": 2, "max_batch": 8, "queue_depth": 6, "kv_blocks_used": 10}
-    assert utilization({**stats, "kv_blocks_total": 100}, max_queue=8) == 0.75
-    assert utilization({**stats, "kv_blocks_total": 100}, max_queue=0) == 0.25
-    assert utilization({**stats, "running": 12, "kv_blocks_total": 100}, max_queue=8) == 1.0
+def test_load_is_rps_and_the_time_average_over_the_same_span() -> None:
+    a = Sample(t=10.0, admitted=3, streams_s=1.0, kv_s=0.5)
+    # 4 requests in 2 s; 2.5 batches of streams held on average (more than the limit)
+    assert load(a, Sample(12.0, 7, 6.0, 1.0)) == pytest.approx((2.0, 2.5))
+    # KV use decides where it is the larger share
+    assert load(a, Sample(12.0, 7, 1.2, 2.1)) == pytest.approx((2.0, 0.8))
+    # requests served but no stream seen in a sample: never 0, Envoy would fall back to CPU
+    assert load(a, Sample(12.0, 4, 1.0, 0.5)) == pytest.approx((0.5, UTILIZATION_FLOOR))
+    assert load(a, Sample(12.0, 3, 1.0, 0.5)) == (0.0, 0.0)
+    assert load(a, a) == (0.0, 0.0)
 
 
 def test_slow_decode_fault_slows_decoding(smollm_int4) -> None:
