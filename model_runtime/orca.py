@@ -22,11 +22,17 @@ Both figures cover the same window (the last WINDOW_S), so their ratio is what a
   (ORCA allows more "when the usage exceeds the reporter dependent notion of soft limits"): past
   the batch limit the queue still tells an overloaded replica from a less overloaded one.
   Floored at UTILIZATION_FLOOR while rps > 0 (a stream shorter than a sample may be missed).
+  Reported times UTILIZATION_SCALE: Envoy truncates qps / utilization to a whole number and
+  raises a weight below 1 to 1, and at token-stream rates (about one call a second, streams of
+  seconds) batch limit / mean stream time is 1 to 10, so a half-speed replica would weigh 1 or 2
+  against 2 to 4, and both 1 once loaded. Scaling every host's utilization alike leaves the
+  weights' ratios alone and gives them two more digits. named_metrics["utilization"] has the
+  unscaled figure.
 
 cpu_utilization is not reported: the runtime shares its cores with other processes, and a
 replica slowed by anything but its own CPU (a sleep, a neighbour) would show less of it and look
-idle. named_metrics: queue_length, running (streams) and kv_used (fraction of KV blocks in use),
-all as of the report.
+idle. named_metrics: utilization (unscaled, over the window); queue_length, running (streams) and
+kv_used (fraction of KV blocks in use) as of the report.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ DEFAULT_INTERVAL_S = 1.0  # when the request leaves report_interval unset
 WINDOW_S = 10.0  # both rps and utilization average over this (longer than most streams)
 SAMPLE_S = 0.05  # how often the streams in the runtime are counted
 UTILIZATION_FLOOR = 0.01
+UTILIZATION_SCALE = 0.01  # what application_utilization carries (weights x100, see above)
 
 
 class Sample(NamedTuple):
@@ -169,9 +176,10 @@ class OrcaService:
         rps, util = load(*window) if window else (0.0, 0.0)
         stats = engine.stats()
         return OrcaLoadReport(
-            application_utilization=util,
+            application_utilization=util * UTILIZATION_SCALE,
             rps_fractional=rps,
             named_metrics={
+                "utilization": util,
                 "queue_length": float(stats["queue_depth"]),
                 "running": float(stats["running"]),
                 "kv_used": stats["kv_blocks_used"] / max(1, stats["kv_blocks_total"]),

@@ -16,7 +16,7 @@ from xds.service.orca.v3.orca_pb2 import OrcaLoadReportRequest
 from model_runtime.client import Client
 from model_runtime.engine import Engine, GenerateParams
 from model_runtime.faults import Faults
-from model_runtime.orca import UTILIZATION_FLOOR, Sample, load
+from model_runtime.orca import UTILIZATION_FLOOR, UTILIZATION_SCALE, Sample, load
 from model_runtime.service import Runtime
 
 METHOD = "/xds.service.orca.v3.OpenRcaService/StreamCoreMetrics"
@@ -66,9 +66,13 @@ def test_utilization_rises_with_load_past_the_batch_limit_and_rps_comes_with_it(
             stream.cancel()
     # Eight streams on four batch slots: the time average passes 1 (ORCA allows it; the queue
     # still counts), with the request rate Envoy needs beside it to move weights.
-    peak = max(seen, key=lambda r: r.application_utilization)
-    assert peak.application_utilization > 1.0, [r.application_utilization for r in seen]
+    peak = max(seen, key=lambda r: r.named_metrics["utilization"])
+    assert peak.named_metrics["utilization"] > 1.0, [r.named_metrics["utilization"] for r in seen]
     assert peak.rps_fractional > 0
+    # what Envoy reads: scaled alike on every host, so its whole-number weights keep resolution
+    assert peak.application_utilization == pytest.approx(
+        peak.named_metrics["utilization"] * UTILIZATION_SCALE
+    )
     assert max(r.named_metrics["running"] for r in seen) == 4
     assert max(r.named_metrics["queue_length"] for r in seen) >= 1
     assert 0 < max(r.named_metrics["kv_used"] for r in seen) <= 1
