@@ -114,6 +114,7 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         access_log=access_log.access_logs(mesh.access_log, lname, tenant=bool(authz)),
         # A denied request must not carry (or log) a client-sent tenant either.
         strip_request_headers=names.IDENTITY_HEADERS if authz else (),
+        local_reply=listeners.died_holding_the_call_reply(),
     )
 
 

@@ -60,6 +60,26 @@ def remove_request_headers(headers: Sequence[str]) -> extension_pb2.TypedExtensi
     )
 
 
+# Envoy's response flag for an upstream connection that closed with the request already sent
+# (https://www.envoyproxy.io/docs/envoy/latest/configuration/observability/access_log/usage,
+# %RESPONSE_FLAGS%): here, a runtime that died while holding the call.
+DIED_HOLDING_THE_CALL = ("UC",)
+
+
+def died_holding_the_call_reply() -> hcm_pb2.LocalReplyConfig:
+    """The inbound sidecar answers a call whose runtime died while holding it with HTTP 500
+    (gRPC UNKNOWN, a server fault) instead of Envoy's 503 (UNAVAILABLE), so the caller's
+    `retry_on: unavailable` does not resend it to another replica: a query of death would
+    walk the pool (issue 11). A runtime that was down before the call (UF, UH) stays
+    UNAVAILABLE, retried: that call provably reached no runtime."""
+    flags = accesslog_pb2.ResponseFlagFilter(flags=list(DIED_HOLDING_THE_CALL))
+    mapper = hcm_pb2.ResponseMapper(
+        filter=accesslog_pb2.AccessLogFilter(response_flag_filter=flags),
+        status_code=wrappers_pb2.UInt32Value(value=500),
+    )
+    return hcm_pb2.LocalReplyConfig(mappers=[mapper])
+
+
 def http_listener(
     name: str,
     *,
@@ -71,6 +91,7 @@ def http_listener(
     authz_filters: Sequence[HttpFilter] = (),
     access_log: Sequence[accesslog_pb2.AccessLog] = (),
     strip_request_headers: Sequence[str] = (),
+    local_reply: hcm_pb2.LocalReplyConfig | None = None,
 ) -> listener_pb2.Listener:
     hcm = HCM(
         stat_prefix=stat_prefix,
@@ -84,6 +105,7 @@ def http_listener(
         early_header_mutation_extensions=(
             [remove_request_headers(strip_request_headers)] if strip_request_headers else []
         ),
+        local_reply_config=local_reply,
         # No `tracing` block: W3C `traceparent`/`tracestate` are ordinary headers that Envoy
         # forwards unchanged hop to hop, so the runtime continues the client's trace.
     )
