@@ -8,6 +8,7 @@ import json
 import secrets
 import tempfile
 import threading
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from importlib import resources
@@ -18,6 +19,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from meshlm.crashloop import CrashLoopBackoff
 from meshlm.procs import Proc, wait_until
 from sidecar.ports import free_port
 
@@ -145,22 +147,39 @@ class LocalMesh:
         say(f"runtime {name} restarted with {' '.join(faults) or 'no faults'}")
         return proc
 
-    def keep_runtimes_alive(self, say: Any = print) -> None:
+    def keep_runtimes_alive(
+        self, say: Any = print, backoff: CrashLoopBackoff | None = None
+    ) -> None:
         """From now on, restart any runtime that exits by itself (same ports and arguments), as
-        a pod's `restartPolicy: Always` would; `restarts` counts them per runtime. The sidecar
-        in front of it keeps running and health-checks it back in."""
+        a pod's `restartPolicy: Always` would, with its CrashLoopBackOff (`backoff`, default
+        1 s doubling to 60 s, reset after 120 s up); `restarts` counts them per runtime. The
+        sidecar in front of it keeps running and health-checks it back in."""
+        template = backoff or CrashLoopBackoff()
+        backoffs = {name: copy.copy(template) for name in self.runtimes}
+        started = dict.fromkeys(self.runtimes, time.monotonic())
+        due: dict[str, float] = {}  # a dead runtime -> when it is restarted
 
         def loop() -> None:
-            while not self._stopping.wait(0.5):
+            while not self._stopping.wait(0.2):
                 for name in list(self.runtimes):
                     with self._restarting:
                         old = self.proc(f"runtime-{name}")
                         if old.alive() or self._stopping.is_set():
                             continue
+                        now = time.monotonic()
+                        if name not in due:
+                            delay = backoffs[name].after_exit(now - started[name])
+                            due[name] = now + delay
+                            rc = old.popen.poll()
+                            say(f"runtime {name} exited ({rc}); restart in {delay:g} s")
+                        if now < due[name]:
+                            continue
+                        del due[name]
                         self.procs.remove(old)
                         self._spawn_runtime(name)
+                        started[name] = time.monotonic()
                         self.restarts[name] = self.restarts.get(name, 0) + 1
-                    say(f"runtime {name} exited ({old.popen.poll()}); restarted")
+                    say(f"runtime {name} restarted")
 
         threading.Thread(target=loop, name="keep-runtimes-alive", daemon=True).start()
 
