@@ -3,10 +3,10 @@
 Two int4 replicas of v1, each behind its inbound sidecar, the caller-side sidecar, and one
 tenant's open-loop Generate traffic. Replica v1-1 runs with `--fault-slow-decode 2`. With
 `load_balancing: least_loaded` the caller's Envoy weighs the replicas by their ORCA
-out-of-band reports (the slow one holds more streams at the same load, so it reports more
-utilization and gets fewer calls); with `round_robin` each gets half. The report adds
-`share_by_replica` (Generate calls each runtime answered, from its own /metrics totals) and the
-`sla` object (meshlm/sla.py).
+out-of-band reports (the slow one holds each stream longer, so at the same rps its time-averaged
+utilization is higher and it gets fewer calls, model_runtime/orca.py); with `round_robin` each
+gets half. The report adds `share_by_replica` (Generate calls each runtime answered, from its own
+/metrics totals) and the `sla` object (meshlm/sla.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def run(args: argparse.Namespace, name: str) -> int:
 
 
 def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
-    r = _run(least_loaded=mechanism, seconds=30.0 if quick else 60.0, workdir=None,
+    # 130 s at RATE is about 156 calls, so p99 is not just the slowest call
+    r = _run(least_loaded=mechanism, seconds=30.0 if quick else 130.0, workdir=None,
              say=lambda m: None)  # fmt: skip
     return {"sla": r["sla"], "slow_replica_share": r["share_by_replica"].get(SLOW)}
 
