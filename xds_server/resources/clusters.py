@@ -22,6 +22,9 @@ _CSWRR = "envoy.load_balancing_policies.client_side_weighted_round_robin"
 # for BLACKOUT_PERIOD (a few reports) before its own weight counts, so a just-started replica is
 # not flooded on one low first report; weights are recomputed every WEIGHT_UPDATE_PERIOD; a host
 # silent for WEIGHT_EXPIRATION_PERIOD (its ORCA stream broken) falls back to the mean weight.
+# The runtime averages its figures over 10 s (model_runtime/orca.py), so weights move over
+# seconds; a replica that got no call in that window reports rps 0, which Envoy ignores, so its
+# weight expires and it serves at the median weight again: a starved replica is probed back.
 OOB_REPORTING_PERIOD = 1.0
 BLACKOUT_PERIOD = 3.0
 WEIGHT_UPDATE_PERIOD = 1.0
