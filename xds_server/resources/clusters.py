@@ -18,10 +18,10 @@ _HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _CSWRR = "envoy.load_balancing_policies.client_side_weighted_round_robin"
 # least_loaded, tuned for token streams (seconds). A stream's load outlives its request, so
 # per-request reports (read once, at the end of a stream) come too late: the runtime reports
-# out of band every OOB_REPORTING_PERIOD on its data port. A new host serves at the mean weight
+# out of band every OOB_REPORTING_PERIOD on its data port. A new host serves at the median weight
 # for BLACKOUT_PERIOD (a few reports) before its own weight counts, so a just-started replica is
 # not flooded on one low first report; weights are recomputed every WEIGHT_UPDATE_PERIOD; a host
-# silent for WEIGHT_EXPIRATION_PERIOD (its ORCA stream broken) falls back to the mean weight.
+# silent for WEIGHT_EXPIRATION_PERIOD (its ORCA stream broken) falls back to the median weight.
 # The runtime averages its figures over 10 s (model_runtime/orca.py), so weights move over
 # seconds; a replica that got no call in that window reports rps 0, which Envoy ignores, so its
 # weight expires and it serves at the median weight again: a starved replica is probed back.
