@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import urllib.request
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from model_runtime.client import Client
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
@@ -15,6 +18,12 @@ from tests.test_xds_support import eventually
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 from xds_server.scaler import LocalScaler
+
+
+def _health(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        req = health_pb2.HealthCheckRequest()
+        return health_pb2_grpc.HealthStub(ch).Check(req, timeout=5).status
 
 
 def _generate(port: int) -> str:
@@ -37,6 +46,9 @@ def test_local_scaler_replica_serves_through_the_mesh_and_is_stopped(tmp_path) -
         endpoint = scaler.scale_out("llm", "v1")
         procs = list(scaler.procs[endpoint])
         try:
+            # Added by EDS as soon as scale_out returns: the model must be loaded by then.
+            runtime_port = int(procs[1].args[procs[1].args.index("--port") + 1])
+            assert _health(runtime_port) == health_pb2.HealthCheckResponse.SERVING
             assert cp.add_endpoint("llm", "v1", endpoint).ok
             port = free_port()
             boot = ads_bootstrap("caller", xds_address=("127.0.0.1", cp.grpc_port),

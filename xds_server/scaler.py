@@ -25,6 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from sidecar.ports import free_port
 from xds_server.mesh import parse_endpoint
 
@@ -114,7 +117,9 @@ class LocalScaler:
         endpoint = f"127.0.0.1:{inbound}"
         self.procs[endpoint] = [sidecar, runtime]
         deadline = time.monotonic() + self.timeout
-        while not (_live(admin) and _metrics_up(metrics)):
+        # SERVING, not only listening: a runtime answers /metrics while its model still loads,
+        # and EDS would send it calls it cannot take.
+        while not (_live(admin) and _serving(port)):
             dead = [p for p in (runtime, sidecar) if p.poll() is not None]
             if dead or time.monotonic() > deadline:
                 self.scale_in(service, version, endpoint)
@@ -147,9 +152,11 @@ def _live(admin_port: int) -> bool:
         return False
 
 
-def _metrics_up(port: int) -> bool:
+def _serving(port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-            return r.status == 200
-    except OSError:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            req = health_pb2.HealthCheckRequest()
+            resp = health_pb2_grpc.HealthStub(ch).Check(req, timeout=2)
+    except grpc.RpcError:
         return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
