@@ -94,7 +94,7 @@ def _mesh(mechanism: bool) -> dict[str, Any]:
 
 def _run(*, mechanism: bool, phases: tuple[float, float], workdir: Any, say: Any) -> dict[str, Any]:
     from meshlm.launcher import SERVICE, LocalMesh
-    from meshlm.sla import sla
+    from meshlm.sla import DENIALS, sla
     from meshlm.traffic import TenantLoad, Traffic
 
     baseline_s, poison_s = phases
@@ -141,6 +141,16 @@ def _run(*, mechanism: bool, phases: tuple[float, float], workdir: Any, say: Any
             "healthy": sla(healthy),
             "healthy_baseline": sla(base),
             "healthy_after_quarantine": sla(after),
+            "healthy_failures": [
+                {
+                    "at_s": round(o.at - t_poison, 1),
+                    "tenant": o.tenant,
+                    "status": o.status,
+                    "detail": o.detail[:120],
+                }
+                for o in healthy
+                if o.status != "OK" and o.status not in DENIALS
+            ],
             "poison_calls": dict(Counter(o.status for o in poison.outcomes)),
             "quarantined_classes": quarantined,
             "poison_class": key,
@@ -150,6 +160,14 @@ def _run(*, mechanism: bool, phases: tuple[float, float], workdir: Any, say: Any
             ),
             "runtime_restarts": dict(mesh.restarts),
             "runtime_restarts_total": sum(mesh.restarts.values()),
+            # Each poison call before the quarantine may kill the replica it reached, no more:
+            # a call whose runtime died holding it is not retried on the next one.
+            "main_restarts_at_quarantine": main_restarts,
+            "poison_calls_before_quarantine": (
+                None
+                if quarantined_at is None
+                else sum(o.at < quarantined_at for o in poison.outcomes)
+            ),
             "restarts_of_main_after_quarantine": (
                 None if main_restarts is None else _main_restarts(mesh) - main_restarts
             ),
