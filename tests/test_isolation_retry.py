@@ -123,6 +123,7 @@ def test_a_query_of_death_kills_one_replica_not_the_pool() -> None:
         # A server fault the caller sees and the class windows count, not "retry elsewhere".
         assert code == grpc.StatusCode.UNKNOWN, (code, message)
         assert "reset reason: connection termination" in message
+        eventually(lambda: len(pool.alive()) < 2, 10, "the poisoned runtime's exit")
         assert len(pool.alive()) == 1, "the caller's retry sent the query of death on"
         # A call that finds the dead runtime's port closed never reached it: still retried.
         (survivor,) = pool.alive()
