@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import secrets
+import shlex
 import tempfile
 import threading
 import time
@@ -54,13 +55,17 @@ class LocalMesh:
         faults: dict[str, list[str]] | None = None,
         replicas: dict[str, int] | None = None,
         torch_threads: int = 1,
+        scaler_serve_args: list[str] | None = None,
     ) -> None:
         """`faults` maps a runtime name or a version to extra `meshlm serve` arguments;
-        `replicas` maps a version to its number of runtime replicas (default 1)."""
+        `replicas` maps a version to its number of runtime replicas (default 1);
+        `scaler_serve_args`, when given, runs the control plane with `--scaler local`: the SLO
+        loop's new replicas run `meshlm serve` with these arguments."""
         self.mesh = copy.deepcopy(mesh or demo_mesh())
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="meshlm-demo-"))
         self.faults = faults or {}
         self.torch_threads = torch_threads
+        self.scaler_serve_args = scaler_serve_args
         self.token = secrets.token_urlsafe(24)
         self.grpc_port, self.admin_port = free_port(), free_port()
         self.caller_port, self.caller_admin = free_port(), free_port()
@@ -114,7 +119,11 @@ class LocalMesh:
         mesh_file = self.workdir / "mesh.yaml"
         mesh_file.write_text(yaml.safe_dump(self.mesh, sort_keys=False))
         env = {"MESHLM_ADMIN_TOKEN": self.token}
-        cp = self._spawn("xds-server", ["xds-server", "--mesh", str(mesh_file)], env=env)
+        args = ["xds-server", "--mesh", str(mesh_file)]
+        if self.scaler_serve_args is not None:  # its replicas inherit the environment
+            args += ["--scaler", "local", "--scaler-serve-args", shlex.join(self.scaler_serve_args)]
+            env["OMP_NUM_THREADS"] = str(self.torch_threads)
+        cp = self._spawn("xds-server", args, env=env)
         wait_until(lambda: self.admin("GET", "/debug/syncz"), 60, "the control plane", cp)
         say(f"control plane up: ADS 127.0.0.1:{self.grpc_port}, admin {self.admin_url}")
         for name in self.runtimes:

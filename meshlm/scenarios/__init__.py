@@ -17,6 +17,7 @@ SCENARIOS: dict[str, str] = {
     "hot-replica": "meshlm.scenarios.hot_replica",
     "poison": "meshlm.scenarios.poison",
     "stall": "meshlm.scenarios.stall",
+    "slo": "meshlm.scenarios.slo",
 }
 
 
