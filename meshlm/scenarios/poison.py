@@ -62,12 +62,15 @@ def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
     r = _run(mechanism=mechanism, phases=phases, workdir=None, say=lambda m: None)
     return {
         "healthy_availability": r["healthy_availability"],
+        "healthy_failed": len(r["healthy_failures"]),
         "healthy_baseline_e2e_ms": r["healthy_baseline"]["e2e_ms"],
         "healthy_e2e_ms": r["healthy"]["e2e_ms"],
         "healthy_after_quarantine_e2e_ms": r["healthy_after_quarantine"]["e2e_ms"],
         "runtime_restarts": r["runtime_restarts_total"],
         "time_to_quarantine_s": r["time_to_quarantine_s"],
         "healthy_classes_quarantined": r["healthy_classes_quarantined"],
+        "main_restarts_at_quarantine": r["main_restarts_at_quarantine"],
+        "poison_calls_before_quarantine": r["poison_calls_before_quarantine"],
         "restarts_of_main_after_quarantine": r["restarts_of_main_after_quarantine"],
     }
 
