@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -128,3 +130,15 @@ def test_a_query_of_death_kills_one_replica_not_the_pool() -> None:
         # A call that finds the dead runtime's port closed never reached it: still retried.
         (survivor,) = pool.alive()
         assert [pool.call(b"hi") for _ in range(6)] == [(grpc.StatusCode.OK, survivor)] * 6
+
+
+def test_a_call_that_finds_a_replica_dead_is_retried_on_another() -> None:
+    with pool_of_two() as pool:
+        pool.call(b"POISON")
+        eventually(lambda: len(pool.alive()) < 2, 10, "the poisoned runtime's exit")
+        (survivor,) = pool.alive()
+        # Concurrent calls share the load balancer's turn: without a retry host predicate a
+        # retry can pick the dead replica again and the call is lost (one retry allowed).
+        with ThreadPoolExecutor(max_workers=3) as ex:  # within the default retry limit (3)
+            outcomes = list(ex.map(lambda _: pool.call(b"hi"), range(64)))
+        assert Counter(outcomes) == {(grpc.StatusCode.OK, survivor): 64}

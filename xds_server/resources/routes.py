@@ -214,6 +214,15 @@ def _action(
         rp = rc.RetryPolicy(retry_on=policy.retry_on, num_retries=u32(policy.num_retries))
         if policy.per_try_timeout is not None:
             rp.per_try_timeout.CopyFrom(duration(policy.per_try_timeout))
+        # A retry goes to another host: the one that failed is likely still down (concurrent
+        # calls share the load balancer's turn, so without this a retry often gets it again).
+        rp.retry_host_predicate.append(
+            rc.RetryPolicy.RetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()),
+            )
+        )
+        rp.host_selection_retry_max_attempts = 5
         if svc.stall is not None:
             _stall_retries(rp, svc.stall)
         a.retry_policy.CopyFrom(rp)
@@ -223,18 +232,12 @@ def _action(
 def _stall_retries(rp: rc.RetryPolicy, stall: m.Stall) -> None:
     """An upstream silent for the stall's hard limit is reset (Envoy's per-try idle timeout, so
     it counts in the cluster's stats and outlier detection); before response headers the try is
-    retried on another host (`reset`, `previous_hosts`), after them the caller library resumes.
+    retried on another host (`reset`; every retry policy has `previous_hosts`), after them the
+    caller library resumes.
     A resume refused by the replica it avoids (UNAVAILABLE) moves on the same way."""
     rp.per_try_idle_timeout.CopyFrom(duration(stall.hard_limit))
     on = rp.retry_on.split(",")
     rp.retry_on = ",".join(on + [c for c in ("reset", "unavailable") if c not in on])
-    rp.retry_host_predicate.append(
-        rc.RetryPolicy.RetryHostPredicate(
-            name="envoy.retry_host_predicates.previous_hosts",
-            typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()),
-        )
-    )
-    rp.host_selection_retry_max_attempts = 5
 
 
 def _exact(value: str):  # -> StringMatcher
