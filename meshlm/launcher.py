@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import secrets
 import shlex
 import tempfile
@@ -92,6 +93,9 @@ class LocalMesh:
         }
         self.procs: list[Proc] = []
         self.restarts: dict[str, int] = {}  # runtime name -> restarts by keep_runtimes_alive
+        # runtime name or version -> its niceness: a best-effort pool (e.g. the quarantine pool a
+        # query of death keeps killing) reloads its model without starving the healthy ones.
+        self.nice: dict[str, int] = {}
         self._stopping = threading.Event()
         self._restarting = threading.Lock()  # a restart and stop() never interleave
 
@@ -194,7 +198,12 @@ class LocalMesh:
 
     def _spawn_runtime(self, name: str) -> Proc:
         threads = {"OMP_NUM_THREADS": str(self.torch_threads)}
-        return self._spawn(f"runtime-{name}", self.serve_args(self.runtimes[name]), env=threads)
+        rt = self.runtimes[name]
+        proc = self._spawn(f"runtime-{name}", self.serve_args(rt), env=threads)
+        nice = self.nice.get(name, self.nice.get(rt.version, 0))
+        if nice and proc.popen is not None:
+            os.setpriority(os.PRIO_PROCESS, proc.popen.pid, nice)
+        return proc
 
     def _sidecar_args(self, rt: Runtime) -> list[str]:
         return [

@@ -3,6 +3,7 @@ of death arriving every second must not make the launcher reload a model every f
 
 from __future__ import annotations
 
+import os
 import time
 
 from meshlm.crashloop import CrashLoopBackoff
@@ -37,3 +38,15 @@ def test_a_crash_looping_runtime_is_restarted_ever_later(tmp_path) -> None:
     # Each wait is at least the backoff's (the process's own run only adds to it).
     assert all(g >= want for g, want in zip(gaps, (1, 2, 4), strict=True)), gaps
     assert mesh.restarts == {"v1": 3}
+
+
+def test_a_best_effort_pool_runs_at_its_niceness(tmp_path) -> None:
+    mesh = LocalMesh(workdir=tmp_path, replicas={"v1": 1, "v2": 1})
+    mesh.nice = {"v2": 10}
+    try:
+        # Real `meshlm serve` processes, checked while they load their model.
+        pool, main = mesh._spawn_runtime("v2"), mesh._spawn_runtime("v1")
+        assert os.getpriority(os.PRIO_PROCESS, pool.popen.pid) == 10
+        assert os.getpriority(os.PRIO_PROCESS, main.popen.pid) == os.getpriority(os.PRIO_PROCESS, 0)
+    finally:
+        mesh.stop()

@@ -42,6 +42,9 @@ ISOLATION = {
     "max_classes": 10000,
 }
 MAX_NEW_TOKENS = 8
+# The quarantine pool is best effort: every poison call kills it, and its model reloads must
+# not take the CPU the main pool serves healthy traffic with (a lower-priority pod on a node).
+QUARANTINE_NICE = 10
 GENERATE = "/meshlm.inference.v1.Inference/Generate"
 
 
@@ -104,6 +107,7 @@ def _run(*, mechanism: bool, phases: tuple[float, float], workdir: Any, say: Any
     fault = ["--fault-poison", POISON_REGEX]
     replicas, faults = {"v1": 2, "q": 1}, {"v1": fault, "q": fault}
     mesh = LocalMesh(_mesh(mechanism), workdir=workdir, replicas=replicas, faults=faults)
+    mesh.nice = {"q": QUARANTINE_NICE}
     say(f"logs and report in {mesh.workdir}; isolation {'on' if mechanism else 'off'}")
     loads = [
         TenantLoad("acme", "demo-acme-key", rate=2.0),
