@@ -4,10 +4,13 @@ Two int4 replicas of v1 (the main pool) and one of `q` (the isolation pool, weig
 runtime started with `--fault-poison POISON-PILL` (a matching request makes it exit hard), the
 caller-side sidecar classifying every Generate call (`x-meshlm-class`). Healthy tenants' traffic
 runs alone for a baseline, then a poison request arrives every second. Dead runtimes are
-restarted by the demo's launcher (`LocalMesh.keep_runtimes_alive`, as a pod's restartPolicy).
-With isolation on (the service's `isolation` block), the control plane sees the class fail in
-the caller sidecar's access logs, quarantines it and routes it to `q`; off, each poison request
-(and its retry) kills main-pool replicas while healthy calls ride on whatever is left.
+restarted by the demo's launcher (`LocalMesh.keep_runtimes_alive`, as a pod's restartPolicy,
+with its CrashLoopBackOff); `q` runs at a lower CPU priority (a best-effort pool). A call whose
+runtime died holding it is not retried (the inbound sidecar answers UNKNOWN), so the first
+poison request kills one replica, not the pool. With isolation on (the service's `isolation`
+block), the control plane sees the class fail in the caller sidecar's access logs, quarantines
+it and routes it to `q`; off, each poison request kills a main-pool replica while healthy calls
+ride on whatever is left.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ ISOLATION = {
     # few calls per second a class is a handful of calls. A query of death fails every call
     # that reaches a live runtime; calls that find the pool down or were mid-stream when a
     # runtime died do not count against their class (xds_server/accesslog.py). One call is
-    # enough here: its retry has already killed the main pool's other replica, and waiting for
-    # a second one means a second outage; a healthy class has many good calls in its window.
+    # enough here: it has killed the replica it reached, and waiting for a second one means the
+    # other replica down too; a healthy class has many good calls in its window.
     "error_rate": "50%",
     "window": "60s",
     "min_requests": 1,
