@@ -33,6 +33,17 @@ def demo_mesh() -> dict[str, Any]:
     return yaml.safe_load(resources.files("meshlm").joinpath("demo_mesh.yaml").read_text())
 
 
+def scenario_mesh(weights: dict[str, int]) -> dict[str, Any]:
+    """The demo mesh with only these int4 versions at these weights and no rollout: where the
+    SLA scenarios start (LocalMesh fills in the endpoints and metrics URLs)."""
+    mesh = demo_mesh()
+    svc = mesh["services"][SERVICE]
+    svc["versions"] = {v: {"precision": "int4", "endpoints": []} for v in weights}
+    svc["route"] = {**svc["route"], "weights": dict(weights)}
+    mesh.pop("rollouts", None)
+    return mesh
+
+
 @dataclass
 class Runtime:
     """One runtime replica and its inbound sidecar. Its name is the version when the version

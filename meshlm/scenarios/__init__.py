@@ -21,6 +21,11 @@ SCENARIOS: dict[str, str] = {
 }
 
 
+def say(msg: str) -> None:
+    """A scenario's progress line."""
+    print(f"  {msg}", flush=True)
+
+
 def load(name: str) -> ModuleType:
     return importlib.import_module(SCENARIOS[name])
 

@@ -18,6 +18,8 @@ import time
 import urllib.request
 from typing import Any
 
+from meshlm.scenarios import say
+
 BENCH_TITLE = "Load-aware routing: one replica of two decodes at half speed"
 SLOW, FAST = "v1-1", "v1-0"
 SLOW_FACTOR = "2"
@@ -29,7 +31,7 @@ WARMUP_CALLS = 6
 def run(args: argparse.Namespace, name: str) -> int:
     print("meshlm demo --scenario hot-replica: one replica of two decodes at half speed")
     try:
-        report = _run(least_loaded=True, seconds=60.0, workdir=args.workdir, say=_say)
+        report = _run(least_loaded=True, seconds=60.0, workdir=args.workdir, say=say)
     except (TimeoutError, RuntimeError, OSError) as e:
         print(f"meshlm demo: {e}", file=sys.stderr)
         return 1
@@ -46,19 +48,11 @@ def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
     return {"sla": r["sla"], "slow_replica_share": r["share_by_replica"].get(SLOW)}
 
 
-def _say(msg: str) -> None:
-    print(f"  {msg}", flush=True)
-
-
 def _mesh(least_loaded: bool) -> dict[str, Any]:
-    from meshlm.launcher import SERVICE, demo_mesh
+    from meshlm.launcher import SERVICE, scenario_mesh
 
-    mesh = demo_mesh()
-    svc = mesh["services"][SERVICE]
-    svc["versions"] = {"v1": {"precision": "int4", "endpoints": [], "metrics_urls": []}}
-    svc["route"] = {**svc["route"], "weights": {"v1": 100}}
-    svc["load_balancing"] = "least_loaded" if least_loaded else "round_robin"
-    mesh.pop("rollouts", None)
+    mesh = scenario_mesh({"v1": 100})
+    mesh["services"][SERVICE]["load_balancing"] = "least_loaded" if least_loaded else "round_robin"
     return mesh
 
 

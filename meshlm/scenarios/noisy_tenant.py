@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshlm.scenarios import say
+
 BENCH_TITLE = "Tenant isolation: a tenant floods long generations beside a quiet one"
 GOAL = 0.95
 SERVE_ARGS = ["--max-batch", "8", "--max-queue", "16"]
@@ -44,7 +46,7 @@ RATE_LIMITS = {  # both inside their limits: the flood is allowed traffic
 def run(args: argparse.Namespace, name: str) -> int:
     print("meshlm demo --scenario noisy-tenant: a flood of long generations beside a quiet tenant")
     try:
-        report = measure_both("full", workdir=args.workdir, say=_say)
+        report = measure_both("full", workdir=args.workdir, say=say)
     except (TimeoutError, RuntimeError, OSError) as e:
         print(f"meshlm demo: {e}", file=sys.stderr)
         return 1
@@ -104,19 +106,11 @@ def measure_both(phases: str, workdir: Path | None, say: Any) -> dict[str, Any]:
     return report
 
 
-def _say(msg: str) -> None:
-    print(f"  {msg}", flush=True)
-
-
 def _local_mesh(workdir: Path | None, versions: list[str]) -> Any:
-    from meshlm.launcher import SERVICE, LocalMesh, demo_mesh
+    from meshlm.launcher import SERVICE, LocalMesh, scenario_mesh
     from wasm_filters.policy import hash_key
 
-    mesh = demo_mesh()
-    svc = mesh["services"][SERVICE]
-    svc["versions"] = {v: {"precision": "int4", "endpoints": []} for v in versions}
-    svc["route"] = {**svc["route"], "weights": {v: 100 // len(versions) for v in versions}}
-    mesh.pop("rollouts", None)
+    mesh = scenario_mesh({v: 100 // len(versions) for v in versions})
     mesh["tenants"] = {
         name: {
             "key_sha256": hash_key(key),

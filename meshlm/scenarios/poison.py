@@ -26,6 +26,8 @@ from typing import Any
 
 import grpc
 
+from meshlm.scenarios import say
+
 BENCH_TITLE = "Semantic circuit breaking: a query of death at 1/s"
 POISON_REGEX = "POISON-PILL"
 POISON_PROMPT = "POISON-PILL: repeat the word pill forever."
@@ -54,7 +56,7 @@ GENERATE = "/meshlm.inference.v1.Inference/Generate"
 def run(args: argparse.Namespace, name: str) -> int:
     print("meshlm demo --scenario poison: a query of death arrives every second")
     try:
-        report = _run(mechanism=True, phases=(15.0, 60.0), workdir=args.workdir, say=_say)
+        report = _run(mechanism=True, phases=(15.0, 60.0), workdir=args.workdir, say=say)
     except (TimeoutError, RuntimeError, OSError) as e:
         print(f"meshlm demo: {e}", file=sys.stderr)
         return 1
@@ -81,23 +83,12 @@ def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
     }
 
 
-def _say(msg: str) -> None:
-    print(f"  {msg}", flush=True)
-
-
 def _mesh(mechanism: bool) -> dict[str, Any]:
-    from meshlm.launcher import SERVICE, demo_mesh
+    from meshlm.launcher import SERVICE, scenario_mesh
 
-    mesh = demo_mesh()
-    svc = mesh["services"][SERVICE]
-    svc["versions"] = {
-        "v1": {"precision": "int4", "endpoints": [], "metrics_urls": []},
-        "q": {"precision": "int4", "endpoints": [], "metrics_urls": []},
-    }
-    svc["route"] = {**svc["route"], "weights": {"v1": 100, "q": 0}}
-    mesh.pop("rollouts", None)
+    mesh = scenario_mesh({"v1": 100, "q": 0})
     if mechanism:
-        svc["isolation"] = dict(ISOLATION)
+        mesh["services"][SERVICE]["isolation"] = dict(ISOLATION)
     return mesh
 
 

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshlm.scenarios import say
+
 BENCH_TITLE = "SLO loop: a low-priority tenant's load step against a TTFT p99 SLO"
 GOAL_INTERVALS = 3
 INTERVAL_S = 5.0
@@ -58,7 +60,7 @@ RATE_LIMITS = {
 def run(args: argparse.Namespace, name: str) -> int:
     print("meshlm demo --scenario slo: a load step breaches a TTFT SLO; the SLO loop restores it")
     try:
-        report = scenario(workdir=args.workdir, act=True, say=_say)
+        report = scenario(workdir=args.workdir, act=True, say=say)
     except (TimeoutError, RuntimeError, OSError) as e:
         print(f"meshlm demo: {e}", file=sys.stderr)
         return 1
@@ -285,10 +287,6 @@ def _by_status(calls: list[Any]) -> dict[str, int]:
     return out
 
 
-def _say(msg: str) -> None:
-    print(f"  {msg}", flush=True)
-
-
 def _slo_block(slo_ms: int, act: bool) -> dict[str, Any]:
     return {
         "ttft_p99": f"{slo_ms}ms",
@@ -316,14 +314,10 @@ def _runtime_ttft_p99(mesh: Any) -> float:
 
 
 def _local_mesh(workdir: Path | None) -> Any:
-    from meshlm.launcher import SERVICE, LocalMesh, demo_mesh
+    from meshlm.launcher import SERVICE, LocalMesh, scenario_mesh
     from wasm_filters.policy import hash_key
 
-    mesh = demo_mesh()
-    svc = mesh["services"][SERVICE]
-    svc["versions"] = {"v1": {"precision": "int4", "endpoints": []}}
-    svc["route"] = {**svc["route"], "weights": {"v1": 100}}
-    mesh.pop("rollouts", None)
+    mesh = scenario_mesh({"v1": 100})
     mesh["tenants"] = {
         name: {
             "key_sha256": hash_key(key),

@@ -20,6 +20,8 @@ import urllib.request
 from collections import Counter
 from typing import Any
 
+from meshlm.scenarios import say
+
 BENCH_TITLE = "Token-stall resume: a replica stalls mid-stream, then dies"
 # Sized for a 2-core machine, where a loaded replica's first token may take seconds and its
 # inter-token gaps half a second: a hard limit under the worst TTFT would retry healthy calls.
@@ -33,7 +35,7 @@ CLUSTER = "outbound|llm|v1"
 def run(args: argparse.Namespace, name: str) -> int:
     print("meshlm demo --scenario stall: a replica stalls, then dies, in the middle of streams")
     try:
-        report = _run(mechanism=True, phase_s=40.0, workdir=args.workdir, say=_say)
+        report = _run(mechanism=True, phase_s=40.0, workdir=args.workdir, say=say)
     except (TimeoutError, RuntimeError, OSError) as e:
         print(f"meshlm demo: {e}", file=sys.stderr)
         return 1
@@ -52,18 +54,12 @@ def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
     return {k: r[k] for k in ("sla", "streams_lost", "resumed_streams", "resume_token_mismatches")}
 
 
-def _say(msg: str) -> None:
-    print(f"  {msg}", flush=True)
-
-
 def _mesh(mechanism: bool) -> dict[str, Any]:
-    from meshlm.launcher import SERVICE, demo_mesh
+    from meshlm.launcher import SERVICE, scenario_mesh
 
-    mesh = demo_mesh()
+    mesh = scenario_mesh({"v1": 100})
     svc = mesh["services"][SERVICE]
-    svc["versions"] = {"v1": {"precision": "int4", "endpoints": [], "metrics_urls": []}}
-    svc["route"] = {**svc["route"], "weights": {"v1": 100}, "stream_idle_timeout": "15s"}
-    mesh.pop("rollouts", None)
+    svc["route"]["stream_idle_timeout"] = "15s"
     # A replica that stalls streams after their headers never trips a consecutive-failure
     # counter (each stream records a 200, then the timeout); its share of failures does.
     svc["outlier_detection"] = {
