@@ -9,11 +9,17 @@ figures; this module lays them out as one table per scenario with the on/off rat
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 from bench.machine import describe
 from meshlm import scenarios
+
+RESULTS = Path(__file__).resolve().parent / "results" / "sla.md"
+# MESHLM_SLA_ONLY=stall,poison reruns those scenarios and keeps the others' last sections.
+ONLY_ENV = "MESHLM_SLA_ONLY"
 
 
 def _cell(v: Any) -> str:
@@ -49,25 +55,42 @@ def table(off: dict[str, Any], on: dict[str, Any]) -> list[str]:
 
 
 def main(quick: bool = False) -> str:
+    only = [n for n in os.environ.get(ONLY_ENV, "").split(",") if n]
+    command, note = f"python -m bench sla{' --quick' if quick else ''}", ""
+    if only:
+        command = f"{ONLY_ENV}={','.join(only)} {command}"
+        note = " (the other scenarios' sections are from the run before)"
     lines = [
         "## SLA under faults (`python -m bench sla`)",
         "",
-        f"Machine: {describe()}. Command: `python -m bench sla{' --quick' if quick else ''}`. "
+        f"Machine: {describe()}. Command: `{command}`{note}. "
         "Peer: the same mesh with the mechanism off (plain Envoy retries and outlier "
         "detection). Real control plane, Envoys and model runtimes; availability counts OK calls "
         "and correct denials.",
         "",
     ]
     chosen = scenarios.benched()
+    kept = _sections(RESULTS.read_text()) if only and RESULTS.exists() else {}
     for name, mod in chosen:
+        title = f"### {mod.BENCH_TITLE} (`--scenario {name}`)"
+        if only and name not in only:
+            if title in kept:
+                lines.append(kept[title])
+            continue
         t0 = time.monotonic()
         off = mod.measure(mechanism=False, quick=quick)
         on = mod.measure(mechanism=True, quick=quick)
-        lines += [f"### {mod.BENCH_TITLE} (`--scenario {name}`)", "", *table(off, on)]
+        lines += [title, "", *table(off, on)]
         lines += ["", f"({time.monotonic() - t0:.0f} s for both runs)", ""]
     if not chosen:
         lines.append("No scenario exports `measure` yet.")
     return "\n".join(lines)
+
+
+def _sections(text: str) -> dict[str, str]:
+    """The previous run's scenario sections (heading -> the section, notes included)."""
+    parts = text.split("\n### ")[1:]
+    return {"### " + p.split("\n", 1)[0]: ("### " + p).rstrip() + "\n" for p in parts}
 
 
 if __name__ == "__main__":
