@@ -3,7 +3,6 @@ weights in real traffic, header pins, NACK handling, restart of the control plan
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import Counter
 from collections.abc import Iterator
@@ -13,9 +12,16 @@ import pytest
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.ports import free_port
-from tests.test_xds_support import Caller, CallLoop, eventually, llm_mesh, sidecar, upstreams
+from tests.test_xds_support import (
+    Caller,
+    CallLoop,
+    eventually,
+    llm_mesh,
+    sidecar,
+    upstreams,
+    with_unvalidated_endpoint,
+)
 from xds_server.control_plane import ControlPlane
-from xds_server.mesh import Endpoint, Mesh
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +125,9 @@ def test_nacked_endpoint_is_recorded_not_resent_and_traffic_flows(mesh_env: dict
     good = cp.mesh
     before = cp.syncz()["nodes"]["caller-1"]["types"]["EDS"]
     # Envoy's EDS takes IP addresses only: a host name is NACKed.
-    result = cp.update_mesh(_with_endpoint(good, "v1", "llm-host.invalid", 50051), timeout=20)
+    result = cp.update_mesh(
+        with_unvalidated_endpoint(good, "v1", "llm-host.invalid", 50051), timeout=20
+    )
     assert not result.ok and result.missing == ["caller-1"], result
     assert "malformed IP address" in result.errors["caller-1"], result.errors
     eds = cp.syncz()["nodes"]["caller-1"]["types"]["EDS"]
@@ -138,16 +146,6 @@ def test_nacked_endpoint_is_recorded_not_resent_and_traffic_flows(mesh_env: dict
     assert eds["pushes"] == pushes + 1
     assert eds["nack_error"] == "" and "malformed IP address" in eds["recovered"]
     assert caller.who() == "v1"
-
-
-def _with_endpoint(mesh: Mesh, version: str, host: str, port: int) -> Mesh:
-    """`mesh` plus an endpoint built past the mesh validator (which refuses host names), so
-    that Envoy itself rejects the change."""
-    svc = mesh.services["llm"]
-    v = svc.versions[version]
-    v = dataclasses.replace(v, endpoints=(*v.endpoints, Endpoint(host, port)))
-    svc = dataclasses.replace(svc, versions={**svc.versions, version: v})
-    return dataclasses.replace(mesh, services={**mesh.services, "llm": svc})
 
 
 def test_bad_change_is_rejected_before_any_push(mesh_env: dict) -> None:

@@ -4,6 +4,7 @@ calls through an Envoy listener, and a control plane with sidecars. No tests her
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -25,7 +26,7 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.ports import free_port
 from xds_server.control_plane import ControlPlane
-from xds_server.mesh import Mesh, parse_mesh
+from xds_server.mesh import Endpoint, Mesh, parse_mesh
 
 METHOD = "/meshlm.inference.v1.Inference/Who"  # inside the API an `llm/*` rule allows
 
@@ -266,3 +267,13 @@ def sotw(type_url: str, names=(), version: str = "", nonce: str = "", error: str
     if error:
         req.error_detail.CopyFrom(status_pb2.Status(code=3, message=error))
     return req
+
+
+def with_unvalidated_endpoint(mesh: Mesh, version: str, host: str, port: int) -> Mesh:
+    """`mesh` plus an endpoint built past the mesh validator (which refuses host names), so
+    that Envoy itself rejects the change: the way to drive the NACK path."""
+    svc = mesh.services["llm"]
+    v = svc.versions[version]
+    v = dataclasses.replace(v, endpoints=(*v.endpoints, Endpoint(host, port)))
+    svc = dataclasses.replace(svc, versions={**svc.versions, version: v})
+    return dataclasses.replace(mesh, services={**mesh.services, "llm": svc})

@@ -10,10 +10,14 @@ import time
 
 from meshlm.procs import wait_until
 from sidecar.ports import free_port
-from tests.chaos.harness import EchoUpstream, Mesh, children, echo_call, kill_pid
+from tests.chaos.harness import TOKEN, EchoUpstream, Mesh, children, echo_call, kill_pid
 from tests.chaos.load import Load, failures, recovery
 from tests.chaos.record import record
+from tests.test_xds_support import with_unvalidated_endpoint
 from wasm_filters.policy import hash_key
+from xds_server.admin import AdminServer
+from xds_server.control_plane import ControlPlane
+from xds_server.mesh import parse_mesh
 
 RATE = 20.0
 
@@ -38,18 +42,24 @@ def _caller(mesh: Mesh, admin: int | None = None) -> tuple[int, int]:
 
 
 def test_invalid_config_is_nacked_traffic_continues_error_in_status(tmp_path) -> None:
+    # The mesh validator refuses what Envoy would NACK (a host-name endpoint is a 400 at the
+    # admin API), so the NACK itself is driven by a change built past the validator, pushed by
+    # an in-process control plane that serves the same ADS and admin ports.
     t_start = time.monotonic()
     v1 = EchoUpstream("v1")
     mesh = Mesh(tmp_path, {"services": _services({"v1": v1}, {"v1": 100})})
+    cp = ControlPlane(parse_mesh(mesh.mesh), debounce=0.02).start(mesh.grpc_port)
+    admin = AdminServer(cp, token=TOKEN, port=mesh.admin_port).start()
     try:
-        mesh.start_control_plane()
         port, _ = _caller(mesh)
         with Load(echo_call(port), RATE) as load:
             time.sleep(2)
-            fault_at = time.monotonic()
-            # A host name is a valid mesh endpoint, but Envoy's EDS takes IP addresses only.
-            status, reply = mesh.admin(
+            refused, _ = mesh.admin(
                 "POST", "/v1/services/llm/versions/v1/endpoints", {"add": "bad.invalid:1"}
+            )
+            fault_at = time.monotonic()
+            result = cp.update_mesh(
+                with_unvalidated_endpoint(cp.mesh, "v1", "bad.invalid", 1), timeout=20
             )
             nack_seen = time.monotonic() - fault_at
             time.sleep(4)
@@ -64,20 +74,26 @@ def test_invalid_config_is_nacked_traffic_continues_error_in_status(tmp_path) ->
             "test_invalid_config_is_nacked_traffic_continues_error_in_status",
             "Invalid config pushed (Envoy NACKs it)",
             load=f"{load.held()}, unary echo via caller Envoy",
-            faults=["EDS endpoint `bad.invalid:1` (host name, Envoy wants an IP) pushed"],
+            faults=[
+                "EDS endpoint `bad.invalid:1` (host name, Envoy wants an IP): refused at the "
+                "admin API, then pushed past the validator"
+            ],
             by_status=load.by_status(),
             allowed_lost=len(lost),
             recovery_s=None,
             started=t_start,
-            admin_reply=f"HTTP {status}",
+            admin_reply=f"HTTP {refused}",
             nack_reported_after_s=round(nack_seen, 2),
             meshlm_status_shows_nack="NACK" in cli.stdout and "malformed IP" in cli.stdout,
         )
-        assert status == 409 and "malformed IP address" in str(reply["errors"]), reply
+        assert refused == 400
+        assert not result.ok and "malformed IP address" in str(result.errors), result.to_json()
         assert not lost, load.by_status()
         assert cli.returncode == 0 and "NACK" in cli.stdout and "malformed IP" in cli.stdout
     finally:
         mesh.stop()
+        admin.stop()
+        cp.stop()
         v1.stop()
 
 
