@@ -16,13 +16,13 @@ import pytest
 from meshlm.caller import Caller, Stall, StreamLost
 from meshlm.procs import Proc, wait_until
 from model_runtime.client import Client
-from model_runtime.engine import Engine
 from model_runtime.faults import Faults
 from model_runtime.service import Runtime
 from schemas import codec
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.ports import free_port
+from tests.runtime_fixtures import serving_runtime
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import VERSION_HEADER, parse_mesh
 
@@ -50,11 +50,7 @@ class Rig:
 
 
 def _runtime(loaded, replica_id: str, faults: Faults | None = None) -> Runtime:
-    engine = Engine(loaded, max_batch=4, max_queue=8)
-    engine.start()
-    rt = Runtime(faults=faults, replica_id=replica_id).start()
-    rt.set_model(loaded, engine)
-    return rt
+    return serving_runtime(loaded, faults=faults, replica_id=replica_id)
 
 
 @pytest.fixture(scope="module")

@@ -14,20 +14,16 @@ import grpc
 import pytest
 
 from model_runtime.client import Client
-from model_runtime.engine import Engine
 from model_runtime.faults import EXIT_CODE, Faults
 from model_runtime.service import REPLICA_HEADER, Runtime
 from schemas import codec
+from tests.runtime_fixtures import serving_runtime
 
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 
 
 def _runtime(loaded, faults: Faults) -> Runtime:
-    engine = Engine(loaded, max_batch=4, max_queue=8)
-    engine.start()
-    rt = Runtime(faults=faults).start()
-    rt.set_model(loaded, engine)
-    return rt
+    return serving_runtime(loaded, faults=faults)
 
 
 def test_stall_after_every_nth_token_for_ms_then_the_stream_goes_on(smollm_int4) -> None:

@@ -14,6 +14,7 @@ from model_runtime.client import Client
 from model_runtime.engine import Engine
 from model_runtime.service import REPLICA_HEADER, Runtime
 from schemas import codec
+from tests.runtime_fixtures import serving_runtime
 
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 SEEDED = {"temperature": 0.9, "top_k": 50, "top_p": 0.95, "seed": 7}
@@ -21,10 +22,7 @@ SEEDED = {"temperature": 0.9, "top_k": 50, "top_p": 0.95, "seed": 7}
 
 @pytest.fixture(scope="module")
 def runtime(smollm_int4) -> Iterator[Runtime]:
-    engine = Engine(smollm_int4, max_batch=4, max_queue=8)
-    engine.start()
-    rt = Runtime(replica_id="replica-a").start()
-    rt.set_model(smollm_int4, engine)
+    rt = serving_runtime(smollm_int4, replica_id="replica-a")
     try:
         yield rt
     finally:

@@ -26,6 +26,7 @@ from model_runtime.service import PRIORITY_HEADER, SERVICE, Runtime, _priority
 from model_runtime.telemetry import MetricsServer, Telemetry
 from schemas import codec
 from tests.fuzz import codec as fuzz
+from tests.runtime_fixtures import serving_runtime
 from xds_server.gates import parse_runtime_metrics
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
@@ -39,11 +40,7 @@ def loaded(smollm_int4):
 
 
 def _runtime(loaded, *, faults=None, telemetry=None, **engine_kw) -> Runtime:
-    engine = Engine(loaded, **{"max_batch": 4, "max_queue": 8, **engine_kw})
-    engine.start()
-    rt = Runtime(faults=faults, telemetry=telemetry).start()
-    rt.set_model(loaded, engine)
-    return rt
+    return serving_runtime(loaded, faults=faults, telemetry=telemetry, **engine_kw)
 
 
 @pytest.fixture(scope="module")
