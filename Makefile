@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint generated bench bench-peer chaos lock clean
+.PHONY: demo test lint generated bench bench-tools bench-peer chaos lock clean
 
 # Everything comes from requirements.lock (exact versions, transitive ones included); meshlm
 # itself is installed editable on top, without resolving anything again.
@@ -30,8 +30,17 @@ generated: $(STAMP)
 test: $(STAMP) lint generated
 	$(BIN)/python -m pytest -q
 
-bench: $(STAMP)
+bench: $(STAMP) bench-tools
 	$(BIN)/python -m bench
+
+# h2load (Debian's nghttp2-client) drives Envoy in the authz and mesh benchmarks: a Python
+# client cannot load one Envoy worker (issue 19). Installed with apt-get (sudo unless root).
+APT := $(if $(filter 0,$(shell id -u)),,sudo) apt-get
+bench-tools:
+	@command -v h2load >/dev/null 2>&1 || $(APT) install -y -q nghttp2-client \
+	  || { $(APT) update -q && $(APT) install -y -q nghttp2-client; } \
+	  || { echo "make bench-tools: could not install h2load; install Debian's" \
+	    "nghttp2-client (apt-get install nghttp2-client) and rerun" >&2; exit 1; }
 
 # The runtime benchmark's peer: llama.cpp, built from source (~10 min on 2 cores) for this kind
 # of machine (AVX-512), AMX off: the native build dies with SIGILL where a VM hides AMX state.

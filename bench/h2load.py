@@ -50,8 +50,8 @@ def grpc_frame(message: bytes) -> bytes:
     return b"\x00" + len(message).to_bytes(4, "big") + message
 
 
-def generate_request_body() -> bytes:
-    """A gRPC-framed FlatBuffers GenerateRequest, as a client of the mesh sends it."""
+def generate_request() -> bytes:
+    """A small FlatBuffers GenerateRequest (8 new tokens), as a client of the mesh sends it."""
     from schemas import codec
 
     req = codec.GenerateRequest(
@@ -59,7 +59,12 @@ def generate_request_body() -> bytes:
         max_new_tokens=8,
         temperature=0.0,
     )
-    return grpc_frame(codec.encode_generate_request(req))
+    return codec.encode_generate_request(req)
+
+
+def generate_request_body() -> bytes:
+    """`generate_request()` gRPC-framed: an h2load request body."""
+    return grpc_frame(generate_request())
 
 
 def cores() -> tuple[int, int] | None:

@@ -52,6 +52,7 @@ PARTS = {
     "route": "the real route (ORCA route, max_stream_duration, hash policy)",
     "cluster": "the real cluster (outlier detection, circuit breakers, lb policy)",
 }
+ROUTER = "envoy.filters.http.router"
 _FILTER_PART = {
     "envoy.filters.http.grpc_stats": "grpc_stats",
     AUTHZ_FILTER: "authz",
@@ -76,7 +77,7 @@ def _one(res: dict[str, Any], type_url: str) -> Any:
     return msg
 
 
-def _hcm(listener: Any) -> hcm_pb2.HttpConnectionManager:
+def hcm_of(listener: Any) -> hcm_pb2.HttpConnectionManager:
     hcm = hcm_pb2.HttpConnectionManager()
     listener.filter_chains[0].filters[0].typed_config.Unpack(hcm)
     return hcm
@@ -96,10 +97,13 @@ def bootstrap(res: dict[str, Any], parts: Iterable[str], *, xds_port: int) -> di
     listener = _one(res, t.LISTENER)
     listener_out = type(listener)()
     listener_out.CopyFrom(listener)
-    hcm = _hcm(listener)
+    hcm = hcm_of(listener)
     filters = []
     for f in hcm.http_filters:
         part = _FILTER_PART.get(f.name)
+        if part is None and f.name != ROUTER:
+            # A new filter in the inbound config must become a part, or `bare` is not bare.
+            raise ValueError(f"inbound listener: filter {f.name} is not one of the parts")
         if part is not None and part not in on:
             continue
         if f.HasField("config_discovery"):  # ECDS: inline what the control plane would send
@@ -180,7 +184,7 @@ def grpc_ok_upstream(port: int) -> dict[str, Any]:
         stat_prefix="upstream",
         stream_idle_timeout=60,
     )
-    hcm = _hcm(lst)
+    hcm = hcm_of(lst)
     del hcm.http_filters[:-1]  # the router only
     hcm.ClearField("rds")
     ok = rc.Route(
