@@ -1,8 +1,10 @@
 """Encode and decode the inference messages, with validation.
 
-Every `decode_*` first runs the verifier (`schemas.verify`) and then checks values and limits;
-anything wrong raises `WireError(field, message)` — never another exception (a MemoryError or a
-RecursionError becomes a WireError too), never a silent out-of-bounds read. Encoders reuse one
+Every `decode_*` first runs the verifier (`schemas.verify`) and then checks values and limits (a
+token chunk in the server's fixed layout is checked against that exact layout instead, which
+accepts only buffers the verifier accepts, read the same way); anything wrong raises
+`WireError(field, message)` — never another exception (a MemoryError or a RecursionError becomes
+a WireError too), never a silent out-of-bounds read. Encoders reuse one
 flatbuffers.Builder per thread. Token arrays come back as zero-copy numpy int32 views of the
 received buffer.
 """
@@ -35,6 +37,8 @@ __all__ = [
     "decode_info_request",
     "decode_model_info",
     "decode_token_chunk",
+    "decode_token_chunk_fixed",
+    "decode_token_chunk_verified",
     "encode_generate_request",
     "encode_info_request",
     "encode_model_info",
@@ -426,10 +430,30 @@ def _validate_resume(req: GenerateRequest, ids: np.ndarray, limits: Limits) -> N
 # A fixed layout for the common case (no error table), written with one struct.pack instead of
 # ~30 Builder calls: root offset, vtable (8 slots), then the table at byte 28 so its uint64 fields
 # are 8-aligned, then token_ids, text_delta and request_id. The verifier accepts it like any other
-# FlatBuffer; tests decode it with the flatc-generated reader.
-_CHUNK_HEAD = struct.Struct("<I10H4xiQQIIIIIb3x")
+# FlatBuffer; tests decode it with the flatc-generated reader. Clients recognise it by its first
+# 32 bytes and read it without the general verifier (`decode_token_chunk_fixed`).
 _CHUNK_TABLE = 28
-_CHUNK_DATA = 72
+_CHUNK_DATA = 72  # the token_ids vector; text_delta and request_id follow it
+
+
+def _chunk_head(ttft: bool) -> bytes:
+    """Bytes 0-31: root offset, vtable (size, table size, slot offsets), the table's soffset."""
+    # Field offsets in slot order: request_id, index, token_ids, text_delta, finish_reason,
+    # queue_wait_us, ttft_us (absent = null), error (absent).
+    slots = (20, 24, 28, 32, 40, 4, 12 if ttft else 0, 0)
+    return struct.pack("<I10H4xi", _CHUNK_TABLE, 20, 44, *slots, _CHUNK_TABLE - 4)
+
+
+_CHUNK_HEADS = {True: _chunk_head(True), False: _chunk_head(False)}
+_CHUNK_HEAD_TUPLE = (_CHUNK_HEADS[True], _CHUNK_HEADS[False])
+# Bytes 32-75: queue_wait_us, ttft_us, then the uoffsets and scalars in slot-offset order
+# (request_id, index, token_ids, text_delta, 4 unused bytes, finish_reason) and the token count.
+_CHUNK_BODY = struct.Struct("<QQIIII4xb3xI")
+_RID_REF, _IDS_REF, _TEXT_REF = _CHUNK_TABLE + 20, _CHUNK_TABLE + 28, _CHUNK_TABLE + 32
+_U32 = struct.Struct("<I").unpack_from
+_CHUNK_MIN = _CHUNK_DATA + 4 + 8 + 5  # no tokens, empty text_delta and request_id
+_MAX_FIXED = DEFAULT_LIMITS.max_buffer_bytes  # decode_token_chunk_verified refuses bigger ones
+_INT32S = [struct.Struct(f"<{n}i") for n in range(64)]  # token_ids of a chunk, by length
 
 
 def encode_token_chunk(
@@ -451,37 +475,67 @@ def encode_token_chunk(
     rid = request_id.encode("utf-8")
     text_pos = _CHUNK_DATA + 4 + 4 * n
     rid_pos = text_pos + 4 + ((len(text) + 4) & ~3)
-    head = _CHUNK_HEAD.pack(
-        _CHUNK_TABLE,
-        20,  # vtable size: 4 + 2 * 8 slots
-        44,  # table size
-        20,  # request_id
-        24,  # index
-        28,  # token_ids
-        32,  # text_delta
-        40,  # finish_reason
-        4,  # queue_wait_us
-        12 if ttft_us is not None else 0,  # ttft_us (optional scalar: absent = null)
-        0,  # error
-        _CHUNK_TABLE - 4,  # soffset to the vtable at byte 4
-        queue_wait_us,
-        ttft_us or 0,
-        rid_pos - (_CHUNK_TABLE + 20),
-        index,
-        _CHUNK_DATA - (_CHUNK_TABLE + 28),
-        text_pos - (_CHUNK_TABLE + 32),
-        0,
-        _FINISH_CODE[finish_reason],
-    )
+    ids = _INT32S[n] if n < 64 else struct.Struct(f"<{n}i")
     return b"".join(
         (
-            head,
-            struct.pack(f"<I{n}i", n, *token_ids),
+            _CHUNK_HEADS[ttft_us is not None],
+            _CHUNK_BODY.pack(
+                queue_wait_us,
+                ttft_us or 0,
+                rid_pos - _RID_REF,
+                index,
+                _CHUNK_DATA - _IDS_REF,
+                text_pos - _TEXT_REF,
+                _FINISH_CODE[finish_reason],
+                n,
+            ),
+            ids.pack(*token_ids),
             _string_bytes(text),
             len(rid).to_bytes(4, "little"),
             rid,
             b"\0",  # the last string needs no padding: truncating any byte breaks the buffer
         )
+    )
+
+
+def decode_token_chunk_fixed(buf: bytes | bytearray | memoryview) -> TokenChunk | None:
+    """Read a chunk in exactly the fixed layout `encode_token_chunk` writes, or return None.
+
+    Only the positions that layout allows are accepted: the 32-byte head, the token vector at
+    byte 72, text_delta right after it, request_id right after that and ending the buffer, both
+    strings zero-terminated UTF-8, a known finish_reason. Such a buffer passes `verify()` (every
+    region is in bounds, aligned and read once, so no alias and no budget to exceed) and reads
+    as the generated reader reads it; anything else, valid or not, is left to the verifier.
+    """
+    n = len(buf)
+    if type(buf) is not bytes or not _CHUNK_MIN <= n <= _MAX_FIXED:
+        return None
+    if not buf.startswith(_CHUNK_HEAD_TUPLE):
+        return None
+    wait, ttft, rid_off, index, ids_off, text_off, code, count = _CHUNK_BODY.unpack_from(buf, 32)
+    text_pos = _CHUNK_DATA + 4 + 4 * count
+    if ids_off != _CHUNK_DATA - _IDS_REF or text_off != text_pos - _TEXT_REF or text_pos + 4 > n:
+        return None
+    text_end = text_pos + 4 + _U32(buf, text_pos)[0]
+    rid_pos = (text_end + 4) & ~3
+    rid_end = rid_pos + 4 + _U32(buf, rid_pos)[0] if rid_pos + 5 <= n else 0
+    if rid_off != rid_pos - _RID_REF or rid_end != n - 1 or buf[rid_end] or buf[text_end]:
+        return None
+    if not 0 <= code < len(FINISH_REASONS):
+        return None
+    try:
+        text = buf[text_pos + 4 : text_end].decode("utf-8")
+        rid = buf[rid_pos + 4 : rid_end].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return TokenChunk(
+        rid,
+        index,
+        np.frombuffer(buf, "<i4", count, _CHUNK_DATA + 4),
+        text,
+        FINISH_REASONS[code],
+        wait,
+        ttft if buf[20] else None,  # the ttft_us slot of the vtable
     )
 
 
@@ -535,6 +589,20 @@ def encode_token_chunk_builder(
 
 @_wire_errors_only("TokenChunk")
 def decode_token_chunk(buf: bytes, max_size: int = DEFAULT_LIMITS.max_buffer_bytes) -> TokenChunk:
+    """Verify and read a chunk: the server's fixed layout directly, anything else through the
+    verifier (either way the same chunk, or the same WireError)."""
+    if len(buf) <= max_size:
+        chunk = decode_token_chunk_fixed(buf)
+        if chunk is not None:
+            return chunk
+    return decode_token_chunk_verified(buf, max_size)
+
+
+@_wire_errors_only("TokenChunk")
+def decode_token_chunk_verified(
+    buf: bytes, max_size: int = DEFAULT_LIMITS.max_buffer_bytes
+) -> TokenChunk:
+    """Any well-formed TokenChunk, through the verifier and the flatc-generated reader."""
     verify(buf, TOKEN_CHUNK, max_size)
     t = fb.TokenChunk.GetRootAs(buf, 0)
     code = t.FinishReason()

@@ -3,8 +3,9 @@
     .venv/bin/pip install -e '.[fuzz]'
     .venv/bin/python tests/fuzz/atheris_codec.py -atheris_runs=100000 [-max_len=4096]
 
-Same property as tests/fuzz/codec.py: WireError or a valid message, nothing else. Its SEEDS, which
-the XOR below starts from, include the shared-offset shapes of `aliased()` (issue 9).
+Same property as tests/fuzz/codec.py: WireError or a valid message, nothing else, and the token
+chunk fast path answers as the verifier does. Its SEEDS, which the XOR below starts from, include
+the shared-offset shapes of `aliased()` (issue 9) and chunks in the server's fixed layout.
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@ Property, for every input: the decoders either raise `WireError` (the runtime an
 INVALID_ARGUMENT with its message) or return a message that passes every value check. Any
 other exception is a bug; the input is written to `--crashes` and the run fails.
 The default test run covers the same property with a bounded count (tests/test_fuzz_codec.py).
-The seeds include `aliased()` requests whose offsets point many times at one object (issue 9);
+The seeds include `aliased()` requests whose offsets point many times at one object (issue 9),
+and token chunks in the server's fixed layout, on which `check_chunk` compares the client's fast
+path with the verifier + generated reader (issue 13: same answer, or the fast path declines);
+`--chunks` mutates only token chunks.
 
     .venv/bin/python -m tests.fuzz.codec --aliased stop
 
@@ -27,6 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 import flatbuffers
+import numpy as np
 
 from schemas import codec as c
 from schemas.meshlm import inference_generated as fb
@@ -62,9 +66,18 @@ SEEDS = [
         )
     ),
     c.encode_generate_request(c.GenerateRequest(prompt_token_ids=list(range(40)), model="m")),
-    c.encode_token_chunk("r", 2, [17, 18], " Paris", None, 10, 20),
     c.encode_token_chunk("r", 3, [], "", "error", 0, None, c.ErrorInfo(13, "boom", "x")),
     c.encode_info_request(),
+]
+# Chunks in the fixed layout the server writes: ttft set or null, text lengths 0-4 mod 4 (every
+# padding), multi-byte UTF-8, no tokens, the largest scalars.
+FIXED_CHUNKS = [
+    c.encode_token_chunk("r", 2, [17, 18], " Paris", None, 10, 20),
+    c.encode_token_chunk("req-0001", 0, [5364], "The", None, 1234, None),
+    c.encode_token_chunk("", 7, [], "", "stop", 0, 0),
+    c.encode_token_chunk("réq-✓", 2**32 - 1, [0, 49151, -1], "ünï", "length", 2**64 - 1, 2**64 - 1),
+    c.encode_token_chunk("abcd", 9, [1, 2, 3, 4], "four", "cancelled", 1, 2),
+    c.encode_token_chunk("a" * 40, 1, list(range(16)), "x\x00y", None, 3, 4),
 ]
 
 
@@ -107,8 +120,32 @@ def aliased(shape: str, size: int = 1 << 20) -> bytes:
     return bytes(b.Output())
 
 
+def aliased_chunk(size: int) -> bytes:
+    """A TokenChunk whose request_id, text_delta and error message and field are one shared
+    string of about `size` bytes: accepted while the four reads fit the verifier's budget
+    (2 x the buffer + 4 KiB), refused beyond; never the fixed layout."""
+    b = flatbuffers.Builder(size + 256)
+    s = b.CreateString("y" * (size - 128))
+    fb.ErrorStart(b)
+    fb.ErrorAddCode(b, 13)
+    fb.ErrorAddMessage(b, s)
+    fb.ErrorAddField(b, s)
+    err = fb.ErrorEnd(b)
+    ids = b.CreateNumpyVector(np.asarray([1, 2], dtype="<i4"))
+    fb.TokenChunkStart(b)
+    fb.TokenChunkAddRequestId(b, s)
+    fb.TokenChunkAddTokenIds(b, ids)
+    fb.TokenChunkAddTextDelta(b, s)
+    fb.TokenChunkAddFinishReason(b, 4)
+    fb.TokenChunkAddError(b, err)
+    b.Finish(fb.TokenChunkEnd(b))
+    return bytes(b.Output())
+
+
 # Mutating aliased buffers reaches the count limits and the verifier's budget from both sides.
 SEEDS += [aliased(shape, 4096) for shape in ALIASED]
+CHUNK_SEEDS = [*FIXED_CHUNKS, SEEDS[3], aliased_chunk(1024), aliased_chunk(4096)]
+SEEDS += CHUNK_SEEDS
 HOSTILE_U32 = [0, 1, 2, 3, 4, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0xFFFFFFFC, 0x10000, 0xFFFF]
 
 
@@ -159,19 +196,55 @@ def check(buf: bytes) -> str:
     except c.WireError as e:
         assert e.field and e.message, "a WireError must name the field"
         outcome = "WireError"
-    for decode in (c.decode_token_chunk, c.decode_model_info, c.decode_info_request):
+    check_chunk(buf)
+    for decode in (c.decode_model_info, c.decode_info_request):
         with contextlib.suppress(c.WireError):
             decode(buf)
     return outcome
 
 
-def run(inputs: int, seed: int = 1, crashes: Path | None = None) -> Counter[str]:
+def _same(a: c.TokenChunk, b: c.TokenChunk) -> bool:
+    return repr(a) == repr(b) and a.token_ids.dtype == b.token_ids.dtype == "<i4"
+
+
+def check_chunk(buf: bytes) -> str:
+    """Decode `buf` as a TokenChunk three ways: the fixed-layout fast path, the verifier +
+    generated reader, and `decode_token_chunk` (what clients call). The fast path either declines
+    (None) or returns what the verified path returns; it never accepts a buffer the verifier
+    refuses, and `decode_token_chunk` answers exactly as the verified path (same chunk, or a
+    WireError with the same field and message). Returns "fast", "verified" or "WireError"."""
+    try:
+        full: c.TokenChunk | c.WireError = c.decode_token_chunk_verified(buf)
+    except c.WireError as e:
+        assert e.field and e.message, "a WireError must name the field"
+        full = e
+    fast = c.decode_token_chunk_fixed(buf)
+    if fast is not None:
+        assert not isinstance(full, c.WireError), f"fast path accepted a refused buffer: {full}"
+        assert _same(fast, full), (fast, full)
+    try:
+        got = c.decode_token_chunk(buf)
+    except c.WireError as e:
+        assert isinstance(full, c.WireError) and str(e) == str(full), (e, full)
+    else:
+        assert not isinstance(full, c.WireError) and _same(got, full), (got, full)
+    if isinstance(full, c.WireError):
+        return "WireError"
+    return "fast" if fast is not None else "verified"
+
+
+def run(
+    inputs: int, seed: int = 1, crashes: Path | None = None, chunks: bool = False
+) -> Counter[str]:
+    """Mutate SEEDS through `check`, or with `chunks` only CHUNK_SEEDS through `check_chunk`
+    (most such inputs stay close to the fixed layout, where the fast path has to decide)."""
     rng = random.Random(seed)
+    seeds, probe = (CHUNK_SEEDS, check_chunk) if chunks else (SEEDS, check)
     seen: Counter[str] = Counter()
     for i in range(inputs):
-        buf = mutate(rng, rng.choice(SEEDS))
+        buf = mutate(rng, rng.choice(seeds))
         try:
-            seen[check(buf)] += 1
+            seen[probe(buf)] += 1
         except Exception as e:
             if crashes is not None:
                 crashes.mkdir(parents=True, exist_ok=True)
@@ -202,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--crashes", type=Path, default=Path("fuzz-crashes"))
     p.add_argument(
+        "--chunks", action="store_true", help="only token chunks: the fast path vs the verifier"
+    )
+    p.add_argument(
         "--aliased",
         choices=ALIASED,
         help="instead: decode one 1 MiB aliased request; print the outcome, CPU s, peak RSS",
@@ -211,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         return measure(a.aliased)
     t0 = time.monotonic()
     try:
-        seen = run(a.inputs, a.seed, a.crashes)
+        seen = run(a.inputs, a.seed, a.crashes, a.chunks)
     except AssertionError as e:
         print(f"FAIL: {e}", file=sys.stderr)
         return 1
