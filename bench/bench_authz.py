@@ -164,8 +164,14 @@ def _report(
     def rps(m: str) -> float:
         return med(r.rps for r in sat[m])
 
-    def cpu(m: str) -> float:  # Envoy CPU us per request, median round
-        return med(r.cpu_us_per_request(next(iter(r.cpu_s))) for r in sat[m])
+    def cpus(m: str) -> list[float]:  # Envoy CPU us per request, by round
+        return [r.cpu_us_per_request(next(iter(r.cpu_s))) for r in sat[m]]
+
+    def cpu(m: str) -> float:
+        return med(cpus(m))
+
+    def over(m: str) -> float:  # round by round (seconds apart), then the median: drift cancels
+        return med(a - b for a, b in zip(cpus(m), cpus(NONE), strict=True))
 
     def p(m: str, q: float) -> float:  # median over rounds of the round's percentile, us
         return med(r.pct(q) for r in lat[m])
@@ -174,7 +180,8 @@ def _report(
         return (1 / rps(m) - 1 / rps(NONE)) * 1e6
 
     rows = [
-        f"| {m} | {rps(m):,.0f} | {cost(m):.1f} | {cpu(m):.1f} | {cpu(m) - cpu(NONE):.1f} "
+        f"| {m} | {rps(m):,.0f} | {cost(m):.1f} "
+        f"| {cpu(m):.1f} ({min(cpus(m)):.0f}-{max(cpus(m)):.0f}) | {over(m):.1f} "
         f"| {p(m, 0.5):.0f} | {p(m, 0.9):.0f} | {p(m, 0.99):.0f} |"
         for m in (NONE, NATIVE, WASM)
     ]
@@ -182,7 +189,7 @@ def _report(
         f"| {m} | {p(m, 0.5):.0f} | {p(m, 0.9):.0f} | {p(m, 0.99):.0f} |" for m in (ROUTED, GLOBAL)
     ]
     ratio = cost(WASM) / cost(NATIVE) if cost(NATIVE) > 0 else float("nan")
-    cpu_w, cpu_n = cpu(WASM) - cpu(NONE), cpu(NATIVE) - cpu(NONE)
+    cpu_w, cpu_n = over(WASM), over(NATIVE)
     cpu_ratio = cpu_w / cpu_n if cpu_n > 0 else float("nan")
     pinning = (
         f"h2load pinned to core {placed[0]}, every Envoy to core {placed[1]} (taskset / "
@@ -209,8 +216,8 @@ def _report(
             f"machine). Latency: h2load `--rps` at {rate:,} requests/s in all (half the no-filter "
             "saturation), from h2load's per-request log.",
             "",
-            "| mode | requests/s at saturation | cost us/request (from rps) | Envoy CPU us/request "
-            "| CPU over no filter, us | p50 us | p90 us | p99 us |",
+            "| mode | requests/s at saturation | cost us/request (from rps) "
+            "| Envoy CPU us/request (range) | CPU over no filter, us | p50 us | p90 us | p99 us |",
             "|---|---:|---:|---:|---:|---:|---:|---:|",
             *rows,
             "",

@@ -278,7 +278,7 @@ HOP_HEAD = (
     "| p99 | added per hop p50 / p90 / p99 | RSS MB |\n|---|---:|---:|---|---:|---:|---:|---|---|"
 )
 PART_HEAD = (
-    "| config | part | calls/s at saturation | sidecar CPU us/call | over bare, us "
+    "| config | part | calls/s at saturation | sidecar CPU us/call (range) | over bare, us "
     "| share of full's overhead | x bare |\n|---|---|---:|---:|---:|---:|---:|"
 )
 
@@ -307,8 +307,15 @@ def _report(
     def rps(name: str) -> float:
         return med(r.rps for r in sat[name])
 
-    def cpu(name: str, i: int = 0) -> float:  # the i-th Envoy's CPU us per request
-        return med(r.cpu_us_per_request(list(r.cpu_s)[i]) for r in sat[name])
+    def cpus(name: str, i: int = 0) -> list[float]:  # the i-th Envoy's CPU us per call, by round
+        return [r.cpu_us_per_request(list(r.cpu_s)[i]) for r in sat[name]]
+
+    def cpu(name: str, i: int = 0) -> float:
+        return med(cpus(name, i))
+
+    def paired(name: str, base: str, op: Callable[[float, float], float]) -> float:
+        # Round by round (the two ran seconds apart), then the median: drift cancels.
+        return med(op(a, b) for a, b in zip(cpus(name), cpus(base), strict=True))
 
     def p(name: str, q: float) -> float:
         return med(r.pct(q) for r in lat[name])
@@ -319,20 +326,24 @@ def _report(
     hop_rows = []
     for k, name in enumerate((direct, one, two)):
         per_hop = "-" if not k else f"{(1 / rps(name) - 1 / rps(direct)) * 1e6 / k:.1f}"
-        cpus = ", ".join(f"{r} {cpu(name, i):.1f}" for i, r in enumerate(roles[name]))
+        each = ", ".join(f"{r} {cpu(name, i):.1f}" for i, r in enumerate(roles[name]))
         added = "-" if not k else " / ".join(f"{(p(name, q) - p(direct, q)) / k:+.0f}" for q in QS)
         mem = ", ".join(f"{r} {m:.0f}" for r, m in zip(roles[name], rss[name], strict=True))
         hop_rows.append(
-            f"| {name} | {rps(name):,.0f} | {per_hop} | {cpus} | "
+            f"| {name} | {rps(name):,.0f} | {per_hop} | {each} | "
             + " | ".join(f"{p(name, q):.0f}" for q in QS)
             + f" | {added} | {mem} |"
         )
-    bare, full = cpu("bare Envoy hop"), cpu("full (as pushed)")
-    over = full - bare
+    bare, full = "bare Envoy hop", "full (as pushed)"
 
     def extra(name: str) -> float:
-        base = cpu("+ authz") if name == "+ authz + ratelimit" else bare
-        return cpu(name) - base
+        base = "+ authz" if name == "+ authz + ratelimit" else bare
+        return paired(name, base, lambda a, b: a - b)
+
+    def times(name: str) -> float:
+        return paired(name, bare, lambda a, b: a / b)
+
+    over = extra(full)
 
     part_rows = []
     for name in VARIANTS:
@@ -342,13 +353,13 @@ def _report(
         single = name.startswith("+ ")
         share = f"{extra(name) / over:.0%}" if single and over > 0 else "-"
         part_rows.append(
-            f"| {name} | {what} | {rps(name):,.0f} | {cpu(name):.1f} | {extra(name):+.1f} "
-            f"| {share} | {cpu(name) / bare:.2f}x |"
+            f"| {name} | {what} | {rps(name):,.0f} | {cpu(name):.1f} "
+            f"({min(cpus(name)):.0f}-{max(cpus(name)):.0f}) | {extra(name):+.1f} "
+            f"| {share} | {times(name):.2f}x |"
         )
     singles = [n for n in VARIANTS if n.startswith("+ ")]
     costliest = max(singles, key=extra)
     summed = sum(extra(n) for n in singles)
-    no_rl = cpu("full, without ratelimit")
     side = [cpu(one, 0), cpu(two, 0), cpu(two, 1)]
     mrows = [f"| {k} | {statistics.median(v):.0f} | {max(v):.0f} |" for k, v in mlat.items()]
     md_p50, two_p50 = (statistics.median(v) for v in mlat.values())
@@ -392,8 +403,10 @@ with a rate limit (so the Wasm filter runs its bucket and the global rate limit 
 {PART_HEAD}
 {chr(10).join(part_rows)}
 
-**Full inbound config: {full / bare:.2f}x a bare hop's CPU ({full:.1f} vs {bare:.1f} us per
-call); {no_rl / bare:.2f}x without the global rate limit** (issue 19's goal: <= 1.3x). The
+**Full inbound config: {times(full):.2f}x a bare hop's CPU ({cpu(full):.1f} vs {cpu(bare):.1f} us
+per call); {times("full, without ratelimit"):.2f}x without the global rate limit** (issue 19's
+goal: <= 1.3x). Differences and ratios are taken round by round, then the median; the CPU
+column gives the median and the range over rounds. The
 costliest part: {costliest} ({extra(costliest):+.1f} us). The parts measured alone sum to
 {summed:+.1f} us over bare, the full config costs {over:+.1f} us. With the global rate limit on,
 the saturation rate is the control plane's Python RateLimitService's, not Envoy's.
