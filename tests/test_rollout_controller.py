@@ -64,11 +64,16 @@ class FakeGrpcCounts:
 
 
 class FakeLatency:
+    """Every interval reads these p99s (histogram arithmetic: tests/test_rollout_gates.py)."""
+
     def __init__(self, ttft: float | None = 0.1, tpot: float | None = 0.02) -> None:
         self.ttft, self.tpot = ttft, tpot
 
-    def read(self) -> LatencyReading:
-        return LatencyReading(self.ttft, self.tpot, 100)
+    def snapshot(self) -> FakeLatency:
+        return self
+
+    def since(self, before: FakeLatency) -> LatencyReading:
+        return LatencyReading(self.ttft, self.tpot, 100, "interval")
 
 
 SPEC = {

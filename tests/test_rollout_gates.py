@@ -23,11 +23,13 @@ from xds_server.gates import (
     PASS,
     EnvoyStatsSource,
     GrpcCounts,
+    Histograms,
     LatencyReading,
     MeasurementError,
     RuntimeMetricsSource,
     delta,
     evaluate,
+    quantile,
 )
 from xds_server.rollout_spec import Gates
 
@@ -231,3 +233,95 @@ def test_sources_read_http_only_no_redirect_and_bounded(tmp_path: Path) -> None:
         pytest.raises(MeasurementError, match="response over"),
     ):
         RuntimeMetricsSource(huge.url + "/metrics").read()
+
+
+def _server_ttfts(target: str, prompts: list[str], max_new_tokens: int) -> list[float]:
+    """Generate calls sent at once to a runtime; each call's TTFT as the runtime reported it
+    with its first token (seconds): what its metrics count."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from model_runtime.client import Client
+
+    def one(prompt: str) -> float:
+        with Client(target) as c:
+            chunks = c.generate(prompt, max_new_tokens=max_new_tokens, timeout=120)
+            first = next(ch for ch in chunks if len(ch.token_ids))
+            for _ in chunks:
+                pass
+        assert first.ttft_us is not None
+        return first.ttft_us / 1e6
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def test_each_interval_reads_its_own_ttft_p99_from_the_real_runtime(smollm_int4) -> None:
+    # Issue 13: a window spanning two intervals made both read the same p99. Interval 1 is a
+    # burst that queues (two at a time), interval 2 the same calls one by one.
+    from tests.runtime_fixtures import serving_runtime
+
+    rt = serving_runtime(smollm_int4, max_batch=2, max_queue=16)
+    try:
+        with MetricsServer(rt.telemetry) as srv:
+            src = RuntimeMetricsSource(f"http://127.0.0.1:{srv.port}/metrics")
+            prompts = [f"Count to {n}." for n in range(3, 9)]
+            s0 = src.snapshot()
+            burst = _server_ttfts(rt.target, prompts, 8)
+            s1 = src.snapshot()
+            quiet = [_server_ttfts(rt.target, [p], 8)[0] for p in prompts]
+            s2 = src.snapshot()
+    finally:
+        rt.shutdown(0)
+    first, second = s1.since(s0), s2.since(s1)
+    assert (first.samples, second.samples) == (6, 6)
+    assert first.over == second.over == "interval"
+    # p99 of 6 calls is the slowest one's bucket: within the buckets' 9 % of it.
+    assert first.ttft_p99 == pytest.approx(max(burst), rel=0.1)
+    assert second.ttft_p99 == pytest.approx(max(quiet), rel=0.1)
+    assert second.ttft_p99 < first.ttft_p99  # the queue of interval 1 is not read again
+    assert s2.since(s0).samples == 12  # and over both intervals, both count
+
+
+def test_histograms_restart_and_quantile() -> None:
+    bounds = (0.1, 0.2, 0.4)
+    h = Histograms("a", bounds, (0, 10, 0, 0), (0, 0, 0, 0))
+    assert quantile(0.5, bounds, h.ttft) == pytest.approx(0.15)  # halfway into (0.1, 0.2]
+    assert quantile(0.99, bounds, (0, 0, 0, 3)) == 0.4  # above the last bound: that bound
+    assert quantile(0.99, bounds, (0, 0, 0, 0)) is None
+    later = Histograms("a", bounds, (0, 10, 5, 0), (0, 0, 0, 0))
+    assert later.since(h).ttft == (0, 0, 5, 0)
+    # A restarted runtime (new instance) counts from zero: all it has is new.
+    restarted = Histograms("b", bounds, (1, 0, 0, 0), (0, 0, 0, 0))
+    assert restarted.since(later) is restarted
+
+
+def test_controller_reads_each_interval_apart_over_real_http(tmp_path: Path) -> None:
+    # Interval 1 is slow (fails the TTFT gate), interval 2 fast: it passes and the rollout moves
+    # on. Read over the runtime's 60 s window, interval 2 still saw interval 1's calls, failed
+    # again and rolled a recovered canary back.
+    from tests.test_rollout_controller import FakeControlPlane, FakeGrpcCounts
+    from xds_server.gates import Sources
+    from xds_server.rollout import RolloutController
+
+    tel, counts, cp = Telemetry(window_s=60), FakeGrpcCounts(), FakeControlPlane()
+    with MetricsServer(tel) as srv:
+        latency = RuntimeMetricsSource(f"http://127.0.0.1:{srv.port}/metrics")
+        c = RolloutController(
+            cp, str(tmp_path / "r.json"), lambda spec: Sources(counts, latency), autorun=False
+        )
+        c.start({"service": "llm", "stable": "v1", "canary": "v2", "steps": [10, 50, 100],
+                 "interval": "1s", "threshold": 2,
+                 "gates": {"ttft_p99_max": "500ms", "min_requests": 20}})  # fmt: skip
+        for ttft in (0.9, 0.1):
+            for _ in range(30):
+                tel.record("Generate", "OK", ttft_s=ttft, tpot_s=0.02)
+            counts.add(ok=30)
+            c.tick("llm", force=True)
+        st = c.status("llm")
+    assert [a["outcome"] for a in st["analyses"]] == ["fail", "pass"], st["message"]
+    assert st["state"] == "Progressing" and st["canary_weight"] == 50
+    first, second = st["analyses"]
+    assert first["ttft_p99"] == pytest.approx(0.9, rel=0.1)
+    assert second["ttft_p99"] == pytest.approx(0.1, rel=0.1)
+    assert first["latency_samples"] == second["latency_samples"] == 30
+    assert first["latency_over"] == second["latency_over"] == "interval"

@@ -6,8 +6,10 @@ constructor arguments:
 - `EnvoyStatsSource`: Envoy's `grpc_stats` counters on the caller-side sidecars,
   `cluster.<cluster>.grpc.<service>.<method>.{total,success,failure,<grpc code>}`. gRPC errors are
   HTTP 200 with a `grpc-status` trailer, so 5xx counters are blind to them (DESIGN.md).
-- `RuntimeMetricsSource`: the canary runtime's loopback `GET /metrics` JSON (TTFT/TPOT p99 over
-  the runtime's sliding window).
+- `RuntimeMetricsSource`: the canary runtime's loopback `GET /metrics` JSON. A gate reads the
+  TTFT/TPOT p99 of exactly its analysis interval: one `snapshot()` of the runtime's cumulative
+  histograms at the interval's start, one at its end, the percentile of the difference (as
+  Prometheus' histogram_quantile over a rate). `read()` gives the runtime's sliding-window p99.
 """
 
 from __future__ import annotations
@@ -90,9 +92,100 @@ class LatencyReading:
     tpot_p99: float | None = None
     samples: int = 0
 
+    # what the percentiles cover: "interval" (exactly the analysis interval, from cumulative
+    # histograms) or the endpoint's sliding window ("window 60s"; an endpoint without them)
+    over: str = "window"
+
+
+@dataclass(frozen=True)
+class Histograms:
+    """One runtime's cumulative TTFT/TPOT counts per bucket since it started (`instance`):
+    `bounds` are the buckets' upper bounds in seconds, the last bucket is everything above."""
+
+    instance: str
+    bounds: tuple[float, ...]
+    ttft: tuple[int, ...]
+    tpot: tuple[int, ...]
+
+    def since(self, before: Histograms | None) -> Histograms:
+        """Counts added since `before`; everything when the runtime restarted since then."""
+        if before is None or (before.instance, before.bounds) != (self.instance, self.bounds):
+            return self
+        return Histograms(
+            self.instance,
+            self.bounds,
+            _minus(self.ttft, before.ttft),
+            _minus(self.tpot, before.tpot),
+        )
+
+
+def _minus(now: tuple[int, ...], before: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(max(0, a - b) for a, b in zip(now, before, strict=True))
+
+
+def quantile(q: float, bounds: tuple[float, ...], counts: tuple[int, ...]) -> float | None:
+    """The q-quantile (0..1) of bucketed counts, interpolated linearly inside its bucket as
+    Prometheus' histogram_quantile does; in the open last bucket, its lower bound. None when
+    there are no counts."""
+    n = sum(counts)
+    if not n:
+        return None
+    rank, seen = q * n, 0
+    for i, c in enumerate(counts):
+        if c and seen + c >= rank:
+            if i == len(bounds):
+                return bounds[-1]
+            lower = bounds[i - 1] if i else 0.0
+            return lower + (bounds[i] - lower) * (rank - seen) / c
+        seen += c
+    return bounds[-1]
+
+
+def parse_histograms(doc: dict[str, Any]) -> Histograms | None:
+    """The runtime `/metrics` JSON's `histograms` (bounds in ms) -> Histograms, None if absent."""
+    h = doc.get("histograms")
+    if h is None:
+        return None
+    try:
+        bounds = tuple(float(b) / 1e3 for b in h["bounds_ms"])
+        ttft, tpot = (tuple(int(c) for c in h[k]) for k in ("ttft", "tpot"))
+        instance = str(h["instance"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise MeasurementError(f"metrics histograms unreadable: {e!r}") from e
+    if not (len(ttft) == len(tpot) == len(bounds) + 1) or list(bounds) != sorted(set(bounds)):
+        raise MeasurementError("metrics histograms: one count per bound and one above needed")
+    return Histograms(instance, bounds, ttft, tpot)
+
+
+@dataclass(frozen=True)
+class LatencySnapshot:
+    """What each canary endpoint's metrics said at one moment (its URL -> cumulative histograms,
+    or None, with its sliding-window reading)."""
+
+    endpoints: dict[str, tuple[Histograms | None, LatencyReading]]
+
+    def since(self, before: LatencySnapshot) -> LatencyReading:
+        """TTFT/TPOT p99 of the calls between `before` and this snapshot, per endpoint; the
+        worst endpoint counts. An endpoint without histograms gives its window's reading."""
+        readings = []
+        for url, (hist, window) in self.endpoints.items():
+            if hist is None:
+                readings.append(window)
+                continue
+            d = hist.since(before.endpoints.get(url, (None, window))[0])
+            readings.append(
+                LatencyReading(
+                    quantile(0.99, d.bounds, d.ttft),
+                    quantile(0.99, d.bounds, d.tpot),
+                    sum(d.ttft),
+                    "interval",
+                )
+            )
+        return _worst(readings)
+
 
 class LatencySource(Protocol):
-    def read(self) -> LatencyReading: ...
+    def snapshot(self) -> LatencySnapshot: ...
 
 
 def delta(before: dict[str, GrpcCounts] | None, after: dict[str, GrpcCounts]) -> GrpcCounts:
@@ -224,7 +317,9 @@ def parse_runtime_metrics(doc: dict[str, Any]) -> LatencyReading:
                 break
         else:
             out[name] = None
-    return LatencyReading(out["ttft"], out["tpot"], samples)
+    window = doc.get("window_s")
+    over = f"window {window:g}s" if isinstance(window, int | float) else "window"
+    return LatencyReading(out["ttft"], out["tpot"], samples, over)
 
 
 class RuntimeMetricsSource:
@@ -241,21 +336,34 @@ class RuntimeMetricsSource:
             self._urls = lambda: fixed
         self.timeout = timeout
 
-    def read(self) -> LatencyReading:
+    def _docs(self) -> dict[str, dict[str, Any]]:
         urls = self._urls()
         if not urls:
             raise MeasurementError("no runtime metrics endpoint is known for the canary")
-        readings = [parse_runtime_metrics(_get_json(u, self.timeout)) for u in urls]
+        return {u: _get_json(u, self.timeout) for u in urls}
 
-        def worst(xs: list[float | None]) -> float | None:
-            vals = [x for x in xs if x is not None]
-            return max(vals) if vals else None
+    def read(self) -> LatencyReading:
+        """The p99s over each endpoint's sliding window (the worst endpoint counts)."""
+        return _worst([parse_runtime_metrics(doc) for doc in self._docs().values()])
 
-        return LatencyReading(
-            worst([r.ttft_p99 for r in readings]),
-            worst([r.tpot_p99 for r in readings]),
-            sum(r.samples for r in readings),
+    def snapshot(self) -> LatencySnapshot:
+        """Each endpoint's cumulative histograms now (and its window reading)."""
+        return LatencySnapshot(
+            {u: (parse_histograms(d), parse_runtime_metrics(d)) for u, d in self._docs().items()}
         )
+
+
+def _worst(readings: list[LatencyReading]) -> LatencyReading:
+    def worst(xs: list[float | None]) -> float | None:
+        vals = [x for x in xs if x is not None]
+        return max(vals) if vals else None
+
+    return LatencyReading(
+        worst([r.ttft_p99 for r in readings]),
+        worst([r.tpot_p99 for r in readings]),
+        sum(r.samples for r in readings),
+        ", ".join(sorted({r.over for r in readings})),
+    )
 
 
 @dataclass(frozen=True)
@@ -332,6 +440,7 @@ def evaluate(
     wants_latency = gates.ttft_p99_max is not None or gates.tpot_p99_max is not None
     if latency is not None:
         m.update(ttft_p99=latency.ttft_p99, tpot_p99=latency.tpot_p99)
+        m.update(latency_samples=latency.samples, latency_over=latency.over)
         for name, value, limit in (
             ("TTFT", latency.ttft_p99, gates.ttft_p99_max),
             ("TPOT", latency.tpot_p99, gates.tpot_p99_max),

@@ -25,6 +25,7 @@ from xds_server.gates import (
     HALT,
     PASS,
     GrpcCounts,
+    LatencySnapshot,
     MeasurementError,
     Sources,
     Verdict,
@@ -135,6 +136,7 @@ class _Interval:
     started: float  # monotonic
     baseline: dict[str, GrpcCounts] | None
     stable_baseline: dict[str, GrpcCounts] | None = None
+    latency_baseline: LatencySnapshot | None = None  # the canary's histograms at the start
 
 
 SourcesFactory = Callable[[RolloutSpec], Sources]
@@ -375,11 +377,18 @@ class RolloutController:
         except MeasurementError as e:
             log.warning("rollout %s: no baseline: %s", r.spec.service, e)
             baseline = None
-        stable_baseline = None
+        stable_baseline = latency_baseline = None
         if src.stable is not None:
             with contextlib.suppress(MeasurementError):
                 stable_baseline = src.stable.read()
-        self._intervals[r.spec.service] = _Interval(self.clock(), baseline, stable_baseline)
+        if src.latency is not None:
+            try:
+                latency_baseline = src.latency.snapshot()
+            except MeasurementError as e:
+                log.warning("rollout %s: no latency baseline: %s", r.spec.service, e)
+        self._intervals[r.spec.service] = _Interval(
+            self.clock(), baseline, stable_baseline, latency_baseline
+        )
 
     def _preflight(self, spec: RolloutSpec, src: Sources) -> str | None:
         """Why a rollout cannot start, or None: the canary must have a live endpoint (else its
@@ -390,12 +399,12 @@ class RolloutController:
             if down:
                 return f"canary {down}; start it (and its sidecar) first"
         g = spec.gates
-        reads = [("gRPC counts", src.grpc)]
+        reads: list[tuple[str, Callable[[], object]]] = [("gRPC counts", src.grpc.read)]
         if src.latency is not None and (g.ttft_p99_max is not None or g.tpot_p99_max is not None):
-            reads.append(("canary runtime metrics", src.latency))
-        for what, source in reads:
+            reads.append(("canary runtime metrics", src.latency.snapshot))
+        for what, read in reads:
             try:
-                source.read()
+                read()
             except MeasurementError as e:
                 return f"{what} cannot be read: {e}"
         return None
@@ -419,7 +428,11 @@ class RolloutController:
             counts_error = str(e)
         if src.latency is not None:
             try:
-                latency = src.latency.read()
+                now_latency = src.latency.snapshot()
+                if iv.latency_baseline is None:
+                    latency_error = "no baseline at interval start"
+                else:  # the percentiles of exactly this interval's calls
+                    latency = now_latency.since(iv.latency_baseline)
             except MeasurementError as e:
                 latency_error = str(e)
         if src.stable is not None:
