@@ -192,8 +192,8 @@ def _report(
     cpu_w, cpu_n = over(WASM), over(NATIVE)
     cpu_ratio = cpu_w / cpu_n if cpu_n > 0 else float("nan")
     pinning = (
-        f"h2load pinned to core {placed[0]}, every Envoy to core {placed[1]} (taskset / "
-        "sched_setaffinity), so the load generator does not take the Envoys' CPU"
+        f"h2load pinned to core {placed[0]}, every Envoy to core {placed[1]} "
+        "(sched_setaffinity), so the load generator does not take the Envoys' CPU"
         if placed
         else "one core: h2load and Envoy share it (no pinning)"
     )

@@ -136,10 +136,11 @@ def run(
             cmd += ["-d", str(Path(tmp) / "body")]
         if rps_per_client is not None:
             cmd += ["--rps", str(rps_per_client)]
-        if cpu is not None:
-            cmd = ["taskset", "-c", str(cpu), *cmd]
+        pinned = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
         before = {p: cpu_seconds(p) for p in pids}
-        out = subprocess.run([*cmd, url], capture_output=True, text=True, timeout=seconds + 60)
+        out = subprocess.run(
+            [*cmd, url], capture_output=True, text=True, timeout=seconds + 60, preexec_fn=pinned
+        )
         used = {p: cpu_seconds(p) - before[p] for p in pids}
         latencies = [int(line.split("\t")[2]) for line in log.read_text().splitlines() if line]
     text = out.stdout
