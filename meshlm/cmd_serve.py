@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from pathlib import Path
 
 from meshlm.signals import termination_event
@@ -198,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from model_runtime.engine import Engine
         from model_runtime.loader import load
+        from model_runtime.warmup import warm_up
 
         try:
             loaded = load(
@@ -220,6 +222,13 @@ def run(args: argparse.Namespace) -> int:
             slow_decode=faults.slow_decode,
         )
         engine.start()
+        t0 = time.monotonic()
+        try:
+            warm_up(engine, loaded.tokenizer)  # before SERVING: no caller pays for lazy init
+        except RuntimeError as e:
+            print(f"meshlm serve: {e}", file=sys.stderr)
+            return 1
+        log.info("warmed up in %.1fs", time.monotonic() - t0)
         runtime.set_model(loaded, engine)
         if faults.active:
             log.warning("fault injection on: %s", faults)
