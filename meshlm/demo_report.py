@@ -1,10 +1,14 @@
-"""The demo's closing report: traffic split per step, latencies, denials by reason, final state."""
+"""The demo's closing report: traffic split per step, latencies, denials by reason, final state;
+per analysis interval, what the gate read from the canary runtime beside what the demo's own
+client saw from each version over the same interval."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from meshlm.launcher import LocalMesh
+from meshlm.sla import percentile
+from meshlm.traffic import Outcome
 
 
 def sidecar_denials(mesh: LocalMesh) -> dict[str, int]:
@@ -15,6 +19,42 @@ def sidecar_denials(mesh: LocalMesh) -> dict[str, int]:
             key = name.split("meshlm_authz.", 1)[-1]
             total[key] = total.get(key, 0) + value
     return dict(sorted(total.items()))
+
+
+def gates_beside_client(
+    rollout: dict[str, Any],
+    outcomes: list[Outcome],
+    versions: dict[str, str],
+    wall_minus_mono: float,
+) -> list[dict[str, Any]]:
+    """One row per analysis interval: the gate's reading (the canary runtime's TTFT p99 and
+    sample count over the interval) and the client's TTFT of the OK calls whose first token came
+    in the same interval (what the runtime counts), per version that answered.
+    `wall_minus_mono`: time.time() - time.monotonic()."""
+    starts = sorted(h["time"] for h in rollout["history"] if h["to"] == "Progressing")
+    rows, previous = [], 0.0
+    for a in rollout["analyses"]:
+        begin = max([previous, *(t for t in starts if t <= a["time"])])
+        previous = a["time"]
+        seen: dict[str, list[float]] = {}
+        for o in outcomes:
+            if o.status != "OK" or o.ttft_ms is None:
+                continue
+            first_token = o.at + o.ttft_ms / 1e3 + wall_minus_mono
+            if begin <= first_token < a["time"]:
+                seen.setdefault(versions.get(o.replica, "?"), []).append(o.ttft_ms)
+        ttft = a.get("ttft_p99")
+        rows.append({
+            "step": a["step"], "canary_weight": a["canary_weight"], "outcome": a["outcome"],
+            "interval_s": round(a["time"] - begin, 1),
+            "gate_ttft_p99_ms": None if ttft is None else round(ttft * 1e3, 1),
+            "gate_samples": a.get("latency_samples"), "gate_over": a.get("latency_over"),
+            "client_ttft_ms": {
+                v: {"count": len(x), "p50": percentile(x, 50), "p99": percentile(x, 99)}
+                for v, x in sorted(seen.items())
+            },
+        })  # fmt: skip
+    return rows
 
 
 def render(report: dict[str, Any]) -> str:
@@ -33,10 +73,30 @@ def render(report: dict[str, Any]) -> str:
             f"  step {s['step'] + 1} @ {s['canary_weight']:>3}% canary: "
             f"{s['canary_requests']} canary / {stable} stable = {share} observed"
         )
+    if report.get("steps"):
+        lines.append(
+            "TTFT per analysis interval: the gate (canary runtime) | the client, per version:"
+        )
+        for s in report["steps"]:
+            client = "; ".join(
+                f"{v} p50 {c['p50']} / p99 {c['p99']} ms ({c['count']})"
+                for v, c in s["client_ttft_ms"].items()
+            )
+            lines.append(
+                f"  step {s['step'] + 1} @ {s['canary_weight']:>3}% ({s['interval_s']:g}s, "
+                f"{s['outcome']}): gate p99 {s['gate_ttft_p99_ms']} ms ({s['gate_samples']}) "
+                f"| {client or 'no calls'}"
+            )
     lines.append(
         f"requests: {t['requests']} sent, {t['ok']} OK; "
         f"TTFT p50 {t['ttft_ms']['p50']} ms, p99 {t['ttft_ms']['p99']} ms"
     )
+    for v, b in t.get("by_version", {}).items():
+        lines.append(
+            f"  answered by {v}: {b['count']} calls, TTFT p50 {b['ttft_ms']['p50']} / "
+            f"p99 {b['ttft_ms']['p99']} ms; in its runtime: TTFT p99 "
+            f"{b['server_ttft_ms']['p99']} ms, queue wait p99 {b['queue_wait_ms']['p99']} ms"
+        )
     lines.append("outcomes by tenant (gRPC status):")
     for tenant, counts in t["by_tenant"].items():
         lines.append(f"  {tenant:<9} " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))

@@ -113,6 +113,11 @@ class LocalMesh:
     def replicas(self, version: str) -> list[Runtime]:
         return [rt for rt in self.runtimes.values() if rt.version == version]
 
+    def replica_versions(self) -> dict[str, str]:
+        """Each runtime's x-meshlm-replica (`meshlm serve`'s default: its gRPC HOST:PORT) ->
+        its version: which version answered a call, as the caller sees it."""
+        return {f"127.0.0.1:{rt.port}": rt.version for rt in self.runtimes.values()}
+
     def serve_args(self, rt: Runtime) -> list[str]:
         """The `meshlm serve` command line of one replica (its faults included)."""
         args = ["serve", "--precision", rt.precision, "--port", str(rt.port)]

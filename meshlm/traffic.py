@@ -5,11 +5,13 @@ goes through the caller library (meshlm/caller.py: stalled streams resume on ano
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -37,7 +39,7 @@ class TenantLoad:
 
 @dataclass(frozen=True)
 class Outcome:
-    at: float  # monotonic start time
+    at: float  # monotonic time the open loop sent it (its latencies count from then)
     tenant: str
     status: str  # gRPC status code name, "OK" when the stream finished
     ttft_ms: float | None
@@ -46,6 +48,9 @@ class Outcome:
     token_ids: tuple[int, ...] = ()  # what the caller received
     resumes: int = 0
     detail: str = ""  # the error's details (never the prompt)
+    replica: str = ""  # x-meshlm-replica of the replica that sent the first token
+    queue_wait_ms: float | None = None  # as the runtime reported it with the first token
+    server_ttft_ms: float | None = None  # the runtime's own TTFT (from the call's arrival)
 
 
 class Traffic:
@@ -65,7 +70,8 @@ class Traffic:
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="traffic")
+        # One worker per call in flight: at 5 calls/s and 10 s per call under overload, 50.
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="traffic")
         self._threads: list[threading.Thread] = []
 
     def start(self) -> Traffic:
@@ -87,17 +93,21 @@ class Traffic:
         n = 0
         start = time.monotonic()
         while not self._stop.is_set():
-            self._pool.submit(self._call, load, load.prompts[n % len(load.prompts)])
+            due = start + n / load.rate
+            self._pool.submit(self._call, load, load.prompts[n % len(load.prompts)], due)
             n += 1
             self._stop.wait(max(0.0, start + n / load.rate - time.monotonic()))
 
-    def _call(self, load: TenantLoad, prompt: str) -> None:
+    def _call(self, load: TenantLoad, prompt: str, due: float) -> None:
         client = self.clients[load.name]
-        t0 = time.monotonic()
+        # Timed from when the open loop meant to send it: a call that waited for a free worker
+        # counts that wait (else a slow mesh would slow the offered load and hide its latency).
+        t0 = due
         ttft = None
         status, detail = "OK", ""
         ids: list[int] = []
         stream = None
+        first = None
         try:
             if load.method == "Info":
                 client.info(timeout=30)
@@ -109,12 +119,18 @@ class Traffic:
                 for chunk in stream:
                     if ttft is None and len(chunk.token_ids):
                         ttft = (time.monotonic() - t0) * 1000
+                        first = chunk
                     ids.extend(int(t) for t in chunk.token_ids)
         except grpc.RpcError as e:
             status, detail = e.code().name, e.details() or ""
-        resumes = len(getattr(stream, "resumes", ()))
         latency = (time.monotonic() - t0) * 1000
-        outcome = Outcome(t0, load.name, status, ttft, latency, prompt, tuple(ids), resumes, detail)
+        replicas = getattr(stream, "replicas", None)  # the caller library's streams only
+        outcome = Outcome(
+            t0, load.name, status, ttft, latency, prompt, tuple(ids),
+            len(getattr(stream, "resumes", ())), detail, replicas[0] if replicas else "",
+            None if first is None else first.queue_wait_us / 1000,
+            None if first is None or first.ttft_us is None else first.ttft_us / 1000,
+        )  # fmt: skip
         with self._lock:
             self.outcomes.append(outcome)
 
@@ -123,15 +139,56 @@ class Traffic:
             return [o for o in self.outcomes if o.at >= t]
 
 
-def summarize(outcomes: list[Outcome]) -> dict:
-    """Counts by tenant and status, TTFT p50/p99 of successful streams."""
+def summarize(outcomes: list[Outcome], versions: dict[str, str] | None = None) -> dict:
+    """Counts by tenant and status, TTFT p50/p99 of successful streams; with `versions`
+    (replica id -> version) also the client's TTFT per version that answered, beside the
+    runtime's own TTFT and queue wait for the same calls."""
     by_tenant: dict[str, Counter[str]] = {}
     for o in outcomes:
         by_tenant.setdefault(o.tenant, Counter())[o.status] += 1
-    ttfts = sorted(o.ttft_ms for o in outcomes if o.ttft_ms is not None)
-    return {
+    ok = [o for o in outcomes if o.status == "OK" and o.ttft_ms is not None]
+    out = {
         "requests": len(outcomes),
         "ok": sum(o.status == "OK" for o in outcomes),
         "by_tenant": {t: dict(c) for t, c in sorted(by_tenant.items())},
-        "ttft_ms": {"p50": percentile(ttfts, 50), "p99": percentile(ttfts, 99)},
+        "ttft_ms": _p50_p99([o.ttft_ms for o in ok]),
     }
+    if versions is not None:
+        by_version: dict[str, list[Outcome]] = {}
+        for o in ok:
+            by_version.setdefault(versions.get(o.replica, "?"), []).append(o)
+        out["by_version"] = {
+            v: {
+                "count": len(calls),
+                "ttft_ms": _p50_p99([o.ttft_ms for o in calls]),
+                "server_ttft_ms": _p50_p99([o.server_ttft_ms for o in calls]),
+                "queue_wait_ms": _p50_p99([o.queue_wait_ms for o in calls]),
+            }
+            for v, calls in sorted(by_version.items())
+        }
+    return out
+
+
+def write_calls(path: Path, outcomes: list[Outcome], versions: dict[str, str]) -> None:
+    """One JSON line per call, in start order (seconds from the first call): when, who, how it
+    ended and how long each part took. No prompt, no tokens."""
+    rows = sorted(outcomes, key=lambda o: o.at)
+    t0 = rows[0].at if rows else 0.0
+    with path.open("w") as f:
+        for o in rows:
+            row = {
+                "t_s": round(o.at - t0, 3), "tenant": o.tenant, "status": o.status,
+                "version": versions.get(o.replica), "replica": o.replica,
+                "ttft_ms": _ms(o.ttft_ms), "server_ttft_ms": _ms(o.server_ttft_ms),
+                "queue_wait_ms": _ms(o.queue_wait_ms), "latency_ms": _ms(o.latency_ms),
+            }  # fmt: skip
+            f.write(json.dumps(row) + "\n")
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v, 1)
+
+
+def _p50_p99(values: list[float | None]) -> dict[str, float | None]:
+    vals = [v for v in values if v is not None]
+    return {"p50": percentile(vals, 50), "p99": percentile(vals, 99)}

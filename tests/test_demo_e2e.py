@@ -72,6 +72,16 @@ def test_demo_promotes_a_healthy_canary(tmp_path: Path, no_leftover_processes: N
         == by_tenant["intruder"]["UNAUTHENTICATED"]
     )
     assert "=== meshlm demo report ===" in out
+    # The client's TTFT per version that answered (issue 13), beside what each gate read over
+    # exactly its interval from the canary runtime.
+    by_version = traffic["by_version"]
+    assert set(by_version) == {"v1", "v2"}
+    assert sum(v["count"] for v in by_version.values()) == traffic["ok"]
+    assert [s["step"] for s in report["steps"]] == [a["step"] for a in rollout["analyses"]]
+    for s in report["steps"]:
+        assert s["gate_over"] == "interval" and s["gate_samples"] > 0, s
+        assert s["client_ttft_ms"]["v2"]["count"] > 0, s
+    assert (tmp_path / "calls.jsonl").read_text().count("\n") == traffic["requests"]
 
 
 def test_demo_rolls_back_a_faulty_canary(tmp_path: Path, no_leftover_processes: None) -> None:

@@ -15,9 +15,9 @@ TERMINAL = ("Succeeded", "RolledBack", "Failed")
 
 
 def run(args: argparse.Namespace, name: str) -> int:
-    from meshlm.demo_report import render, sidecar_denials
+    from meshlm.demo_report import gates_beside_client, render, sidecar_denials
     from meshlm.launcher import SERVICE, LocalMesh
-    from meshlm.traffic import TenantLoad, Traffic, summarize
+    from meshlm.traffic import TenantLoad, Traffic, summarize, write_calls
 
     faulty = name == "faulty-canary"
     faults = {"v2": ["--fault-error-percent", "10", "--fault-delay-ms", "1500"]}
@@ -42,13 +42,17 @@ def run(args: argparse.Namespace, name: str) -> int:
         )
         status = _follow(mesh, SERVICE, deadline=time.monotonic() + args.timeout)
         traffic.stop()
+        versions = mesh.replica_versions()
+        clock = time.time() - time.monotonic()
         report = {
             "rollout": status,
-            "traffic": summarize(traffic.outcomes),
+            "traffic": summarize(traffic.outcomes, versions),
+            "steps": gates_beside_client(status, traffic.outcomes, versions, clock),
             "denials_at_sidecars": sidecar_denials(mesh),
             "faulty_canary": faulty,
         }
         (mesh.workdir / "report.json").write_text(json.dumps(report, indent=2))
+        write_calls(mesh.workdir / "calls.jsonl", traffic.outcomes, versions)
         print(render(report))
         print(f"JSON report: {mesh.workdir / 'report.json'}")
         expected = "RolledBack" if faulty else "Succeeded"
