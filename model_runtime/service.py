@@ -285,6 +285,7 @@ class InferenceService:
                 if first_at is None:
                     first_at = now
                     stats["ttft"] = now - started
+                    self.telemetry.first_token(stats["ttft"])
                 last_at = now
             error = None
             if ev.shed:  # dropped from the queue before its first token (overload)

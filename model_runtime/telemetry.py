@@ -88,7 +88,7 @@ class Telemetry:
         self._lock = threading.Lock()
         self._window: deque[tuple[float, str, str, float | None, float | None]] = deque()
         self._totals: dict[str, dict[str, int]] = {}
-        # Successful Generate calls since start, per bucket of BOUNDS_MS (the last: above them).
+        # Generate calls since start, per bucket of BOUNDS_MS (the last: above them).
         self._hist = {"ttft": [0] * (len(BOUNDS_MS) + 1), "tpot": [0] * (len(BOUNDS_MS) + 1)}
         self.instance = secrets.token_hex(8)  # a reader's baseline from before a restart is void
 
@@ -136,11 +136,16 @@ class Telemetry:
             self._window.append((now, method, code, ttft_s, tpot_s))
             by_code = self._totals.setdefault(method, {})
             by_code[code] = by_code.get(code, 0) + 1
-            if method == "Generate" and code == "OK":
-                for name, value in (("ttft", ttft_s), ("tpot", tpot_s)):
-                    if value is not None:
-                        self._hist[name][bisect.bisect_left(BOUNDS_MS, value * 1e3)] += 1
+            if method == "Generate" and code == "OK" and tpot_s is not None:
+                self._hist["tpot"][bisect.bisect_left(BOUNDS_MS, tpot_s * 1e3)] += 1
             self._trim(now)
+
+    def first_token(self, ttft_s: float) -> None:
+        """A Generate call's first token, counted in the TTFT histogram when it happens (not
+        when the call ends): a gate's interval holds the calls whose first token came in it,
+        as its callers saw them, however long they then decode."""
+        with self._lock:
+            self._hist["ttft"][bisect.bisect_left(BOUNDS_MS, ttft_s * 1e3)] += 1
 
     def _trim(self, now: float) -> None:
         while self._window and self._window[0][0] < now - self.window_s:
@@ -149,8 +154,9 @@ class Telemetry:
     def snapshot(self) -> dict:
         """What GET /metrics returns. Top-level `ttft_ms` / `tpot_ms` cover successful Generate
         calls in the window (what `xds_server.gates.parse_runtime_metrics` reads); `methods`
-        breaks calls down by method and gRPC status; `histograms` counts the same calls' TTFT
-        and TPOT since this runtime started (`instance`), per bucket of `bounds_ms`."""
+        breaks calls down by method and gRPC status; `histograms` counts, since this runtime
+        started (`instance`) and per bucket of `bounds_ms`, the TTFT of every Generate call
+        that sent a first token (as it did) and the TPOT of those that ended OK."""
         with self._lock:
             self._trim(time.monotonic())
             rows = list(self._window)
