@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sidecar": ("meshlm.cmd_sidecar", "run one Envoy sidecar"),
     "rollout": ("meshlm.cmd_rollout", "start or steer a canary rollout"),
     "demo": ("meshlm.cmd_demo", "run the local mesh demo"),
+    "identity": ("meshlm.cmd_identity", "join tokens and root rotation of the mesh CA"),
 }
 
 

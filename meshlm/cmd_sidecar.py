@@ -46,6 +46,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lkg-file", help="where to keep the last-known-good config")
     p.add_argument("--keys-file", help="native authz: the control plane's 0600 keys_file, "
                    "read at a last-known-good boot (default: --mesh authz.keys_file)")  # fmt: skip
+    i = p.add_argument_group("workload identity (issue 14)")
+    i.add_argument("--identity", action="store_true", help="get a SPIFFE certificate from the "
+                   "mesh CA, renew it, serve it to Envoy by SDS (default, ROOTCA)")  # fmt: skip
+    i.add_argument("--join-token-file", help="for the first certificate: the file `meshlm "
+                   "identity token` wrote (0600)")  # fmt: skip
+    i.add_argument("--identity-dir", help="private dir for the key, certificate and SDS socket "
+                   "(default: the run dir's sidecar-NODE_ID)")  # fmt: skip
+    i.add_argument("--cert-ttl", help="certificate lifetime to ask for, e.g. 15m (default and "
+                   "most: the mesh's identity.cert_ttl)")  # fmt: skip
 
 
 def native_keys(keys_file: str) -> Callable[[], dict[str, list[str]]]:
@@ -53,6 +62,21 @@ def native_keys(keys_file: str) -> Callable[[], dict[str, list[str]]]:
     from xds_server.resources import _read_keys
 
     return lambda: _read_keys(keys_file)
+
+
+def _identity_agent(args: argparse.Namespace, node_id: str):  # -> IdentityAgent
+    from sidecar.identity import IdentityAgent
+    from xds_server.admin_token import run_dir
+    from xds_server.mesh import parse_duration
+
+    ttl = parse_duration(args.cert_ttl, "--cert-ttl") if args.cert_ttl else None
+    state = args.identity_dir or run_dir() / f"sidecar-{node_id}"
+    return IdentityAgent(
+        state,
+        join_token_file=args.join_token_file,
+        ttl=ttl,
+        on_event=lambda msg: print(f"sidecar {node_id}: {msg}", flush=True),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,7 +114,16 @@ def run(args: argparse.Namespace) -> int:
     if args.inbound_port is not None and not args.local_endpoint:
         print("meshlm sidecar: --inbound-port needs --local-endpoint", file=sys.stderr)
         return 2
+    if (args.join_token_file or args.identity_dir or args.cert_ttl) and not args.identity:
+        print("meshlm sidecar: --join-token-file, --identity-dir and --cert-ttl need --identity",
+              file=sys.stderr)  # fmt: skip
+        return 2
     node_id = args.node_id or _default_node_id(args)
+    try:
+        agent = _identity_agent(args, node_id) if args.identity else None
+    except ValueError as e:
+        print(f"meshlm sidecar: {e}", file=sys.stderr)
+        return 2
     admin_port = args.admin_port or free_port()
     try:
         boot = ads_bootstrap(
@@ -118,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         on_event=lambda msg: print(f"sidecar {node_id}: {msg}", flush=True),
         on_fatal=lambda _msg: stop.set(),
         keys=native_keys(args.keys_file) if args.keys_file else None,
+        identity=agent,
     )
     sv.start()
     stop.wait()

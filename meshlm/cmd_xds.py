@@ -65,8 +65,12 @@ def run(args: argparse.Namespace) -> int:
     admin_port = mesh.control_plane.admin_port if args.admin_port is None else args.admin_port
     isolation = args.isolation_store or Path(args.mesh).resolve().parent / ".meshlm/isolation.json"
     try:
-        cp = ControlPlane(mesh, debounce=debounce, isolation_store=str(isolation))
-    except ValueError as e:  # an isolation store that is not ours: left as it is
+        # The mesh CA's root and join tokens (only with an `identity` block), 0700 / 0600.
+        identity_dir = Path(args.mesh).resolve().parent / ".meshlm/identity"
+        cp = ControlPlane(
+            mesh, debounce=debounce, isolation_store=str(isolation), identity_dir=str(identity_dir)
+        )
+    except ValueError as e:  # an isolation store that is not ours, a CA root that cannot be read
         print(f"meshlm xds-server: {e}", file=sys.stderr)
         return 2
     try:
@@ -107,6 +111,10 @@ def run(args: argparse.Namespace) -> int:
         f"admin on {admin.url} (token {token_note}), debounce {cp.debounce * 1000:.0f} ms",
         flush=True,
     )
+    if cp.identity:
+        print(f"xds-server: mesh CA for {cp.identity.ca.trust_domain} on "
+              f"{cp.identity.ca_address} (join tokens), {cp.identity.ca_mtls_address} "
+              "(renewals)", flush=True)  # fmt: skip
     stop = termination_event()
     stop.wait()
     rollouts.close()

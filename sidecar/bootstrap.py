@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sidecar.sds import SDS_CLUSTER
+
 XDS_CLUSTER = "xds_cluster"
 _HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
@@ -77,27 +79,37 @@ def ads_bootstrap(
     }
 
 
+def with_sds(boot: dict[str, Any], socket_path: str) -> dict[str, Any]:
+    """`boot` with the static cluster by which Envoy reads its certificates (SDS) from the
+    sidecar's identity agent on the unix socket `socket_path` (sidecar/sds.py)."""
+    clusters = boot.setdefault("static_resources", {}).setdefault("clusters", [])
+    clusters[:] = [c for c in clusters if c.get("name") != SDS_CLUSTER]
+    clusters.append(static_cluster(SDS_CLUSTER, pipe=socket_path))
+    return boot
+
+
 def static_cluster(
-    name: str, host: str, port: int, *, http2: bool = True, connect_timeout: str = "1s"
+    name: str,
+    host: str = "",
+    port: int = 0,
+    *,
+    http2: bool = True,
+    connect_timeout: str = "1s",
+    pipe: str | None = None,
 ) -> dict[str, Any]:
-    """A STATIC cluster of one endpoint, HTTP/2 upstream (gRPC) unless `http2` is False."""
+    """A STATIC cluster of one endpoint (`host:port`, or the unix socket `pipe`), HTTP/2
+    upstream (gRPC) unless `http2` is False."""
+    if pipe:
+        address: dict[str, Any] = {"pipe": {"path": pipe}}
+    else:
+        address = {"socket_address": {"address": host, "port_value": port}}
     cluster: dict[str, Any] = {
         "name": name,
         "type": "STATIC",
         "connect_timeout": connect_timeout,
         "load_assignment": {
             "cluster_name": name,
-            "endpoints": [
-                {
-                    "lb_endpoints": [
-                        {
-                            "endpoint": {
-                                "address": {"socket_address": {"address": host, "port_value": port}}
-                            }
-                        }
-                    ]
-                }
-            ],
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
         },
     }
     if http2:

@@ -157,7 +157,10 @@ def static_bootstrap(
     boot = copy.deepcopy(base)
     boot.pop("dynamic_resources", None)
     static = boot.setdefault("static_resources", {})
-    static["listeners"] = [_inline_listener(v, res, keys) for v in res["listeners"].values()]
+    # The bootstrap's own static listeners stay (they are not in the dump's dynamic ones).
+    static["listeners"] = static.get("listeners", []) + [
+        _inline_listener(v, res, keys) for v in res["listeners"].values()
+    ]
     keep = [c for c in static.get("clusters", []) if c.get("name") != "xds_cluster"]
     static["clusters"] = keep + [_inline_cluster(v, res) for v in res["clusters"].values()]
     return boot

@@ -23,7 +23,9 @@ import urllib.error
 from collections.abc import Callable
 from typing import Any
 
+from sidecar.bootstrap import with_sds
 from sidecar.envoy_process import EnvoyError, EnvoyProcess
+from sidecar.identity import IdentityAgent
 from sidecar.lkg import Keys, LastKnownGood, static_bootstrap
 
 log = logging.getLogger("meshlm.sidecar")
@@ -66,9 +68,12 @@ class Supervisor:
         on_event: Callable[[str], None] | None = None,
         on_fatal: Callable[[str], None] | None = None,
         keys: Callable[[], Keys] | None = None,
+        identity: IdentityAgent | None = None,
     ) -> None:
         """`keys` reads tenant -> plaintext keys for a native-authz last-known-good boot;
-        `on_fatal` is told when the supervisor gives up (a port held by another process)."""
+        `on_fatal` is told when the supervisor gives up (a port held by another process);
+        `identity`: the agent whose SDS socket Envoy reads certificates from (issue 14), started
+        before Envoy and stopped after it."""
         self.node_id = node_id
         self.bootstrap = bootstrap
         self.xds_address = xds_address
@@ -80,6 +85,9 @@ class Supervisor:
         self.on_event = on_event or (lambda msg: log.info("%s: %s", node_id, msg))
         self.on_fatal = on_fatal or (lambda msg: None)
         self.keys = keys
+        self.identity = identity
+        if identity:
+            with_sds(bootstrap, identity.socket_path)
         self.failed: str | None = None  # why the supervisor gave up
         self._config_seen = False  # the control plane sent listeners to this Envoy
         self.envoy: EnvoyProcess | None = None
@@ -100,6 +108,8 @@ class Supervisor:
         return self.bootstrap["admin"]["address"]["socket_address"]["port_value"]
 
     def start(self) -> Supervisor:
+        if self.identity:
+            self.identity.start()
         self._thread = threading.Thread(
             target=self._run, name=f"sidecar-{self.node_id}", daemon=True
         )
@@ -118,6 +128,8 @@ class Supervisor:
             # started it (parent-death signal), so it must outlive the drain.
             self._thread.join(timeout=self.drain_time_s + 15)
         self._shutdown_envoy()
+        if self.identity:
+            self.identity.stop()
         self.mode = "stopped"
 
     # -- the loop -------------------------------------------------------------------------

@@ -7,6 +7,7 @@
   POST /v1/mesh                                   a whole mesh file (YAML); keeps live weights
   GET  /isolation                                 quarantined request classes per service
   POST /isolation/{s}/{class}/release|pin         end a quarantine / hold one until released
+  GET  /identity, POST /identity/tokens           the mesh CA; join tokens (xds_server/identity.py)
 
 Mutations need `Authorization: Bearer <token>` and answer once every affected sidecar ACKed
 (200), or a sidecar NACKed (409), or the timeout passed (504, naming the sidecars still behind);
@@ -65,6 +66,8 @@ class AdminServer:
         self.mounts = dict(mounts or {})
         # GET /isolation, POST /isolation/{service}/{class}/release|pin (issue 11)
         self.mounts.setdefault("/isolation", cp.isolation.handle)
+        if cp.identity:  # GET /identity, POST /identity/tokens|rotate-root (issue 14)
+            self.mounts.setdefault("/identity", cp.identity.handle)
         handler = type("Handler", (_Handler,), {"admin": self})
         self.httpd = _BoundedServer((host, port), handler)
         self.port = self.httpd.server_address[1]

@@ -29,6 +29,7 @@ from xds_server import accesslog, ratelimit
 from xds_server import mesh as m
 from xds_server.ads import AdsServicer
 from xds_server.cache import SnapshotCache
+from xds_server.identity import Identity
 from xds_server.isolation import Isolation, push_loop
 from xds_server.listen import listen_error
 from xds_server.snapshot import make_version
@@ -85,7 +86,10 @@ class ControlPlane:
         incarnation: str | None = None,
         limits: Limits | None = None,
         isolation_store: str | None = None,
+        identity_dir: str | None = None,
     ) -> None:
+        """`identity_dir`: where the mesh CA keeps its root and join tokens (a private dir);
+        None keeps them in memory. The CA runs only when the mesh has an `identity` block."""
         self.incarnation = incarnation or new_incarnation()
         # Quarantined request classes (issue 11); restored ones are in the very first snapshot,
         # so a restart leaves no window of unprotected traffic.
@@ -100,6 +104,7 @@ class ControlPlane:
             retain_groups=self.cache.retain,
         )
         self.debounce = mesh.control_plane.debounce if debounce is None else debounce
+        self.identity = Identity(mesh.identity, identity_dir) if mesh.identity else None
         self._mutate = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -132,6 +137,8 @@ class ControlPlane:
         server = self._server
 
         async def shutdown() -> None:
+            if self.identity:
+                await self.identity.stop()
             await server.stop(grace)
             # Let the cancelled stream tasks finish before the loop goes away.
             me = asyncio.current_task()
@@ -185,6 +192,17 @@ class ControlPlane:
                 bound = 0
             if not bound or (port and bound != port):
                 raise OSError(listen_error(host, port) or f"gRPC could not bind {host}:{port}")
+            if self.identity:  # the CSR signing service on its TLS ports (issue 14)
+                cp = self.mesh.control_plane
+                ports = [
+                    p if p is not None else (port + 2 + i if port else 0)
+                    for i, p in enumerate((cp.ca_port, cp.ca_mtls_port))
+                ]
+                for p in ports:
+                    reason = listen_error(host, p)
+                    if reason:
+                        raise OSError(f"CA port {p}: {reason}")
+                await self.identity.start(host, *ports)
             await server.start()
             self._server = server
             ready.set_result(bound)

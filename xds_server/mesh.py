@@ -278,6 +278,8 @@ class Service:
     slo_state: SloState = field(default_factory=SloState)
     isolation: Isolation | None = None
     quarantined: tuple[Quarantine, ...] = ()
+    # Its workloads' identity, `NAMESPACE/NAME` (issue 14); default `default/<service>`.
+    service_account: str = ""
 
 
 @dataclass(frozen=True)
@@ -300,6 +302,21 @@ class ControlPlaneConfig:
     # A sidecar that leaves a push un-ACKed this long is reported lagging and no longer holds
     # changes back (the ACK quorum leaves it out).
     lagging_after: float = 30.0
+    # The mesh CA's TLS ports (issue 14, only with an `identity` block): enrolment by join
+    # token, and renewal by client certificate. None: grpc_port + 2 / + 3 (0 when it is 0).
+    ca_port: int | None = None
+    ca_mtls_port: int | None = None
+
+
+@dataclass(frozen=True)
+class Identity:
+    """The mesh CA (xds_server/ca.py): SPIFFE trust domain, workload certificates' lifetime,
+    and an optional user root (then the mesh CA is an intermediate of it)."""
+
+    trust_domain: str = "meshlm.local"
+    cert_ttl: float = 900.0
+    root_cert_file: str | None = None
+    root_key_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -337,6 +354,7 @@ class Mesh:
     authz: Authz = field(default_factory=Authz)
     access_log: AccessLog = field(default_factory=AccessLog)
     caller_sidecars: tuple[CallerSidecar, ...] = ()
+    identity: Identity | None = None
 
     # -- mutations return a new, validated Mesh ------------------------------------------
     def with_weights(self, service: str, weights: dict[str, int]) -> Mesh:
@@ -455,6 +473,7 @@ def parse_mesh(raw: Any) -> Mesh:
             "authz",
             "access_log",
             "caller_sidecars",
+            "identity",
         },
     )
     services_raw = _mapping(top.get("services"), "services")
@@ -484,6 +503,41 @@ def parse_mesh(raw: Any) -> Mesh:
         authz=Authz(mode=mode, keys_file=keys_file if mode == "native" else None),
         access_log=_access_log(top.get("access_log", True)),
         caller_sidecars=_caller_sidecars(top.get("caller_sidecars")),
+        identity=_opt(top, "identity", "mesh", lambda d, _p: _identity(d)),
+    )
+
+
+# A SPIFFE trust domain (lower case) and the path segments of a service account.
+TRUST_DOMAIN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+SERVICE_ACCOUNT = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*/[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
+# Workload certificates live 10 s (tests) to a day; 15 minutes by default (Istio: 24 h).
+CERT_TTL_RANGE = (10.0, 86400.0)
+
+
+def _identity(d: dict) -> Identity:
+    """`identity: {trust_domain, cert_ttl, root: {cert_file, key_file}}`, all optional."""
+    _only(d, "identity", {"trust_domain", "cert_ttl", "root"})
+    td = d.get("trust_domain", "meshlm.local")
+    if not isinstance(td, str) or not TRUST_DOMAIN.match(td) or len(td) > 255:
+        raise MeshError(
+            f"identity.trust_domain: expected lower-case letters, digits, . _ - (a SPIFFE trust "
+            f"domain), got {td!r}"
+        )
+    ttl = parse_duration(d.get("cert_ttl", "15m"), "identity.cert_ttl")
+    lo, hi = CERT_TTL_RANGE
+    if not lo <= ttl <= hi:
+        raise MeshError(f"identity.cert_ttl: must be {lo:g}s to {hi / 3600:g}h, got {ttl:g}s")
+    root = _mapping(d.get("root"), "identity.root")
+    _only(root, "identity.root", {"cert_file", "key_file"})
+    for key in ("cert_file", "key_file"):
+        value = root.get(key)
+        if root and (not isinstance(value, str) or not value):
+            raise MeshError(f"identity.root.{key}: expected a file path, got {value!r}")
+    return Identity(
+        trust_domain=td,
+        cert_ttl=ttl,
+        root_cert_file=root.get("cert_file"),
+        root_key_file=root.get("key_file"),
     )
 
 
@@ -562,7 +616,11 @@ def _tenants(raw: Any, roles: Any) -> Any:
 
 def _control_plane(raw: Any) -> ControlPlaneConfig:
     d = _mapping(raw, "control_plane")
-    _only(d, "control_plane", {"grpc_port", "admin_port", "debounce", "lagging_after"})
+    _only(
+        d,
+        "control_plane",
+        {"grpc_port", "admin_port", "debounce", "lagging_after", "ca_port", "ca_mtls_port"},
+    )
     lagging_after = parse_duration(d.get("lagging_after", "30s"), "control_plane.lagging_after")
     if lagging_after <= 0:  # 0 would count every change as applied before any ACK
         raise MeshError("control_plane.lagging_after: must be more than 0s")
@@ -571,7 +629,13 @@ def _control_plane(raw: Any) -> ControlPlaneConfig:
         admin_port=_port(d.get("admin_port", 18001), "control_plane.admin_port", allow_zero=True),
         debounce=parse_duration(d.get("debounce", "100ms"), "control_plane.debounce"),
         lagging_after=lagging_after,
+        ca_port=_opt_port(d, "ca_port"),
+        ca_mtls_port=_opt_port(d, "ca_mtls_port"),
     )
+
+
+def _opt_port(d: dict, key: str) -> int | None:
+    return None if d.get(key) is None else _port(d[key], f"control_plane.{key}", allow_zero=True)
 
 
 def _service(name: str, raw: Any, path: str) -> Service:
@@ -592,6 +656,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
             "load_balancing",
             "slo",
             "isolation",
+            "service_account",
         },
     )
     vraw = _mapping(d.get("versions"), f"{path}.versions")
@@ -612,7 +677,16 @@ def _service(name: str, raw: Any, path: str) -> Service:
         stall=_opt(d, "stall", path, _stall),
         isolation=_opt(d, "isolation", path, lambda i, p: _isolation(i, p, route)),
         connect_timeout=_positive(d.get("connect_timeout", "1s"), f"{path}.connect_timeout"),
+        service_account=_service_account(d.get("service_account"), name, path),
     )
+
+
+def _service_account(raw: Any, service: str, path: str) -> str:
+    if raw is None:
+        return f"default/{service}"
+    if not isinstance(raw, str) or not SERVICE_ACCOUNT.match(raw):
+        raise MeshError(f"{path}.service_account: expected NAMESPACE/NAME, got {raw!r}")
+    return raw
 
 
 def _version(name: str, raw: Any, path: str) -> Version:

@@ -1,0 +1,360 @@
+"""The sidecar's identity agent (issue 14): its key, its CSR, its certificate, its renewals.
+
+The agent makes an EC P-256 key, sends a CSR to the mesh CA (xds_server/identity.py) and serves
+the certificate to its Envoy by SDS (sidecar/sds.py). The key never leaves this process and the
+sidecar's private dir. The first certificate needs a join token file (`meshlm identity token`:
+the token, the CA's addresses and the pins of its roots); the CA is trusted at that first
+contact by the pin alone (kubeadm's discovery-token-ca-cert-hash): the root the CA port shows in
+its handshake must hash to a pin, and then gRPC verifies the CA against that root. Renewals go
+to the CA's mTLS port with the current certificate, at half-life (sooner after an error), each
+with a new key; the trust bundle that comes back replaces `ROOTCA`, so a root rotation reaches
+Envoy with the next renewal.
+
+Key, chain and bundle are kept 0600 in `credentials.json` in the private dir, so a sidecar
+restarted while the control plane is down boots with its current certificate.
+"""
+
+from __future__ import annotations
+
+import _ssl
+import hashlib
+import json
+import os
+import socket
+import ssl
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from sidecar.sds import MAX_SOCKET_PATH, SdsServer, SecretStore
+
+CREDENTIALS_FILE = "credentials.json"
+SOCKET_NAME = "sds.sock"
+# The mesh CA's signing method (xds_server/identity.py): JSON in, JSON out.
+CREATE_CERTIFICATE = "/meshlm.identity.v1.CertificateService/CreateCertificate"
+CALL_TIMEOUT = 10.0
+MAX_RETRY = 30.0  # seconds between tries at most (less when the certificate expires sooner)
+
+
+class IdentityError(Exception):
+    """Why no certificate could be had this time; never holds key or token material."""
+
+
+@dataclass
+class Credentials:
+    key_pem: str
+    chain: list[str]  # leaf first
+    bundle: list[str]  # trusted roots
+    spiffe_id: str
+    not_after: float
+    received_at: float
+    ca: dict[str, Any]  # address, mtls_address, server_name
+    used_token: str = ""  # SHA-256 of the join token it came from: never sent again
+    serial: str = field(default="", compare=False)
+
+    @property
+    def renew_at(self) -> float:
+        return self.received_at + (self.not_after - self.received_at) / 2
+
+
+class IdentityAgent:
+    def __init__(
+        self,
+        state_dir: str | Path,
+        *,
+        join_token_file: str | Path | None = None,
+        ttl: float | None = None,
+        on_event: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`state_dir`: the sidecar's private dir (made 0700; refused if others can read it);
+        `ttl`: the lifetime to ask for (None: the CA's cert_ttl)."""
+        self.dir = Path(state_dir)
+        if len(self.socket_path.encode()) > MAX_SOCKET_PATH:
+            raise ValueError(
+                f"identity dir {self.dir}: too long for the SDS socket in it (a unix "
+                f"socket path holds {MAX_SOCKET_PATH} bytes)"
+            )
+        try:
+            private_dir(self.dir)
+        except IdentityError as e:
+            raise ValueError(str(e)) from None
+        self.join_token_file = Path(join_token_file) if join_token_file else None
+        self.ttl = ttl
+        self.on_event = on_event or (lambda msg: None)
+        self._clock = clock
+        self.store = SecretStore()
+        self.current: Credentials | None = None
+        self.renewals = 0
+        self._sds: SdsServer | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def socket_path(self) -> str:
+        return str(self.dir / SOCKET_NAME)
+
+    @property
+    def spiffe_id(self) -> str | None:
+        return self.current.spiffe_id if self.current else None
+
+    def start(self) -> IdentityAgent:
+        """Serve SDS (with the persisted certificate if it is still valid), then get or renew
+        certificates in a thread."""
+        private_dir(self.dir)
+        Path(self.socket_path).unlink(missing_ok=True)  # a dead sidecar's socket
+        self._sds = SdsServer(self.store, self.socket_path).start()
+        cur = self._load()
+        if cur:
+            self._install(cur, "persisted certificate", save=False)
+        self._thread = threading.Thread(target=self._run, name="identity", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> bool:
+        return self._ready.wait(timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=CALL_TIMEOUT + 5)
+        if self._sds:
+            self._sds.stop()
+            Path(self.socket_path).unlink(missing_ok=True)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        delay = 1.0
+        while not self._stop.is_set():
+            cur = self.current
+            now = self._clock()
+            if cur and cur.renew_at > now:
+                self._stop.wait(min(cur.renew_at - now, 3600))
+                continue
+            try:
+                if cur and cur.not_after > now:
+                    self._install(self._renew(cur), "renewed")
+                    self.renewals += 1
+                else:
+                    self._install(self._enroll(cur), "issued")
+                delay = 1.0
+            except Exception as e:  # whatever failed, the agent keeps its certificate and retries
+                if not isinstance(e, IdentityError):
+                    e = IdentityError(f"{type(e).__name__}: {e}")
+                left = (cur.not_after - now) / 4 if cur and cur.not_after > now else MAX_RETRY
+                delay = max(0.5, min(delay, left))
+                self.on_event(f"identity: {e}; trying again in {delay:.1f}s")
+                self._stop.wait(delay)
+                delay = min(delay * 2, MAX_RETRY)
+
+    def _install(self, cred: Credentials, how: str, *, save: bool = True) -> None:
+        if save:
+            write_private(self.dir / CREDENTIALS_FILE, json.dumps(asdict(cred)).encode())
+        self.current = cred
+        self.store.set(
+            "".join(cred.chain).encode(), cred.key_pem.encode(), "".join(cred.bundle).encode()
+        )
+        self._ready.set()
+        until = time.strftime("%H:%M:%S", time.localtime(cred.not_after))
+        renew = time.strftime("%H:%M:%S", time.localtime(cred.renew_at))
+        self.on_event(
+            f"identity {cred.spiffe_id}: {how} (serial {cred.serial}, valid until "
+            f"{until}, renewal at {renew}, {len(cred.bundle)} trusted root(s))"
+        )
+
+    def _load(self) -> Credentials | None:
+        path = self.dir / CREDENTIALS_FILE
+        try:
+            cred = Credentials(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError) as e:
+            self.on_event(f"identity: {path} unreadable ({type(e).__name__}); enrolling anew")
+            return None
+        if cred.not_after <= self._clock():
+            self.on_event(f"identity {cred.spiffe_id}: the persisted certificate expired")
+            return None
+        return cred
+
+    # -- talking to the CA --------------------------------------------------------------------
+    def _enroll(self, cur: Credentials | None) -> Credentials:
+        doc, token = self._read_join_token()
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        if cur and cur.used_token == digest:
+            raise IdentityError(
+                f"the certificate expired and the join token in "
+                f"{self.join_token_file} was used already: put a new one there"
+            )
+        ca = doc["ca"]
+        root = discover_root(ca["address"], ca["root_sha256"], ca["server_name"])
+        creds = grpc.ssl_channel_credentials(root_certificates=root)
+        cred = self._call(
+            ca, ca["address"], creds, doc["spiffe_id"], [("authorization", f"Bearer {token}")]
+        )
+        cred.used_token = digest
+        return cred
+
+    def _renew(self, cur: Credentials) -> Credentials:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates="".join(cur.bundle).encode(),
+            private_key=cur.key_pem.encode(),
+            certificate_chain="".join(cur.chain).encode(),
+        )
+        cred = self._call(cur.ca, cur.ca["mtls_address"], creds, cur.spiffe_id, [])
+        cred.used_token = cur.used_token
+        return cred
+
+    def _call(
+        self,
+        ca: dict[str, Any],
+        address: str,
+        creds: grpc.ChannelCredentials,
+        identity: str,
+        metadata: list[tuple[str, str]],
+    ) -> Credentials:
+        key = ec.generate_private_key(ec.SECP256R1())
+        csr = (
+            x509.CertificateSigningRequestBuilder()
+            .subject_name(x509.Name([]))
+            .add_extension(
+                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(identity)]), True
+            )
+            .sign(key, hashes.SHA256())
+        )
+        body: dict[str, Any] = {"csr": csr.public_bytes(serialization.Encoding.PEM).decode()}
+        if self.ttl:
+            body["validity_duration"] = self.ttl
+        options = [("grpc.ssl_target_name_override", ca["server_name"])]
+        try:
+            with grpc.secure_channel(address, creds, options=options) as channel:
+                reply = channel.unary_unary(CREATE_CERTIFICATE)(
+                    json.dumps(body).encode(), timeout=CALL_TIMEOUT, metadata=metadata
+                )
+        except grpc.RpcError as e:
+            raise IdentityError(f"CA at {address}: {e.code().name}: {e.details()}") from None
+        received = self._clock()
+        try:
+            doc = json.loads(reply)
+            chain, bundle = list(doc["cert_chain"]), list(doc["trust_bundle"])
+            leaf = x509.load_pem_x509_certificate(chain[0].encode())
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise IdentityError(f"CA at {address}: not a certificate reply ({e})") from None
+        mine = key.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        theirs = leaf.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        if mine != theirs or not bundle:
+            raise IdentityError(f"CA at {address}: the certificate is not for this key")
+        return Credentials(
+            key_pem=key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            ).decode(),
+            chain=chain,
+            bundle=bundle,
+            spiffe_id=str(doc.get("spiffe_id", identity)),
+            not_after=leaf.not_valid_after_utc.timestamp(),
+            received_at=received,
+            ca={k: ca[k] for k in ("address", "mtls_address", "server_name")},
+            serial=f"{leaf.serial_number:x}",
+        )
+
+    def _read_join_token(self) -> tuple[dict[str, Any], str]:
+        path = self.join_token_file
+        if path is None:
+            raise IdentityError("no certificate yet and no join token file (--join-token-file)")
+        try:
+            st = os.stat(path)
+            if st.st_mode & 0o077:
+                raise IdentityError(
+                    f"join token file {path}: mode {st.st_mode & 0o777:04o}, "
+                    "others may read it (chmod 600)"
+                )
+            doc = json.loads(Path(path).read_text())
+            token = doc["token"]
+            ca = doc["ca"]
+            if not (isinstance(token, str) and isinstance(doc["spiffe_id"], str)):
+                raise TypeError("token and spiffe_id must be strings")
+            missing = {"address", "mtls_address", "server_name", "root_sha256"} - set(ca)
+            if missing:
+                raise KeyError(f"ca.{min(missing)}")
+        except FileNotFoundError:
+            raise IdentityError(f"join token file {path}: missing") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise IdentityError(
+                f"join token file {path}: not one `meshlm identity token` "
+                f"wrote ({type(e).__name__}: {e})"
+            ) from None
+        return doc, token
+
+
+def discover_root(address: str, pins: list[str], server_name: str) -> bytes:
+    """The PEM of the root the CA at `address` shows in its handshake whose public key hashes to
+    one of `pins` ("sha256:<hex>"); nothing is trusted yet, so the handshake is unverified and
+    only the pin decides."""
+    host, _, port = address.rpartition(":")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        address_tuple = (host.strip("[]"), int(port))
+        with (
+            socket.create_connection(address_tuple, timeout=CALL_TIMEOUT) as raw,
+            ctx.wrap_socket(raw, server_hostname=server_name) as tls,
+        ):
+            # Public as SSLSocket.get_unverified_chain() from Python 3.13.
+            chain = getattr(tls, "get_unverified_chain", tls._sslobj.get_unverified_chain)()
+            ders = [c if isinstance(c, bytes) else c.public_bytes(_ssl.ENCODING_DER) for c in chain]
+    except (OSError, ValueError) as e:
+        raise IdentityError(f"CA at {address}: cannot reach it ({e})") from None
+    for der in ders:
+        cert = x509.load_der_x509_certificate(der)
+        spki = cert.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        if "sha256:" + hashlib.sha256(spki).hexdigest() in pins:
+            return cert.public_bytes(serialization.Encoding.PEM)
+    raise IdentityError(
+        f"CA at {address}: shows no root with a pinned key (not the mesh CA the "
+        "join token names, or its root rotated: get a new token)"
+    )
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory of this user with mode 0700 (made so if missing)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if os.path.islink(path) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise IdentityError(
+            f"{path}: must be this user's directory with mode 0700 (has "
+            f"{st.st_mode & 0o777:04o}); refusing to keep a private key there"
+        )
+    return path
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Atomically replace `path` with a 0600 file holding `data` (a symlink there is replaced,
+    never followed)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
