@@ -187,3 +187,9 @@ def test_tokens_need_the_admin_token_and_the_cli_writes_a_0600_file(cp, tmp_path
         assert meshlm(bad) == 1
     finally:
         admin.stop()
+
+
+def test_sidecar_identity_flags_need_identity(capsys) -> None:
+    args = ["sidecar", "--xds", "127.0.0.1:1", "--outbound-port", "1", "--join-token-file", "t"]
+    assert meshlm(args) == 2
+    assert "need --identity" in capsys.readouterr().err
