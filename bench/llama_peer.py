@@ -15,6 +15,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -31,11 +32,13 @@ class LlamaPeer:
 
     def __init__(self, gguf: str, threads: int, timeout_s: float = 600):
         self.timeout_s = timeout_s
+        # A file, not a pipe: an unread pipe could fill and block the child. Closed by close().
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.llama_peer", gguf, str(threads)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=self.stderr,
             text=True,
         )
         hello = self._read()
@@ -60,6 +63,7 @@ class LlamaPeer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.stderr.close()
 
     def _ask(self, req: dict) -> dict:
         try:
@@ -83,7 +87,8 @@ class LlamaPeer:
             why = f"signal {-rc}" if rc < 0 else f"exit {rc}"
             if rc == -signal.SIGILL:
                 why += ", SIGILL: built for instructions this CPU lacks"
-        tail = self.proc.stderr.read()[-400:].strip()
+        self.stderr.seek(0)
+        tail = self.stderr.read()[-400:].decode(errors="replace").strip()
         raise PeerError(f"llama.cpp peer died ({why}){': ' + tail if tail else ''}")
 
 
