@@ -1,4 +1,6 @@
-"""A tenant's rate limit is a mesh-wide promise (issue 9, defect 5): the control plane's
+"""A tenant's rate limit is a mesh-wide promise (issue 9, defect 5). With `rate_limits:
+{mode: global}` (exact, one call to the control plane per request; the default divides the
+limits among the sidecars instead: test_ratelimit_shares.py) the control plane's
 RateLimitService holds one bucket per (service, tenant) for every inbound sidecar, and the
 authz filter's per-sidecar buckets are the local tier while the control plane is down."""
 
@@ -52,6 +54,7 @@ def _raw(ups: dict, tenants: dict, **authz: object) -> dict:
             }
         },
         "tenants": tenants,
+        "rate_limits": {"mode": "global"},
     }
     if authz:
         raw["authz"] = authz

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
-from xds_server import accesslog, ratelimit
+from xds_server import accesslog, membership, ratelimit
 from xds_server import mesh as m
 from xds_server.ads import AdsServicer
 from xds_server.cache import SnapshotCache
@@ -97,11 +97,13 @@ class ControlPlane:
         mesh = self.isolation.overlay(mesh)
         self.cache = SnapshotCache(mesh, self.incarnation)
         limits = limits or Limits(lagging_after=mesh.control_plane.lagging_after)
+        self._members_changed = threading.Event()  # rate-limit shares to re-divide (issue 19)
         self.sync = SyncStatus(
             self.cache.expected_generations,
             self.cache.generation_of,
             limits,
             retain_groups=self.cache.retain,
+            membership_changed=self._members_changed.set,
         )
         self.debounce = mesh.control_plane.debounce if debounce is None else debounce
         self.identity = Identity(mesh.identity, identity_dir) if mesh.identity else None
@@ -126,6 +128,12 @@ class ControlPlane:
             target=push_loop,
             args=(self.isolation, self._push_isolation, self._isolation_stop),
             name="isolation",
+            daemon=True,
+        ).start()
+        threading.Thread(
+            target=membership.push_loop,
+            args=(self._members_changed, self._push_shares, self._isolation_stop),
+            name="rate-limit-shares",
             daemon=True,
         ).start()
         return self
@@ -311,9 +319,17 @@ class ControlPlane:
             version, nodes = self._stage(mesh)
         return mesh, self.wait_for_ack(version, nodes, timeout=10.0)
 
+    def _push_shares(self) -> None:
+        """A sidecar joined or left: re-divide tenants' rate limits when any are divided."""
+        with self._mutate:
+            mesh = membership.overlay(self.mesh, membership.inbound_sidecars(self.sync))
+            if mesh is not self.mesh and membership.shares_matter(mesh):
+                self._stage(mesh)
+
     def _stage(self, mesh: m.Mesh) -> tuple[str, list[str]]:
         # Raises (nothing staged, nothing pushed) when a group with a connected sidecar cannot
         # take the mesh; groups of departed sidecars never veto (they are dropped).
+        mesh = membership.overlay(mesh, membership.inbound_sidecars(self.sync))
         gen = self.cache.stage(mesh, self.sync.live_groups())
         lagging_after = mesh.control_plane.lagging_after
         if lagging_after != self.sync.limits.lagging_after:

@@ -280,6 +280,9 @@ class Service:
     quarantined: tuple[Quarantine, ...] = ()
     # Its workloads' identity, `NAMESPACE/NAME` (issue 14); default `default/<service>`.
     service_account: str = ""
+    # Its live inbound sidecars, counted from ADS by the control plane (0: none known); each
+    # enforces 1/N of a tenant's rate_limit (`rate_limits.mode: local`, issue 19).
+    inbound_sidecars: int = 0
 
 
 @dataclass(frozen=True)
@@ -327,6 +330,19 @@ class Authz:
     keys_file: str | None = None
 
 
+RATE_LIMIT_MODES = ("local", "global")
+
+
+@dataclass(frozen=True)
+class RateLimits:
+    """How tenants' `rate_limit` holds mesh-wide (issue 19). `local`: the control plane divides
+    each limit among the live inbound sidecars of a service, and each enforces its share in its
+    authz filter: no call leaves the sidecar. `global`: every call also asks the control
+    plane's rate-limit service: exact, at one gRPC round trip per call."""
+
+    mode: str = "local"
+
+
 @dataclass(frozen=True)
 class AccessLog:
     """JSON access logs of every sidecar listener (HCM `access_log`). `path` None: the sidecar's
@@ -353,6 +369,7 @@ class Mesh:
     rollouts: dict[str, Rollout] = field(default_factory=dict)
     authz: Authz = field(default_factory=Authz)
     access_log: AccessLog = field(default_factory=AccessLog)
+    rate_limits: RateLimits = field(default_factory=RateLimits)
     caller_sidecars: tuple[CallerSidecar, ...] = ()
     identity: Identity | None = None
 
@@ -403,6 +420,9 @@ class Mesh:
 
     def with_slo_state(self, service: str, state: SloState) -> Mesh:
         return self._replace_service(self._service(service), slo_state=state)
+
+    def with_inbound_sidecars(self, service: str, count: int) -> Mesh:
+        return self._replace_service(self._service(service), inbound_sidecars=count)
 
     def _service(self, name: str) -> Service:
         if name not in self.services:
@@ -472,6 +492,7 @@ def parse_mesh(raw: Any) -> Mesh:
             "rollouts",
             "authz",
             "access_log",
+            "rate_limits",
             "caller_sidecars",
             "identity",
         },
@@ -502,6 +523,7 @@ def parse_mesh(raw: Any) -> Mesh:
         rollouts=rollouts,
         authz=Authz(mode=mode, keys_file=keys_file if mode == "native" else None),
         access_log=_access_log(top.get("access_log", True)),
+        rate_limits=_rate_limits(top.get("rate_limits")),
         caller_sidecars=_caller_sidecars(top.get("caller_sidecars")),
         identity=_opt(top, "identity", "mesh", lambda d, _p: _identity(d)),
     )
@@ -596,6 +618,17 @@ def _access_log(raw: Any) -> AccessLog:
     if path is not None and (not isinstance(path, str) or not path):
         raise MeshError(f"access_log.path: expected a file path, got {path!r}")
     return AccessLog(path=path)
+
+
+def _rate_limits(raw: Any) -> RateLimits:
+    d = _mapping(raw, "rate_limits")
+    _only(d, "rate_limits", {"mode"})
+    mode = d.get("mode", "local")
+    if mode not in RATE_LIMIT_MODES:
+        raise MeshError(
+            f"rate_limits.mode: expected one of {', '.join(RATE_LIMIT_MODES)}, got {mode!r}"
+        )
+    return RateLimits(mode=mode)
 
 
 def _tenants(raw: Any, roles: Any) -> Any:

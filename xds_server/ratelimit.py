@@ -1,9 +1,11 @@
-"""Mesh-wide tenant rate limits: Envoy's `envoy.service.ratelimit.v3.RateLimitService`.
+"""Mesh-wide tenant rate limits, exact: Envoy's `envoy.service.ratelimit.v3.RateLimitService`.
 
-Each inbound sidecar's `envoy.filters.http.ratelimit` asks here, after the authz filter, with
+Only with `rate_limits: {mode: global}` in the mesh file (the default, `local`, divides each
+limit among the sidecars instead: xds_server/resources/ratelimit.py). Then each inbound
+sidecar's `envoy.filters.http.ratelimit` asks here, after the authz filter, on every call, with
 one descriptor `[(tenant, <verified x-meshlm-tenant>), (service, <service>)]`. One token bucket
 per (service, tenant) for the whole mesh, with the tenant's `rate_limit` from the control plane's
-current mesh, so an `apply` changes limits at once and replicas no longer multiply them. The
+current mesh, so an `apply` changes limits at once and replicas do not multiply them. The
 authz filter's per-sidecar buckets stay as the local tier: Envoy asks here with
 `failure_mode_deny: false`, so while this service is unreachable a tenant gets at most
 N x its limit through N sidecars of a service, and exactly its limit otherwise.
@@ -19,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
@@ -63,6 +65,13 @@ def shed(limit: Limit | None) -> ShedLimit:
         max(1, limit.tokens_per_fill // SHED_FRACTION),
         limit.fill_interval_ms,
     )
+
+
+def limit_in_force(tenant: Any, svc: m.Service) -> Limit | None:
+    """`tenant`'s limit on `svc`: its own `rate_limit`, or less while the SLO loop sheds it."""
+    if tenant.name in svc.slo_state.shed_tenants:
+        return shed(tenant.rate_limit)
+    return tenant.rate_limit
 
 
 @dataclass
@@ -121,16 +130,12 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         mesh = self._mesh()
         if mesh is not self._seen:  # a new mesh (apply): new limits, stale buckets dropped
             tenants = getattr(mesh.tenants, "tenants", ())
-            self._by_key = {
-                (svc, t.name): t.rate_limit
-                for svc in mesh.services
-                for t in tenants
-                if t.rate_limit is not None
-            }
+            self._by_key = {}
             for svc in mesh.services.values():
                 for t in tenants:
-                    if t.name in svc.slo_state.shed_tenants:
-                        self._by_key[(svc.name, t.name)] = shed(t.rate_limit)
+                    limit = limit_in_force(t, svc)
+                    if limit is not None:
+                        self._by_key[(svc.name, t.name)] = limit
             self._seen = mesh
             self._buckets.keep_only(set(self._by_key))
         return self._by_key

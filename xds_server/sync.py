@@ -95,7 +95,8 @@ class SyncStatus:
     """Thread-safe; written by the ADS streams, read by the API and /debug/syncz.
 
     `retain_groups` is called (under this lock) with the groups of every node still tracked
-    whenever departed nodes are forgotten, so their snapshots can go too."""
+    whenever departed nodes are forgotten, so their snapshots can go too; `membership_changed`
+    (under this lock too) whenever a sidecar connects or disconnects."""
 
     def __init__(
         self,
@@ -103,11 +104,13 @@ class SyncStatus:
         generation_of: Callable[[str], int],
         limits: Limits | None = None,
         retain_groups: Callable[[set[NodeInfo]], None] | None = None,
+        membership_changed: Callable[[], None] | None = None,
     ) -> None:
         self._expected = expected
         self._generation_of = generation_of
         self.limits = limits or Limits()
         self._retain_groups = retain_groups
+        self._membership_changed = membership_changed or (lambda: None)
         self.cond = threading.Condition()
         self.nodes: dict[str, NodeSync] = {}
         self.rejected: collections.deque[dict[str, Any]] = collections.deque(maxlen=20)
@@ -186,6 +189,7 @@ class SyncStatus:
                 for ts in ns.types.values():
                     ts.pending_since = 0.0
             self.nodes[node_id] = ns
+            self._membership_changed()
             self.cond.notify_all()
             return ns.stream
 
@@ -196,6 +200,7 @@ class SyncStatus:
                 ns.connected = False
                 ns.disconnected_at = time.time()
                 self._progress(node_id, ns.disconnected_at)
+                self._membership_changed()
             self.cond.notify_all()
 
     def set_error(self, node_id: str, error: str) -> None:

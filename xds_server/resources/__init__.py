@@ -125,17 +125,20 @@ def _authz_filters(
     if mode == "none":
         return []
     xds = _wasm_xds(mode)
+    svc = mesh.services[service]
+    # Limits are mesh-wide promises (issue 9, defect 5): by default each sidecar enforces its
+    # share of them; `rate_limits.mode: global` asks the control plane on every call instead.
+    policy = ratelimit.local_policy(mesh, svc)
     if mode == "native":
         keys = _read_keys(mesh.authz.keys_file or "")
-        filters = list(xds.native_http_filters(mesh.tenants, service=service, keys=keys))
+        filters = list(xds.native_http_filters(policy, service=service, keys=keys))
     else:
-        ext = xds.wasm_extension_config(mesh.tenants, service=service, name=names.AUTHZ_FILTER)
+        ext = xds.wasm_extension_config(policy, service=service, name=names.AUTHZ_FILTER)
         out[t.EXTENSION_CONFIG][ext.name] = ext
         filters = [listeners.ecds_filter(names.AUTHZ_FILTER)]
-    # Limits are mesh-wide promises: the control plane's rate-limit service holds the buckets
-    # (issue 9, defect 5); the authz filter's per-sidecar buckets are the local tier.
     # A service with an SLO gets it too: the SLO loop sheds tenants there (xds_server/slo.py).
-    if mesh.services[service].slo or any(tn.rate_limit for tn in mesh.tenants.tenants):
+    global_tier = svc.slo or any(tn.rate_limit for tn in mesh.tenants.tenants)
+    if mesh.rate_limits.mode == "global" and global_tier:
         filters.append(ratelimit.ratelimit_filter(service))
     return filters
 

@@ -1,7 +1,21 @@
-"""The inbound listener's global tier of tenant rate limits: Envoy's `envoy.filters.http.ratelimit`
-asking the control plane's RateLimitService (xds_server/ratelimit.py) after the authz filter."""
+"""Tenant rate limits on an inbound sidecar (issue 19).
+
+`rate_limits.mode: local` (the default): the authz filter's per-sidecar token buckets carry
+this sidecar's share of each tenant's mesh-wide limit (`local_policy`): the limit divided among
+the service's live inbound sidecars, which the control plane counts from ADS and re-divides as
+they join or leave (xds_server/membership.py). No call leaves the sidecar.
+
+`global`: Envoy's `envoy.filters.http.ratelimit` after the authz filter asks the control plane's
+RateLimitService (xds_server/ratelimit.py) on every call (`ratelimit_filter`); the authz
+filter's buckets keep each tenant's whole limit, as the tier that holds while the control plane
+is down.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
 
 from envoy.config.core.v3 import config_source_pb2, grpc_service_pb2
 from envoy.config.ratelimit.v3 import rls_pb2 as rls_config_pb2
@@ -11,7 +25,8 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
 
-from xds_server.ratelimit import DOMAIN, SERVICE_KEY, TENANT_KEY
+from xds_server import mesh as m
+from xds_server.ratelimit import DOMAIN, SERVICE_KEY, TENANT_KEY, Limit, limit_in_force
 from xds_server.resources.common import duration, pack
 from xds_server.resources.names import TENANT_HEADER
 
@@ -55,3 +70,41 @@ def ratelimit_filter(service: str) -> hcm_pb2.HttpFilter:
         ],
     )
     return hcm_pb2.HttpFilter(name="envoy.filters.http.ratelimit", typed_config=pack(cfg))
+
+
+# The authz filter refuses a fill interval over a day (wasm_filters/policy.py, authz.zig).
+MAX_FILL_INTERVAL_MS = 86_400_000
+
+
+def share(limit: Limit, sidecars: int) -> Limit:
+    """One of `sidecars` equal shares of `limit`, in whole tokens. The rate is never above
+    1/N of the limit's (the fill interval is stretched to fit whole tokens) unless that takes
+    a fill interval over a day, the longest the filter takes. A
+    bucket holds max_tokens // N, and at least one fill, so the N buckets together may hold a
+    little more than max_tokens (at most N - 1 tokens when max_tokens >= tokens_per_fill)."""
+    if sidecars <= 1:
+        return limit
+    per_fill = math.ceil(limit.tokens_per_fill / sidecars)
+    interval = math.ceil(limit.fill_interval_ms * sidecars * per_fill / limit.tokens_per_fill)
+    return dataclasses.replace(
+        limit,  # type: ignore[type-var]
+        max_tokens=max(per_fill, limit.max_tokens // sidecars),
+        tokens_per_fill=per_fill,
+        fill_interval_ms=min(interval, MAX_FILL_INTERVAL_MS),
+    )
+
+
+def local_policy(mesh: m.Mesh, svc: m.Service) -> Any:
+    """The tenants (a wasm_filters.policy.Policy) whose limits the authz filter of one inbound
+    sidecar of `svc` enforces: in `local` mode each tenant's limit in force (the SLO loop may
+    shed it) divided among the service's inbound sidecars; in `global` mode their own limits."""
+    policy = mesh.tenants
+    if mesh.rate_limits.mode != "local":
+        return policy
+    tenants = []
+    for t in policy.tenants:
+        limit = limit_in_force(t, svc)
+        if limit is not None:
+            limit = share(limit, svc.inbound_sidecars)
+        tenants.append(t if limit is t.rate_limit else dataclasses.replace(t, rate_limit=limit))
+    return dataclasses.replace(policy, tenants=tuple(tenants))
