@@ -107,6 +107,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="what a --fault-poison call does: exit the runtime hard (default), never answer, "
         "or fail with INTERNAL",
     )
+    p.add_argument(
+        "--speculate-lookup",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding for greedy calls: draft up to K tokens a step by prompt lookup "
+        "(n-grams of the prompt and the output so far), checked in the same forward (0 = off)",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish streams")
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=("debug", "info", "warning", "error", "critical"))  # fmt: skip
@@ -148,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             log.error("%s must be at least 1, not %d", flag, value)
             return 2
+    if args.speculate_lookup < 0:
+        log.error("--speculate-lookup must be at least 0 (0 = off), not %d", args.speculate_lookup)
+        return 2
     if not args.metrics_window > 0:  # NaN too
         log.error("--metrics-window must be above 0 seconds, not %s", args.metrics_window)
         return 2
@@ -220,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
             tenant_max_streams=args.tenant_max_streams,
             tenant_max_queued_tokens=args.tenant_max_queued_tokens,
             slow_decode=faults.slow_decode,
+            speculate_lookup=args.speculate_lookup,
         )
         engine.start()
         t0 = time.monotonic()

@@ -6,11 +6,20 @@ stream limit and the KV pool allow, run one prefill chunk (so a long prompt neve
 running streams for long), then one decode step for every running sequence. Requests join and
 leave between decode steps. `static_batching=True` admits a batch only when the previous one has
 finished entirely (kept for the benchmark's comparison).
+
+Speculative decoding (`speculate_lookup=K`): a greedy stream drafts up to K tokens by prompt
+lookup (model_runtime/speculate.py); the decode step checks every draft in the same forward, each
+draft position as one more decode row of the batch (the kernels of plain decoding), and the
+stream keeps the drafts the model's own argmax agrees with plus the model's next token. The K/V
+of rejected drafts lie past `written` and are overwritten by the next step. Greedy output is the
+same tokens as without drafts wherever batching leaves it the same (draft rows lengthen the
+attention's padded length as a longer neighbour in the batch does).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import secrets
 import threading
@@ -24,6 +33,7 @@ from model_runtime.fair import FairQueue
 from model_runtime.kvcache import BlockPool, SeqCache, block_keys, layout_decode, layout_prefill
 from model_runtime.model import KVCache
 from model_runtime.sampling import generator_at, sample
+from model_runtime.speculate import PromptLookup
 
 
 @dataclass
@@ -75,6 +85,7 @@ class _Request:
     finished: bool = False
     seed: int = 0  # the base of every sampled token's generator (sampling.generator_at)
     n_resumed: int = 0  # tokens delivered before a resume (counted in n_generated)
+    lookup: PromptLookup | None = None  # greedy streams when speculating
 
 
 PREFILL_CHUNK = 256
@@ -96,6 +107,7 @@ class Engine:
         tenant_max_streams: int | None = None,
         tenant_max_queued_tokens: int = 16384,
         slow_decode: float = 1.0,
+        speculate_lookup: int = 0,
     ):
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
@@ -105,6 +117,8 @@ class Engine:
             raise ValueError("tenant_max_streams and tenant_max_queued_tokens must be >= 1")
         if not slow_decode >= 1.0:
             raise ValueError(f"slow_decode factor {slow_decode} must be >= 1")
+        if speculate_lookup < 0:
+            raise ValueError(f"speculate_lookup {speculate_lookup} must be >= 0 (0 = off)")
         self.loaded = loaded
         self.model = loaded.model
         self.tok = loaded.tokenizer
@@ -126,6 +140,7 @@ class Engine:
         self.tenant_max_streams = tenant_max_streams
         self.tenant_max_queued_tokens = tenant_max_queued_tokens
         self.slow_decode = slow_decode
+        self.speculate_lookup = speculate_lookup  # most draft tokens per step (0 = off)
         self._lock = threading.Condition()
         self._waiting = FairQueue(fair=tenant_isolation)
         self._cancels: set[str] = set()
@@ -142,6 +157,9 @@ class Engine:
         self.tokens_generated = 0
         self.requests_admitted = 0  # accepted by submit(), monotonic (ORCA rps)
         self.requests_shed = 0
+        self.draft_tokens = 0  # drafted by prompt lookup and checked
+        self.draft_accepted = 0  # of those, equal to the model's own choice
+        self._step_tokens = 0  # tokens the last decode step emitted (TPOT per token)
 
     # ---- public API (any thread) ----
 
@@ -158,6 +176,8 @@ class Engine:
         req = _Request(request_id, params, on_event, time.monotonic(), gen, self.tok.detokenizer())
         req.seed = params.seed if params.seed is not None else secrets.randbits(64)
         req.tokens = [*params.prompt_ids, *params.resume_ids]
+        if self.speculate_lookup and params.temperature <= 0:
+            req.lookup = PromptLookup()
         if params.resume_ids and self._replay(req):
             return
         with self._lock:
@@ -252,6 +272,8 @@ class Engine:
                 "tokens_generated": self.tokens_generated,
                 "requests_admitted": self.requests_admitted,
                 "requests_shed": self.requests_shed,
+                "draft_tokens": self.draft_tokens,
+                "draft_accepted": self.draft_accepted,
                 "tenants": self._tenant_stats(),
                 "tpot_p95_ms": 1000 * tp[int(0.95 * (len(tp) - 1))] if tp else None,
             }
@@ -347,13 +369,17 @@ class Engine:
         busy = bool(self._running)
         if self._prefilling:
             self._guarded(self._prefilling[:1], self._prefill_step)
+        per_stream = 1.0  # tokens each stream got from the decode step (speculation: more)
         if self._running:
             t1 = time.monotonic()
-            self._guarded(list(self._running), self._decode_step)
+            reqs = list(self._running)
+            self._step_tokens = 0
+            self._guarded(reqs, self._decode_step)
+            per_stream = max(1.0, self._step_tokens / len(reqs))
             if self.slow_decode > 1.0:  # fault: --fault-slow-decode
                 time.sleep((time.monotonic() - t1) * (self.slow_decode - 1.0))
         if busy:
-            self._record_tpot(time.monotonic() - t0)
+            self._record_tpot((time.monotonic() - t0) / per_stream)
 
     def _guarded(self, reqs: list[_Request], step: Callable) -> None:
         try:
@@ -425,19 +451,48 @@ class Engine:
 
     def _decode_step(self, reqs: list[_Request]) -> None:
         self._batch_size = len(reqs)
-        seqs = [r.cache for r in reqs]
+        drafts = [self._draft(r, len(reqs)) for r in reqs]
+        seqs, tokens = [], []
+        for r, d in zip(reqs, drafts, strict=True):
+            seqs.append(r.cache)
+            tokens.append(r.pending)
+            for j, t in enumerate(d):  # draft j is one more decode row, at position written+j+1
+                seqs.append(dataclasses.replace(r.cache, written=r.cache.written + j + 1))
+                tokens.append(t)
         lay = layout_decode(seqs, self.block_size).to(self.device)
-        tokens = torch.tensor([[r.pending] for r in reqs], device=self.device)
-        logits = self.model(tokens, self.kv, lay)
-        greedy = None
-        if all(r.params.temperature <= 0 for r in reqs):
-            greedy = logits.argmax(-1).tolist()
-        if greedy is None:
+        logits = self.model(torch.tensor(tokens, device=self.device).view(-1, 1), self.kv, lay)
+        greedy = logits.argmax(-1).tolist()
+        if any(r.params.temperature > 0 for r in reqs):
             logits = logits.cpu()
-        for i, r in enumerate(reqs):
-            r.cache.written += 1
-            self._register_full_blocks(r)
-            self._accept_token(r, logits[i], None if greedy is None else greedy[i])
+        row = 0
+        for r, d in zip(reqs, drafts, strict=True):
+            accepted = 0
+            for j in range(len(d) + 1):  # row + j: the model's choice after draft j - 1
+                r.cache.written += 1  # the K/V of the token before this choice is kept
+                self._register_full_blocks(r)
+                sampled = r.params.temperature > 0
+                chosen = None if sampled else greedy[row + j]
+                self._accept_token(r, logits[row + j], chosen)
+                self._step_tokens += 1
+                if r.finished or j == len(d) or chosen != d[j] or r.rid in self._cancels:
+                    break
+                accepted += 1
+            if r.lookup is not None:
+                r.lookup.feedback(len(d), accepted)
+            self.draft_tokens += len(d)
+            self.draft_accepted += accepted
+            row += len(d) + 1
+
+    def _draft(self, r: _Request, batch: int) -> list[int]:
+        """Prompt-lookup drafts for a greedy stream, no more than it can still emit."""
+        if r.lookup is None:
+            return []
+        room = min(
+            self.speculate_lookup,
+            r.params.max_new_tokens - r.n_generated - 1,  # the step emits drafts + 1 at most
+            self.ctx - len(r.tokens) - 1,
+        )
+        return r.lookup.draft(r.tokens, room, batch)
 
     def _register_full_blocks(self, req: _Request) -> None:
         c = req.cache
