@@ -115,6 +115,7 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         # A denied request must not carry (or log) a client-sent tenant either.
         strip_request_headers=names.IDENTITY_HEADERS if authz else (),
         local_reply=listeners.died_holding_the_call_reply(),
+        grpc_stats=False,  # the gates read the callers' counters (issue 19: ~6 us a call)
     )
 
 

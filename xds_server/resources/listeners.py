@@ -1,4 +1,5 @@
-"""Listener with an HTTP connection manager for gRPC: HTTP/2, grpc_stats, authz slot, router."""
+"""Listener with an HTTP connection manager for gRPC: HTTP/2, grpc_stats (caller side), authz
+slot, router."""
 
 from __future__ import annotations
 
@@ -27,10 +28,9 @@ WASM_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
 
 
 def grpc_stats_filter() -> HttpFilter:
-    # Per-method success/failure counters by grpc-status, what SLO gates read.
-    cfg = grpc_stats_pb2.FilterConfig(
-        emit_filter_state=True, stats_for_all_methods=wrappers_pb2.BoolValue(value=True)
-    )
+    # Per-method success/failure counters by grpc-status: what the rollout gates and the SLO
+    # loop read, on caller sidecars only (xds_server/gates.py). No filter state: nothing reads it.
+    cfg = grpc_stats_pb2.FilterConfig(stats_for_all_methods=wrappers_pb2.BoolValue(value=True))
     return HttpFilter(name="envoy.filters.http.grpc_stats", typed_config=pack(cfg))
 
 
@@ -92,12 +92,14 @@ def http_listener(
     access_log: Sequence[accesslog_pb2.AccessLog] = (),
     strip_request_headers: Sequence[str] = (),
     local_reply: hcm_pb2.LocalReplyConfig | None = None,
+    grpc_stats: bool = True,
 ) -> listener_pb2.Listener:
+    stats = [grpc_stats_filter()] if grpc_stats else []
     hcm = HCM(
         stat_prefix=stat_prefix,
         codec_type=HCM.AUTO,  # h2c prior knowledge for gRPC; HTTP/1.1 still answered
         rds=hcm_pb2.Rds(config_source=ads(), route_config_name=route_config_name),
-        http_filters=[grpc_stats_filter(), *authz_filters, router_filter()],
+        http_filters=[*stats, *authz_filters, router_filter()],
         http2_protocol_options=protocol_pb2.Http2ProtocolOptions(),
         stream_idle_timeout=duration(stream_idle_timeout),
         common_http_protocol_options=protocol_pb2.HttpProtocolOptions(idle_timeout=duration(3600)),
