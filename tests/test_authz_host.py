@@ -148,6 +148,15 @@ def test_two_worker_vms_share_one_bucket() -> None:
     assert got == [True, True, True, False, False, False]
 
 
+def test_duplicate_key_headers_first_value_decides(host: WasmHost) -> None:
+    assert denied(host.request([("x-api-key", ""), ("x-api-key", "free-key")]), 401, 16)
+    assert denied(host.request([("x-api-key", "nope"), ("x-api-key", "free-key")]), 401, 16)
+    d = host.request([("x-api-key", "free-key"), ("x-api-key", "nope")])
+    assert d.allowed and d.header("x-api-key") is None
+    d = host.request([("authorization", "Bearer free-key"), ("authorization", "Bearer x")])
+    assert d.allowed and d.header("authorization") is None
+
+
 def test_metrics_count_decisions_per_tenant_and_reason(host: WasmHost) -> None:
     host.request({})
     host.request({"x-api-key": "nope"})

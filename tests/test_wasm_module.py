@@ -14,7 +14,6 @@ ABI_EXPORTS = {
     "proxy_on_context_create",
     "proxy_on_configure",
     "proxy_on_request_headers",
-    "proxy_on_done",
     "proxy_on_delete",
     "memory",
 }

@@ -15,7 +15,7 @@ const Sha256 = std.crypto.hash.sha2.Sha256;
 // ---- host imports (proxy-wasm ABI 0.2.1, module "env") ----
 extern "env" fn proxy_log(level: u32, msg: [*]const u8, len: usize) u32;
 extern "env" fn proxy_get_buffer_bytes(kind: u32, start: usize, max: usize, out: *?[*]u8, out_len: *usize) u32;
-extern "env" fn proxy_get_header_map_value(map: u32, key: [*]const u8, key_len: usize, out: *?[*]u8, out_len: *usize) u32;
+extern "env" fn proxy_get_header_map_pairs(map: u32, out: *?[*]u8, out_len: *usize) u32;
 extern "env" fn proxy_replace_header_map_value(map: u32, key: [*]const u8, key_len: usize, val: [*]const u8, val_len: usize) u32;
 extern "env" fn proxy_remove_header_map_value(map: u32, key: [*]const u8, key_len: usize) u32;
 extern "env" fn proxy_send_local_response(code: u32, details: [*]const u8, details_len: usize, body: [*]const u8, body_len: usize, headers: [*]const u8, headers_len: usize, grpc_status: i32) u32;
@@ -118,10 +118,6 @@ export fn proxy_on_context_create(id: u32, parent: u32) void {
     } else {
         stream_root.put(gpa, id, parent) catch {};
     }
-}
-
-export fn proxy_on_done(_: u32) u32 {
-    return 1;
 }
 
 export fn proxy_on_delete(id: u32) void {
@@ -270,12 +266,60 @@ fn takeToken(t: *const Tenant) u64 {
 }
 
 // ---- per request ----
-fn header(name: []const u8) ?[]const u8 {
+
+/// The request headers the filter reads, from one proxy_get_header_map_pairs call: a get per
+/// header costs a host call plus a call back into the VM to allocate the copy, and those calls,
+/// not our work, are most of the filter's cost. Each field is the header's first value (what
+/// proxy_get_header_map_value returns), null when the header is not there.
+const RequestHeaders = struct {
+    api_key: ?[]const u8 = null,
+    authorization: ?[]const u8 = null,
+    path: ?[]const u8 = null,
+    content_type: ?[]const u8 = null,
+};
+
+/// Header map serialization of ABI 0.2.1: count, (key len, value len)*, then "key\0value\0"*.
+/// A map that does not parse reads as no headers at all, which denies the request.
+fn requestHeaders() RequestHeaders {
     var ptr: ?[*]u8 = null;
     var len: usize = 0;
-    if (proxy_get_header_map_value(REQUEST_HEADERS, name.ptr, name.len, &ptr, &len) != OK) return null;
-    if (ptr == null or len == 0) return null;
-    return ptr.?[0..len];
+    if (proxy_get_header_map_pairs(REQUEST_HEADERS, &ptr, &len) != OK or ptr == null) return .{};
+    return parsePairs(ptr.?[0..len]) orelse .{};
+}
+
+fn parsePairs(raw: []const u8) ?RequestHeaders {
+    if (raw.len < 4) return null;
+    const n = std.mem.readInt(u32, raw[0..4], .little);
+    if (n > (raw.len - 4) / 8) return null;
+    var at: usize = 4 + 8 * @as(usize, n);
+    var h: RequestHeaders = .{};
+    for (0..n) |i| {
+        const sizes = raw[4 + 8 * i ..][0..8];
+        const klen: usize = std.mem.readInt(u32, sizes[0..4], .little);
+        const vlen: usize = std.mem.readInt(u32, sizes[4..8], .little);
+        const rest = raw.len - at;
+        if (klen > rest or rest - klen < 2 or vlen > rest - klen - 2) return null;
+        const k = raw[at..][0..klen];
+        const v = raw[at + klen + 1 ..][0..vlen];
+        at += klen + vlen + 2;
+        const slot: *?[]const u8 = if (std.mem.eql(u8, k, "x-api-key"))
+            &h.api_key
+        else if (std.mem.eql(u8, k, "authorization"))
+            &h.authorization
+        else if (std.mem.eql(u8, k, ":path"))
+            &h.path
+        else if (std.mem.eql(u8, k, "content-type"))
+            &h.content_type
+        else
+            continue;
+        if (slot.* == null) slot.* = v;
+    }
+    return h;
+}
+
+fn nonEmpty(v: ?[]const u8) ?[]const u8 {
+    const s = v orelse return null;
+    return if (s.len == 0) null else s;
 }
 
 fn setHeader(name: []const u8, value: []const u8) void {
@@ -289,10 +333,10 @@ fn removeHeader(name: []const u8) void {
 const ows = " \t";
 
 /// The presented key: `x-api-key`, else `authorization: Bearer <key>` (scheme case-insensitive,
-/// RFC 7235). Empty means missing.
-fn presentedKey() []const u8 {
-    if (header("x-api-key")) |v| return std.mem.trim(u8, v, ows);
-    if (header("authorization")) |v| {
+/// RFC 7235). Empty means missing. An empty first value counts as no header.
+fn presentedKey(h: *const RequestHeaders) []const u8 {
+    if (nonEmpty(h.api_key)) |v| return std.mem.trim(u8, v, ows);
+    if (nonEmpty(h.authorization)) |v| {
         const s = std.mem.trim(u8, v, ows);
         if (s.len > 7 and std.ascii.startsWithIgnoreCase(s, "bearer") and (s[6] == ' ' or s[6] == '\t'))
             return std.mem.trim(u8, s[7..], ows);
@@ -377,8 +421,8 @@ const LIMITED = Deny{ .code = 429, .grpc = 8, .details = "meshlm_authz_rate_limi
 
 export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
     defer _ = scratch.reset(.{ .retain_with_limit = 256 * 1024 });
-    const ctype = header("content-type") orelse "";
-    const is_grpc = std.mem.startsWith(u8, ctype, "application/grpc");
+    const h = requestHeaders();
+    const is_grpc = std.mem.startsWith(u8, nonEmpty(h.content_type) orelse "", "application/grpc");
     const root_id = stream_root.get(ctx) orelse 0;
     const root = roots.get(root_id) orelse {
         bump(m_no_policy);
@@ -390,7 +434,7 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
         log(LOG_ERROR, "no valid policy loaded; denying", .{});
         return deny(NO_POLICY, is_grpc, 0);
     };
-    const key = presentedKey();
+    const key = presentedKey(&h);
     if (key.len == 0) {
         bump(m_missing);
         return deny(MISSING, is_grpc, 0);
@@ -400,7 +444,7 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
         return deny(UNKNOWN, is_grpc, 0);
     };
     var allowed = false;
-    if (methodOf(&p.cfg, header(":path") orelse "")) |method| {
+    if (methodOf(&p.cfg, nonEmpty(h.path) orelse "")) |method| {
         for (t.json.allow) |pat| {
             if (glob(pat, method)) allowed = true;
         }
@@ -415,9 +459,10 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
         bump(t.m_limited);
         return deny(LIMITED, is_grpc, wait_s);
     }
-    // The credential stays at the edge; identity headers are ours, never the client's.
-    removeHeader("x-api-key");
-    removeHeader("authorization");
+    // The credential stays at the edge; identity headers are ours, never the client's. Only
+    // headers that are there are removed (each removal is a host call).
+    if (h.api_key != null) removeHeader("x-api-key");
+    if (h.authorization != null) removeHeader("authorization");
     setHeader("x-meshlm-tenant", t.json.name);
     setHeader("x-meshlm-priority", t.json.priority);
     bump(t.m_allowed);

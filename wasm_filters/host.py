@@ -154,7 +154,8 @@ class WasmHost:
                 action, buffered = CONTINUE, False
             elif not buffered and data_action == STOP_ITERATION and action == CONTINUE:
                 raise AssertionError("filter buffered a body it had let through")
-        self._ex["proxy_on_done"](self.store, ctx)
+        if "proxy_on_done" in self._ex:  # optional, as in Envoy
+            self._ex["proxy_on_done"](self.store, ctx)
         self._ex["proxy_on_delete"](self.store, ctx)
         if self._local is not None:
             return self._local
@@ -208,6 +209,14 @@ class WasmHost:
                 self._give(caller, v, p_out, s_out)
                 return OK
         return NOT_FOUND
+
+    def _proxy_get_header_map_pairs(
+        self, caller: wasmtime.Caller, kind: int, p_out: int, s_out: int
+    ) -> int:
+        if kind != REQUEST_HEADERS:
+            return BAD_ARGUMENT
+        self._give(caller, _encode_pairs(self._headers), p_out, s_out)
+        return OK
 
     def _proxy_replace_header_map_value(
         self, caller: wasmtime.Caller, kind: int, kp: int, ks: int, vp: int, vs: int
@@ -298,6 +307,13 @@ def _b(x: str | bytes) -> bytes:
     return x if isinstance(x, bytes) else x.encode()
 
 
+def _encode_pairs(pairs: list[tuple[bytes, bytes]]) -> bytes:
+    """ABI 0.2.1 header map, in order (Envoy's proxy_get_header_map_pairs)."""
+    sizes = [n for k, v in pairs for n in (len(k), len(v))]
+    data = b"".join(k + b"\0" + v + b"\0" for k, v in pairs)
+    return struct.pack(f"<I{len(sizes)}I", len(pairs), *sizes) + data
+
+
 def _decode_pairs(raw: bytes) -> dict[str, str]:
     """ABI 0.2.1 header map: count, (key len, value len) per pair, then `key\\0value\\0`."""
     if len(raw) < 4:
@@ -318,6 +334,7 @@ _IMPORTS = [
     ("proxy_log", [_I32] * 3, [_I32]),
     ("proxy_get_buffer_bytes", [_I32] * 5, [_I32]),
     ("proxy_get_header_map_value", [_I32] * 5, [_I32]),
+    ("proxy_get_header_map_pairs", [_I32] * 3, [_I32]),
     ("proxy_replace_header_map_value", [_I32] * 5, [_I32]),
     ("proxy_remove_header_map_value", [_I32] * 3, [_I32]),
     ("proxy_send_local_response", [_I32] * 8, [_I32]),
