@@ -148,6 +148,42 @@ def test_two_worker_vms_share_one_bucket() -> None:
     assert got == [True, True, True, False, False, False]
 
 
+def test_a_kept_bucket_never_denies_what_the_shared_bucket_allows() -> None:
+    """Each VM keeps the bucket it last wrote and writes against it without reading; a denial is
+    still decided on the shared bucket. Here another worker, already on a policy that refills
+    faster (mid-push), refilled it: the kept copy says empty, the shared bucket does not."""
+    shared = SharedData()
+    old, new = WasmHost(shared=shared), WasmHost(shared=shared)
+    faster = dict(TENANTS["acme"], rate_limit={"max_tokens": 3, "tokens_per_fill": 3,
+                                               "fill_interval": "100ms"})  # fmt: skip
+    assert old.configure(config()) and new.configure(config(dict(TENANTS, acme=faster)))
+    assert [old.request({"x-api-key": "acme-new"}).allowed for _ in range(3)] == [True] * 3
+    for h in (old, new):
+        h.advance(0.2)
+    assert new.request({"x-api-key": "acme-new"}).allowed  # refilled to 3, took 1
+    assert old.request({"x-api-key": "acme-new"}).allowed
+    assert old.request({"x-api-key": "acme-new"}).allowed
+    assert denied(old.request({"x-api-key": "acme-new"}), 429, 8)
+
+
+def test_workers_interleaving_on_one_bucket_never_exceed_it() -> None:
+    """Kept buckets and guessed CAS under interleaving: however the writes of two VMs and of two
+    tenants (one CAS counter for all shared data) interleave, the admitted requests are the
+    bucket's tokens exactly."""
+    shared = SharedData()
+    w1, w2 = WasmHost(shared=shared), WasmHost(shared=shared)
+    tenants = dict(TENANTS, free=dict(TENANTS["acme"], key_sha256=hash_key("free-key")))
+    assert w1.configure(config(tenants)) and w2.configure(config(tenants))
+    order = [w1, w1, w2, w1, w2, w2, w1, w1, w2, w1]
+    for key in ("acme-new", "free-key"):
+        got = [w.request({"x-api-key": key}).allowed for w in order]
+        assert got.count(True) == 3 and got[:3] == [True] * 3, (key, got)
+    w1.advance(1)
+    w2.advance(1)
+    got = [w.request({"x-api-key": k}).allowed for w in order for k in ("acme-new", "free-key")]
+    assert got.count(True) == 4  # one fill: +2 tokens for each tenant
+
+
 def test_duplicate_key_headers_first_value_decides(host: WasmHost) -> None:
     assert denied(host.request([("x-api-key", ""), ("x-api-key", "free-key")]), 401, 16)
     assert denied(host.request([("x-api-key", "nope"), ("x-api-key", "free-key")]), 401, 16)

@@ -67,7 +67,10 @@ const Tenant = struct {
     m_allowed: u32 = 0,
     m_forbidden: u32 = 0,
     m_limited: u32 = 0,
+    /// The bucket this VM last wrote (see takeToken); per policy, so a new one starts empty.
+    written: ?Written = null,
 };
+const Written = struct { bucket: Bucket, cas: u32, at_ns: u64 };
 const Policy = struct { cfg: ConfigJson, tenants: []Tenant };
 
 const Root = struct {
@@ -234,15 +237,37 @@ fn initBucket(t: *const Tenant) void {
         _ = writeBucket(t.bucket_key, .{ .tokens = rl.max_tokens, .last_ns = now_ns() }, cas);
 }
 
+/// nextCas of proxy-wasm's shared data: one counter for every write in the process, never 0.
+fn casAfter(cas: u32) u32 {
+    return if (cas +% 1 == 0) 1 else cas +% 1;
+}
+
 /// Take one token; returns 0 when allowed, otherwise the seconds until the next refill.
-fn takeToken(t: *const Tenant) u64 {
+///
+/// The bucket is changed only by a compare-and-swap on its shared-data CAS. After a write this
+/// VM keeps the bucket it wrote and the CAS that write most likely got (the next one, when no
+/// other write came between), and next time writes against that guess without reading: the
+/// host accepts it only if the bucket still carries that CAS, i.e. nobody wrote since, so the
+/// kept copy is the bucket itself. A wrong guess costs one refused write, then read and retry.
+/// A kept copy never denies: a denial is decided on a fresh read. One kept for over a second is
+/// dropped (the CAS counter cannot wrap back to the guess in that time).
+fn takeToken(t: *Tenant) u64 {
     const rl = t.json.rate_limit orelse return 0;
     const interval = rl.fill_interval_ms * std.time.ns_per_ms;
     var attempt: u32 = 0;
     while (attempt < 64) : (attempt += 1) {
         const now = now_ns();
+        const kept = t.written;
+        t.written = null;
         var cas: u32 = 0;
-        var b = readBucket(t.bucket_key, &cas) orelse Bucket{ .tokens = rl.max_tokens, .last_ns = now };
+        var b: Bucket = undefined;
+        const fresh_kept = if (kept) |w| now >= w.at_ns and now - w.at_ns < std.time.ns_per_s else false;
+        if (fresh_kept) {
+            b = kept.?.bucket;
+            cas = kept.?.cas;
+        } else {
+            b = readBucket(t.bucket_key, &cas) orelse Bucket{ .tokens = rl.max_tokens, .last_ns = now };
+        }
         if (now > b.last_ns) {
             const fills = (now - b.last_ns) / interval;
             if (fills > 0) {
@@ -252,13 +277,18 @@ fn takeToken(t: *const Tenant) u64 {
         }
         b.tokens = @min(b.tokens, rl.max_tokens); // also clamps after a policy lowered max_tokens
         if (b.tokens == 0) {
+            if (fresh_kept) continue; // deny only on what the shared bucket holds
             const wait = (b.last_ns +| interval) -| now;
             return @max(1, (wait + std.time.ns_per_s - 1) / std.time.ns_per_s);
         }
         b.tokens -= 1;
         // Another worker changed the bucket since we read it: read again (shared data CAS).
         const rc = writeBucket(t.bucket_key, b, cas);
-        if (rc == OK) return 0;
+        if (rc == OK) {
+            // A write with CAS 0 (the bucket was missing) says nothing about the CAS it got.
+            if (cas != 0) t.written = .{ .bucket = b, .cas = casAfter(cas), .at_ns = now };
+            return 0;
+        }
         if (rc != CAS_MISMATCH) break;
     }
     log(LOG_WARN, "token bucket for tenant {s} contended, denying", .{t.json.name});
@@ -344,11 +374,11 @@ fn presentedKey(h: *const RequestHeaders) []const u8 {
     return "";
 }
 
-fn findTenant(p: *const Policy, key: []const u8) ?*const Tenant {
+fn findTenant(p: *const Policy, key: []const u8) ?*Tenant {
     var digest: [32]u8 = undefined;
     Sha256.hash(key, &digest, .{});
     // Compare against every hash so the time taken does not say which tenant matched.
-    var found: ?*const Tenant = null;
+    var found: ?*Tenant = null;
     for (p.tenants) |*t| for (t.keys) |*k| {
         if (std.crypto.timing_safe.eql([32]u8, digest, k.*)) found = t;
     };
