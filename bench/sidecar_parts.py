@@ -8,7 +8,8 @@ plane really pushes. What ADS would deliver is put inline (RDS -> `route_config`
 - `bare`: the same listener and HCM settings with the router alone, a route `/` -> the cluster,
   a cluster of one host (HTTP/2, the connect timeout): a bare Envoy hop;
 - each part of PARTS put back alone on top of `bare` (the rate limit only with authz: it reads
-  the tenant header the authz filter sets, and asks nothing without it);
+  the tenant header the authz filter sets, and asks nothing without it; it is in the config only
+  with `rate_limits: {mode: global}`);
 - every part: the full inbound config.
 
 Also an upstream that can take the load: an Envoy that answers every call with an empty gRPC
@@ -43,10 +44,9 @@ from xds_server.resources.names import AUTHZ_FILTER
 
 # part -> what it is in the inbound config
 PARTS = {
-    "grpc_stats": "grpc_stats filter (per-method counters, filter state)",
-    "access_log": "JSON access log (stdout)",
-    "authz": "Wasm authz filter (V8)",
-    "ratelimit": "global rate limit filter (asks the control plane's RLS)",
+    "access_log": "JSON access log (stdout) of failed calls: a filter on every call",
+    "authz": "Wasm authz filter (V8), with the tenant's share of its rate limit",
+    "ratelimit": "global rate limit filter (asks the control plane's RLS on every call)",
     "strip_headers": "early header mutation (strips client-sent identity headers)",
     "local_reply": "local reply mapper (UC -> HTTP 500)",
     "route": "the real route (ORCA route, max_stream_duration, hash policy)",
@@ -54,7 +54,6 @@ PARTS = {
 }
 ROUTER = "envoy.filters.http.router"
 _FILTER_PART = {
-    "envoy.filters.http.grpc_stats": "grpc_stats",
     AUTHZ_FILTER: "authz",
     "envoy.filters.http.ratelimit": "ratelimit",
 }

@@ -1,7 +1,7 @@
 """W3C trace context crosses the mesh: a `traceparent` the client sends reaches the runtime
 unchanged through the caller sidecar and the runtime-side sidecar (Wasm authz), both real Envoys
-fed by the control plane. The default access log (the sidecar's stdout) carries it too, so a
-log line can be joined to the trace."""
+fed by the control plane. The default access log of the caller sidecar (its stdout, a line per
+call) carries it too, so a log line can be joined to the trace."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ def test_traceparent_reaches_the_runtime_through_two_sidecars() -> None:
         assert echoed["x-meshlm-tenant"] == "acme" and "x-api-key" not in echoed
 
         def logged() -> list[dict]:
-            text = mesh.runtime_side.log_path.read_text()
+            text = mesh.caller.log_path.read_text()
             return [x for x in json_lines(text) if x.get("traceparent") == TRACEPARENT]
 
-        (line,) = eventually(logged, what="the inbound access-log line on the sidecar's stdout")
-        assert line["listener"] == "inbound|llm|v1" and line["tenant"] == "acme"
-        assert ACME_KEY not in mesh.runtime_side.log_path.read_text()
+        (line,) = eventually(logged, what="the caller's access-log line on the sidecar's stdout")
+        assert line["listener"] == "outbound" and line["grpc_status"] == 0
+        assert ACME_KEY not in mesh.caller.log_path.read_text()

@@ -343,13 +343,21 @@ class RateLimits:
     mode: str = "local"
 
 
+ACCESS_LOG_CALLS = ("all", "failures", "off")
+
+
 @dataclass(frozen=True)
 class AccessLog:
-    """JSON access logs of every sidecar listener (HCM `access_log`). `path` None: the sidecar's
-    stdout (the supervisor's log); else a file every sidecar on the host appends to."""
+    """JSON access logs of the sidecar listeners (HCM `access_log`). `path` None: the sidecar's
+    stdout (the supervisor's log); else a file every sidecar on the host appends to. Which
+    calls each side logs: by default the caller sidecar every call (one line per call, with its
+    request id and trace), the inbound sidecar the failed and denied ones (with the verified
+    tenant): a line per hop for every call costs each hop its formatting (issue 19)."""
 
     enabled: bool = True
     path: str | None = None
+    outbound: str = "all"  # one of ACCESS_LOG_CALLS
+    inbound: str = "failures"
 
 
 @dataclass(frozen=True)
@@ -609,15 +617,24 @@ def _check_allow_rules(tenants: dict, roles: Any, services: dict[str, Service]) 
 
 
 def _access_log(raw: Any) -> AccessLog:
-    """`access_log: false` (off), `true` / `{}` (stdout, the default) or `{path: FILE}`."""
+    """`access_log: false` (off), `true` / `{}` (stdout, the default) or `{path: FILE}`, and
+    which calls each side logs: `{outbound: all, inbound: failures}` (the default)."""
     if isinstance(raw, bool):
         return AccessLog(enabled=raw)
     d = _mapping(raw, "access_log")
-    _only(d, "access_log", {"path"})
+    _only(d, "access_log", {"path", "outbound", "inbound"})
     path = d.get("path")
     if path is not None and (not isinstance(path, str) or not path):
         raise MeshError(f"access_log.path: expected a file path, got {path!r}")
-    return AccessLog(path=path)
+    sides = {}
+    for side in ("outbound", "inbound"):
+        calls = d.get(side, getattr(AccessLog, side))
+        if calls not in ACCESS_LOG_CALLS:
+            raise MeshError(
+                f"access_log.{side}: expected one of {', '.join(ACCESS_LOG_CALLS)}, got {calls!r}"
+            )
+        sides[side] = calls
+    return AccessLog(path=path, **sides)
 
 
 def _rate_limits(raw: Any) -> RateLimits:

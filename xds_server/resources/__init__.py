@@ -58,7 +58,9 @@ def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) 
         route_config_name=rc.name,
         stat_prefix="outbound",
         stream_idle_timeout=idle,
-        access_log=access_log.access_logs(mesh.access_log, names.OUTBOUND_LISTENER, tenant=False)
+        access_log=access_log.access_logs(
+            mesh.access_log, names.OUTBOUND_LISTENER, inbound=False, tenant=False
+        )
         + ([access_log.outcome_log()] if any(s.isolation for s in mesh.services.values()) else []),
         authz_filters=_classify_filters(),
         # The class is the filter's alone; stripped first, so a failed VM can't pass a spoof.
@@ -111,7 +113,7 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         stat_prefix=f"inbound_{svc.name}_{ver.name}",
         stream_idle_timeout=svc.route.stream_idle_timeout,
         authz_filters=authz,
-        access_log=access_log.access_logs(mesh.access_log, lname, tenant=bool(authz)),
+        access_log=access_log.access_logs(mesh.access_log, lname, inbound=True, tenant=bool(authz)),
         # A denied request must not carry (or log) a client-sent tenant either.
         strip_request_headers=names.IDENTITY_HEADERS if authz else (),
         local_reply=listeners.died_holding_the_call_reply(),

@@ -9,12 +9,13 @@ the verified one (`%REQ(...)%` reads the request headers as they are after the f
 from __future__ import annotations
 
 from envoy.config.accesslog.v3 import accesslog_pb2
-from envoy.config.core.v3 import config_source_pb2, grpc_service_pb2
+from envoy.config.core.v3 import base_pb2, config_source_pb2, grpc_service_pb2
 from envoy.config.core.v3 import substitution_format_string_pb2 as sfs
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.extensions.access_loggers.file.v3 import file_pb2
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.access_loggers.stream.v3 import stream_pb2
+from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import struct_pb2
 
 from xds_server import mesh as m
@@ -42,9 +43,12 @@ FIELDS = {
 }
 
 
-def access_logs(cfg: m.AccessLog, listener: str, *, tenant: bool) -> list[accesslog_pb2.AccessLog]:
-    """The HCM `access_log` list for `listener` ([] when the mesh turns logs off)."""
-    if not cfg.enabled:
+def access_logs(
+    cfg: m.AccessLog, listener: str, *, inbound: bool, tenant: bool
+) -> list[accesslog_pb2.AccessLog]:
+    """The HCM `access_log` list for `listener` ([] when the mesh turns its side's logs off)."""
+    calls = cfg.inbound if inbound else cfg.outbound
+    if not cfg.enabled or calls == "off":
         return []
     fields: dict[str, str] = {"listener": listener, **FIELDS}
     if tenant:
@@ -62,7 +66,48 @@ def access_logs(cfg: m.AccessLog, listener: str, *, tenant: bool) -> list[access
             "envoy.access_loggers.file",
             file_pb2.FileAccessLog(path=cfg.path, log_format=log_format),
         )
-    return [accesslog_pb2.AccessLog(name=name, typed_config=pack(typed))]
+    only = failures() if calls == "failures" else None
+    return [accesslog_pb2.AccessLog(name=name, filter=only, typed_config=pack(typed))]
+
+
+def failures() -> accesslog_pb2.AccessLogFilter:
+    """Calls that did not succeed: an HTTP status of 400 or more, any response flag (Envoy's
+    own failures: no upstream, reset, timeout...), or a gRPC call that ended with a status other
+    than OK (a gRPC error, a denial included, is HTTP 200 with `grpc-status`). Envoy reads the
+    status from the trailers, else from the headers of a trailers-only reply; a non-gRPC call
+    would count as UNKNOWN, hence the content-type."""
+    grpc_call = accesslog_pb2.AccessLogFilter(
+        header_filter=accesslog_pb2.HeaderFilter(
+            header=rc.HeaderMatcher(
+                name="content-type",
+                string_match=string_pb2.StringMatcher(prefix="application/grpc"),
+            )
+        )
+    )
+    not_ok = accesslog_pb2.AccessLogFilter(
+        grpc_status_filter=accesslog_pb2.GrpcStatusFilter(
+            statuses=[accesslog_pb2.GrpcStatusFilter.OK], exclude=True
+        )
+    )
+    http_error = accesslog_pb2.AccessLogFilter(
+        status_code_filter=accesslog_pb2.StatusCodeFilter(
+            comparison=accesslog_pb2.ComparisonFilter(
+                op=accesslog_pb2.ComparisonFilter.GE,
+                value=base_pb2.RuntimeUInt32(
+                    default_value=400, runtime_key="meshlm.access_log.failure_status"
+                ),
+            )
+        )
+    )
+    any_flag = accesslog_pb2.AccessLogFilter(
+        response_flag_filter=accesslog_pb2.ResponseFlagFilter()
+    )
+    grpc_error = accesslog_pb2.AccessLogFilter(
+        and_filter=accesslog_pb2.AndFilter(filters=[grpc_call, not_ok])
+    )
+    return accesslog_pb2.AccessLogFilter(
+        or_filter=accesslog_pb2.OrFilter(filters=[http_error, any_flag, grpc_error])
+    )
 
 
 # Outcomes per request class, streamed to the control plane's AccessLogService (issue 11):
