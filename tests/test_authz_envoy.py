@@ -324,3 +324,32 @@ def test_ecds_policy_update_under_traffic(upstreams: tuple[int, int], tmp_path: 
     before_removal = [s for ts, s in results if ts < removal]
     assert len(before_removal) >= 5 and set(before_removal) == {200}
     assert {s for _, s in results} <= {200, 401}
+
+
+def test_a_revoked_key_is_denied_as_soon_as_the_new_policy_serves(
+    upstreams: tuple[int, int], tmp_path: Path
+) -> None:
+    """The filter remembers keys it matched, per policy: a push that revokes a key leaves
+    nothing of it behind. Once a request shows the new policy serving (its new key is allowed),
+    the revoked key, allowed a moment before, is denied on the very next request."""
+    path = str(tmp_path / "authz.json")
+    acme = {"allow": ["llm/*"], "priority": "high"}
+    old = parse_policy({"acme": {"key_sha256": hash_key("k-old"), **acme}})
+    new = parse_policy({"acme": {"key_sha256": hash_key("k-new"), **acme}})
+
+    def push(p: Policy, version: str) -> None:
+        ext = xds.wasm_extension_config(p, service="llm", wasm_file=str(xds.WASM_PATH))
+        testbed.write_ecds_file(path, ext, version)
+
+    push(old, "1")
+    envoy, port = start(upstreams, [testbed.file_ecds_http_filter(path)])  # one worker
+    try:
+        assert [http_call(port, {"x-api-key": "k-old"})[0] for _ in range(3)] == [200] * 3
+        push(new, "2")
+        deadline = time.monotonic() + 30
+        while http_call(port, {"x-api-key": "k-new"})[0] != 200:
+            assert time.monotonic() < deadline, "the new policy never served"
+            time.sleep(0.05)
+        assert [http_call(port, {"x-api-key": "k-old"})[0] for _ in range(3)] == [401] * 3
+    finally:
+        envoy.stop()

@@ -184,6 +184,26 @@ def test_workers_interleaving_on_one_bucket_never_exceed_it() -> None:
     assert got.count(True) == 4  # one fill: +2 tokens for each tenant
 
 
+def test_known_keys_match_exactly() -> None:
+    """A key matched once is found again without hashing; near misses of it never are, and a
+    tenant with more keys than the filter keeps (and keys longer than it keeps) still works."""
+    many = [f"k{i:03d}" for i in range(100)]
+    long_key = "L" * 129
+    h = WasmHost()
+    tenants = dict(TENANTS, many={"key_sha256": [hash_key(k) for k in [*many, long_key]],
+                                  "allow": ["llm/*"]})  # fmt: skip
+    assert h.configure(config(tenants))
+    for _ in range(2):
+        assert h.request({"x-api-key": "free-key"}).header("x-meshlm-tenant") == b"free"
+        for near in ("free-ke", "free-keyy", "free-key\x00", "FREE-KEY", "Free-key", "\x00"):
+            assert denied(h.request({"x-api-key": near}), 401, 16), near
+        for k in [*many, long_key, long_key[:-1] + "M"]:
+            d = h.request({"x-api-key": k})
+            assert d.allowed is (k != long_key[:-1] + "M"), k
+            if d.allowed:
+                assert d.header("x-meshlm-tenant") == b"many"
+
+
 def test_duplicate_key_headers_first_value_decides(host: WasmHost) -> None:
     assert denied(host.request([("x-api-key", ""), ("x-api-key", "free-key")]), 401, 16)
     assert denied(host.request([("x-api-key", "nope"), ("x-api-key", "free-key")]), 401, 16)

@@ -1,9 +1,11 @@
 //! meshlm authz: a proxy-wasm HTTP filter written against the ABI 0.2.1 directly.
 //!
 //! Per request: API key (`x-api-key` or `authorization: Bearer`) -> SHA-256 -> tenant (constant
-//! time compare) -> allow rules for this service's gRPC methods (any other path is denied) ->
-//! per-tenant token bucket in shared data (compare-and-swap) -> verified `x-meshlm-tenant` /
-//! `x-meshlm-priority` headers.
+//! time compare; keys the policy already matched are remembered, see KnownKeys) -> allow rules
+//! for this service's gRPC methods (any other path is denied) -> per-tenant token bucket in
+//! shared data (compare-and-swap) -> verified `x-meshlm-tenant` / `x-meshlm-priority` headers.
+//! Host calls are most of the cost (issue 19): one header read, one bucket write, three header
+//! changes and a counter per allowed request.
 //! The configuration is JSON compiled by `wasm_filters/policy.py`; it holds key hashes only.
 //! Fails closed: a bad configuration is refused in proxy_on_configure (Envoy NACKs it) and a
 //! stream without a loaded policy is denied.
@@ -71,7 +73,44 @@ const Tenant = struct {
     written: ?Written = null,
 };
 const Written = struct { bucket: Bucket, cas: u32, at_ns: u64 };
-const Policy = struct { cfg: ConfigJson, tenants: []Tenant };
+const Policy = struct { cfg: ConfigJson, tenants: []Tenant, known: *KnownKeys };
+
+/// Keys this policy already matched, so a repeated key skips SHA-256 and the scan. It holds
+/// presented keys that matched a tenant, never an unknown one (a flood of bad keys cannot evict
+/// anything), is direct-mapped (bounded), and lives and dies with its policy: a new
+/// configuration starts with none, so a revoked key is never found here. A lookup compares the
+/// full key, padded, in constant time against its one slot, whether that slot holds a key or
+/// not: equality is exact (no hash stands in for the key) and the time says nothing about the
+/// keys held.
+const KnownKeys = struct {
+    const slots = 64;
+    const max_len = 128;
+    const Slot = struct { key: [max_len]u8 = @splat(0), len: usize = 0, tenant: usize = 0 };
+    slot: [slots]Slot = @splat(.{}),
+
+    fn index(key: []const u8) usize {
+        return @intCast(std.hash.Wyhash.hash(0, key) % slots);
+    }
+
+    fn padded(key: []const u8) [max_len]u8 {
+        var out: [max_len]u8 = @splat(0);
+        @memcpy(out[0..key.len], key);
+        return out;
+    }
+
+    fn find(self: *const KnownKeys, key: []const u8) ?usize {
+        if (key.len > max_len) return null;
+        const s = &self.slot[index(key)];
+        const same_bytes = std.crypto.timing_safe.eql([max_len]u8, s.key, padded(key));
+        if ((@intFromBool(same_bytes) & @intFromBool(s.len == key.len)) == 0) return null;
+        return s.tenant;
+    }
+
+    fn remember(self: *KnownKeys, key: []const u8, tenant: usize) void {
+        if (key.len > max_len) return;
+        self.slot[index(key)] = .{ .key = padded(key), .len = key.len, .tenant = tenant };
+    }
+};
 
 const Root = struct {
     arena: std.heap.ArenaAllocator,
@@ -199,7 +238,9 @@ fn parsePolicy(a: std.mem.Allocator, raw: []const u8) !Policy {
         t.m_forbidden = metric(try std.fmt.bufPrint(&buf, "meshlm_authz.denied.forbidden.{s}", .{tj.name}));
         t.m_limited = metric(try std.fmt.bufPrint(&buf, "meshlm_authz.denied.rate_limited.{s}", .{tj.name}));
     }
-    return .{ .cfg = cfg, .tenants = tenants };
+    const known = try a.create(KnownKeys);
+    known.* = .{};
+    return .{ .cfg = cfg, .tenants = tenants, .known = known };
 }
 
 // ---- token bucket in shared data: 16 bytes, tokens (u64 LE) + last fill time ns (u64 LE) ----
@@ -375,14 +416,17 @@ fn presentedKey(h: *const RequestHeaders) []const u8 {
 }
 
 fn findTenant(p: *const Policy, key: []const u8) ?*Tenant {
+    if (p.known.find(key)) |i| return &p.tenants[i];
     var digest: [32]u8 = undefined;
     Sha256.hash(key, &digest, .{});
     // Compare against every hash so the time taken does not say which tenant matched.
-    var found: ?*Tenant = null;
-    for (p.tenants) |*t| for (t.keys) |*k| {
-        if (std.crypto.timing_safe.eql([32]u8, digest, k.*)) found = t;
+    var found: ?usize = null;
+    for (p.tenants, 0..) |*t, i| for (t.keys) |*k| {
+        if (std.crypto.timing_safe.eql([32]u8, digest, k.*)) found = i;
     };
-    return found;
+    const i = found orelse return null;
+    p.known.remember(key, i);
+    return &p.tenants[i];
 }
 
 /// `*` matches any run of bytes; everything else matches itself.
