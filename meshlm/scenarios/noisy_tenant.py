@@ -120,6 +120,9 @@ def _local_mesh(workdir: Path | None, versions: list[str]) -> Any:
         }
         for name, key in KEYS.items()
     }
+    # Each phase sends all its calls to one runtime's sidecar, so the default (each of the two
+    # sidecars enforces half of a limit) would refuse part of the allowed traffic.
+    mesh["rate_limits"] = {"mode": "global"}
     faults = {"v1": [*SERVE_ARGS, "--no-tenant-isolation"], "v2": SERVE_ARGS}
     return LocalMesh(mesh, workdir=workdir, faults=faults)
 
