@@ -16,7 +16,6 @@ drift in a shared machine's load hits all alike; figures are medians over the ro
 
 from __future__ import annotations
 
-import inspect
 import os
 import queue
 import random
@@ -145,10 +144,8 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
     text_ids = int4.tokenizer.encode(stdlib_text())
     engine = Engine(int4)  # as `meshlm serve` builds it by default
     engine.start()
-    spec = None
-    if "speculate_lookup" in inspect.signature(Engine).parameters:
-        spec = Engine(int4, speculate_lookup=SPECULATE_K)
-        spec.start()
+    spec = Engine(int4, speculate_lookup=SPECULATE_K)  # `serve --speculate-lookup K`
+    spec.start()
     r: dict[str, list] = {}
 
     def add(name: str, value) -> None:
@@ -159,8 +156,7 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
         for lm in (int4, bf16):
             generate.greedy(lm, [ids] * 8, 4, stop=False)
         _engine_call(engine, ids, 4)
-        if spec is not None:
-            _engine_call(spec, ids, 4)
+        _engine_call(spec, ids, 4)
         if peer is not None:
             peer.decode(ids, 4)
         for i in range(rounds):
@@ -175,10 +171,9 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
             e = _engine_call(engine, ids, n)
             add("int4 Engine b1", e["decode_tps"])
             add("tokens int4 Engine", e["tokens"])
-            if spec is not None:
-                e = _engine_call(spec, ids, n)
-                add("int4 Engine+lookup b1", e["decode_tps"])
-                add("tokens int4 Engine+lookup", e["tokens"])
+            e = _engine_call(spec, ids, n)
+            add("int4 Engine+lookup b1", e["decode_tps"])
+            add("tokens int4 Engine+lookup", e["tokens"])
             add("int4 bare b8", _bare_decode(int4, ids, n, 8)[0])
             add("int4 guard-off b1", _bare_decode(models["int4 guard-off"], ids, n, 1)[0])
             add("bf16 bare b1", _bare_decode(bf16, ids, n, 1)[0])
@@ -188,12 +183,11 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
                 add("prefill llama.cpp", len(prompt) / peer.prefill(prompt))
             add("prefill int4 Engine", len(prompt) / _engine_call(engine, prompt, 1)["ttft"])
             add("prefill bf16 bare", _bare_prefill(bf16, prompt))
-        if spec is not None:
-            r["lookup drafts"] = [(spec.draft_accepted, spec.draft_tokens)]
+        st = spec.stats()
+        r["lookup drafts"] = [(st["draft_accepted"], st["draft_tokens"])]
     finally:
         engine.shutdown(drain_timeout=5)
-        if spec is not None:
-            spec.shutdown(drain_timeout=5)
+        spec.shutdown(drain_timeout=5)
     return r
 
 
@@ -265,10 +259,9 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         lines.append(f"| {name} | {shown} | {target} |")
     eng = _first_difference(r["tokens int4 bare"][0], r["tokens int4 Engine"][0])
     lines += ["", f"Greedy ids, int4: Engine vs bare forward {eng}"]
-    if "tokens int4 Engine+lookup" in r:
-        spec = _first_difference(r["tokens int4 bare"][0], r["tokens int4 Engine+lookup"][0])
-        kept, drafted = r["lookup drafts"][0]
-        lines[-1] += f"; Engine with lookup vs bare {spec} ({kept} of {drafted} drafts kept)"
+    spec = _first_difference(r["tokens int4 bare"][0], r["tokens int4 Engine+lookup"][0])
+    kept, drafted = r["lookup drafts"][0]
+    lines[-1] += f"; Engine with lookup vs bare {spec} ({kept} of {drafted} drafts kept)"
     if peer is not None:
         peer_cmp = _first_difference(r["tokens int4 bare"][0], r["tokens llama.cpp"][0])
         lines[-1] += f"; ours vs llama.cpp {peer_cmp} (its kernels round activations to 8 bits)"
