@@ -111,38 +111,59 @@ class SeqCache:
     registered: int = 0  # leading full blocks already registered in the pool
 
     def slots(self, start: int, end: int, block_size: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        table = torch.tensor(self.blocks, dtype=torch.int64)
-        return table[pos // block_size] * block_size + pos % block_size
+        return torch.from_numpy(self.slots_np(start, end, block_size))
+
+    def slots_np(self, start: int, end: int, block_size: int) -> np.ndarray:
+        pos = np.arange(start, end)
+        return np.asarray(self.blocks, dtype=np.int64)[pos // block_size] * block_size + (
+            pos % block_size
+        )
+
+
+def _run(gather: np.ndarray, lens: np.ndarray) -> tuple[int, int] | None:
+    """(start, stride) when row b attends slots start + b * stride + [0, lens[b]): the model
+    then reads the cache as one strided view instead of gathering it per layer."""
+    start = gather[:, 0]
+    stride = int(start[1] - start[0]) if len(start) > 1 else 0
+    if stride < 0 or (np.diff(start) != stride).any():
+        return None
+    offs = np.arange(gather.shape[1])
+    valid = offs[None, :] < lens[:, None]
+    if not (np.where(valid, gather - start[:, None], offs) == offs).all():
+        return None
+    return int(start[0]), stride
 
 
 def layout_prefill(seq: SeqCache, start: int, n: int, block_size: int) -> BatchLayout:
     """One sequence, tokens [start, start + n) are new; attends [0, start + n)."""
-    all_slots = seq.slots(0, start + n, block_size)
+    all_slots = seq.slots_np(0, start + n, block_size)
     q = torch.arange(start, start + n)[:, None]
     mask = (torch.arange(start + n)[None, :] <= q).view(1, 1, n, start + n)
+    gather = torch.from_numpy(all_slots).view(1, -1)
     return BatchLayout(
         input_pos=torch.arange(start, start + n).view(1, n),
-        write_slots=all_slots[start:],
-        gather_slots=all_slots.view(1, -1),
+        write_slots=gather[0, start:],
+        gather_slots=gather,
         mask=mask,
+        kv_run=_run(all_slots[None, :], np.array([start + n])),
     )
 
 
 def layout_decode(seqs: list[SeqCache], block_size: int) -> BatchLayout:
     """Each sequence adds one token at position `written`; attends [0, written + 1)."""
-    lens = [s.written + 1 for s in seqs]
-    longest = max(lens)
-    gather = torch.zeros(len(seqs), longest, dtype=torch.int64)
+    lens = np.array([s.written + 1 for s in seqs])
+    longest = int(lens.max())
+    gather = np.zeros((len(seqs), longest), dtype=np.int64)
     for i, s in enumerate(seqs):
-        gather[i, : lens[i]] = s.slots(0, lens[i], block_size)
-    lens_t = torch.tensor(lens)
+        gather[i, : lens[i]] = s.slots_np(0, int(lens[i]), block_size)
+    lens_t = torch.from_numpy(lens)
     # always masked, even when no slot is padding: the same SDPA kernel runs whatever the batch,
     # so a sequence decodes to the same tokens alone or batched
     mask = (torch.arange(longest)[None, :] < lens_t[:, None]).view(len(seqs), 1, 1, longest)
     return BatchLayout(
         input_pos=(lens_t - 1).view(-1, 1),
-        write_slots=gather[torch.arange(len(seqs)), lens_t - 1],
-        gather_slots=gather,
+        write_slots=torch.from_numpy(gather[np.arange(len(seqs)), lens - 1]),
+        gather_slots=torch.from_numpy(gather),
         mask=mask,
+        kv_run=_run(gather, lens),
     )
