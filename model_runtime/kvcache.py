@@ -152,7 +152,10 @@ def layout_prefill(seq: SeqCache, start: int, n: int, block_size: int) -> BatchL
 def layout_decode(seqs: list[SeqCache], block_size: int) -> BatchLayout:
     """Each sequence adds one token at position `written`; attends [0, written + 1)."""
     lens = np.array([s.written + 1 for s in seqs])
-    longest = int(lens.max())
+    # padded up to a multiple of 16: SDPA's CPU kernel rounds a row the same for every padded
+    # length from there on, so a row decodes to the same logits alone, batched beside a longer
+    # sequence, or beside its own speculative drafts (which lengthen the batch)
+    longest = -(-int(lens.max()) // 16) * 16
     gather = np.zeros((len(seqs), longest), dtype=np.int64)
     for i, s in enumerate(seqs):
         gather[i, : lens[i]] = s.slots_np(0, int(lens[i]), block_size)
