@@ -10,14 +10,13 @@ import sys
 import urllib.error
 import urllib.request
 
-from xds_server.admin_token import TOKEN_ENV, TokenError, client_token
+from meshlm.cmd_rollout import add_admin_client_arguments
+from xds_server.admin_token import TokenError, client_token
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", required=True, help="the mesh file (YAML)")
-    p.add_argument("--admin", default="http://127.0.0.1:18001", help="control plane admin URL")
-    p.add_argument("--token-file", help=f"file holding the admin bearer token (default: "
-                   f"${TOKEN_ENV}, else the local control plane's token file)")  # fmt: skip
+    add_admin_client_arguments(p)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for ACKs")
 
 

@@ -15,18 +15,16 @@ import time
 import urllib.error
 from pathlib import Path
 
-from meshlm.cmd_rollout import request
+from meshlm.cmd_rollout import add_admin_client_arguments, request
 from sidecar.identity import write_private
-from xds_server.admin_token import TOKEN_ENV, TokenError, client_token
+from xds_server.admin_token import TokenError, client_token
 
 ACTIONS = ("token", "status", "rotate-root")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=ACTIONS)
-    p.add_argument("--admin", default="http://127.0.0.1:18001", help="control plane admin URL")
-    p.add_argument("--token-file", help=f"file holding the admin bearer token (default: "
-                   f"${TOKEN_ENV}, else the local control plane's token file)")  # fmt: skip
+    add_admin_client_arguments(p)
     p.add_argument("--json", action="store_true", help="print the raw JSON reply (status)")
     p.add_argument("--timeout", type=float, default=30.0, help="HTTP timeout in seconds")
     t = p.add_argument_group("token")

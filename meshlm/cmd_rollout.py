@@ -16,12 +16,17 @@ from xds_server.admin_token import TOKEN_ENV, TokenError, client_token
 ACTIONS = ("start", "status", "pause", "resume", "abort", "promote")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=ACTIONS)
-    p.add_argument("service", nargs="?", help="the service (status without one lists all)")
+def add_admin_client_arguments(p: argparse.ArgumentParser) -> None:
+    """`--admin` and `--token-file`, as every client of the control plane's admin API takes them."""
     p.add_argument("--admin", default="http://127.0.0.1:18001", help="control plane admin URL")
     p.add_argument("--token-file", help=f"file holding the admin bearer token (default: "
                    f"${TOKEN_ENV}, else the local control plane's token file)")  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=ACTIONS)
+    p.add_argument("service", nargs="?", help="the service (status without one lists all)")
+    add_admin_client_arguments(p)
     p.add_argument("--json", action="store_true", help="print the raw JSON reply")
     p.add_argument("--timeout", type=float, default=120.0, help="HTTP timeout in seconds")
     s = p.add_argument_group("start (defaults: the mesh file's rollouts.SERVICE)")
