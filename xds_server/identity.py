@@ -37,6 +37,7 @@ from cryptography import x509
 from xds_server import ca as ca_mod
 from xds_server import mesh as m
 from xds_server.ca import CsrError, MeshCA, NotGranted
+from xds_server.mesh.fields import _only as only
 
 log = logging.getLogger("meshlm.identity")
 
@@ -366,7 +367,7 @@ class Identity:
         try:
             if parts == ["tokens"]:
                 return 200, self._issue(doc)
-            m._only(doc, "body", {"activate_after", "overlap"})
+            only(doc, "body", {"activate_after", "overlap"})
             kw = {k: m.parse_duration(v, k) for k, v in doc.items()}
             out = self.ca.rotate_root(**kw)
             log.info("root rotation started: new root %s", out["root_sha256"])
@@ -375,7 +376,7 @@ class Identity:
             return 400, {"error": str(e)}
 
     def _issue(self, doc: dict[str, Any]) -> dict[str, Any]:
-        m._only(doc, "body", {"service_account", "ttl"})
+        only(doc, "body", {"service_account", "ttl"})
         sa = doc.get("service_account")
         if not isinstance(sa, str) or not m.SERVICE_ACCOUNT.match(sa):
             raise ValueError(f"service_account: expected NAMESPACE/NAME, got {sa!r}")

@@ -1,0 +1,425 @@
+"""The mesh file (YAML) -> `Mesh`: the top level, services, versions, routes and rollouts.
+
+Every error is a `MeshError` whose message starts with the field path, e.g.
+`services.llm.route.weights.v3: unknown version (known: v1, v2)`."""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import re
+from pathlib import Path
+from typing import Any
+
+from xds_server.mesh.fields import (
+    MeshError,
+    _int,
+    _mapping,
+    _name,
+    _only,
+    _opt,
+    _opt_port,
+    _port,
+    _positive,
+    _url,
+    load_yaml,
+    parse_duration,
+)
+from xds_server.mesh.model import (
+    ACCESS_LOG_CALLS,
+    AUTHZ_MODES,
+    LOAD_BALANCING,
+    METHODS,
+    RATE_LIMIT_MODES,
+    AccessLog,
+    Authz,
+    CallerSidecar,
+    ControlPlaneConfig,
+    HashPolicy,
+    Identity,
+    Mesh,
+    RateLimits,
+    Rollout,
+    Route,
+    Service,
+    Version,
+    _check_weights,
+    parse_endpoint,
+)
+from xds_server.mesh.resilience import (
+    _circuit_breakers,
+    _health_check,
+    _isolation,
+    _outlier,
+    _retry_policy,
+    _slo,
+    _stall,
+)
+from xds_server.rollout_spec import RolloutSpecError, parse_rollout
+
+
+def load_mesh(path: str | Path) -> Mesh:
+    return parse_mesh(load_yaml(Path(path).read_text(), str(path)))
+
+
+def parse_mesh(raw: Any) -> Mesh:
+    top = _mapping(raw, "mesh")
+    _only(
+        top,
+        "mesh",
+        {
+            "control_plane",
+            "services",
+            "tenants",
+            "roles",
+            "rollouts",
+            "authz",
+            "access_log",
+            "rate_limits",
+            "caller_sidecars",
+            "identity",
+        },
+    )
+    services_raw = _mapping(top.get("services"), "services")
+    if not services_raw:
+        raise MeshError("services: at least one service is required")
+    services = {n: _service(n, v, f"services.{n}") for n, v in services_raw.items()}
+    tenants = _tenants(top.get("tenants"), top.get("roles"))
+    if tenants is not None:
+        _check_allow_rules(top.get("tenants"), top.get("roles"), services)
+    authz_raw = _mapping(top.get("authz", {}), "authz")
+    _only(authz_raw, "authz", {"mode", "keys_file"})
+    mode = authz_raw.get("mode", "wasm" if tenants else "none")
+    if mode not in AUTHZ_MODES:
+        raise MeshError(f"authz.mode: expected one of {', '.join(AUTHZ_MODES)}, got {mode!r}")
+    if mode != "none" and not tenants:
+        raise MeshError(f"authz.mode: {mode} needs a tenants section")
+    keys_file = authz_raw.get("keys_file")
+    if mode == "native" and not isinstance(keys_file, str):
+        raise MeshError("authz.keys_file: native mode needs a file of plaintext keys per tenant")
+    rollouts_raw = _mapping(top.get("rollouts", {}), "rollouts")
+    rollouts = {n: _rollout(n, v, services, f"rollouts.{n}") for n, v in rollouts_raw.items()}
+    return Mesh(
+        services=services,
+        control_plane=_control_plane(top.get("control_plane", {})),
+        tenants=tenants,
+        rollouts=rollouts,
+        authz=Authz(mode=mode, keys_file=keys_file if mode == "native" else None),
+        access_log=_access_log(top.get("access_log", True)),
+        rate_limits=_rate_limits(top.get("rate_limits")),
+        caller_sidecars=_caller_sidecars(top.get("caller_sidecars")),
+        identity=_opt(top, "identity", "mesh", lambda d, _p: _identity(d)),
+    )
+
+
+# A SPIFFE trust domain (lower case) and the path segments of a service account.
+TRUST_DOMAIN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+SERVICE_ACCOUNT = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*/[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
+
+
+# Workload certificates live 10 s (tests) to a day; 15 minutes by default (Istio: 24 h).
+CERT_TTL_RANGE = (10.0, 86400.0)
+
+
+def _identity(d: dict) -> Identity:
+    """`identity: {trust_domain, cert_ttl, root: {cert_file, key_file}}`, all optional."""
+    _only(d, "identity", {"trust_domain", "cert_ttl", "root"})
+    td = d.get("trust_domain", "meshlm.local")
+    if not isinstance(td, str) or not TRUST_DOMAIN.match(td) or len(td) > 255:
+        raise MeshError(
+            f"identity.trust_domain: expected lower-case letters, digits, . _ - (a SPIFFE trust "
+            f"domain), got {td!r}"
+        )
+    ttl = parse_duration(d.get("cert_ttl", "15m"), "identity.cert_ttl")
+    lo, hi = CERT_TTL_RANGE
+    if not lo <= ttl <= hi:
+        raise MeshError(f"identity.cert_ttl: must be {lo:g}s to {hi / 3600:g}h, got {ttl:g}s")
+    root = _mapping(d.get("root"), "identity.root")
+    _only(root, "identity.root", {"cert_file", "key_file"})
+    for key in ("cert_file", "key_file"):
+        value = root.get(key)
+        if root and (not isinstance(value, str) or not value):
+            raise MeshError(f"identity.root.{key}: expected a file path, got {value!r}")
+    return Identity(
+        trust_domain=td,
+        cert_ttl=ttl,
+        root_cert_file=root.get("cert_file"),
+        root_key_file=root.get("key_file"),
+    )
+
+
+def _caller_sidecars(raw: Any) -> tuple[CallerSidecar, ...]:
+    """`caller_sidecars: [{admin_url: http://127.0.0.1:15000}, ...]`."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise MeshError("caller_sidecars: expected a list of {admin_url: URL}")
+    out = []
+    for i, item in enumerate(raw):
+        path = f"caller_sidecars[{i}]"
+        d = _mapping(item, path)
+        _only(d, path, {"admin_url"})
+        out.append(CallerSidecar(admin_url=_url(d.get("admin_url"), f"{path}.admin_url")))
+    if len({c.admin_url for c in out}) != len(out):
+        raise MeshError("caller_sidecars: duplicate admin_url")
+    return tuple(out)
+
+
+def _check_allow_rules(tenants: dict, roles: Any, services: dict[str, Service]) -> None:
+    """Each allow rule must match a service of this mesh and one of its methods (the policy
+    model checked the rules' shape already)."""
+    rules = [
+        (f"tenants.{t}.allow[{i}]", p)
+        for t, v in tenants.items()
+        for i, p in enumerate(v.get("allow") or [])
+    ]
+    rules += [(f"roles.{r}[{i}]", p) for r, ps in (roles or {}).items() for i, p in enumerate(ps)]
+    for path, pattern in rules:
+        svc, method = pattern.split("/", 1)
+        if not any(fnmatch.fnmatchcase(s, svc) for s in services):
+            raise MeshError(
+                f"{path}: {pattern!r} matches no service (services: {', '.join(services)})"
+            )
+        if not any(fnmatch.fnmatchcase(m, method) for m in METHODS):
+            raise MeshError(
+                f"{path}: {pattern!r} matches no method (methods: {', '.join(METHODS)})"
+            )
+
+
+def _access_log(raw: Any) -> AccessLog:
+    """`access_log: false` (off), `true` / `{}` (stdout, the default) or `{path: FILE}`, and
+    which calls each side logs: `{outbound: all, inbound: failures}` (the default)."""
+    if isinstance(raw, bool):
+        return AccessLog(enabled=raw)
+    d = _mapping(raw, "access_log")
+    _only(d, "access_log", {"path", "outbound", "inbound"})
+    path = d.get("path")
+    if path is not None and (not isinstance(path, str) or not path):
+        raise MeshError(f"access_log.path: expected a file path, got {path!r}")
+    sides = {}
+    for side in ("outbound", "inbound"):
+        calls = d.get(side, getattr(AccessLog, side))
+        if calls not in ACCESS_LOG_CALLS:
+            raise MeshError(
+                f"access_log.{side}: expected one of {', '.join(ACCESS_LOG_CALLS)}, got {calls!r}"
+            )
+        sides[side] = calls
+    return AccessLog(path=path, **sides)
+
+
+def _rate_limits(raw: Any) -> RateLimits:
+    d = _mapping(raw, "rate_limits")
+    _only(d, "rate_limits", {"mode"})
+    mode = d.get("mode", "local")
+    if mode not in RATE_LIMIT_MODES:
+        raise MeshError(
+            f"rate_limits.mode: expected one of {', '.join(RATE_LIMIT_MODES)}, got {mode!r}"
+        )
+    return RateLimits(mode=mode)
+
+
+def _tenants(raw: Any, roles: Any) -> Any:
+    if raw is None:
+        if roles is not None:
+            raise MeshError("roles: needs a tenants section")
+        return None
+    raw = _mapping(raw, "tenants")
+    try:
+        policy = importlib.import_module("wasm_filters.policy")
+    except ModuleNotFoundError:
+        return raw  # the policy model is not installed: keep the raw section
+    try:
+        return policy.parse_policy(raw, path="tenants", roles=roles, roles_path="roles")
+    except ValueError as e:  # wasm_filters.policy.PolicyError names the field itself
+        raise MeshError(str(e)) from None
+
+
+def _control_plane(raw: Any) -> ControlPlaneConfig:
+    d = _mapping(raw, "control_plane")
+    _only(
+        d,
+        "control_plane",
+        {"grpc_port", "admin_port", "debounce", "lagging_after", "ca_port", "ca_mtls_port"},
+    )
+    lagging_after = parse_duration(d.get("lagging_after", "30s"), "control_plane.lagging_after")
+    if lagging_after <= 0:  # 0 would count every change as applied before any ACK
+        raise MeshError("control_plane.lagging_after: must be more than 0s")
+    return ControlPlaneConfig(
+        grpc_port=_port(d.get("grpc_port", 18000), "control_plane.grpc_port", allow_zero=True),
+        admin_port=_port(d.get("admin_port", 18001), "control_plane.admin_port", allow_zero=True),
+        debounce=parse_duration(d.get("debounce", "100ms"), "control_plane.debounce"),
+        lagging_after=lagging_after,
+        ca_port=_opt_port(d, "ca_port"),
+        ca_mtls_port=_opt_port(d, "ca_mtls_port"),
+    )
+
+
+def _service(name: str, raw: Any, path: str) -> Service:
+    _name(name, path)
+    d = _mapping(raw, path)
+    _only(
+        d,
+        path,
+        {
+            "versions",
+            "route",
+            "outlier_detection",
+            "circuit_breakers",
+            "retry_policy",
+            "health_check",
+            "connect_timeout",
+            "stall",
+            "load_balancing",
+            "slo",
+            "isolation",
+            "service_account",
+        },
+    )
+    vraw = _mapping(d.get("versions"), f"{path}.versions")
+    if not vraw:
+        raise MeshError(f"{path}.versions: at least one version is required")
+    versions = {v: _version(v, x, f"{path}.versions.{v}") for v, x in vraw.items()}
+    route = _route(d.get("route"), versions, f"{path}.route")
+    return Service(
+        name=name,
+        versions=versions,
+        route=route,
+        load_balancing=_load_balancing(d.get("load_balancing"), route, f"{path}.load_balancing"),
+        slo=_opt(d, "slo", path, _slo),
+        outlier_detection=_opt(d, "outlier_detection", path, _outlier),
+        circuit_breakers=_opt(d, "circuit_breakers", path, _circuit_breakers),
+        retry_policy=_opt(d, "retry_policy", path, _retry_policy),
+        health_check=_opt(d, "health_check", path, _health_check),
+        stall=_opt(d, "stall", path, _stall),
+        isolation=_opt(d, "isolation", path, lambda i, p: _isolation(i, p, route)),
+        connect_timeout=_positive(d.get("connect_timeout", "1s"), f"{path}.connect_timeout"),
+        service_account=_service_account(d.get("service_account"), name, path),
+    )
+
+
+def _service_account(raw: Any, service: str, path: str) -> str:
+    if raw is None:
+        return f"default/{service}"
+    if not isinstance(raw, str) or not SERVICE_ACCOUNT.match(raw):
+        raise MeshError(f"{path}.service_account: expected NAMESPACE/NAME, got {raw!r}")
+    return raw
+
+
+def _version(name: str, raw: Any, path: str) -> Version:
+    _name(name, path)
+    d = _mapping(raw, path)
+    _only(d, path, {"precision", "endpoints", "metrics_urls"})
+    precision = d.get("precision")
+    if precision is not None and precision not in ("bf16", "fp16", "int4"):
+        raise MeshError(f"{path}.precision: expected bf16, fp16 or int4, got {precision!r}")
+    eps = d.get("endpoints", [])
+    if not isinstance(eps, list):
+        raise MeshError(f"{path}.endpoints: expected a list of host:port")
+    endpoints = tuple(parse_endpoint(e, f"{path}.endpoints[{i}]") for i, e in enumerate(eps))
+    if len(set(endpoints)) != len(endpoints):
+        raise MeshError(f"{path}.endpoints: duplicate endpoint")
+    urls = d.get("metrics_urls", [])
+    if not isinstance(urls, list):
+        raise MeshError(f"{path}.metrics_urls: expected a list of http(s) URLs")
+    metrics = tuple(_url(u, f"{path}.metrics_urls[{i}]") for i, u in enumerate(urls))
+    return Version(name=name, precision=precision, endpoints=endpoints, metrics_urls=metrics)
+
+
+def _route(raw: Any, versions: dict[str, Version], path: str) -> Route:
+    if raw is None:
+        if len(versions) != 1:
+            raise MeshError(f"{path}.weights: required when a service has several versions")
+        return Route(weights={next(iter(versions)): 100})
+    d = _mapping(raw, path)
+    _only(
+        d,
+        path,
+        {
+            "weights",
+            "hash_policy",
+            "use_hash_policy",
+            "canary_header",
+            "max_stream_duration",
+            "stream_idle_timeout",
+        },
+    )
+    weights = _check_weights(
+        _mapping(d.get("weights"), f"{path}.weights"), versions, path + ".weights"
+    )
+    hp = None
+    if "hash_policy" in d:
+        h = _mapping(d["hash_policy"], f"{path}.hash_policy")
+        _only(h, f"{path}.hash_policy", {"header"})
+        header = h.get("header")
+        if not isinstance(header, str) or not header:
+            raise MeshError(f"{path}.hash_policy.header: expected a header name")
+        hp = HashPolicy(header=header.lower())
+    use_hash = d.get("use_hash_policy", False)
+    if not isinstance(use_hash, bool):
+        raise MeshError(f"{path}.use_hash_policy: expected true or false, got {use_hash!r}")
+    if use_hash and hp is None:
+        raise MeshError(f"{path}.use_hash_policy: needs a hash_policy (the header to hash)")
+    canary_header = d.get("canary_header", "x-canary")
+    if not isinstance(canary_header, str) or not canary_header:
+        raise MeshError(f"{path}.canary_header: expected a header name")
+    return Route(
+        weights=weights,
+        hash_policy=hp,
+        use_hash_policy=use_hash,
+        canary_header=canary_header.lower(),
+        max_stream_duration=parse_duration(
+            d.get("max_stream_duration", 0), f"{path}.max_stream_duration"
+        ),
+        stream_idle_timeout=parse_duration(
+            d.get("stream_idle_timeout", "300s"), f"{path}.stream_idle_timeout"
+        ),
+    )
+
+
+def _load_balancing(raw: Any, route: Route, path: str) -> str:
+    if raw is None:
+        return "ring_hash" if route.hash_policy else "round_robin"
+    if raw not in LOAD_BALANCING:
+        raise MeshError(f"{path}: expected one of {', '.join(LOAD_BALANCING)}, got {raw!r}")
+    if raw == "ring_hash" and route.hash_policy is None:
+        raise MeshError(f"{path}: ring_hash needs route.hash_policy (the header to hash)")
+    return raw
+
+
+def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Rollout:
+    if name not in services:
+        raise MeshError(f"{path}: unknown service (known: {', '.join(services)})")
+    d = _mapping(raw, path)
+    _only(d, path, {"stable", "canary", "steps", "interval", "threshold", "gates", "ack_timeout"})
+    versions = services[name].versions
+    for key in ("stable", "canary"):
+        if not isinstance(d.get(key), str) or d[key] not in versions:
+            raise MeshError(
+                f"{path}.{key}: unknown version {d.get(key)!r} (known: {', '.join(versions)})"
+            )
+    if d["stable"] == d["canary"]:
+        raise MeshError(f"{path}.canary: must differ from stable")
+    steps = d.get("steps")
+    if not isinstance(steps, list) or not steps:
+        raise MeshError(f"{path}.steps: expected a list of percentages like [5, 25, 50, 100]")
+    for i, s in enumerate(steps):
+        _int(s, f"{path}.steps[{i}]", 1, 100)
+        if i and s <= steps[i - 1]:
+            raise MeshError(f"{path}.steps[{i}]: steps must be ascending")
+    gates = _mapping(d.get("gates", {}), f"{path}.gates")
+    try:
+        parse_rollout(name, d)  # the controller's own validator: gate names and values
+    except RolloutSpecError as e:
+        raise MeshError(str(e)) from None
+    return Rollout(
+        service=name,
+        stable=d["stable"],
+        canary=d["canary"],
+        steps=tuple(steps),
+        interval=parse_duration(d.get("interval", "30s"), f"{path}.interval"),
+        threshold=_int(d.get("threshold", 2), f"{path}.threshold", 1),
+        gates=dict(gates),
+        ack_timeout=parse_duration(d.get("ack_timeout", "10s"), f"{path}.ack_timeout"),
+    )
