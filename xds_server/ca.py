@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import ipaddress
 import json
 import os
 import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -280,29 +281,42 @@ class MeshCA:
 
     def serving_credentials(self) -> tuple[bytes, bytes, bool]:
         """(key PEM, chain PEM, changed) for the CA's own TLS ports: a fresh certificate at
-        half-life or when the signer changed. The chain ends with the signer's root, so a
-        client holding only a pin of that root can find it in the handshake."""
+        half-life or when the signer changed."""
         key = self.state_key()
         now = self._clock()
         with self._lock:
             cur = self._serving
             if cur and cur[2] > now and cur[3] == key:
                 return cur[0], cur[1], False
-            skey = new_key()
-            signer, signer_key, chain = self._signer()
-            leaf = _leaf(
-                skey.public_key(),
-                spiffe_id(self.trust_domain, CONTROL_PLANE_SA),
-                signer,
-                signer_key,
-                now,
-                min(now + SERVING_LIFETIME, signer.not_valid_after_utc.timestamp()),
-                dns=CA_SERVER_NAME,
-            )
-            root = self._roots[0].cert if self._intermediate else signer
-            full = "".join(pem(c) for c in (leaf, *chain, root)).encode()
-            self._serving = (key_pem(skey), full, now + SERVING_LIFETIME / 2, key)
-            return self._serving[0], full, True
+            skey, full = self._server_certificate((CA_SERVER_NAME,), (), now)
+            self._serving = (skey, full, now + SERVING_LIFETIME / 2, key)
+            return skey, full, True
+
+    def server_credentials(self, dns: Sequence[str], ips: Sequence[str]) -> tuple[bytes, bytes]:
+        """(key PEM, chain PEM) of a new certificate for a TLS port of the control plane (its
+        SPIFFE ID, and these DNS and IP SANs), valid SERVING_LIFETIME: the admin API's."""
+        with self._lock:
+            return self._server_certificate(dns, ips, self._clock())
+
+    def _server_certificate(
+        self, dns: Sequence[str], ips: Sequence[str], now: float
+    ) -> tuple[bytes, bytes]:
+        # Under self._lock. The chain ends with the signer's root, so a client holding only a
+        # pin of that root can find it in the handshake.
+        skey = new_key()
+        signer, signer_key, chain = self._signer()
+        leaf = _leaf(
+            skey.public_key(),
+            spiffe_id(self.trust_domain, CONTROL_PLANE_SA),
+            signer,
+            signer_key,
+            now,
+            min(now + SERVING_LIFETIME, signer.not_valid_after_utc.timestamp()),
+            dns=dns,
+            ips=ips,
+        )
+        root = self._roots[0].cert if self._intermediate else signer
+        return key_pem(skey), "".join(pem(c) for c in (leaf, *chain, root)).encode()
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -414,11 +428,12 @@ def _leaf(
     signer_key: Any,
     now: float,
     not_after: float,
-    dns: str | None = None,
+    dns: Sequence[str] = (),
+    ips: Sequence[str] = (),
 ) -> x509.Certificate:
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(identity)]
-    if dns:
-        names.append(x509.DNSName(dns))
+    names += [x509.DNSName(d) for d in dns]
+    names += [x509.IPAddress(ipaddress.ip_address(a)) for a in ips]
     start = max(now - BACKDATE, signer.not_valid_before_utc.timestamp())
     utc = dt.UTC
     return (
