@@ -16,7 +16,7 @@ import urllib.error
 from pathlib import Path
 
 from meshlm.cmd_rollout import add_admin_client_arguments, request
-from sidecar.identity import write_private
+from sidecar.private_files import write_private
 from xds_server.admin_token import TokenError, client_token
 
 ACTIONS = ("token", "status", "rotate-root")
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         sa = reply["service_account"]
         out = Path(args.out or f"join-token-{sa.replace('/', '-')}.json")
         try:
-            write_private(out, json.dumps(reply, indent=1).encode())
+            write_private(out, json.dumps(reply, indent=1).encode(), "a join token", any_dir=True)
         except OSError as e:
             print(f"meshlm identity token: --out {out}: {e.strerror or e}", file=sys.stderr)
             return 1

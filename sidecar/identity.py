@@ -22,7 +22,6 @@ import json
 import os
 import socket
 import ssl
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -35,10 +34,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from sidecar.private_files import private_dir, read_private, write_private
 from sidecar.sds import MAX_SOCKET_PATH, SdsServer, SecretStore
 
 CREDENTIALS_FILE = "credentials.json"
 SOCKET_NAME = "sds.sock"
+_KEPT = "a private key"  # what the private dir holds, for its errors
 # The mesh CA's signing method (xds_server/identity.py): JSON in, JSON out.
 CREATE_CERTIFICATE = "/meshlm.identity.v1.CertificateService/CreateCertificate"
 CALL_TIMEOUT = 10.0
@@ -84,10 +85,7 @@ class IdentityAgent:
                 f"identity dir {self.dir}: too long for the SDS socket in it (a unix "
                 f"socket path holds {MAX_SOCKET_PATH} bytes)"
             )
-        try:
-            private_dir(self.dir)
-        except IdentityError as e:
-            raise ValueError(str(e)) from None
+        private_dir(self.dir, _KEPT)  # PrivateFileError (a ValueError) names the fix
         self.join_token_file = Path(join_token_file) if join_token_file else None
         self.ttl = ttl
         self.on_event = on_event or (lambda msg: None)
@@ -111,7 +109,7 @@ class IdentityAgent:
     def start(self) -> IdentityAgent:
         """Serve SDS (with the persisted certificate if it is still valid), then get or renew
         certificates in a thread."""
-        private_dir(self.dir)
+        private_dir(self.dir, _KEPT)
         Path(self.socket_path).unlink(missing_ok=True)  # a dead sidecar's socket
         self._sds = SdsServer(self.store, self.socket_path).start()
         cur = self._load()
@@ -159,7 +157,7 @@ class IdentityAgent:
 
     def _install(self, cred: Credentials, how: str, *, save: bool = True) -> None:
         if save:
-            write_private(self.dir / CREDENTIALS_FILE, json.dumps(asdict(cred)).encode())
+            write_private(self.dir / CREDENTIALS_FILE, json.dumps(asdict(cred)).encode(), _KEPT)
         self.current = cred
         self.store.set(
             "".join(cred.chain).encode(), cred.key_pem.encode(), "".join(cred.bundle).encode()
@@ -175,7 +173,7 @@ class IdentityAgent:
     def _load(self) -> Credentials | None:
         path = self.dir / CREDENTIALS_FILE
         try:
-            cred = Credentials(**json.loads(path.read_text()))
+            cred = Credentials(**json.loads(read_private(path, _KEPT)))
         except FileNotFoundError:
             return None
         except (OSError, ValueError, TypeError) as e:
@@ -331,30 +329,3 @@ def discover_root(address: str, pins: list[str], server_name: str) -> bytes:
         f"CA at {address}: shows no root with a pinned key (not the mesh CA the "
         "join token names, or its root rotated: get a new token)"
     )
-
-
-def private_dir(path: Path) -> Path:
-    """`path` as a directory of this user with mode 0700 (made so if missing)."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
-    if os.path.islink(path) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise IdentityError(
-            f"{path}: must be this user's directory with mode 0700 (has "
-            f"{st.st_mode & 0o777:04o}); refusing to keep a private key there"
-        )
-    return path
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Atomically replace `path` with a 0600 file holding `data` (a symlink there is replaced,
-    never followed)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -14,7 +14,7 @@ from typing import Any
 
 from cryptography import x509
 
-from sidecar.identity import write_private
+from sidecar.private_files import write_private
 from sidecar.sds import DEFAULT, ROOTCA, secret_ref
 from xds_server.ca import uri_sans
 from xds_server.control_plane import ControlPlane
@@ -49,7 +49,7 @@ def join_token_file(cp: ControlPlane, service_account: str, where: Path, ttl: st
     status, doc = cp.identity.handle("POST", "/identity/tokens", body)
     assert status == 200, doc
     path = where / f"token-{service_account.replace('/', '-')}.json"
-    write_private(path, json.dumps(doc).encode())
+    write_private(path, json.dumps(doc).encode(), "a join token")
     return path
 
 

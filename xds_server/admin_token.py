@@ -10,14 +10,16 @@ the run dir's file for the admin port they talk to.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from sidecar.private_files import PrivateFileError, read_private, write_private
+
 TOKEN_ENV = "MESHLM_ADMIN_TOKEN"
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+_KEPT = "the admin token"  # what the run dir holds, for its errors
 
 
 class TokenError(ValueError):
@@ -44,24 +46,10 @@ def write_token(admin_port: int, token: str) -> Path:
     never followed or reused); returns its path."""
     path = token_path(admin_port)
     path.parent.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        path.parent.mkdir(mode=0o700)
-    dfd = _open_private_dir(path.parent)
-    tmp = f".{path.name}.{secrets.token_hex(6)}"
     try:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(token + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:
-            os.unlink(tmp, dir_fd=dfd)
-            raise
-    finally:
-        os.close(dfd)
+        write_private(path, (token + "\n").encode(), _KEPT)
+    except PrivateFileError as e:
+        raise TokenError(str(e)) from None
     return path
 
 
@@ -105,30 +93,10 @@ def client_token(admin_url: str, token_file: str | None) -> tuple[str | None, st
 
 
 def _read_in_private_dir(path: Path) -> str:
-    dfd = _open_private_dir(path.parent)
     try:
-        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-    finally:
-        os.close(dfd)
-    with os.fdopen(fd) as f:
-        return f.read().strip()
-
-
-def _open_private_dir(path: Path) -> int:
-    """An fd of `path` once it is known to be a real directory, ours, mode 0700."""
-    if path.is_symlink():
-        raise TokenError(f"{path} is a symlink; refusing to keep the admin token there")
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    st = os.fstat(fd)
-    problem = ""
-    if st.st_uid != os.geteuid():
-        problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
-    elif st.st_mode & 0o077:
-        problem = f"has mode {st.st_mode & 0o777:04o}, not 0700 (chmod 700 {path})"
-    if problem:
-        os.close(fd)
-        raise TokenError(f"{path} {problem}; refusing to keep the admin token there")
-    return fd
+        return read_private(path, _KEPT).decode().strip()
+    except PrivateFileError as e:
+        raise TokenError(str(e)) from None
 
 
 def _reason(e: Exception) -> str:

@@ -18,9 +18,7 @@ import datetime as dt
 import hashlib
 import ipaddress
 import json
-import os
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +30,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from sidecar.private_files import read_private, write_private
 
 # spiffe://<trust domain>/ns/<namespace>/sa/<service account> (Istio's layout)
 _SEGMENT = r"[a-zA-Z0-9][a-zA-Z0-9_.-]*"
@@ -45,6 +45,7 @@ BACKDATE = 30.0  # seconds of clock skew between hosts a fresh certificate toler
 CA_SERVER_NAME = "meshlm-ca"  # DNS SAN of the CA ports' certificate (agents check it)
 CONTROL_PLANE_SA = "meshlm-system/control-plane"
 _STATE_FILE = "ca.json"
+_KEPT = "CA keys"  # what the private dir holds, for its errors
 
 
 class CaError(ValueError):
@@ -341,11 +342,14 @@ class MeshCA:
 
     # -- persistence (self-signed mode) -----------------------------------------------------------
     def _load(self) -> list[_Root] | None:
-        if self._state is None or not self._state.exists():
+        if self._state is None:
             return None
-        private_dir(self._state.parent)
         try:
-            doc = json.loads(self._state.read_text())
+            raw = read_private(self._state, _KEPT)
+        except FileNotFoundError:
+            return None
+        try:
+            doc = json.loads(raw)
             roots = [
                 _Root(
                     cert=x509.load_pem_x509_certificate(r["cert"].encode()),
@@ -379,7 +383,7 @@ class MeshCA:
                 for r in self._roots
             ],
         }
-        write_private(self._state, json.dumps(doc).encode())
+        write_private(self._state, json.dumps(doc).encode(), _KEPT)
 
 
 def check_csr(csr: x509.CertificateSigningRequest, identity: str) -> None:
@@ -458,32 +462,3 @@ def _leaf(
         )
         .sign(signer_key, hashes.SHA256())
     )
-
-
-def private_dir(path: Path) -> Path:
-    """`path` as a directory of this user with mode 0700 (made so if missing), else CaError."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
-    if not os.path.isdir(path) or os.path.islink(path):
-        raise CaError(f"{path}: not a directory")
-    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise CaError(
-            f"{path}: must be this user's with mode 0700 (has {st.st_mode & 0o777:04o}); "
-            "refusing to keep CA keys there"
-        )
-    return path
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Atomically replace `path` (in a private dir) with a 0600 file holding `data`."""
-    private_dir(path.parent)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 import grpc
 from cryptography import x509
 
+from sidecar.private_files import read_private, write_private
 from xds_server import ca as ca_mod
 from xds_server import mesh as m
 from xds_server.ca import CsrError, MeshCA, NotGranted
@@ -49,6 +50,7 @@ DEFAULT_TOKEN_TTL = 3600.0
 MAX_TOKEN_TTL = 7 * 86400.0
 _KEEP_EXPIRED = 86400.0  # an expired token is still named as expired (not unknown) this long
 _TOKENS_FILE = "join_tokens.json"
+_KEPT = "join tokens"  # what the private dir holds, for its errors
 REFRESH_INTERVAL = 2.0  # seconds between checks for a new CA certificate or trust bundle
 
 
@@ -79,10 +81,14 @@ class JoinTokens:
         self._clock = clock
         self._lock = threading.Lock()
         self._by_hash: dict[str, dict[str, Any]] = {}
-        if path and path.exists():
+        try:
+            raw = read_private(path, _KEPT) if path else None
+        except FileNotFoundError:
+            raw = None
+        if raw is not None:
             try:
-                self._by_hash = dict(json.loads(path.read_text())["tokens"])
-            except (OSError, ValueError, KeyError, TypeError) as e:
+                self._by_hash = dict(json.loads(raw)["tokens"])
+            except (ValueError, KeyError, TypeError) as e:
                 raise ca_mod.CaError(f"{path}: not a join token file ({e})") from None
 
     def issue(self, service_account: str, ttl: float = DEFAULT_TOKEN_TTL) -> tuple[str, float]:
@@ -141,7 +147,7 @@ class JoinTokens:
 
     def _save(self) -> None:
         if self._path:
-            ca_mod.write_private(self._path, json.dumps({"tokens": self._by_hash}).encode())
+            write_private(self._path, json.dumps({"tokens": self._by_hash}).encode(), _KEPT)
 
 
 class CertificateService:
