@@ -1,9 +1,12 @@
 //! meshlm authz: a proxy-wasm HTTP filter written against the ABI 0.2.1 directly.
 //!
-//! Per request: API key (`x-api-key` or `authorization: Bearer`) -> SHA-256 -> tenant (constant
+//! Per request: with `callers` (issue 14), the caller's SPIFFE ID (the URI SAN of its verified
+//! mTLS certificate, property `connection.uri_san_peer_certificate`) -> the first rule naming it
+//! -> its allowed paths, before any key is looked at; then API key (`x-api-key` or `authorization: Bearer`) -> SHA-256 -> tenant (constant
 //! time compare; keys the policy already matched are remembered, see KnownKeys) -> allow rules
 //! for this service's gRPC methods (any other path is denied) -> per-tenant token bucket in
-//! shared data (compare-and-swap) -> verified `x-meshlm-tenant` / `x-meshlm-priority` headers.
+//! shared data (compare-and-swap) -> verified `x-meshlm-tenant` / `x-meshlm-priority` headers,
+//! and `x-meshlm-principal` (the caller's SPIFFE ID) when `peer_identity` is on.
 //! Host calls are most of the cost (issue 19): one header read, one bucket write, three header
 //! changes and a counter per allowed request.
 //! The configuration is JSON compiled by `wasm_filters/policy.py`; it holds key hashes only.
@@ -26,6 +29,7 @@ extern "env" fn proxy_set_shared_data(key: [*]const u8, key_len: usize, val: [*]
 extern "env" fn proxy_define_metric(kind: u32, name: [*]const u8, name_len: usize, out_id: *u32) u32;
 extern "env" fn proxy_increment_metric(id: u32, offset: i64) u32;
 extern "env" fn proxy_get_current_time_nanoseconds(out: *u64) u32;
+extern "env" fn proxy_get_property(path: [*]const u8, path_len: usize, out: *?[*]u8, out_len: *usize) u32;
 
 const OK: u32 = 0;
 const NOT_FOUND: u32 = 1;
@@ -55,11 +59,21 @@ const TenantJson = struct {
     allow: []const []const u8,
     rate_limit: ?RateLimitJson = null,
 };
+/// A workload that may call (issue 14): `principal` is a SPIFFE ID, or a prefix of IDs ending
+/// in `*`; `paths` the request paths it may ask for, null for any.
+const CallerJson = struct {
+    name: []const u8,
+    principal: []const u8,
+    paths: ?[]const []const u8 = null,
+};
 const ConfigJson = struct {
     version: u32,
     service: []const u8,
     method_prefix: []const u8,
     tenants: []const TenantJson,
+    peer_identity: bool = false,
+    /// null: any workload may call; empty: none.
+    callers: ?[]const CallerJson = null,
 };
 
 const Tenant = struct {
@@ -73,7 +87,8 @@ const Tenant = struct {
     written: ?Written = null,
 };
 const Written = struct { bucket: Bucket, cas: u32, at_ns: u64 };
-const Policy = struct { cfg: ConfigJson, tenants: []Tenant, known: *KnownKeys };
+const Caller = struct { json: CallerJson, m_allowed: u32 = 0, m_forbidden: u32 = 0 };
+const Policy = struct { cfg: ConfigJson, tenants: []Tenant, known: *KnownKeys, callers: ?[]Caller };
 
 /// Keys this policy already matched, so a repeated key skips SHA-256 and the scan. It holds
 /// presented keys that matched a tenant, never an unknown one (a flood of bad keys cannot evict
@@ -122,6 +137,7 @@ var stream_root: std.AutoHashMapUnmanaged(u32, u32) = .empty;
 var m_missing: u32 = 0;
 var m_unknown: u32 = 0;
 var m_no_policy: u32 = 0;
+var m_unknown_caller: u32 = 0;
 var globals_defined = false;
 
 fn log(level: u32, comptime fmt: []const u8, args: anytype) void {
@@ -177,6 +193,7 @@ export fn proxy_on_configure(root_id: u32, size: usize) u32 {
         m_missing = metric("meshlm_authz.denied.missing_key");
         m_unknown = metric("meshlm_authz.denied.unknown_key");
         m_no_policy = metric("meshlm_authz.denied.no_policy");
+        m_unknown_caller = metric("meshlm_authz.denied.unknown_caller");
         globals_defined = true;
     }
     var ptr: ?[*]u8 = null;
@@ -240,7 +257,27 @@ fn parsePolicy(a: std.mem.Allocator, raw: []const u8) !Policy {
     }
     const known = try a.create(KnownKeys);
     known.* = .{};
-    return .{ .cfg = cfg, .tenants = tenants, .known = known };
+    return .{ .cfg = cfg, .tenants = tenants, .known = known, .callers = try parseCallers(a, &cfg) };
+}
+
+fn parseCallers(a: std.mem.Allocator, cfg: *const ConfigJson) !?[]Caller {
+    const cj = cfg.callers orelse return null;
+    if (!cfg.peer_identity) return error.CallersWithoutPeerIdentity;
+    const out = try a.alloc(Caller, cj.len);
+    for (cj, out) |c, *o| {
+        if (c.name.len == 0 or c.name.len > 129) return error.BadCallerName;
+        if (!std.mem.startsWith(u8, c.principal, "spiffe://")) return error.BadCallerPrincipal;
+        const star = std.mem.indexOfScalar(u8, c.principal, '*');
+        if (star != null and star.? != c.principal.len - 1) return error.BadCallerPrincipal;
+        if (c.paths) |ps| for (ps) |path| if (path.len == 0 or path[0] != '/') return error.BadCallerPath;
+        var buf: [200]u8 = undefined;
+        o.* = .{
+            .json = c,
+            .m_allowed = metric(try std.fmt.bufPrint(&buf, "meshlm_authz.caller.allowed.{s}", .{c.name})),
+            .m_forbidden = metric(try std.fmt.bufPrint(&buf, "meshlm_authz.caller.denied.{s}", .{c.name})),
+        };
+    }
+    return out;
 }
 
 // ---- token bucket in shared data: 16 bytes, tokens (u64 LE) + last fill time ns (u64 LE) ----
@@ -464,6 +501,50 @@ fn methodOf(cfg: *const ConfigJson, path: []const u8) ?[]const u8 {
     return method;
 }
 
+/// The caller's SPIFFE ID: the first URI SAN of the certificate it presented on this connection,
+/// which the listener's TLS context has verified; null on a plaintext connection.
+fn peerPrincipal() ?[]const u8 {
+    const path = "connection\x00uri_san_peer_certificate"; // proxy-wasm: path parts split by NUL
+    var ptr: ?[*]u8 = null;
+    var len: usize = 0;
+    if (proxy_get_property(path.ptr, path.len, &ptr, &len) != OK or ptr == null or len == 0) return null;
+    return ptr.?[0..len];
+}
+
+fn principalMatches(rule: []const u8, principal: []const u8) bool {
+    if (rule.len > 0 and rule[rule.len - 1] == '*') return std.mem.startsWith(u8, principal, rule[0 .. rule.len - 1]);
+    return std.mem.eql(u8, rule, principal);
+}
+
+/// The workload check: null when a rule naming the caller allows this path, else the denial.
+/// Every rule naming the caller is tried; a denial is counted against the first.
+fn checkCaller(callers: []Caller, principal: ?[]const u8, raw_path: []const u8) ?Deny {
+    const who = principal orelse {
+        bump(m_unknown_caller);
+        return UNKNOWN_CALLER;
+    };
+    const q = std.mem.indexOfScalar(u8, raw_path, '?') orelse raw_path.len;
+    const path = raw_path[0..q];
+    var named: ?*Caller = null;
+    for (callers) |*c| {
+        if (!principalMatches(c.json.principal, who)) continue;
+        if (named == null) named = c;
+        const allowed = if (c.json.paths) |ps| for (ps) |p| {
+            if (std.mem.eql(u8, p, path)) break true;
+        } else false else true;
+        if (allowed) {
+            bump(c.m_allowed);
+            return null;
+        }
+    }
+    if (named) |c| {
+        bump(c.m_forbidden);
+        return CALLER_FORBIDDEN;
+    }
+    bump(m_unknown_caller);
+    return UNKNOWN_CALLER;
+}
+
 const Deny = struct { code: u32, grpc: i32, details: []const u8, msg: []const u8 };
 
 fn deny(d: Deny, is_grpc: bool, retry_after: u64) u32 {
@@ -491,6 +572,8 @@ const NO_POLICY = Deny{ .code = 503, .grpc = 14, .details = "meshlm_authz_no_pol
 const MISSING = Deny{ .code = 401, .grpc = 16, .details = "meshlm_authz_missing_key", .msg = "missing api key" };
 const UNKNOWN = Deny{ .code = 401, .grpc = 16, .details = "meshlm_authz_unknown_key", .msg = "unknown api key" };
 const FORBIDDEN = Deny{ .code = 403, .grpc = 7, .details = "meshlm_authz_forbidden", .msg = "tenant may not call this method" };
+const UNKNOWN_CALLER = Deny{ .code = 403, .grpc = 7, .details = "meshlm_authz_unknown_caller", .msg = "workload may not call this service" };
+const CALLER_FORBIDDEN = Deny{ .code = 403, .grpc = 7, .details = "meshlm_authz_caller_forbidden", .msg = "workload may not call this method" };
 const LIMITED = Deny{ .code = 429, .grpc = 8, .details = "meshlm_authz_rate_limited", .msg = "tenant rate limit exceeded" };
 
 export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
@@ -508,6 +591,11 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
         log(LOG_ERROR, "no valid policy loaded; denying", .{});
         return deny(NO_POLICY, is_grpc, 0);
     };
+    // Workload first: an unlisted caller reaches no key check (issue 14).
+    const principal = if (p.cfg.peer_identity) peerPrincipal() else null;
+    if (p.callers) |cs| {
+        if (checkCaller(cs, principal, nonEmpty(h.path) orelse "")) |d| return deny(d, is_grpc, 0);
+    }
     const key = presentedKey(&h);
     if (key.len == 0) {
         bump(m_missing);
@@ -539,6 +627,7 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
     if (h.authorization != null) removeHeader("authorization");
     setHeader("x-meshlm-tenant", t.json.name);
     setHeader("x-meshlm-priority", t.json.priority);
+    if (principal) |who| setHeader("x-meshlm-principal", who);
     bump(t.m_allowed);
     return CONTINUE;
 }

@@ -6,7 +6,9 @@ shared data has Envoy's compare-and-swap (cas 0 writes unconditionally), a new c
 gets a new root context (as an ECDS update does) and a refused one leaves the previous root in
 charge. A request body arrives in the chunks given: while the filter answers
 StopIterationAndBuffer, the body callback sees everything buffered so far, as in Envoy. The
-clock is settable so token-bucket refills are tested without sleeping. Several hosts may share
+clock is settable so token-bucket refills are tested without sleeping. A request may come from a
+peer with a verified certificate: property `connection.uri_san_peer_certificate` is its SPIFFE
+ID (Envoy's value on an mTLS connection), absent otherwise. Several hosts may share
 one `SharedData`, as Envoy's worker VMs do.
 """
 
@@ -86,6 +88,7 @@ class WasmHost:
         self._config = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._body = b""
+        self._principal: bytes | None = None
         self._local: Decision | None = None
         raw = wasm.read_bytes() if isinstance(wasm, Path) else wasm
         engine, module = _compiled(raw)
@@ -125,9 +128,11 @@ class WasmHost:
         path: str = "/meshlm.inference.v1.Inference/Generate",
         grpc: bool = True,
         body: bytes | list[bytes] | None = None,
+        principal: str | None = None,
     ) -> Decision:
         """Run one request through the filter: its headers, then `body` (one chunk or several;
         None: the headers end the stream). `:path`/content-type are added unless given.
+        `principal`: the URI SAN of the peer's verified certificate (None: plaintext).
         Raises wasmtime.Trap if the filter traps (it must not)."""
         items = list(headers.items()) if isinstance(headers, dict) else list(headers)
         hs = [(_b(k).lower(), _b(v)) for k, v in items]
@@ -137,6 +142,7 @@ class WasmHost:
         if b"content-type" not in names:
             hs.append((b"content-type", b"application/grpc" if grpc else b"application/json"))
         self._headers, self._local = hs, None
+        self._principal = None if principal is None else principal.encode()
         ctx = next(self._ids)
         self._ex["proxy_on_context_create"](self.store, ctx, self.root_id or 0)
         chunks = [] if body is None else [body] if isinstance(body, bytes) else list(body)
@@ -287,6 +293,16 @@ class WasmHost:
         self.metrics[self.metric_names[mid]] += offset
         return OK
 
+    def _proxy_get_property(
+        self, caller: wasmtime.Caller, pp: int, ps: int, p_out: int, s_out: int
+    ) -> int:
+        # The path's parts are separated by NUL, as proxy-wasm SDKs serialize it.
+        path = self._read(caller, pp, ps).split(b"\0")
+        if path == [b"connection", b"uri_san_peer_certificate"] and self._principal is not None:
+            self._give(caller, self._principal, p_out, s_out)
+            return OK
+        return NOT_FOUND
+
     def _proxy_get_current_time_nanoseconds(self, caller: wasmtime.Caller, out: int) -> int:
         self._mem(caller).write(caller, struct.pack("<Q", self.now_ns), out)
         return OK
@@ -343,6 +359,7 @@ _IMPORTS = [
     ("proxy_define_metric", [_I32] * 4, [_I32]),
     ("proxy_increment_metric", [_I32, _I64], [_I32]),
     ("proxy_get_current_time_nanoseconds", [_I32], [_I32]),
+    ("proxy_get_property", [_I32] * 4, [_I32]),
 ]
 _EXPORTS = (
     "proxy_on_vm_start",

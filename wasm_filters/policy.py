@@ -23,7 +23,7 @@ import fnmatch
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ FILTER_CONFIG_VERSION = 1
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
+_CALLER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/(?:[A-Za-z0-9][A-Za-z0-9_.-]*|\*)$")
 _PATTERN_PART = re.compile(r"^[A-Za-z0-9_.*-]+$")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, None: 1000}
@@ -208,11 +209,55 @@ def parse_policy(
     return Policy(tenants=tuple(tenants))
 
 
-def compile_filter_config(policy: Policy, *, service: str) -> bytes:
-    """The authz filter's configuration for the sidecar guarding `service` (JSON, hashes only)."""
+@dataclass(frozen=True)
+class CallerRule:
+    """A workload that may call the service (issue 14): `principal` is its SPIFFE ID, or a
+    prefix of IDs followed by `*`; `paths` the request paths it may ask for, None for any.
+    `name` (the mesh file's service account) names the rule in stats and explanations."""
+
+    name: str
+    principal: str
+    paths: tuple[str, ...] | None = None
+
+
+def _caller_doc(rule: CallerRule, i: int) -> dict[str, Any]:
+    where = f"callers[{i}]"
+    if not _CALLER_NAME.match(rule.name):
+        raise PolicyError(f"{where}.name: {rule.name!r} is not NAMESPACE/NAME or NAMESPACE/*")
+    if not rule.principal.startswith("spiffe://") or "*" in rule.principal[:-1]:
+        raise PolicyError(f"{where}.principal: {rule.principal!r} is not a SPIFFE ID (or ID*)")
+    if rule.paths is not None and not all(p.startswith("/") for p in rule.paths):
+        raise PolicyError(f"{where}.paths: each path starts with /")
+    return {
+        "name": rule.name,
+        "principal": rule.principal,
+        "paths": None if rule.paths is None else list(rule.paths),
+    }
+
+
+def compile_filter_config(
+    policy: Policy,
+    *,
+    service: str,
+    peer_identity: bool = False,
+    callers: Sequence[CallerRule] | None = None,
+) -> bytes:
+    """The authz filter's configuration for the sidecar guarding `service` (JSON, hashes only).
+
+    `peer_identity`: the filter reads the caller's SPIFFE ID from its mTLS certificate and
+    forwards it as `x-meshlm-principal`; `callers` (needs it): the workloads that may call,
+    checked before any key (None: any workload; empty: none)."""
     if not _NAME.match(service):
         raise PolicyError(f"service: {service!r} is not 1-64 of [A-Za-z0-9_-]")
+    if callers is not None and not peer_identity:
+        raise PolicyError("callers: workload rules need peer_identity (mTLS)")
+    workloads: dict[str, Any] = {}
+    if peer_identity:
+        workloads["peer_identity"] = True
+    if callers is not None:
+        workloads["callers"] = [_caller_doc(r, i) for i, r in enumerate(callers)]
     doc = {
+        **workloads,
         "version": FILTER_CONFIG_VERSION,
         "service": service,
         "method_prefix": METHOD_PREFIX,

@@ -45,7 +45,14 @@ from envoy.type.matcher.v3 import path_pb2, regex_pb2, string_pb2
 from envoy.type.v3 import percent_pb2, token_bucket_pb2
 from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
 
-from wasm_filters.policy import METHOD_PREFIX, Policy, PolicyError, compile_filter_config, hash_key
+from wasm_filters.policy import (
+    METHOD_PREFIX,
+    CallerRule,
+    Policy,
+    PolicyError,
+    compile_filter_config,
+    hash_key,
+)
 
 WASM_PATH = Path(__file__).resolve().parent / "authz.wasm"
 WASM_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
@@ -61,10 +68,17 @@ def _any(msg: object) -> any_pb2.Any:
 
 
 def wasm_filter_config(
-    policy: Policy, *, service: str, name: str = "meshlm.authz", wasm_file: str | None = None
+    policy: Policy,
+    *,
+    service: str,
+    name: str = "meshlm.authz",
+    wasm_file: str | None = None,
+    peer_identity: bool = False,
+    callers: Sequence[CallerRule] | None = None,
 ) -> wasm_filter_pb2.Wasm:
     """`envoy.filters.http.wasm` config: V8, the module inline (or from `wasm_file`), the
-    compiled policy as plugin configuration, failing closed."""
+    compiled policy as plugin configuration, failing closed. `peer_identity` and `callers`:
+    see `compile_filter_config`."""
     code = (
         base_pb2.DataSource(filename=wasm_file)
         if wasm_file
@@ -79,7 +93,11 @@ def wasm_filter_config(
             code=base_pb2.AsyncDataSource(local=code),
         ),
         configuration=_any(
-            wrappers_pb2.StringValue(value=compile_filter_config(policy, service=service).decode())
+            wrappers_pb2.StringValue(
+                value=compile_filter_config(
+                    policy, service=service, peer_identity=peer_identity, callers=callers
+                ).decode()
+            )
         ),
         failure_policy=wasm_pb2.FAIL_CLOSED,
     )
@@ -87,18 +105,38 @@ def wasm_filter_config(
 
 
 def wasm_extension_config(
-    policy: Policy, *, service: str, name: str = "meshlm.authz", wasm_file: str | None = None
+    policy: Policy,
+    *,
+    service: str,
+    name: str = "meshlm.authz",
+    wasm_file: str | None = None,
+    peer_identity: bool = False,
+    callers: Sequence[CallerRule] | None = None,
 ) -> extension_pb2.TypedExtensionConfig:
     """The ECDS resource (its name is what `ecds_http_filter` asks for)."""
-    cfg = wasm_filter_config(policy, service=service, name=name, wasm_file=wasm_file)
+    cfg = wasm_filter_config(
+        policy,
+        service=service,
+        name=name,
+        wasm_file=wasm_file,
+        peer_identity=peer_identity,
+        callers=callers,
+    )
     return extension_pb2.TypedExtensionConfig(name=name, typed_config=_any(cfg))
 
 
 def wasm_http_filter(
-    policy: Policy, *, service: str, name: str = "meshlm.authz"
+    policy: Policy,
+    *,
+    service: str,
+    name: str = "meshlm.authz",
+    peer_identity: bool = False,
+    callers: Sequence[CallerRule] | None = None,
 ) -> hcm_pb2.HttpFilter:
     """The Wasm filter inline in a listener (static bootstraps, tests, benchmarks)."""
-    cfg = wasm_filter_config(policy, service=service, name=name)
+    cfg = wasm_filter_config(
+        policy, service=service, name=name, peer_identity=peer_identity, callers=callers
+    )
     return hcm_pb2.HttpFilter(name=name, typed_config=_any(cfg))
 
 

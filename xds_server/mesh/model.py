@@ -243,6 +243,16 @@ class Quarantine:
 
 
 @dataclass(frozen=True)
+class Caller:
+    """A workload that may call a service (issue 14, item 3): `service_account` is
+    `NAMESPACE/NAME`, or `NAMESPACE/*` for every account of a namespace; `methods` the gRPC
+    methods it may call, () for all of them (xds_server/mesh/callers.py)."""
+
+    service_account: str
+    methods: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Service:
     name: str
     versions: dict[str, Version]
@@ -261,6 +271,9 @@ class Service:
     quarantined: tuple[Quarantine, ...] = ()
     # Its workloads' identity, `NAMESPACE/NAME` (issue 14); default `default/<service>`.
     service_account: str = ""
+    # The workloads that may call it (Envoy RBAC principals); None: any workload of the trust
+    # domain, () nobody.
+    callers: tuple[Caller, ...] | None = None
     # Its live inbound sidecars, counted from ADS by the control plane (0: none known); each
     # enforces 1/N of a tenant's rate_limit (`rate_limits.mode: local`, issue 19).
     inbound_sidecars: int = 0

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from xds_server.mesh.callers import check_callers, parse_callers
 from xds_server.mesh.fields import (
     MeshError,
     _int,
@@ -99,6 +100,8 @@ def parse_mesh(raw: Any) -> Mesh:
         raise MeshError("authz.keys_file: native mode needs a file of plaintext keys per tenant")
     rollouts_raw = _mapping(top.get("rollouts", {}), "rollouts")
     rollouts = {n: _rollout(n, v, services, f"rollouts.{n}") for n, v in rollouts_raw.items()}
+    identity = _opt(top, "identity", "mesh", lambda d, _p: _identity(d))
+    check_callers(services, identity)
     return Mesh(
         services=services,
         control_plane=_control_plane(top.get("control_plane", {})),
@@ -108,7 +111,7 @@ def parse_mesh(raw: Any) -> Mesh:
         access_log=_access_log(top.get("access_log", True)),
         rate_limits=_rate_limits(top.get("rate_limits")),
         caller_sidecars=_caller_sidecars(top.get("caller_sidecars")),
-        identity=_opt(top, "identity", "mesh", lambda d, _p: _identity(d)),
+        identity=identity,
     )
 
 
@@ -275,6 +278,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
             "slo",
             "isolation",
             "service_account",
+            "callers",
         },
     )
     vraw = _mapping(d.get("versions"), f"{path}.versions")
@@ -296,6 +300,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
         isolation=_opt(d, "isolation", path, lambda i, p: _isolation(i, p, route)),
         connect_timeout=_positive(d.get("connect_timeout", "1s"), f"{path}.connect_timeout"),
         service_account=_service_account(d.get("service_account"), name, path),
+        callers=parse_callers(d.get("callers"), f"{path}.callers"),
     )
 
 

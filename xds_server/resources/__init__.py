@@ -11,6 +11,7 @@ from google.protobuf.message import Message
 
 from xds_server import mesh as m
 from xds_server import types as t
+from xds_server.mesh import callers
 from xds_server.node import NodeInfo
 from xds_server.resources import (
     access_log,
@@ -19,6 +20,7 @@ from xds_server.resources import (
     listeners,
     names,
     ratelimit,
+    rbac,
     routes,
 )
 
@@ -115,7 +117,7 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         authz_filters=authz,
         access_log=access_log.access_logs(mesh.access_log, lname, inbound=True, tenant=bool(authz)),
         # A denied request must not carry (or log) a client-sent tenant either.
-        strip_request_headers=names.IDENTITY_HEADERS if authz else (),
+        strip_request_headers=names.IDENTITY_HEADERS if authz or mesh.identity else (),
         local_reply=listeners.died_holding_the_call_reply(),
         grpc_stats=False,  # the gates read the callers' counters (issue 19: ~6 us a call)
     )
@@ -124,11 +126,14 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
 def _authz_filters(
     mesh: m.Mesh, service: str, out: dict[str, dict[str, Message]]
 ) -> list[listeners.HttpFilter]:
+    svc = mesh.services[service]
+    # Workload identity first (issue 14): an unlisted caller reaches no key check.
+    td = mesh.identity.trust_domain if mesh.identity else ""
+    workloads = [f for f in (rbac.callers_filter(svc, td),) if f is not None]
     mode = mesh.authz.mode
     if mode == "none":
-        return []
+        return workloads
     xds = _wasm_xds(mode)
-    svc = mesh.services[service]
     # Limits are mesh-wide promises (issue 9, defect 5): by default each sidecar enforces its
     # share of them; `rate_limits.mode: global` asks the control plane on every call instead.
     policy = ratelimit.local_policy(mesh, svc)
@@ -136,14 +141,28 @@ def _authz_filters(
         keys = _read_keys(mesh.authz.keys_file or "")
         filters = list(xds.native_http_filters(policy, service=service, keys=keys))
     else:
-        ext = xds.wasm_extension_config(policy, service=service, name=names.AUTHZ_FILTER)
+        ext = xds.wasm_extension_config(
+            policy, service=service, name=names.AUTHZ_FILTER, **_wasm_callers(mesh, svc, xds)
+        )
         out[t.EXTENSION_CONFIG][ext.name] = ext
         filters = [listeners.ecds_filter(names.AUTHZ_FILTER)]
     # A service with an SLO gets it too: the SLO loop sheds tenants there (xds_server/slo.py).
     global_tier = svc.slo or any(tn.rate_limit for tn in mesh.tenants.tenants)
     if mesh.rate_limits.mode == "global" and global_tier:
         filters.append(ratelimit.ratelimit_filter(service))
-    return filters
+    return [*workloads, *filters]
+
+
+def _wasm_callers(mesh: m.Mesh, svc: m.Service, xds: ModuleType) -> dict:
+    """The Wasm filter's side of workload identity: with mTLS it reads the caller's SPIFFE ID
+    (and forwards it to the runtime); with `callers` it also decides on it."""
+    if mesh.identity is None or getattr(mesh.identity, "mtls", "strict") == "off":
+        return {}
+    td = mesh.identity.trust_domain
+    rules = None
+    if svc.callers is not None:
+        rules = [xds.CallerRule(*r) for r in callers.rules(td, svc.callers)]
+    return {"peer_identity": True, "callers": rules}
 
 
 def _wasm_xds(mode: str) -> ModuleType:

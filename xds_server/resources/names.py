@@ -4,8 +4,10 @@ AUTHZ_FILTER = "meshlm.authz"
 OUTBOUND_LISTENER = "outbound"
 OUTBOUND_ROUTE = "outbound"
 TENANT_HEADER = "x-meshlm-tenant"
+# The caller's verified SPIFFE ID (its mTLS certificate), for the runtime (issue 14).
+PRINCIPAL_HEADER = "x-meshlm-principal"
 # Set by the authz filter alone; inbound listeners drop client-sent ones before any filter.
-IDENTITY_HEADERS = (TENANT_HEADER, "x-meshlm-priority")
+IDENTITY_HEADERS = (TENANT_HEADER, "x-meshlm-priority", PRINCIPAL_HEADER)
 # The request class (a hash), set by the caller-side sidecar; isolation routes match it.
 CLASS_HEADER = "x-meshlm-class"
 
