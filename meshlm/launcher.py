@@ -8,9 +8,11 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from importlib import resources
@@ -22,11 +24,15 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshlm.crashloop import CrashLoopBackoff
+from meshlm.demo_identity import CertWatch
 from meshlm.procs import Proc, wait_until
 from sidecar.ports import free_port
+from sidecar.private_files import write_private
 
 SERVICE = "llm"
 MESH_ID_ENV = "MESHLM_MESH_ID"
+# The identity the demo's caller sidecar gets (its join token grants it).
+CALLER_SERVICE_ACCOUNT = "default/caller"
 
 
 def demo_mesh() -> dict[str, Any]:
@@ -41,6 +47,9 @@ def scenario_mesh(weights: dict[str, int]) -> dict[str, Any]:
     svc["versions"] = {v: {"precision": "int4", "endpoints": []} for v in weights}
     svc["route"] = {**svc["route"], "weights": dict(weights)}
     mesh.pop("rollouts", None)
+    # The SLA scenarios stay plaintext: their measured figures (python -m bench sla) predate
+    # mTLS, and the SLO loop's scaler starts sidecars without join tokens.
+    mesh.pop("identity", None)
     return mesh
 
 
@@ -102,6 +111,14 @@ class LocalMesh:
             "grpc_port": self.grpc_port,
             "admin_port": self.admin_port,
         }
+        # With an `identity` block every sidecar gets a SPIFFE certificate (issue 14): the mesh
+        # CA's ports, and a private dir per sidecar for its key and SDS socket, short enough for
+        # a unix socket path whatever the work dir (removed at stop).
+        self.identity_dir: Path | None = None
+        self.certs: CertWatch | None = None
+        if self.identity:
+            self.mesh["control_plane"].update(ca_port=free_port(), ca_mtls_port=free_port())
+            self.identity_dir = Path(tempfile.mkdtemp(prefix="meshlm-id-"))
         self.procs: list[Proc] = []
         self.restarts: dict[str, int] = {}  # runtime name -> restarts by keep_runtimes_alive
         # runtime name or version -> its niceness: a best-effort pool (e.g. the quarantine pool a
@@ -109,6 +126,19 @@ class LocalMesh:
         self.nice: dict[str, int] = {}
         self._stopping = threading.Event()
         self._restarting = threading.Lock()  # a restart and stop() never interleave
+
+    @property
+    def identity(self) -> bool:
+        return "identity" in self.mesh
+
+    def sidecar_admin_ports(self) -> dict[str, int]:
+        """Each sidecar's process name -> its Envoy admin port."""
+        ports = {f"sidecar-{n}": rt.admin_port for n, rt in self.runtimes.items()}
+        return {**ports, "sidecar-caller": self.caller_admin}
+
+    def service_account(self) -> str:
+        """The service account of the service's inbound sidecars (the mesh file's default)."""
+        return self.mesh["services"][SERVICE].get("service_account", f"default/{SERVICE}")
 
     def replicas(self, version: str) -> list[Runtime]:
         return [rt for rt in self.runtimes.values() if rt.version == version]
@@ -149,17 +179,20 @@ class LocalMesh:
         for name in self.runtimes:
             self._spawn_runtime(name)
         for name, rt in self.runtimes.items():
-            self._spawn(f"sidecar-{name}", self._sidecar_args(rt))
-        self._spawn("sidecar-caller", self._caller_args())
+            self._spawn(f"sidecar-{name}", self._sidecar_args(rt) + self._identity_args(name))
+        self._spawn("sidecar-caller", self._caller_args() + self._identity_args("caller"))
         for name, rt in self.runtimes.items():
             proc = self.proc(f"runtime-{name}")
             wait_until(lambda rt=rt: _serving(rt.port), 180, f"runtime {name} SERVING", proc)
             say(f"runtime {name} ({rt.precision}) SERVING on 127.0.0.1:{rt.port}")
-        for name, port in [(f"sidecar-{n}", rt.admin_port) for n, rt in self.runtimes.items()] + [
-            ("sidecar-caller", self.caller_admin)
-        ]:
+        for name, port in self.sidecar_admin_ports().items():
             wait_until(lambda p=port: _envoy_live(p), 60, f"{name} ready", self.proc(name))
         say(f"sidecars ready: caller on {self.caller_target}, inbound for {list(self.runtimes)}")
+        if self.identity:
+            dirs = {f"sidecar-{n}": self.identity_dir / n for n in [*self.runtimes, "caller"]}
+            self.certs = CertWatch(dirs).start()
+            ids = sorted(set(self.certs.wait_all(60).values()))
+            say(f"workload identities (SPIFFE, mTLS certificates by SDS): {', '.join(ids)}")
 
     def restart_runtime(self, name: str, faults: list[str], say: Any = print) -> Proc:
         """Stop one replica's runtime and start it again on the same ports with `faults` (a
@@ -221,6 +254,21 @@ class LocalMesh:
             os.setpriority(os.PRIO_PROCESS, proc.popen.pid, nice)
         return proc
 
+    def _identity_args(self, name: str) -> list[str]:
+        """`meshlm sidecar`'s identity flags for the sidecar `name` (a runtime's or `caller`):
+        a join token of its own, asked of the admin API, kept only in a 0600 file of the work
+        dir (single use; never on a command line)."""
+        if self.identity_dir is None:
+            return []
+        sa = CALLER_SERVICE_ACCOUNT if name == "caller" else self.service_account()
+        token = self.admin("POST", "/identity/tokens", {"service_account": sa, "ttl": "10m"})
+        path = self.workdir / "join-tokens" / f"{name}.json"  # its dir: made 0700
+        write_private(path, json.dumps(token).encode(), "join tokens")
+        return [
+            "--identity", "--join-token-file", str(path),
+            "--identity-dir", str(self.identity_dir / name),
+        ]  # fmt: skip
+
     def _sidecar_args(self, rt: Runtime) -> list[str]:
         return [
             "sidecar", "--xds", f"127.0.0.1:{self.grpc_port}",
@@ -252,8 +300,11 @@ class LocalMesh:
         req = urllib.request.Request(self.admin_url + path, data=data, method=method)
         req.add_header("Authorization", f"Bearer {self.token}")
         req.add_header("Content-Type", "application/json")
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read() or b"null")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:  # the control plane's reason, not just the code
+            raise RuntimeError(f"{method} {path}: HTTP {e.code}: {e.read()[:500]!r}") from None
 
     def envoy_stats(self, admin_port: int, regex: str) -> dict[str, int]:
         url = f"http://127.0.0.1:{admin_port}/stats?format=json&filter={regex}"
@@ -265,8 +316,12 @@ class LocalMesh:
         # Callers first, then sidecars, runtimes, control plane: nothing is left behind.
         with self._restarting:
             self._stopping.set()
+        if self.certs is not None:
+            self.certs.stop()
         for proc in reversed(self.procs):
             proc.stop()
+        if self.identity_dir is not None:  # the sidecars' private keys
+            shutil.rmtree(self.identity_dir, ignore_errors=True)
 
 
 def _serving(port: int) -> bool:

@@ -15,7 +15,12 @@ TERMINAL = ("Succeeded", "RolledBack", "Failed")
 
 
 def run(args: argparse.Namespace, name: str) -> int:
-    from meshlm.demo_report import gates_beside_client, render, sidecar_denials
+    from meshlm.demo_report import (
+        gates_beside_client,
+        identity_report,
+        render,
+        sidecar_denials,
+    )
     from meshlm.launcher import SERVICE, LocalMesh
     from meshlm.traffic import TenantLoad, Traffic, summarize, write_calls
 
@@ -49,6 +54,7 @@ def run(args: argparse.Namespace, name: str) -> int:
             "traffic": summarize(traffic.outcomes, versions),
             "steps": gates_beside_client(status, traffic.outcomes, versions, clock),
             "denials_at_sidecars": sidecar_denials(mesh),
+            "identity": identity_report(mesh),
             "faulty_canary": faulty,
         }
         (mesh.workdir / "report.json").write_text(json.dumps(report, indent=2))
