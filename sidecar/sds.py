@@ -18,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from concurrent import futures
 from typing import Any
 
 import grpc
 from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
+
+from sidecar.loop_thread import LoopThread
 
 log = logging.getLogger("meshlm.sidecar.sds")
 
@@ -169,58 +170,31 @@ class SdsServer:
             )
         self.store = store
         self.path = path
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: LoopThread | None = None
         self._server: grpc.aio.Server | None = None
-        self._thread: threading.Thread | None = None
 
     def start(self) -> SdsServer:
-        ready: futures.Future[None] = futures.Future()
-        self._thread = threading.Thread(target=self._serve, args=(ready,), name="sds", daemon=True)
-        self._thread.start()
-        ready.result(timeout=30)
-        return self
-
-    def _serve(self, ready: futures.Future[None]) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-
-        async def boot() -> None:
+        async def boot() -> grpc.aio.Server:
             server = grpc.aio.server()
             sds_pb2_grpc.add_SecretDiscoveryServiceServicer_to_server(
-                _Servicer(self.store, loop), server
+                _Servicer(self.store, runner.loop), server
             )
-            if not server.add_insecure_port(f"unix:{self.path}"):
+            try:
+                bound = server.add_insecure_port(f"unix:{self.path}")
+            except RuntimeError:  # grpc.aio raises where grpc.server returns 0
+                bound = 0
+            if not bound:
                 raise OSError(f"SDS socket {self.path}: cannot bind")
             await server.start()
-            self._server = server
+            return server
 
-        try:
-            loop.run_until_complete(boot())
-        except BaseException as e:
-            ready.set_exception(e)
-            loop.close()
-            return
-        ready.set_result(None)
-        try:
-            loop.run_forever()
-        finally:
-            loop.close()
+        runner = LoopThread("sds")
+        self._server = runner.start(boot)
+        self._runner = runner
+        return self
 
     def stop(self) -> None:
-        if self._loop is None or self._server is None:
+        if self._runner is None or self._server is None:
             return
-        server, loop = self._server, self._loop
-
-        async def shutdown() -> None:
-            await server.stop(0.2)
-            me = asyncio.current_task()
-            tasks = [t for t in asyncio.all_tasks() if t is not me]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout=10)
-        loop.call_soon_threadsafe(loop.stop)
-        if self._thread:
-            self._thread.join(timeout=10)
+        self._runner.stop(lambda: self._server.stop(0.2))
         self._server = None

@@ -18,13 +18,13 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
+from sidecar.loop_thread import LoopThread
 from xds_server import accesslog, membership, ratelimit
 from xds_server import mesh as m
 from xds_server.ads import AdsServicer
@@ -109,7 +109,7 @@ class ControlPlane:
         self.identity = Identity(mesh.identity, identity_dir) if mesh.identity else None
         self._mutate = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._runner: LoopThread | None = None
         self._server: grpc.aio.Server | None = None
         self._flush: asyncio.TimerHandle | None = None
         self._first_pending = 0.0
@@ -117,12 +117,9 @@ class ControlPlane:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self, grpc_port: int = 0, host: str = "127.0.0.1") -> ControlPlane:
-        ready: futures.Future[int] = futures.Future()
-        self._thread = threading.Thread(
-            target=self._serve, args=(host, grpc_port, ready), name="xds", daemon=True
-        )
-        self._thread.start()
-        self.grpc_port = ready.result(timeout=30)
+        self._runner = LoopThread("xds")
+        self._loop = self._runner.loop
+        self.grpc_port = self._serve(host, grpc_port)
         self._isolation_stop = threading.Event()
         threading.Thread(
             target=push_loop,
@@ -148,18 +145,8 @@ class ControlPlane:
             if self.identity:
                 await self.identity.stop()
             await server.stop(grace)
-            # Let the cancelled stream tasks finish before the loop goes away.
-            me = asyncio.current_task()
-            tasks = [t for t in asyncio.all_tasks() if t is not me]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
-        fut = asyncio.run_coroutine_threadsafe(shutdown(), self._loop)
-        fut.result(timeout=grace + 10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        if self._thread:
-            self._thread.join(timeout=10)
+        self._runner.stop(shutdown, timeout=grace + 10)  # and it cancels the open streams
         self._server = None
 
     def __enter__(self) -> ControlPlane:
@@ -168,12 +155,10 @@ class ControlPlane:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _serve(self, host: str, port: int, ready: futures.Future[int]) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        asyncio.set_event_loop(loop)
+    def _serve(self, host: str, port: int) -> int:
+        """Bind and start the servers in the loop thread; the bound gRPC port."""
 
-        async def boot() -> None:
+        async def boot() -> int:
             reason = listen_error(host, port)  # before gRPC, which would log its own error
             if reason:
                 raise OSError(reason)
@@ -213,18 +198,9 @@ class ControlPlane:
                 await self.identity.start(host, *ports)
             await server.start()
             self._server = server
-            ready.set_result(bound)
+            return bound
 
-        try:
-            loop.run_until_complete(boot())
-        except BaseException as e:
-            ready.set_exception(e)
-            loop.close()
-            return
-        try:
-            loop.run_forever()
-        finally:
-            loop.close()
+        return self._runner.start(boot)
 
     # -- desired state --------------------------------------------------------------------------
     @property

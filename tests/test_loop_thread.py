@@ -1,0 +1,65 @@
+"""The loop thread that runs the control plane's and a sidecar's grpc.aio servers
+(sidecar/loop_thread.py): a boot error reaches the caller and leaves no thread behind; stop
+ends open streams (Envoy's SDS stream) instead of hanging on them."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from envoy.service.discovery.v3 import discovery_pb2
+from envoy.service.secret.v3 import sds_pb2_grpc
+
+from sidecar.loop_thread import LoopThread
+from sidecar.sds import DEFAULT, SECRET_TYPE, SdsServer, SecretStore
+from tests.test_identity_support import short_dir
+
+
+def _threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == name]
+
+
+def _asks(ask: discovery_pb2.DiscoveryRequest, done: threading.Event) -> Iterator:
+    """Like Envoy: one request, then the stream stays open."""
+    yield ask
+    done.wait(30)
+
+
+def test_a_boot_error_is_raised_by_start_and_ends_the_thread(tmp_path) -> None:
+    async def boot() -> None:
+        raise OSError("port taken")
+
+    runner = LoopThread("loop-thread-test-boot")
+    with pytest.raises(OSError, match="port taken"):
+        runner.start(boot)
+    for t in _threads("loop-thread-test-boot"):
+        t.join(timeout=5)
+    assert runner.loop.is_closed() and not _threads("loop-thread-test-boot")
+    with pytest.raises(OSError, match=r"SDS socket .*: cannot bind"):
+        SdsServer(SecretStore(), str(tmp_path / "missing" / "sds.sock")).start()
+
+
+def test_stop_ends_an_open_sds_stream() -> None:
+    d, done = short_dir(), threading.Event()
+    store = SecretStore()
+    store.set(b"chain", b"key", b"bundle")
+    sds = SdsServer(store, str(d / "sds.sock")).start()
+    try:
+        with grpc.insecure_channel(f"unix:{d / 'sds.sock'}") as ch:
+            ask = discovery_pb2.DiscoveryRequest(type_url=SECRET_TYPE, resource_names=[DEFAULT])
+            stream = sds_pb2_grpc.SecretDiscoveryServiceStub(ch).StreamSecrets(
+                _asks(ask, done), timeout=30
+            )
+            assert next(stream).version_info == "1"  # the stream is open, waiting for more
+            sds.stop()
+            with pytest.raises(grpc.RpcError) as e:
+                next(stream)
+            assert e.value.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        done.set()
+        sds.stop()
+        (d / "sds.sock").unlink(missing_ok=True)
+        d.rmdir()
+    assert not _threads("sds") or all(not t.is_alive() for t in _threads("sds"))
