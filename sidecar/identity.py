@@ -3,9 +3,9 @@
 The agent makes an EC P-256 key, sends a CSR to the mesh CA (xds_server/identity.py) and serves
 the certificate to its Envoy by SDS (sidecar/sds.py). The key never leaves this process and the
 sidecar's private dir. The first certificate needs a join token file (`meshlm identity token`:
-the token, the CA's addresses and the pins of its roots); the CA is trusted at that first
-contact by the pin alone (kubeadm's discovery-token-ca-cert-hash): the root the CA port shows in
-its handshake must hash to a pin, and then gRPC verifies the CA against that root. Renewals go
+the token, the CA's addresses, its roots and their pins); at that first contact gRPC verifies
+the CA port against the roots in the file, once each has matched its pin (a file altered or cut
+short is refused, and the agent asks nothing of the CA port it has not verified). Renewals go
 to the CA's mTLS port with the current certificate, at half-life (sooner after an error), each
 with a new key; the trust bundle that comes back replaces `ROOTCA`, so a root rotation reaches
 Envoy with the next renewal.
@@ -16,12 +16,9 @@ restarted while the control plane is down boots with its current certificate.
 
 from __future__ import annotations
 
-import _ssl
 import hashlib
 import json
 import os
-import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -194,8 +191,7 @@ class IdentityAgent:
                 f"{self.join_token_file} was used already: put a new one there"
             )
         ca = doc["ca"]
-        root = discover_root(ca["address"], ca["root_sha256"], ca["server_name"])
-        creds = grpc.ssl_channel_credentials(root_certificates=root)
+        creds = grpc.ssl_channel_credentials(root_certificates="".join(ca["roots"]).encode())
         cred = self._call(
             ca, ca["address"], creds, doc["spiffe_id"], [("authorization", f"Bearer {token}")]
         )
@@ -296,36 +292,33 @@ class IdentityAgent:
                 f"join token file {path}: not one `meshlm identity token` "
                 f"wrote ({type(e).__name__}: {e})"
             ) from None
+        if "roots" not in ca:
+            raise IdentityError(
+                f"join token file {path}: no ca.roots (an older meshlm wrote it): get a new "
+                "one with `meshlm identity token`"
+            )
+        check_roots(ca["roots"], ca["root_sha256"], f"join token file {path}")
         return doc, token
 
 
-def discover_root(address: str, pins: list[str], server_name: str) -> bytes:
-    """The PEM of the root the CA at `address` shows in its handshake whose public key hashes to
-    one of `pins` ("sha256:<hex>"); nothing is trusted yet, so the handshake is unverified and
-    only the pin decides."""
-    host, _, port = address.rpartition(":")
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    try:
-        address_tuple = (host.strip("[]"), int(port))
-        with (
-            socket.create_connection(address_tuple, timeout=CALL_TIMEOUT) as raw,
-            ctx.wrap_socket(raw, server_hostname=server_name) as tls,
-        ):
-            # Public as SSLSocket.get_unverified_chain() from Python 3.13.
-            chain = getattr(tls, "get_unverified_chain", tls._sslobj.get_unverified_chain)()
-            ders = [c if isinstance(c, bytes) else c.public_bytes(_ssl.ENCODING_DER) for c in chain]
-    except (OSError, ValueError) as e:
-        raise IdentityError(f"CA at {address}: cannot reach it ({e})") from None
-    for der in ders:
-        cert = x509.load_der_x509_certificate(der)
+def check_roots(roots: Any, pins: Any, where: str) -> None:
+    """IdentityError unless `roots` are PEM certificates whose public keys each hash to one of
+    `pins` ("sha256:<hex>" of the SubjectPublicKeyInfo, as the CA writes them): a token file
+    cut short or edited by hand is refused before anything in it is trusted."""
+    if not (isinstance(roots, list) and roots and all(isinstance(r, str) for r in roots)):
+        raise IdentityError(f"{where}: ca.roots: expected a list of PEM certificates")
+    if not (isinstance(pins, list) and all(isinstance(p, str) for p in pins)):
+        raise IdentityError(f"{where}: ca.root_sha256: expected a list of sha256:<hex> pins")
+    for i, text in enumerate(roots):
+        try:
+            cert = x509.load_pem_x509_certificate(text.encode())
+        except ValueError:
+            raise IdentityError(f"{where}: ca.roots[{i}]: not a PEM certificate") from None
         spki = cert.public_key().public_bytes(
             serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
         )
-        if "sha256:" + hashlib.sha256(spki).hexdigest() in pins:
-            return cert.public_bytes(serialization.Encoding.PEM)
-    raise IdentityError(
-        f"CA at {address}: shows no root with a pinned key (not the mesh CA the "
-        "join token names, or its root rotated: get a new token)"
-    )
+        if "sha256:" + hashlib.sha256(spki).hexdigest() not in pins:
+            raise IdentityError(
+                f"{where}: ca.roots[{i}] matches no pin of ca.root_sha256 (the file was "
+                "altered: get a new one with `meshlm identity token`)"
+            )

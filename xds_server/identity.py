@@ -11,8 +11,8 @@ The identity signed is decided by the credential, never by the request: a join t
 `authorization: Bearer ...`, single use, stored as a SHA-256 only) grants its service account;
 a client certificate of this CA grants the identity in its URI SAN (renewal). Python gRPC cannot
 ask for a client certificate without requiring one, so the two credentials have two TLS ports:
-`control_plane.ca_port` (server TLS only: enrolment by join token; its chain carries the root,
-which the agent checks against the pin in its token file) and `control_plane.ca_mtls_port`
+`control_plane.ca_port` (server TLS only: enrolment by join token; the agent verifies the port
+against the roots its token file carries, `ca.roots`) and `control_plane.ca_mtls_port`
 (client certificate required: renewal), served by their own gRPC server in the control plane's
 event loop (the ADS port is plaintext until the mTLS wiring; this method refuses plaintext).
 """
@@ -389,6 +389,7 @@ class Identity:
         ttl = m.parse_duration(doc.get("ttl", DEFAULT_TOKEN_TTL), "ttl")
         token, expires_at = self.tokens.issue(sa, ttl)
         log.info("join token %s issued for %s", token_id(token), sa)
+        roots = self.ca.trust_bundle()
         return {
             "token": token,
             "service_account": sa,
@@ -398,7 +399,8 @@ class Identity:
                 "address": self.ca_address,
                 "mtls_address": self.ca_mtls_address,
                 "server_name": ca_mod.CA_SERVER_NAME,
-                "root_sha256": self.ca.pins(),
+                "root_sha256": [ca_mod.spki_sha256(c) for c in roots],
+                "roots": [ca_mod.pem(c) for c in roots],  # the agent trusts the CA port by these
             },
         }
 
