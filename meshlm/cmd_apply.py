@@ -5,13 +5,10 @@ The live traffic split (weights, x-canary pins) stays with the weights API and r
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import urllib.error
-import urllib.request
 
-from meshlm.cmd_rollout import add_admin_client_arguments
-from xds_server.admin_token import TokenError, client_token
+from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
+from xds_server.admin_token import TokenError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,25 +21,22 @@ def run(args: argparse.Namespace) -> int:
     try:
         with open(args.mesh, "rb") as f:
             body = f.read()
-        token, source = client_token(args.admin, args.token_file)
-    except (OSError, TokenError) as e:
+        admin = AdminClient.from_args(args)
+    except (OSError, AdminError, TokenError) as e:
         print(f"meshlm apply: {e}", file=sys.stderr)
         return 2
-    url = f"{args.admin.rstrip('/')}/v1/mesh?timeout={args.timeout:g}"
-    req = urllib.request.Request(url, data=body, method="POST")
-    req.add_header("Authorization", f"Bearer {token or ''}")
+    path = f"/v1/mesh?timeout={args.timeout:g}"
     try:
-        with urllib.request.urlopen(req, timeout=args.timeout + 10) as r:
-            reply = json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        detail = json.loads(e.read() or b"{}")
-        msg = detail.get("error") or f"not ACKed by {detail.get('missing')}: {detail.get('errors')}"
-        if e.code == 401:
-            msg += f" (token: {source})"
-        print(f"meshlm apply: HTTP {e.code}: {msg}", file=sys.stderr)
+        code, reply = admin.request("POST", path, body, timeout=args.timeout + 10)
+    except AdminError as e:
+        print(f"meshlm apply: {e}", file=sys.stderr)
         return 1
-    except (OSError, ValueError) as e:
-        print(f"meshlm apply: cannot reach {args.admin}: {e}", file=sys.stderr)
+    if code >= 400 or not isinstance(reply, dict):
+        detail = reply if isinstance(reply, dict) else {"error": reply}
+        msg = detail.get("error") or f"not ACKed by {detail.get('missing')}: {detail.get('errors')}"
+        if code == 401:
+            msg += f" (token: {admin.token_source})"
+        print(f"meshlm apply: HTTP {code}: {msg}", file=sys.stderr)
         return 1
     print(
         f"applied version {reply['version']}, ACKed by {', '.join(reply['acked']) or 'no sidecar'}"

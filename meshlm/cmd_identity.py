@@ -12,12 +12,11 @@ import argparse
 import json
 import sys
 import time
-import urllib.error
 from pathlib import Path
 
-from meshlm.cmd_rollout import add_admin_client_arguments, request
+from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
 from sidecar.private_files import write_private
-from xds_server.admin_token import TokenError, client_token
+from xds_server.admin_token import TokenError
 
 ACTIONS = ("token", "status", "rotate-root")
 
@@ -39,8 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        token, source = client_token(args.admin, args.token_file)
-    except TokenError as e:
+        admin = AdminClient.from_args(args)
+    except (AdminError, TokenError) as e:
         print(f"meshlm identity: {e}", file=sys.stderr)
         return 2
     if args.action == "token":
@@ -57,15 +56,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         method, path, body = "GET", "/identity", None
     try:
-        code, reply = request(args.admin, method, path, body, token, args.timeout)
-    except (OSError, urllib.error.URLError) as e:
-        print(f"meshlm identity: cannot reach the control plane at {args.admin}: {e}",
-              file=sys.stderr)  # fmt: skip
+        code, reply = admin.request(method, path, body, args.timeout)
+    except AdminError as e:
+        print(f"meshlm identity: {e}", file=sys.stderr)
         return 1
     if code >= 400:
         err = reply.get("error", reply) if isinstance(reply, dict) else reply
         if code == 401:
-            err = f"{err} (token: {source})"
+            err = f"{err} (token: {admin.token_source})"
         elif code == 404 and args.action == "status":
             err = f"{err} (the mesh file has no identity block)"
         print(f"meshlm identity {args.action}: HTTP {code}: {err}", file=sys.stderr)

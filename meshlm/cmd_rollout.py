@@ -7,20 +7,12 @@ import argparse
 import json
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
-from xds_server.admin_token import TOKEN_ENV, TokenError, client_token
+from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
+from xds_server.admin_token import TokenError
 
 ACTIONS = ("start", "status", "pause", "resume", "abort", "promote")
-
-
-def add_admin_client_arguments(p: argparse.ArgumentParser) -> None:
-    """`--admin` and `--token-file`, as every client of the control plane's admin API takes them."""
-    p.add_argument("--admin", default="http://127.0.0.1:18001", help="control plane admin URL")
-    p.add_argument("--token-file", help=f"file holding the admin bearer token (default: "
-                   f"${TOKEN_ENV}, else the local control plane's token file)")  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,25 +56,6 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
     return spec
 
 
-def request(
-    admin: str, method: str, path: str, body: dict | None, token: str | None, timeout: float
-) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(admin.rstrip("/") + path, data=data, method=method)
-    req.add_header("content-type", "application/json")
-    if token:
-        req.add_header("authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        try:
-            return e.code, json.loads(raw)
-        except ValueError:
-            return e.code, {"error": raw.decode(errors="replace") or e.reason}
-
-
 def render(st: dict[str, Any]) -> str:
     """A short human summary of one rollout."""
     spec = st["spec"]
@@ -106,8 +79,8 @@ def render(st: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        token, source = client_token(args.admin, args.token_file)
-    except TokenError as e:
+        admin = AdminClient.from_args(args)
+    except (AdminError, TokenError) as e:
         print(f"meshlm rollout: {e}", file=sys.stderr)
         return 2
     if args.action != "status" and not args.service:
@@ -120,16 +93,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         method, path, body = "POST", f"/rollouts/{args.service}/{args.action}", None
     try:
-        code, reply = request(args.admin, method, path, body, token, args.timeout)
-    except (OSError, urllib.error.URLError) as e:
-        print(
-            f"meshlm rollout: cannot reach the control plane at {args.admin}: {e}", file=sys.stderr
-        )
+        code, reply = admin.request(method, path, body, args.timeout)
+    except AdminError as e:
+        print(f"meshlm rollout: {e}", file=sys.stderr)
         return 1
     if code >= 400:
         err = reply.get("error", reply) if isinstance(reply, dict) else reply
         if code == 401:
-            err = f"{err} (token: {source})"
+            err = f"{err} (token: {admin.token_source})"
         print(f"meshlm rollout {args.action}: HTTP {code}: {err}", file=sys.stderr)
         return 1
     if args.json:

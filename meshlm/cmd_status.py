@@ -4,47 +4,48 @@ plane's admin API."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-import urllib.error
-import urllib.request
 from typing import Any
+
+from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
 
 ORDER = ("CDS", "EDS", "LDS", "ECDS", "RDS")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--admin", default="http://127.0.0.1:18001", help="control plane admin URL")
+    add_admin_client_arguments(p, token=False)  # reads only: no token
     p.add_argument("--json", action="store_true", help="print the raw /debug/syncz JSON")
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
+def _get(admin: AdminClient, path: str) -> Any:
+    """The JSON at `path`; AdminError for an error status too."""
+    code, doc = admin.request("GET", path, timeout=10)
+    if code >= 400:
+        err = doc.get("error", doc) if isinstance(doc, dict) else doc
+        raise AdminError(f"{admin.url}{path}: HTTP {code}: {err}")
+    return doc
 
 
 def run(args: argparse.Namespace) -> int:
-    base = args.admin.rstrip("/")
     try:
-        doc = _get(base + "/debug/syncz")
-    except (OSError, urllib.error.URLError, ValueError) as e:
-        print(f"meshlm status: cannot read {base}/debug/syncz: {e}", file=sys.stderr)
+        admin = AdminClient.from_args(args)
+        doc = _get(admin, "/debug/syncz")
+    except AdminError as e:
+        print(f"meshlm status: {e}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(doc, indent=1))
         return 0
-    try:
-        rollouts = _get(base + "/rollouts")
-    except (OSError, urllib.error.URLError, ValueError):
-        rollouts = {}  # a control plane without rollouts mounted
-    try:
-        isolation = _get(base + "/isolation")
-    except (OSError, urllib.error.URLError, ValueError):
-        isolation = {}  # an older control plane
-    try:
-        slo = _get(base + "/slo")
-    except (OSError, urllib.error.URLError, ValueError):
-        slo = {}  # a control plane without the SLO loop
+    # A control plane without rollouts mounted, an older one, one without the SLO loop: {}.
+    rollouts, isolation, slo = ({} for _ in range(3))
+    with contextlib.suppress(AdminError):
+        rollouts = _get(admin, "/rollouts")
+    with contextlib.suppress(AdminError):
+        isolation = _get(admin, "/isolation")
+    with contextlib.suppress(AdminError):
+        slo = _get(admin, "/slo")
     print(render(doc))
     if rollouts:
         print("\n" + render_rollouts(rollouts))

@@ -88,6 +88,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    try:  # HTTPS (a mesh with identity): where local clients find the root to trust
+        ca_file = admin.publish_ca()
+    except (OSError, ValueError) as e:  # PrivateFileError: a run dir that is not private
+        admin.stop()
+        cp.stop()
+        print(f"meshlm xds-server: cannot write the admin API's CA file: {e}", file=sys.stderr)
+        return 1
     written = not token  # a token of our own, kept in a file only once every port is ours
     if written:
         try:
@@ -108,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     admin.mounts["/rollouts"] = api.handle
     print(
         f"xds-server: incarnation {cp.incarnation}, ADS on {args.grpc_host}:{cp.grpc_port}, "
-        f"admin on {admin.url} (token {token_note}), debounce {cp.debounce * 1000:.0f} ms",
+        f"admin on {admin.url} (token {token_note}"
+        f"{f'; its CA in {ca_file}' if ca_file else ''}), debounce {cp.debounce * 1000:.0f} ms",
         flush=True,
     )
     if cp.identity:

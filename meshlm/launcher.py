@@ -12,7 +12,6 @@ import shutil
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from importlib import resources
@@ -23,6 +22,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from meshlm.admin_client import AdminClient, local_url
 from meshlm.crashloop import CrashLoopBackoff
 from meshlm.demo_identity import CertWatch
 from meshlm.procs import Proc, wait_until
@@ -156,7 +156,8 @@ class LocalMesh:
 
     @property
     def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
+        # https:// once the control plane (a mesh with identity) published its CA
+        return local_url(self.admin_port)
 
     @property
     def caller_target(self) -> str:
@@ -296,15 +297,11 @@ class LocalMesh:
         return next(p for p in self.procs if p.name == name)
 
     def admin(self, method: str, path: str, body: Any = None, timeout: float = 60) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.admin_url + path, data=data, method=method)
-        req.add_header("Authorization", f"Bearer {self.token}")
-        req.add_header("Content-Type", "application/json")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read() or b"null")
-        except urllib.error.HTTPError as e:  # the control plane's reason, not just the code
-            raise RuntimeError(f"{method} {path}: HTTP {e.code}: {e.read()[:500]!r}") from None
+        admin = AdminClient(self.admin_url, token=self.token)
+        code, reply = admin.request(method, path, body, timeout)
+        if code >= 400:  # the control plane's reason, not just the code
+            raise RuntimeError(f"{method} {path}: HTTP {code}: {json.dumps(reply)[:500]}")
+        return reply
 
     def envoy_stats(self, admin_port: int, regex: str) -> dict[str, int]:
         url = f"http://127.0.0.1:{admin_port}/stats?format=json&filter={regex}"

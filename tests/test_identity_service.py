@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import time
 import urllib.request
 
@@ -153,13 +154,16 @@ def test_plaintext_and_bad_requests_are_refused_naming_the_field(cp) -> None:
 
 
 def test_tokens_need_the_admin_token_and_the_cli_writes_a_0600_file(cp, tmp_path) -> None:
-    admin = AdminServer(cp, token="admin-secret-1").start()
+    admin = AdminServer(cp, token="admin-secret-1").start()  # HTTPS: the mesh has identity
+    roots = tmp_path / "roots.pem"
+    roots.write_bytes(cp.identity.ca.bundle_pem())
+    tls = ssl.create_default_context(cafile=str(roots))
     try:
         req = urllib.request.Request(
             f"{admin.url}/identity/tokens", data=b'{"service_account": "default/x"}', method="POST"
         )
         with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(req, timeout=10)
+            urllib.request.urlopen(req, timeout=10, context=tls)
         assert e.value.code == 401
         admin_token = tmp_path / "admin.token"
         admin_token.write_text("admin-secret-1\n")
@@ -171,6 +175,8 @@ def test_tokens_need_the_admin_token_and_the_cli_writes_a_0600_file(cp, tmp_path
             admin.url,
             "--token-file",
             str(admin_token),
+            "--cacert",
+            str(roots),
             "--service-account",
             "default/caller",
             "--out",
@@ -180,7 +186,7 @@ def test_tokens_need_the_admin_token_and_the_cli_writes_a_0600_file(cp, tmp_path
         assert mode(out) == 0o600
         doc = json.loads(out.read_text())
         assert doc["ca"]["root_sha256"] == cp.identity.ca.pins()
-        with urllib.request.urlopen(f"{admin.url}/identity", timeout=10) as r:
+        with urllib.request.urlopen(f"{admin.url}/identity", timeout=10, context=tls) as r:
             status = r.read().decode()
         assert doc["token"] not in status and json.loads(status)["join_tokens"]["unused"] >= 1
         bad = [*args[:-4], "--service-account", "caller", "--out", str(out)]

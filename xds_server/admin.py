@@ -13,6 +13,10 @@ Mutations need `Authorization: Bearer <token>` and answer once every affected si
 (200), or a sidecar NACKed (409), or the timeout passed (504, naming the sidecars still behind);
 `?timeout=SECONDS` (default 10). Other APIs (rollouts) are mounted under their own prefix.
 
+With an `identity` block in the mesh the port serves HTTPS only, with a certificate of the mesh
+CA (xds_server/admin_tls.py; clients find the root in the run dir); a plain HTTP request gets a
+400 saying so. Without one it is plain HTTP, as before.
+
 Hardened for a loopback port that any local process (or a browser page, by DNS rebinding) can
 reach: the Host header must name a loopback address with the admin port (403); the token is
 checked before any body is read (401); a body needs a Content-Length of at most MAX_BODY (411,
@@ -30,11 +34,13 @@ import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
+from xds_server.admin_tls import AdminTLS, ca_path
 from xds_server.control_plane import ApplyResult, ControlPlane
 from xds_server.mesh import load_yaml, parse_mesh
 
@@ -68,9 +74,13 @@ class AdminServer:
         self.mounts.setdefault("/isolation", cp.isolation.handle)
         if cp.identity:  # GET /identity, POST /identity/tokens|rotate-root (issue 14)
             self.mounts.setdefault("/identity", cp.identity.handle)
+        self.host = host
+        # HTTPS whenever the mesh has a CA (issue 14): the token never travels in the clear.
+        self.tls = AdminTLS(cp.identity.ca, host, READ_DEADLINE) if cp.identity else None
         handler = type("Handler", (_Handler,), {"admin": self})
-        self.httpd = _BoundedServer((host, port), handler)
+        self.httpd = _BoundedServer((host, port), handler, self.tls)
         self.port = self.httpd.server_address[1]
+        self.httpd.url = self.url
         # DNS rebinding: a browser page's requests carry the page's host name in Host.
         names = {*LOOPBACK_HOSTS, f"[{host}]" if ":" in host else host} - {"0.0.0.0", "[::]"}
         self.hosts = {f"{name}:{self.port}" for name in names}
@@ -78,7 +88,19 @@ class AdminServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
+        host = f"[{host}]" if ":" in host else host
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
+
+    def publish_ca(self) -> Path | None:
+        """With HTTPS, write the mesh CA's trust bundle where local clients find it (the run
+        dir, beside the admin token) and keep it current; returns its path. Without, remove a
+        file left there for this port by an earlier control plane that did not stop cleanly."""
+        if self.tls:
+            return self.tls.publish(self.port)
+        with contextlib.suppress(OSError):
+            ca_path(self.port).unlink()
+        return None
 
     def start(self) -> AdminServer:
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="admin", daemon=True)
@@ -89,6 +111,8 @@ class AdminServer:
         if self._thread is not None:  # shutdown() waits for a serve_forever() that never ran
             self.httpd.shutdown()
         self.httpd.server_close()
+        if self.tls:
+            self.tls.unpublish()
 
     # -- routing --------------------------------------------------------------------------------
     def handle(self, method: str, target: str, body: bytes) -> tuple[int, Any]:
@@ -166,7 +190,8 @@ def _outcome(r: ApplyResult) -> tuple[int, Any]:
 
 
 class _BoundedServer(ThreadingHTTPServer):
-    """One thread per connection, at most MAX_CONNECTIONS of them; the others get 503."""
+    """One thread per connection, at most MAX_CONNECTIONS of them; the others get 503. With
+    `tls`, each connection's handshake runs in its thread (a slow one holds no other back)."""
 
     daemon_threads = True
     request_queue_size = 64  # listen backlog (socketserver's default of 5 drops bursts)
@@ -175,9 +200,30 @@ class _BoundedServer(ThreadingHTTPServer):
         b'Connection: close\r\nContent-Length: 39\r\n\r\n{"error": "too many admin connections"}'
     )
 
-    def __init__(self, address: tuple[str, int], handler: type) -> None:
+    url = ""  # the admin API's own URL, named in the reply to a plain HTTP request
+
+    def __init__(self, address: tuple[str, int], handler: type, tls: AdminTLS | None) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.tls = tls
         super().__init__(address, handler)
+
+    def service_actions(self) -> None:  # serve_forever() calls this every half second
+        if self.tls:
+            try:
+                self.tls.refresh()
+            except Exception:  # keep serving with the certificate it has
+                log.exception("admin API: cannot renew its certificate or trust bundle")
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        if self.tls is None:
+            return super().finish_request(request, client_address)
+        conn = self.tls.accept(request, self.url)
+        if conn is None:
+            return None
+        try:
+            return super().finish_request(conn, client_address)
+        finally:
+            self.shutdown_request(conn)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -221,7 +267,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _cut(self) -> None:
         self._cut_off = self.close_connection = True
         with contextlib.suppress(OSError):
-            self.connection.shutdown(socket.SHUT_RDWR)
+            # socket.socket's shutdown also for TLS: SSLSocket's drops the SSL object under
+            # the read running in the handler's thread.
+            socket.socket.shutdown(self.connection, socket.SHUT_RDWR)
 
     def do_GET(self) -> None:
         self._serve("GET")
