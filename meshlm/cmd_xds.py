@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from xds_server.control_plane import ControlPlane
     from xds_server.discovery import configured_sources
     from xds_server.mesh import MeshError, load_mesh, parse_duration
+    from xds_server.resources.tls import plaintext_warning
     from xds_server.rollout import RolloutController
     from xds_server.rollout_api import RolloutAPI, spec_from_mesh
     from xds_server.slo import SloLoops
@@ -119,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         f"{f'; its CA in {ca_file}' if ca_file else ''}), debounce {cp.debounce * 1000:.0f} ms",
         flush=True,
     )
+    if warning := plaintext_warning(mesh):
+        print(f"xds-server: warning: {warning}", file=sys.stderr, flush=True)
     if cp.identity:
         print(f"xds-server: mesh CA for {cp.identity.ca.trust_domain} on "
               f"{cp.identity.ca_address} (join tokens), {cp.identity.ca_mtls_address} "

@@ -305,6 +305,9 @@ class ControlPlaneConfig:
     ca_mtls_port: int | None = None
 
 
+MTLS_MODES = ("strict", "off")
+
+
 @dataclass(frozen=True)
 class Identity:
     """The mesh CA (xds_server/ca.py): SPIFFE trust domain, workload certificates' lifetime,
@@ -314,6 +317,9 @@ class Identity:
     cert_ttl: float = 900.0
     root_cert_file: str | None = None
     root_key_file: str | None = None
+    # strict: every hop caller sidecar -> inbound sidecar is mTLS with SPIFFE ID checks on both
+    # sides (xds_server/resources/tls.py); off: plaintext hops, certificates still issued.
+    mtls: str = "strict"
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from xds_server.mesh.model import (
     AUTHZ_MODES,
     LOAD_BALANCING,
     METHODS,
+    MTLS_MODES,
     RATE_LIMIT_MODES,
     AccessLog,
     Authz,
@@ -127,8 +128,8 @@ CERT_TTL_RANGE = (10.0, 86400.0)
 
 
 def _identity(d: dict) -> Identity:
-    """`identity: {trust_domain, cert_ttl, root: {cert_file, key_file}}`, all optional."""
-    _only(d, "identity", {"trust_domain", "cert_ttl", "root"})
+    """`identity: {trust_domain, cert_ttl, root: {cert_file, key_file}, mtls}`, all optional."""
+    _only(d, "identity", {"trust_domain", "cert_ttl", "root", "mtls"})
     td = d.get("trust_domain", "meshlm.local")
     if not isinstance(td, str) or not TRUST_DOMAIN.match(td) or len(td) > 255:
         raise MeshError(
@@ -145,11 +146,17 @@ def _identity(d: dict) -> Identity:
         value = root.get(key)
         if root and (not isinstance(value, str) or not value):
             raise MeshError(f"identity.root.{key}: expected a file path, got {value!r}")
+    mtls = d.get("mtls", "strict")
+    if mtls is False:  # YAML 1.1 reads a bare `off` as false
+        mtls = "off"
+    if not isinstance(mtls, str) or mtls not in MTLS_MODES:
+        raise MeshError(f"identity.mtls: expected one of {', '.join(MTLS_MODES)}, got {mtls!r}")
     return Identity(
         trust_domain=td,
         cert_ttl=ttl,
         root_cert_file=root.get("cert_file"),
         root_key_file=root.get("key_file"),
+        mtls=mtls,
     )
 
 

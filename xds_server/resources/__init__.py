@@ -22,6 +22,7 @@ from xds_server.resources import (
     ratelimit,
     rbac,
     routes,
+    tls,
 )
 
 
@@ -47,7 +48,11 @@ def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) 
         for v, ver in svc.versions.items():
             name = names.outbound_cluster(svc.name, v)
             out[t.CLUSTER][name] = clusters.cluster(
-                name, svc, active_health=probe, caller_side=True
+                name,
+                svc,
+                active_health=probe,
+                caller_side=True,
+                transport_socket=tls.caller_transport_socket(mesh, svc),
             )
             out[t.ENDPOINT][name] = endpoints.load_assignment(name, ver.endpoints)
     rc = routes.outbound_route_config(mesh)
@@ -101,6 +106,16 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         if node.local_endpoint
         else ver.endpoints
     )
+    exposed = tls.off_loopback(local) if tls.mtls(mesh) else []
+    if exposed:
+        # Issue 14: the runtime accepts connections only from its own sidecar. One reachable
+        # from other hosts takes plaintext calls around the sidecar's mTLS and authz.
+        raise ResourceError(
+            f"node metadata meshlm.local_endpoint: the runtime of {svc.name}/{ver.name} at "
+            f"{exposed[0]} is not on loopback; with identity (mTLS) a runtime listens on "
+            "127.0.0.1 behind its own sidecar (meshlm serve --host 127.0.0.1, the default), or "
+            "set identity.mtls: off"
+        )
     out[t.CLUSTER][cname] = clusters.cluster(cname, svc)
     out[t.ENDPOINT][cname] = endpoints.load_assignment(cname, local)
     authz = _authz_filters(mesh, svc.name, out)
@@ -120,6 +135,7 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         strip_request_headers=names.IDENTITY_HEADERS if authz or mesh.identity else (),
         local_reply=listeners.died_holding_the_call_reply(),
         grpc_stats=False,  # the gates read the callers' counters (issue 19: ~6 us a call)
+        transport_socket=tls.inbound_transport_socket(mesh),
     )
 
 

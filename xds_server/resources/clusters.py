@@ -32,10 +32,17 @@ WEIGHT_EXPIRATION_PERIOD = 10.0
 
 
 def cluster(
-    name: str, svc: m.Service, *, active_health: bool = True, caller_side: bool = False
+    name: str,
+    svc: m.Service,
+    *,
+    active_health: bool = True,
+    caller_side: bool = False,
+    transport_socket: base_pb2.TransportSocket | None = None,
 ) -> cluster_pb2.Cluster:
     """`caller_side`: a cluster of a version's replicas (their inbound sidecars), where the
-    service's load_balancing applies; the inbound cluster has one host, its runtime."""
+    service's load_balancing applies; the inbound cluster has one host, its runtime.
+    `transport_socket`: mTLS to the hosts (xds_server/resources/tls.py); it carries the calls,
+    the active health checks and the ORCA streams alike."""
     c = cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.EDS,
@@ -52,6 +59,8 @@ def cluster(
         # Replaces lb_policy. With a hash_policy, the hash still picks the version (the route's
         # use_hash_policy) and load picks the replica: CSWRR ignores the hash.
         c.load_balancing_policy.CopyFrom(least_loaded())
+    if transport_socket is not None:
+        c.transport_socket.CopyFrom(transport_socket)
     # gRPC needs HTTP/2 to the upstream, stated explicitly (no ALPN on plaintext loopback).
     c.typed_extension_protocol_options[_HTTP_OPTIONS].CopyFrom(
         pack(
@@ -70,7 +79,7 @@ def cluster(
     if svc.circuit_breakers:
         c.circuit_breakers.CopyFrom(circuit_breakers(svc.circuit_breakers))
     if svc.health_check and active_health:
-        c.health_checks.append(health_check(svc.health_check))
+        c.health_checks.append(health_check(svc.health_check, authority=svc.name))
     return c
 
 
@@ -145,12 +154,17 @@ def circuit_breakers(cb: m.CircuitBreakers) -> circuit_breaker_pb2.CircuitBreake
     return circuit_breaker_pb2.CircuitBreakers(thresholds=[t])
 
 
-def health_check(h: m.HealthCheck) -> health_check_pb2.HealthCheck:
+def health_check(h: m.HealthCheck, authority: str) -> health_check_pb2.HealthCheck:
+    """`authority`: the probe's :authority. Envoy's default is the cluster name, and ours
+    (`outbound|llm|v1`) is not a valid authority: an inbound sidecar's HTTP/2 codec resets the
+    probe (http2.invalid.header.field), so every replica would fail its checks."""
     return health_check_pb2.HealthCheck(
         timeout=duration(h.timeout),
         interval=duration(h.interval),
         no_traffic_interval=duration(h.no_traffic_interval or h.interval),
         unhealthy_threshold=u32(h.unhealthy_threshold),
         healthy_threshold=u32(h.healthy_threshold),
-        grpc_health_check=health_check_pb2.HealthCheck.GrpcHealthCheck(service_name=h.service_name),
+        grpc_health_check=health_check_pb2.HealthCheck.GrpcHealthCheck(
+            service_name=h.service_name, authority=authority
+        ),
     )

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
-from envoy.config.core.v3 import config_source_pb2, extension_pb2, protocol_pb2
+from envoy.config.core.v3 import base_pb2, config_source_pb2, extension_pb2, protocol_pb2
 from envoy.config.listener.v3 import listener_components_pb2 as lc
 from envoy.config.listener.v3 import listener_pb2
 from envoy.extensions.filters.http.grpc_stats.v3 import config_pb2 as grpc_stats_pb2
@@ -93,7 +93,10 @@ def http_listener(
     strip_request_headers: Sequence[str] = (),
     local_reply: hcm_pb2.LocalReplyConfig | None = None,
     grpc_stats: bool = True,
+    transport_socket: base_pb2.TransportSocket | None = None,
 ) -> listener_pb2.Listener:
+    """`transport_socket`: mTLS for every connection (xds_server/resources/tls.py); a client
+    that does not complete the handshake reaches no filter."""
     stats = [grpc_stats_filter()] if grpc_stats else []
     hcm = HCM(
         stat_prefix=stat_prefix,
@@ -124,7 +127,8 @@ def http_listener(
                         name="envoy.filters.network.http_connection_manager",
                         typed_config=pack(hcm),
                     )
-                ]
+                ],
+                transport_socket=transport_socket,
             )
         ],
     )
