@@ -71,6 +71,11 @@ class AdminClient:
             self.context, self.roots = _client_context(u.hostname, u.port, cacert)
         elif cacert:
             raise AdminError(f"--cacert is for https:// admin URLs, not {url}")
+        elif token and u.hostname not in LOOPBACK_NAMES:
+            raise AdminError(
+                f"refusing to send the admin token over plain HTTP to {u.hostname}: use an "
+                "https:// admin URL (a control plane whose mesh has `identity:`)"
+            )
         elif u.hostname in LOOPBACK_NAMES and u.port and _published(u.port):
             # Refused before the token is sent: the port is a local control plane's HTTPS.
             https = self.url.replace("http://", "https://", 1)

@@ -152,6 +152,19 @@ def test_plain_http_to_the_https_port_fails_with_what_to_do(
     assert f"admin-{cp.port}-ca.pem" in error and "--cacert" in error
 
 
+def test_no_token_goes_over_plain_http_to_another_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("secret-admin-token\n")
+    args = ["rollout", "status", "--admin", "http://192.0.2.1:18001", "--token-file", str(token)]
+    args += ["--timeout", "5"]
+    assert meshlm(args) == 2  # before any connection (192.0.2.1 is TEST-NET-1: none answers)
+    err = capsys.readouterr().err
+    assert "refusing to send the admin token over plain HTTP to 192.0.2.1: use an https://" in err
+    assert "secret-admin-token" not in err
+
+
 def test_the_token_is_still_required_over_https(cp: Running) -> None:
     weights = "/v1/services/llm/weights"
     status, doc, _ = _call(cp, "POST", weights)
