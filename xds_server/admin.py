@@ -40,7 +40,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
-from xds_server.admin_tls import AdminTLS, ca_path
+from xds_server.admin_tls import AdminTLS, drop_ca
 from xds_server.control_plane import ApplyResult, ControlPlane
 from xds_server.mesh import load_yaml, parse_mesh
 
@@ -98,8 +98,7 @@ class AdminServer:
         file left there for this port by an earlier control plane that did not stop cleanly."""
         if self.tls:
             return self.tls.publish(self.port)
-        with contextlib.suppress(OSError):
-            ca_path(self.port).unlink()
+        drop_ca(self.port)
         return None
 
     def start(self) -> AdminServer:

@@ -48,6 +48,14 @@ def read_ca(admin_port: int) -> bytes:
     return read_private(ca_path(admin_port), _KEPT)
 
 
+def drop_ca(admin_port: int) -> None:
+    """Remove a CA file left for `admin_port` in a private run dir (by a control plane with
+    identity that did not stop cleanly): a plain HTTP one serves that port now."""
+    with contextlib.suppress(OSError, ValueError):
+        read_ca(admin_port)
+        ca_path(admin_port).unlink()
+
+
 def server_names(host: str) -> tuple[list[str], list[str]]:
     """(DNS SANs, IP SANs) of the admin certificate for a server bound to `host`."""
     if host in _WILDCARDS:
@@ -55,7 +63,7 @@ def server_names(host: str) -> tuple[list[str], list[str]]:
     try:
         return ["localhost"], [str(ipaddress.ip_address(host.strip("[]")))]
     except ValueError:  # a host name
-        return ["localhost", host], []
+        return list(dict.fromkeys(["localhost", host])), []
 
 
 class AdminTLS:
@@ -124,9 +132,10 @@ class AdminTLS:
                 if first:
                     _refuse_plaintext(sock, admin_url)
                 return None
-            conn = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-            conn.do_handshake()
-            return conn  # type: ignore[return-value]
+            tls = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            conn = tls
+            tls.do_handshake()
+            return tls
         except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
             log.debug("admin API: TLS handshake failed: %s", e)
             with contextlib.suppress(OSError):
