@@ -5,6 +5,7 @@ in-flight streams (NOT_SERVING first) before exiting."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import sys
 import time
@@ -120,6 +121,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=("debug", "info", "warning", "error", "critical"))  # fmt: skip
 
 
+def _loopback(host: str) -> bool:
+    """Whether `host` is this machine's loopback (issue 14: the runtime accepts connections
+    only from its own sidecar)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _replica_id(value: str) -> str:
     # A header value (printable ASCII, no spaces), at most the codec's avoid_replica length.
     if not 0 < len(value) <= 256 or not all("!" <= c <= "~" for c in value):
@@ -171,6 +183,12 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError, sealed.SealedError) as e:
             log.error("cannot read --weight-key-file: %s", e)
             return 2
+    if not _loopback(args.host):
+        log.warning(
+            "--host %s: the runtime takes plaintext calls from any host that reaches it, around "
+            "its sidecar's mTLS and authz; behind a sidecar keep --host 127.0.0.1 (the default)",
+            args.host,
+        )
     for where, host, port in (
         (f"{args.host}:{args.port}", args.host, args.port),
         (f"--metrics-port {args.metrics_port}", "127.0.0.1", args.metrics_port),  # loopback only

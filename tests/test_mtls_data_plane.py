@@ -34,6 +34,7 @@ from sidecar.lkg import LastKnownGood
 from sidecar.ports import free_port
 from sidecar.supervisor import Supervisor
 from tests.test_admin_token import Xds
+from tests.test_cli_errors import meshlm
 from tests.test_identity_support import join_token_file, short_dir
 from tests.test_lb_least_loaded import OrcaReplica
 from tests.test_xds_support import METHOD, CallLoop, Upstream, eventually
@@ -469,3 +470,14 @@ def test_the_control_plane_warns_at_load_of_a_mesh_without_identity(tmp_path: Pa
     out = xds.output()
     warned = [line for line in out.splitlines() if "no `identity:` block" in line]
     assert len(warned) == 1 and "warning" in warned[0] and "plaintext" in warned[0], out
+
+
+def test_meshlm_serve_warns_of_a_runtime_reachable_around_its_sidecar() -> None:
+    # A port in use on every address: each run stops at its listen check, before the model.
+    with socket.create_server(("0.0.0.0", 0)) as s:
+        port = str(s.getsockname()[1])
+        wide = meshlm("serve", "--host", "0.0.0.0", "--port", port)
+        local = meshlm("serve", "--port", port)
+    assert wide.returncode == local.returncode == 1, (wide.stderr, local.stderr)
+    warning = "--host 0.0.0.0: the runtime takes plaintext calls from any host that reaches it"
+    assert warning in wide.stderr and "plaintext" not in local.stderr, (wide.stderr, local.stderr)
