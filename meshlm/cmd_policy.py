@@ -122,6 +122,9 @@ _CALLER = "meshlm_authz.caller."
 def _workload(config: dict, principal: str | None, counted: list[str]) -> dict:
     """The workload half of the decision, from the counters the filter bumped."""
     out: dict[str, Any] = {"principal": principal}
+    if not config.get("peer_identity"):
+        out["check"] = "none (the mesh has no identity: plaintext, no caller is known)"
+        return out
     if "callers" not in config:
         out["check"] = "none (no callers rule: any workload of the trust domain)"
         return out

@@ -159,6 +159,19 @@ def test_no_callers_no_rbac_and_empty_callers_an_rbac_that_allows_nobody() -> No
     assert [f.name for f in http_filters(alone)] == ["meshlm.callers", "envoy.filters.http.router"]
 
 
+def test_native_authz_gets_the_workload_check_first_too(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("acme: acme-key\n")
+    doc = mesh_doc([{"service_account": "apps/chat"}], identity={"trust_domain": TD})
+    doc["authz"] = {"mode": "native", "keys_file": str(keys)}
+    res = inbound(parse_mesh(doc))
+    assert [f.name for f in http_filters(res)][:2] == [
+        "meshlm.callers",
+        "envoy.filters.http.header_mutation",
+    ]
+    assert rbac_of(res).rules.policies["caller:apps/chat"].permissions[0].any
+
+
 def test_the_wasm_filter_gets_the_callers_and_reads_the_peer_only_with_identity() -> None:
     cfg = wasm_config(inbound(mesh([{"service_account": "apps/chat", "methods": ["Info"]}])))
     assert cfg["peer_identity"] is True
@@ -320,6 +333,12 @@ def test_policy_test_explains_the_workload_and_the_tenant_halves(tmp_path, capsy
 
     rc, out = policy_test(tmp_path, capsys)  # no certificate
     assert rc == 1 and out["workload"]["why"] == "no certificate (plaintext)"
+
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(yaml.safe_dump(mesh_doc()))
+    assert cli.main(["policy", "test", "--mesh", str(plain), "--key", "acme-key"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"]["check"].startswith("none (the mesh has no identity")
 
 
 def test_policy_test_names_a_bad_callers_field(tmp_path, capsys) -> None:
