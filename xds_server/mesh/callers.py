@@ -79,7 +79,7 @@ def _check(service: str, callers: tuple[Caller, ...] | None, identity: Identity 
             f"services.{service}.callers: needs an `identity` block (workloads are known by "
             "their mTLS certificates)"
         )
-    if getattr(identity, "mtls", "strict") == "off":
+    if identity.mtls == "off":
         raise MeshError(
             f"services.{service}.callers: needs mTLS, but identity.mtls is off (no caller "
             "would present a certificate)"

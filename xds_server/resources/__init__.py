@@ -172,7 +172,7 @@ def _authz_filters(
 def _wasm_callers(mesh: m.Mesh, svc: m.Service, xds: ModuleType) -> dict:
     """The Wasm filter's side of workload identity: with mTLS it reads the caller's SPIFFE ID
     (and forwards it to the runtime); with `callers` it also decides on it."""
-    if mesh.identity is None or getattr(mesh.identity, "mtls", "strict") == "off":
+    if not tls.mtls(mesh) or mesh.identity is None:
         return {}
     td = mesh.identity.trust_domain
     rules = None
