@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "read at a last-known-good boot (default: --mesh authz.keys_file)")  # fmt: skip
     i = p.add_argument_group("workload identity (issue 14)")
     i.add_argument("--identity", action="store_true", help="get a SPIFFE certificate from the "
-                   "mesh CA, renew it, serve it to Envoy by SDS (default, ROOTCA)")  # fmt: skip
+                   "mesh CA, renew it, serve it to Envoy by SDS (default, ROOTCA); ADS then "
+                   "goes over mTLS, as a control plane with identity requires")  # fmt: skip
     i.add_argument("--join-token-file", help="for the first certificate: the file `meshlm "
                    "identity token` wrote (0600)")  # fmt: skip
     i.add_argument("--identity-dir", help="private dir for the key, certificate and SDS socket "

@@ -126,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"xds-server: mesh CA for {cp.identity.ca.trust_domain} on "
               f"{cp.identity.ca_address} (join tokens), {cp.identity.ca_mtls_address} "
               "(renewals)", flush=True)  # fmt: skip
+    if cp.ads_mtls:
+        print("xds-server: ADS over mTLS: sidecars need --identity (a certificate of this mesh)",
+              flush=True)  # fmt: skip
     stop = termination_event()
     stop.wait()
     rollouts.close()

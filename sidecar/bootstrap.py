@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from sidecar.sds import SDS_CLUSTER
+from sidecar.sds import DEFAULT, ROOTCA, SDS_CLUSTER, secret_ref
 
 XDS_CLUSTER = "xds_cluster"
 _HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+_UPSTREAM_TLS = "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+# The control plane's service account (xds_server/ca.py CONTROL_PLANE_SA; istiod's in Istio).
+CONTROL_PLANE_SA = "meshlm-system/control-plane"
 
 
 def ads_bootstrap(
@@ -85,6 +88,40 @@ def with_sds(boot: dict[str, Any], socket_path: str) -> dict[str, Any]:
     clusters = boot.setdefault("static_resources", {}).setdefault("clusters", [])
     clusters[:] = [c for c in clusters if c.get("name") != SDS_CLUSTER]
     clusters.append(static_cluster(SDS_CLUSTER, pipe=socket_path))
+    return boot
+
+
+def control_plane_id(workload_id: str) -> str:
+    """The control plane's SPIFFE ID in the trust domain of `workload_id` (this sidecar's)."""
+    trust_domain = workload_id.removeprefix("spiffe://").split("/", 1)[0]
+    ns, sa = CONTROL_PLANE_SA.split("/")
+    return f"spiffe://{trust_domain}/ns/{ns}/sa/{sa}"
+
+
+def with_ads_tls(boot: dict[str, Any], peer_id: str) -> dict[str, Any]:
+    """`boot` with its way to the control plane over mTLS (issue 14): this workload's certificate
+    (SDS `default`), the mesh's roots (`ROOTCA`) and `peer_id` as the only SPIFFE ID taken from
+    the server. ADS, the global rate limit and the access log service all ride `xds_cluster`."""
+    for cluster in boot.get("static_resources", {}).get("clusters", []):
+        if cluster.get("name") == XDS_CLUSTER:
+            cluster["transport_socket"] = {
+                "name": "envoy.transport_sockets.tls",
+                "typed_config": {
+                    "@type": "type.googleapis.com/" + _UPSTREAM_TLS,
+                    "common_tls_context": {
+                        "alpn_protocols": ["h2"],
+                        "tls_certificate_sds_secret_configs": [secret_ref(DEFAULT)],
+                        "combined_validation_context": {
+                            "default_validation_context": {
+                                "match_typed_subject_alt_names": [
+                                    {"san_type": "URI", "matcher": {"exact": peer_id}}
+                                ]
+                            },
+                            "validation_context_sds_secret_config": secret_ref(ROOTCA),
+                        },
+                    },
+                },
+            }
     return boot
 
 

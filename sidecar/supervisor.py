@@ -8,7 +8,12 @@ sockets over and the old one drains only after the new one has its config, so no
 (Envoy cannot move a running process from static listeners to LDS: static ones are immutable.)
 
 Envoy dies with its supervisor (parent-death signal), its admin port is checked to be its own,
-and a port another process holds is fatal ("address already in use"), not a crash loop.
+and a port another process holds is fatal ("address already in use"), not a crash loop. So is a
+control plane that speaks TLS to a sidecar without identity, or plaintext to one with identity
+(issue 14): Envoy would only retry in silence.
+
+With identity, Envoy starts once the agent holds a certificate, and reaches the control plane
+over mTLS, taking only the control plane's SPIFFE ID in the sidecar's trust domain.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -23,7 +29,7 @@ import urllib.error
 from collections.abc import Callable
 from typing import Any
 
-from sidecar.bootstrap import with_sds
+from sidecar.bootstrap import control_plane_id, with_ads_tls, with_sds
 from sidecar.envoy_process import EnvoyError, EnvoyProcess
 from sidecar.identity import IdentityAgent
 from sidecar.lkg import Keys, LastKnownGood, static_bootstrap
@@ -33,6 +39,10 @@ log = logging.getLogger("meshlm.sidecar")
 
 class PortInUse(EnvoyError):
     """Another process holds a port of this sidecar: restarting cannot fix that."""
+
+
+class WrongTransport(EnvoyError):
+    """The control plane speaks TLS and this sidecar has no identity, or the other way round."""
 
 
 def _port_in_use(text: str) -> str | None:
@@ -48,6 +58,23 @@ def reachable(address: tuple[str, int], timeout: float = 0.5) -> bool:
             return True
     except OSError:
         return False
+
+
+def speaks_tls(address: tuple[str, int], timeout: float = 2.0) -> bool | None:
+    """Whether the server at `address` answers a TLS ClientHello with TLS (True) or with plaintext
+    HTTP/2 (False); None when it cannot tell (down, or the connection closed). Only the protocol
+    is asked, so nothing is verified here: Envoy verifies its own connections."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection(address, timeout=timeout) as raw, ctx.wrap_socket(raw):
+            return True
+    except ssl.SSLError as e:  # a TLS alert (no client certificate...) is still TLS
+        reason = e.reason or ""
+        return False if reason == "WRONG_VERSION_NUMBER" else ("ALERT" in reason or None)
+    except OSError:
+        return None
 
 
 class Supervisor:
@@ -157,6 +184,8 @@ class Supervisor:
     def _launch(self) -> None:
         res = self.lkg.get(self.node_id)
         cp_up = reachable(self.xds_address)
+        if cp_up:
+            self._check_transport()
         if cp_up or res is None:
             boot, mode = self.bootstrap, "ads"
         else:
@@ -193,11 +222,45 @@ class Supervisor:
                 raise PortInUse(held) from None
             raise
 
+    def _check_transport(self) -> None:
+        """WrongTransport when the control plane and this sidecar disagree on mTLS."""
+        tls = speaks_tls(self.xds_address)
+        host, port = self.xds_address
+        if tls and not self.identity:
+            raise WrongTransport(
+                f"the control plane at {host}:{port} requires mTLS (its mesh has an identity "
+                "block): start this sidecar with --identity and a join token (meshlm identity "
+                "token)"
+            )
+        if tls is False and self.identity:
+            raise WrongTransport(
+                f"the control plane at {host}:{port} serves ADS in plaintext (its mesh has no "
+                "identity block, or identity.mtls: off) but this sidecar has --identity"
+            )
+
+    def _await_certificate(self) -> bool:
+        """Wait until the agent holds a certificate, then point the xds cluster at the control
+        plane's SPIFFE ID in its trust domain; False when stopped first."""
+        assert self.identity is not None
+        if not self.identity.wait_ready(0):
+            self.on_event("waiting for a certificate from the mesh CA before starting envoy")
+        while not self.identity.wait_ready(0.5):
+            if self._stop.is_set():
+                return False
+        with_ads_tls(self.bootstrap, control_plane_id(self.identity.spiffe_id))
+        return True
+
     def _run(self) -> None:
         try:
+            if self.identity and not self._await_certificate():
+                return
             self._loop()
         except PortInUse as e:
             self.failed = f"giving up: another process holds a port of this sidecar: {e}"
+            self.on_event(self.failed)
+            self.on_fatal(self.failed)
+        except WrongTransport as e:
+            self.failed = f"giving up: {e}"
             self.on_event(self.failed)
             self.on_fatal(self.failed)
         finally:
@@ -212,7 +275,7 @@ class Supervisor:
                 self._launch()
                 started = time.monotonic()
                 self._watch()
-            except PortInUse:
+            except (PortInUse, WrongTransport):
                 raise
             except Exception as e:  # whatever broke, the sidecar keeps trying (with backoff)
                 self.on_event(f"envoy failed: {(str(e) or repr(e)).splitlines()[0]}")
@@ -236,6 +299,7 @@ class Supervisor:
                 raise EnvoyError(f"envoy exited with {self.envoy.proc.returncode}")
             if self.mode == "lkg":
                 if reachable(self.xds_address):
+                    self._check_transport()
                     self._switch_to_ads()
                 continue
             self._follow_ads()

@@ -138,7 +138,7 @@ def test_renewal_by_client_certificate_and_a_rogue_cas_certificate_is_refused(cp
 def test_plaintext_and_bad_requests_are_refused_naming_the_field(cp) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{cp.grpc_port}") as ch:
         code, details = _code(lambda: ch.unary_unary(PATH)(b"{}", timeout=10))
-    assert code == grpc.StatusCode.UNIMPLEMENTED, details  # not served on the plaintext port
+    assert code == grpc.StatusCode.UNAVAILABLE, details  # the ADS port takes mTLS only
     token = _issue(cp)
     for body, field in (
         ({"csr": 1}, "request.csr"),

@@ -193,13 +193,14 @@ class AdsClient:
         outbound: int = 15001,
         metadata: dict[str, Any] | None = None,
         auto_ack: bool = False,
+        channel: grpc.Channel | None = None,
     ):
         self.node = base_pb2.Node(id=node_id)
         self.node.metadata.CopyFrom(struct_pb2.Struct())
         self.node.metadata.update(
             metadata if metadata is not None else {"meshlm.outbound_port": outbound}
         )
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.channel = channel or grpc.insecure_channel(f"127.0.0.1:{port}")
         stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(self.channel)
         self._tx: queue.Queue = queue.Queue()
         self._rx: queue.Queue = queue.Queue()

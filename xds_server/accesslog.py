@@ -100,5 +100,5 @@ class AccessLogServicer(als_pb2_grpc.AccessLogServiceServicer):
         return als_pb2.StreamAccessLogsResponse()
 
 
-def add_to_server(server: grpc.aio.Server, isolation: Isolation) -> None:
-    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogServicer(isolation), server)
+def add_to_server(server: grpc.aio.Server, servicer: AccessLogServicer) -> None:
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(servicer, server)

@@ -24,6 +24,7 @@ from google.protobuf import any_pb2, json_format
 from xds_server import types as t
 from xds_server.cache import SnapshotCache
 from xds_server.node import NodeInfo
+from xds_server.peer import Peer, claim_refused, peer_of
 from xds_server.snapshot import Snapshot
 from xds_server.sync import NodeRejected, SyncStatus
 
@@ -35,9 +36,14 @@ _MAX_OUTSTANDING_NONCES = 64
 
 
 class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
-    def __init__(self, cache: SnapshotCache, sync: SyncStatus) -> None:
+    def __init__(
+        self, cache: SnapshotCache, sync: SyncStatus, trust_domain: str | None = None
+    ) -> None:
+        """`trust_domain`: ADS over mTLS (issue 14): each stream's node metadata is checked
+        against the workload identity of its client certificate (xds_server/peer.py)."""
         self.cache = cache
         self.sync = sync
+        self.trust_domain = trust_domain
 
     async def StreamAggregatedResources(
         self,
@@ -45,7 +51,8 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
         try:
-            async for resp in SotwStream(self.cache, self.sync).run(request_iterator):
+            stream = SotwStream(self.cache, self.sync, self._peer(context))
+            async for resp in stream.run(request_iterator):
                 yield resp
         except NodeRejected as e:
             await _close(context, e)
@@ -56,10 +63,14 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[discovery_pb2.DeltaDiscoveryResponse]:
         try:
-            async for resp in DeltaStream(self.cache, self.sync).run(request_iterator):
+            stream = DeltaStream(self.cache, self.sync, self._peer(context))
+            async for resp in stream.run(request_iterator):
                 yield resp
         except NodeRejected as e:
             await _close(context, e)
+
+    def _peer(self, context: grpc.aio.ServicerContext) -> Peer | None:
+        return peer_of(context, self.trust_domain) if self.trust_domain else None
 
 
 _last_warning = 0.0
@@ -99,9 +110,11 @@ class _TypeState:
 class _Stream:
     api = ""
 
-    def __init__(self, cache: SnapshotCache, sync: SyncStatus) -> None:
+    def __init__(self, cache: SnapshotCache, sync: SyncStatus, peer: Peer | None = None) -> None:
         self.cache = cache
         self.sync = sync
+        self.peer = peer  # None: plaintext ADS, the metadata is taken on trust
+        self._claim_checked: object = None  # the mesh the node's claim was last checked against
         self.node_id: str | None = None
         self.group: NodeInfo | None = None
         self.stream_id = 0
@@ -129,6 +142,7 @@ class _Stream:
                     yield self._replies.pop(0)
                 if self.group is None:
                     continue
+                self._check_claim()
                 snap = self.cache.snapshot(self.group)
                 if snap is None:
                     self.sync.set_error(self.node_id, self.cache.error(self.group) or "")
@@ -168,8 +182,22 @@ class _Stream:
             group = NodeInfo.from_metadata(metadata)
         except ValueError as e:
             raise NodeRejected("INVALID_ARGUMENT", str(e)) from None
-        self.stream_id = self.sync.connect(node_id, group, self.api, metadata)
+        self._check_claim(node_id, group)
+        spiffe_id = self.peer.spiffe_id if self.peer else ""
+        self.stream_id = self.sync.connect(node_id, group, self.api, metadata, spiffe_id)
         self.node_id, self.group = node_id, group
+
+    def _check_claim(self, node_id: str | None = None, group: NodeInfo | None = None) -> None:
+        """PERMISSION_DENIED when the peer's identity may not be this node; checked again
+        whenever the mesh changed (a service may get another service account)."""
+        mesh = self.cache.mesh
+        if self.peer is None or mesh is self._claim_checked:
+            return
+        node_id, group = node_id or self.node_id, group or self.group
+        refused = claim_refused(node_id, group, self.peer, mesh)
+        if refused:
+            self.sync.reject(node_id, "PERMISSION_DENIED", refused)
+        self._claim_checked = mesh
 
     def _unknown_type(self, tu: str, first: bool) -> bool:
         """True (and, for a first request, an empty answer queued) when this server does not

@@ -79,6 +79,13 @@ def uri_sans(cert: x509.Certificate | x509.CertificateSigningRequest) -> list[st
     return ext.value.get_values_for_type(x509.UniformResourceIdentifier)
 
 
+def workload_id(cert: x509.Certificate, trust_domain: str) -> str | None:
+    """The workload SPIFFE ID of `trust_domain` that is `cert`'s only URI SAN, else None."""
+    uris = uri_sans(cert)
+    parsed = parse_spiffe_id(uris[0]) if len(uris) == 1 else None
+    return uris[0] if parsed and parsed[0] == trust_domain else None
+
+
 def spki_sha256(cert: x509.Certificate) -> str:
     """The pin of a root (kubeadm's discovery-token-ca-cert-hash): SHA-256 of its public key."""
     der = cert.public_key().public_bytes(

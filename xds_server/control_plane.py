@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import secrets
 import threading
 import time
@@ -29,12 +30,13 @@ from xds_server import accesslog, membership, ratelimit
 from xds_server import mesh as m
 from xds_server.ads import AdsServicer
 from xds_server.cache import SnapshotCache
-from xds_server.identity import Identity
+from xds_server.identity import REFRESH_INTERVAL, Identity
 from xds_server.isolation import Isolation, push_loop
 from xds_server.listen import listen_error
 from xds_server.snapshot import make_version
 from xds_server.sync import Limits, SyncStatus
 
+log = logging.getLogger(__name__)
 # The longest a caller may wait for ACKs (seconds); longer asks are refused before staging.
 MAX_TIMEOUT = 600.0
 
@@ -107,6 +109,15 @@ class ControlPlane:
         )
         self.debounce = mesh.control_plane.debounce if debounce is None else debounce
         self.identity = Identity(mesh.identity, identity_dir) if mesh.identity else None
+        # ADS (and the rate-limit and access-log services on its port) over mTLS (issue 14).
+        self.ads_mtls = bool(mesh.identity) and getattr(mesh.identity, "mtls", "") != "off"
+        td = mesh.identity.trust_domain if self.ads_mtls else None
+        # One servicer each across restarts of the server (rate-limit buckets live in one).
+        self._ads = AdsServicer(self.cache, self.sync, td)
+        self._rls = ratelimit.RateLimitServicer(lambda: self.cache.mesh)
+        self._als = accesslog.AccessLogServicer(self.isolation)
+        self._tls_served: tuple[bytes, bytes] = (b"", b"")  # chain, trust bundle
+        self._tls_renewer: asyncio.Task | None = None
         self._mutate = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: LoopThread | None = None
@@ -139,12 +150,13 @@ class ControlPlane:
         if self._loop is None or self._server is None:
             return
         self._isolation_stop.set()
-        server = self._server
 
         async def shutdown() -> None:
+            if self._tls_renewer:
+                self._tls_renewer.cancel()
             if self.identity:
                 await self.identity.stop()
-            await server.stop(grace)
+            await self._server.stop(grace)
 
         self._runner.stop(shutdown, timeout=grace + 10)  # and it cancels the open streams
         self._server = None
@@ -162,29 +174,7 @@ class ControlPlane:
             reason = listen_error(host, port)  # before gRPC, which would log its own error
             if reason:
                 raise OSError(reason)
-            server = grpc.aio.server(
-                options=[
-                    # Linux lets a second SO_REUSEPORT server share the port and take half of
-                    # the sidecars; gRPC sets it unless told not to.
-                    ("grpc.so_reuseport", 0),
-                    ("grpc.max_concurrent_streams", 100_000),
-                    ("grpc.keepalive_time_ms", 30_000),
-                    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-                ]
-            )
-            ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(
-                AdsServicer(self.cache, self.sync), server
-            )
-            # Tenants' mesh-wide rate limits, on the ADS port (sidecars reach it by xds_cluster).
-            ratelimit.add_to_server(server, lambda: self.cache.mesh)
-            # Outcomes per request class from the caller sidecars' access logs (issue 11).
-            accesslog.add_to_server(server, self.isolation)
-            try:
-                bound = server.add_insecure_port(f"{host}:{port}")
-            except RuntimeError:  # taken between the check and now
-                bound = 0
-            if not bound or (port and bound != port):
-                raise OSError(listen_error(host, port) or f"gRPC could not bind {host}:{port}")
+            server, bound = self._grpc_server(host, port)
             if self.identity:  # the CSR signing service on its TLS ports (issue 14)
                 cp = self.mesh.control_plane
                 ports = [
@@ -198,9 +188,69 @@ class ControlPlane:
                 await self.identity.start(host, *ports)
             await server.start()
             self._server = server
+            if self.ads_mtls:
+                self._tls_renewer = asyncio.create_task(self._renew_tls(host, bound))
             return bound
 
         return self._runner.start(boot)
+
+    def _grpc_server(self, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+        """The server of ADS, tenants' mesh-wide rate limits (sidecars reach it by
+        xds_cluster) and caller sidecars' access logs (issue 11), bound to `host:port`."""
+        server = grpc.aio.server(
+            options=[
+                # Linux lets a second SO_REUSEPORT server share the port and take half of
+                # the sidecars; gRPC sets it unless told not to.
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_concurrent_streams", 100_000),
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ]
+        )
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self._ads, server)
+        ratelimit.add_to_server(server, self._rls)
+        accesslog.add_to_server(server, self._als)
+        address = f"{host}:{port}"
+        try:
+            if self.ads_mtls:
+                bound = server.add_secure_port(address, self._tls_credentials())
+            else:
+                bound = server.add_insecure_port(address)
+        except RuntimeError:  # taken between the check and now
+            bound = 0
+        if not bound or (port and bound != port):
+            raise OSError(listen_error(host, port) or f"gRPC could not bind {address}")
+        return server, bound
+
+    def _tls_credentials(self) -> grpc.ServerCredentials:
+        """The CA's certificate for the control plane's SPIFFE ID (the CA ports' own), and a
+        client certificate of the mesh's trust bundle required."""
+        key, chain, _ = self.identity.ca.serving_credentials()
+        bundle = self.identity.ca.bundle_pem()
+        self._tls_served = (chain, bundle)
+        return grpc.ssl_server_credentials([(key, chain)], bundle, require_client_auth=True)
+
+    async def _renew_tls(self, host: str, port: int) -> None:
+        """Serve a renewed certificate (at half-life, or a new signer) or a new trust bundle
+        (root rotation). Credentials are fixed per gRPC server (see xds_server/identity.py), so
+        the server restarts on the same port; Envoy reconnects within its 2 s back-off and the
+        servicers, with their state, carry over."""
+        while True:
+            await asyncio.sleep(REFRESH_INTERVAL)
+            _, chain, _ = self.identity.ca.serving_credentials()
+            if (chain, self.identity.ca.bundle_pem()) == self._tls_served:
+                continue
+            log.info("ADS port: new certificate or trust bundle; restarting its server")
+            await self._server.stop(0.5)
+            while True:
+                try:
+                    server, _ = self._grpc_server(host, port)
+                    await server.start()
+                    self._server = server
+                    break
+                except OSError as e:  # the old socket may take a moment to go
+                    log.warning("ADS port: %s; trying again", e)
+                    await asyncio.sleep(0.2)
 
     # -- desired state --------------------------------------------------------------------------
     @property

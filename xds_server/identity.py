@@ -14,7 +14,7 @@ ask for a client certificate without requiring one, so the two credentials have 
 `control_plane.ca_port` (server TLS only: enrolment by join token; the agent verifies the port
 against the roots its token file carries, `ca.roots`) and `control_plane.ca_mtls_port`
 (client certificate required: renewal), served by their own gRPC server in the control plane's
-event loop (the ADS port is plaintext until the mTLS wiring; this method refuses plaintext).
+event loop (not on the ADS port, mTLS too when identity is on; this method refuses plaintext).
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ class JoinTokens:
         """A new token for `service_account` ("ns/sa") and when it expires (unix time)."""
         if not m.SERVICE_ACCOUNT.match(service_account or ""):
             raise ValueError(f"service_account: expected NAMESPACE/NAME, got {service_account!r}")
+        if service_account == ca_mod.CONTROL_PLANE_SA:  # sidecars trust it on ADS
+            raise ValueError(f"service_account: {service_account} is the control plane's own")
         if not 0 < ttl <= MAX_TOKEN_TTL:
             raise ValueError(f"ttl: must be more than 0s and at most {MAX_TOKEN_TTL:g}s")
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
@@ -251,15 +253,14 @@ class CertificateService:
     def _peer_identity(self, cert_pem: bytes) -> str:
         """The workload identity of a client certificate the TLS layer verified."""
         cert = x509.load_pem_x509_certificate(cert_pem)
-        uris = ca_mod.uri_sans(cert)
-        parsed = [ca_mod.parse_spiffe_id(u) for u in uris]
-        if len(uris) != 1 or parsed[0] is None or parsed[0][0] != self.ca.trust_domain:
+        identity = ca_mod.workload_id(cert, self.ca.trust_domain)
+        if identity is None:
             raise Refused(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"client certificate: expected one workload SPIFFE ID of trust domain "
-                f"{self.ca.trust_domain}, got {uris or 'none'}",
+                f"{self.ca.trust_domain}, got {ca_mod.uri_sans(cert) or 'none'}",
             )
-        return uris[0]
+        return identity
 
 
 def _bearer(metadata: Any) -> str | None:

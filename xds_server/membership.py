@@ -9,6 +9,11 @@ Until the re-division is ACKed, shares follow the old count: a sidecar that join
 share of the sidecars before it, and one that leaves (or loses its stream to the control plane)
 hands its share on only after the push. After a control plane restart the count builds up again
 as sidecars reconnect, so the first ones back hold a larger share for that time.
+
+Only verified sidecars count where ADS is mTLS (identity on): a stream is admitted only when its
+certificate holds the service account of the service it claims (xds_server/peer.py), so a local
+process cannot shrink a tenant's shares with made-up inbound sidecars. Without identity (or with
+`identity.mtls: off`) the metadata is taken on trust.
 """
 
 from __future__ import annotations

@@ -184,6 +184,7 @@ def _problem(request: rls_pb2.RateLimitRequest) -> str | None:
     return None
 
 
-def add_to_server(server: grpc.aio.Server, current_mesh: Callable[[], m.Mesh]) -> None:
-    """Serve ShouldRateLimit on `server` (the control plane's ADS server)."""
-    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(RateLimitServicer(current_mesh), server)
+def add_to_server(server: grpc.aio.Server, servicer: RateLimitServicer) -> None:
+    """Serve ShouldRateLimit on `server` (the control plane's ADS server; one servicer, with
+    its buckets, across restarts of that server)."""
+    rls_pb2_grpc.add_RateLimitServiceServicer_to_server(servicer, server)

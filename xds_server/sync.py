@@ -67,6 +67,7 @@ class NodeSync:
     error: str = ""  # why no snapshot could be built for this node
     types: dict[str, TypeSync] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)  # as announced; never mutated
+    spiffe_id: str = ""  # from its client certificate (ADS over mTLS, issue 14)
 
 
 # Histogram bucket upper bounds, seconds.
@@ -128,23 +129,24 @@ class SyncStatus:
         announcement that is not admitted; called before its metadata is parsed."""
         lim = self.limits
         if not node_id:
-            self._reject("", "INVALID_ARGUMENT", "node.id is empty: every sidecar needs one")
+            self.reject("", "INVALID_ARGUMENT", "node.id is empty: every sidecar needs one")
         if len(node_id.encode()) > lim.max_node_id_bytes:
-            self._reject(
+            self.reject(
                 node_id,
                 "INVALID_ARGUMENT",
                 f"node.id is {len(node_id.encode())} bytes, over the limit of "
                 f"{lim.max_node_id_bytes} (max_node_id_bytes)",
             )
         if metadata_bytes > lim.max_metadata_bytes:
-            self._reject(
+            self.reject(
                 node_id,
                 "INVALID_ARGUMENT",
                 f"node.metadata is {metadata_bytes} bytes, over the limit of "
                 f"{lim.max_metadata_bytes} (max_metadata_bytes)",
             )
 
-    def _reject(self, node_id: str, code: str, message: str) -> None:
+    def reject(self, node_id: str, code: str, message: str) -> None:
+        """Raise NodeRejected, remembered among the last rejections (/debug/syncz)."""
         with self.cond:
             self.rejected.append(
                 {"node_id": node_id[:64], "code": code, "reason": message, "at": time.time()}
@@ -153,7 +155,12 @@ class SyncStatus:
 
     # -- written by streams -------------------------------------------------------------------
     def connect(
-        self, node_id: str, group: NodeInfo, api: str, metadata: dict[str, Any] | None = None
+        self,
+        node_id: str,
+        group: NodeInfo,
+        api: str,
+        metadata: dict[str, Any] | None = None,
+        spiffe_id: str = "",
     ) -> int:
         """Register a stream for `node_id`; returns its stream number. Raises NodeRejected when
         the id is held by a live stream (ALREADY_EXISTS) or the table is full."""
@@ -164,7 +171,7 @@ class SyncStatus:
             if old is not None and old.connected:
                 # Envoy retries with backoff, so a sidecar reconnecting before its old stream
                 # was seen to end gets in on a later try.
-                self._reject(
+                self.reject(
                     node_id,
                     "ALREADY_EXISTS",
                     f"node id {node_id!r} is already connected on another stream; "
@@ -173,7 +180,7 @@ class SyncStatus:
             if old is None and len(self.nodes) >= self.limits.max_nodes:
                 self._evict_departed(len(self.nodes) - self.limits.max_nodes + 1)
                 if len(self.nodes) >= self.limits.max_nodes:
-                    self._reject(
+                    self.reject(
                         node_id,
                         "RESOURCE_EXHAUSTED",
                         f"the control plane tracks at most {self.limits.max_nodes} sidecars "
@@ -181,7 +188,7 @@ class SyncStatus:
                     )
             self._streams += 1
             ns = NodeSync(node_id=node_id, group=group, api=api, stream=self._streams)
-            ns.metadata = metadata or {}
+            ns.metadata, ns.spiffe_id = metadata or {}, spiffe_id
             if old is not None:
                 # A reconnect keeps the history of what this sidecar ACKed and rejected; what
                 # was outstanding on the old stream is not any more.

@@ -1,0 +1,268 @@
+"""ADS over mTLS (issue 14): with identity on, the control plane's ADS port takes only clients
+with a certificate of the mesh CA, learns each sidecar's SPIFFE ID from it, and believes node
+metadata only as far as that identity goes. Real control plane, CA, agents and Envoy."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+
+from sidecar import bootstrap
+from sidecar.bootstrap import ads_bootstrap
+from sidecar.envoy_process import EnvoyProcess
+from sidecar.identity import IdentityAgent
+from sidecar.ports import free_port
+from sidecar.supervisor import Supervisor
+from tests.test_identity_support import join_token_file, short_dir
+from tests.test_xds_support import AdsClient, eventually, sotw, upstreams
+from xds_server import ca as ca_mod
+from xds_server import membership
+from xds_server import types as t
+from xds_server.control_plane import ControlPlane
+from xds_server.mesh import Mesh, parse_mesh
+
+TD = "meshlm.local"
+CALLER = f"spiffe://{TD}/ns/default/sa/caller"
+LLM = f"spiffe://{TD}/ns/default/sa/llm"  # the llm service's account (the default one)
+
+
+def _mesh(upstream: str, service_account: str = "default/llm") -> Mesh:
+    return parse_mesh(
+        {
+            "services": {
+                "llm": {
+                    "versions": {"v1": {"endpoints": [upstream]}},
+                    "route": {"weights": {"v1": 100}},
+                    "service_account": service_account,
+                }
+            },
+            "identity": {"trust_domain": TD},
+        }
+    )
+
+
+def _inbound(port: int) -> dict:
+    return {
+        "meshlm.service": "llm",
+        "meshlm.version": "v1",
+        "meshlm.inbound_port": port,
+        "meshlm.local_endpoint": "127.0.0.1:1",
+    }
+
+
+def _channel(cp: ControlPlane, identity: str, signer: ca_mod.MeshCA | None = None) -> grpc.Channel:
+    """A TLS channel to `cp`'s ADS port with a client certificate for `identity` signed by
+    `signer` (default: the mesh CA), trusting the mesh's roots."""
+    key = ca_mod.new_key()
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([]))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(identity)]), True
+        )
+        .sign(key, hashes.SHA256())
+    )
+    chain = (signer or cp.identity.ca).sign(csr, identity, 600)
+    creds = grpc.ssl_channel_credentials(
+        cp.identity.ca.bundle_pem(), ca_mod.key_pem(key), "".join(chain).encode()
+    )
+    return grpc.secure_channel(
+        f"127.0.0.1:{cp.grpc_port}",
+        creds,
+        options=[("grpc.ssl_target_name_override", ca_mod.CA_SERVER_NAME)],
+    )
+
+
+def _client(cp: ControlPlane, node_id: str, channel: grpc.Channel, **kw) -> AdsClient:
+    c = AdsClient(cp.grpc_port, node_id, channel=channel, **kw)
+    c.send(sotw(t.CLUSTER))
+    return c
+
+
+def _supervisor(cp_port: int, node_id: str, d: Path, agent: IdentityAgent | None, events: list):
+    boot = ads_bootstrap(
+        node_id,
+        xds_address=("127.0.0.1", cp_port),
+        outbound_port=free_port(),
+        admin_port=free_port(),
+    )
+    return Supervisor(
+        node_id,
+        boot,
+        ("127.0.0.1", cp_port),
+        poll_interval=0.2,
+        on_event=events.append,
+        identity=agent,
+    )
+
+
+def _verified(cp: ControlPlane, node_id: str) -> str:
+    """The SPIFFE ID /debug/syncz shows for a connected node that ACKed its listeners."""
+    node = cp.syncz()["nodes"].get(node_id)
+    if not node or not node["connected"] or not node["types"].get("LDS", {}).get("acked_version"):
+        return ""
+    return node["spiffe_id"]
+
+
+@pytest.fixture
+def cp():
+    with (
+        upstreams("v1") as ups,
+        ControlPlane(_mesh(ups["v1"].address), debounce=0.02) as cp,
+    ):
+        yield cp
+
+
+def test_sidecar_with_identity_gets_its_config_over_mtls_and_survives_a_restart() -> None:
+    d = short_dir()
+    events: list[str] = []
+    with upstreams("v1") as ups:
+        mesh = _mesh(ups["v1"].address)
+        first = ControlPlane(mesh, debounce=0.02, identity_dir=str(d / "cp")).start()
+        port = first.grpc_port
+        agent = IdentityAgent(d / "sc", join_token_file=join_token_file(first, "default/caller", d))
+        sv = _supervisor(port, "caller-a", d, agent, events)
+        sv.start()
+        second = None
+        try:
+            sv.wait_ready()
+            assert eventually(lambda: _verified(first, "caller-a"), what="ACKs") == CALLER
+            stats = sv.envoy.stats(r"^cluster\.xds_cluster\.ssl\.handshake$")
+            assert stats["cluster.xds_cluster.ssl.handshake"] >= 1, "ADS went over TLS"
+            first.stop()
+            # Same port, same CA state: the same Envoy reconnects and ACKs again.
+            second = ControlPlane(mesh, debounce=0.02, identity_dir=str(d / "cp")).start(port)
+            assert eventually(lambda: _verified(second, "caller-a"), what="back") == CALLER
+            assert sv.failed is None and sv.envoy.proc.poll() is None
+        finally:
+            sv.stop()
+            first.stop()
+            if second:
+                second.stop()
+    assert not any("giving up" in e for e in events), events
+
+
+def test_plaintext_clients_are_refused(cp) -> None:
+    plain = AdsClient(cp.grpc_port, "plain")
+    plain.send(sotw(t.CLUSTER))
+    try:
+        assert plain.closed_with()[0] == grpc.StatusCode.UNAVAILABLE
+    finally:
+        plain.close()
+    # A real Envoy without identity never gets a stream in.
+    boot = ads_bootstrap("plain-envoy", xds_address=("127.0.0.1", cp.grpc_port), outbound_port=1)
+    envoy = EnvoyProcess(boot).start()  # never LIVE: its first CDS fetch gets nowhere
+    try:
+        name = "cluster.xds_cluster.upstream_cx_total"
+        eventually(lambda: envoy.stats(f"^{name}$").get(name, 0) >= 2, what="Envoy retried")
+        assert envoy.stats("^control_plane.connected_state$")["control_plane.connected_state"] == 0
+    finally:
+        envoy.stop()
+    assert "plain-envoy" not in cp.syncz()["nodes"]
+
+
+def test_sidecar_and_control_plane_disagreeing_on_mtls_fail_with_a_clear_message(cp) -> None:
+    d = short_dir()
+    # No identity, a control plane that requires mTLS.
+    sv = _supervisor(cp.grpc_port, "no-id", d, None, [])
+    sv.start()
+    try:
+        failed = eventually(lambda: sv.failed, what="the supervisor gave up")
+    finally:
+        sv.stop()
+    assert "requires mTLS" in failed and "--identity" in failed
+    # Identity, a control plane (no identity block) that serves ADS in plaintext.
+    token = join_token_file(cp, "default/caller", d)
+    with upstreams("v1") as ups, ControlPlane(_plain(ups["v1"].address)) as plain_cp:
+        sv = _supervisor(
+            plain_cp.grpc_port, "with-id", d, IdentityAgent(d / "sc", join_token_file=token), []
+        )
+        sv.start()
+        try:
+            failed = eventually(lambda: sv.failed, what="the supervisor gave up")
+        finally:
+            sv.stop()
+    assert "plaintext" in failed and "--identity" in failed
+
+
+def _plain(upstream: str) -> Mesh:
+    return parse_mesh(
+        {
+            "services": {
+                "llm": {
+                    "versions": {"v1": {"endpoints": [upstream]}},
+                    "route": {"weights": {"v1": 100}},
+                }
+            }
+        }
+    )
+
+
+def test_mesh_certificate_is_taken_and_one_of_a_rogue_ca_refused(cp) -> None:
+    ok = _client(cp, "caller-ok", _channel(cp, CALLER))
+    rogue = _client(cp, "caller-rogue", _channel(cp, CALLER, signer=ca_mod.MeshCA(TD)))
+    try:
+        assert ok.recv().type_url == t.CLUSTER
+        assert rogue.closed_with()[0] == grpc.StatusCode.UNAVAILABLE  # the handshake fails
+        assert eventually(lambda: cp.syncz()["nodes"]["caller-ok"]["spiffe_id"]) == CALLER
+        assert "caller-rogue" not in cp.syncz()["nodes"]
+    finally:
+        ok.close()
+        rogue.close()
+
+
+def test_ads_port_takes_a_rotated_root_at_once(cp) -> None:
+    cp.identity.ca.rotate_root(activate_after=0, overlap=600)
+
+    # Signed by the new root only: taken once the ADS server serves the new trust bundle.
+    def connects() -> bool:
+        c = _client(cp, "caller-new-root", _channel(cp, CALLER))
+        try:
+            return c.recv(timeout=2).type_url == t.CLUSTER
+        finally:
+            c.close()
+
+    assert eventually(connects, what="a certificate of the new root taken")
+
+
+def test_inbound_sidecar_claiming_another_services_metadata_is_refused(cp, caplog) -> None:
+    caplog.set_level(logging.DEBUG)
+    fake = _client(cp, "llm-v1-fake", _channel(cp, CALLER), metadata=_inbound(15100))
+    real = _client(cp, "llm-v1-real", _channel(cp, LLM), metadata=_inbound(15101))
+    try:
+        code, details = fake.closed_with()
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        for part in ("llm-v1-fake", "'llm'", CALLER):
+            assert part in details and part in caplog.text
+        assert real.recv().type_url == t.CLUSTER
+        eventually(lambda: "llm-v1-real" in cp.syncz()["nodes"], what="real one admitted")
+        assert membership.inbound_sidecars(cp.sync)["llm"] == 1  # the fake one not counted
+        assert cp.syncz()["nodes"]["llm-v1-real"]["spiffe_id"] == LLM
+        rejected = cp.syncz()["rejected"]
+        assert [r["code"] for r in rejected if r["node_id"] == "llm-v1-fake"] == [
+            "PERMISSION_DENIED"
+        ]
+        # The service gets another account: the old one's sidecar is no longer believed.
+        upstream = str(cp.mesh.services["llm"].versions["v1"].endpoints[0])
+        cp.update_mesh(_mesh(upstream, service_account="default/llm2"), timeout=0)
+        assert real.closed_with()[0] == grpc.StatusCode.PERMISSION_DENIED
+        eventually(lambda: membership.inbound_sidecars(cp.sync)["llm"] == 0, what="uncounted")
+    finally:
+        fake.close()
+        real.close()
+
+
+def test_sidecar_knows_the_control_planes_service_account() -> None:
+    assert bootstrap.CONTROL_PLANE_SA == ca_mod.CONTROL_PLANE_SA
+    assert bootstrap.control_plane_id(CALLER) == ca_mod.spiffe_id(TD, ca_mod.CONTROL_PLANE_SA)
+
+
+def test_no_join_token_grants_the_control_planes_identity(cp) -> None:
+    body = b'{"service_account": "meshlm-system/control-plane"}'
+    status, doc = cp.identity.handle("POST", "/identity/tokens", body)
+    assert status == 400 and "control plane" in doc["error"], doc
