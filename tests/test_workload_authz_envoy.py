@@ -120,6 +120,8 @@ def test_a_listed_workload_gets_through_and_the_runtime_learns_who_called(mesh: 
     assert seen["x-meshlm-principal"] == CHAT_ID
     assert seen["x-meshlm-tenant"] == "acme" and "x-api-key" not in seen
     assert mesh.stat(INBOUND + "rbac.meshlm_callers.policy.caller:apps/chat.allowed") >= 1
+    # The Wasm filter read the same certificate and allowed by the same rule.
+    assert mesh.stat("wasmcustom.meshlm_authz.caller.allowed.apps/chat") >= 1
 
 
 def test_another_workload_with_the_same_valid_key_is_denied_before_the_key_check(
