@@ -109,6 +109,11 @@ def with_ads_tls(boot: dict[str, Any], peer_id: str) -> dict[str, Any]:
                 "typed_config": {
                     "@type": "type.googleapis.com/" + _UPSTREAM_TLS,
                     "common_tls_context": {
+                        # Envoy's upstream default is at most 1.2; the mesh's hops are 1.3.
+                        "tls_params": {
+                            "tls_minimum_protocol_version": "TLSv1_3",
+                            "tls_maximum_protocol_version": "TLSv1_3",
+                        },
                         "alpn_protocols": ["h2"],
                         "tls_certificate_sds_secret_configs": [secret_ref(DEFAULT)],
                         "combined_validation_context": {

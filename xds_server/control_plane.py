@@ -33,6 +33,7 @@ from xds_server.cache import SnapshotCache
 from xds_server.identity import REFRESH_INTERVAL, Identity
 from xds_server.isolation import Isolation, push_loop
 from xds_server.listen import listen_error
+from xds_server.resources import tls
 from xds_server.snapshot import make_version
 from xds_server.sync import Limits, SyncStatus
 
@@ -110,7 +111,7 @@ class ControlPlane:
         self.debounce = mesh.control_plane.debounce if debounce is None else debounce
         self.identity = Identity(mesh.identity, identity_dir) if mesh.identity else None
         # ADS (and the rate-limit and access-log services on its port) over mTLS (issue 14).
-        self.ads_mtls = bool(mesh.identity) and getattr(mesh.identity, "mtls", "") != "off"
+        self.ads_mtls = tls.mtls(mesh)
         td = mesh.identity.trust_domain if self.ads_mtls else None
         # One servicer each across restarts of the server (rate-limit buckets live in one).
         self._ads = AdsServicer(self.cache, self.sync, td)
