@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import functools
 
+from xds_server.ca import spiffe_id
 from xds_server.control_plane import ControlPlane
 from xds_server.gates import EnvoyStatsSource, MeasurementError, RuntimeMetricsSource, Sources
-from xds_server.liveness import GrpcHealthSource
+from xds_server.liveness import GrpcHealthSource, MtlsProbe, client_context
 from xds_server.resources.names import outbound_cluster
 from xds_server.rollout_spec import RolloutSpec
 
@@ -50,6 +51,18 @@ def endpoints(cp: ControlPlane, service: str, version: str) -> list[str]:
         return []
 
 
+def mtls_probe(cp: ControlPlane, service: str) -> MtlsProbe | None:
+    """How the control plane probes `service`'s endpoints: None on a plaintext mesh; with mTLS
+    its own certificate (the control plane's SPIFFE ID) and the service's SPIFFE ID."""
+    mesh, ident = cp.mesh, cp.identity
+    svc = mesh.services.get(service)
+    if ident is None or mesh.identity is None or mesh.identity.mtls == "off" or svc is None:
+        return None
+    key, chain = ident.ca.server_credentials((), ())
+    ctx = client_context(key, chain, ident.ca.bundle_pem())
+    return MtlsProbe(ctx, spiffe_id(ident.ca.trust_domain, svc.service_account))
+
+
 def configured_sources(cp: ControlPlane):
     """A `sources_factory` for `RolloutController` reading the control plane's current mesh."""
 
@@ -61,7 +74,10 @@ def configured_sources(cp: ControlPlane):
                 functools.partial(runtime_metrics_urls, cp, spec.service, spec.canary)
             ),
             stable=EnvoyStatsSource(callers, outbound_cluster(spec.service, spec.stable)),
-            live=GrpcHealthSource(functools.partial(endpoints, cp, spec.service, spec.canary)),
+            live=GrpcHealthSource(
+                functools.partial(endpoints, cp, spec.service, spec.canary),
+                mtls=functools.partial(mtls_probe, cp, spec.service),
+            ),
         )
 
     return factory

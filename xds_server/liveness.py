@@ -5,15 +5,27 @@ An endpoint is live when it answers SERVING, or when an authz filter in front of
 unauthenticated probe with UNAUTHENTICATED / PERMISSION_DENIED: a sidecar that speaks gRPC is
 there, and the runtime behind it is judged by the gates on real calls. Connection refused,
 UNAVAILABLE (e.g. a sidecar whose runtime is gone), NOT_SERVING or no answer in time: not live.
+
+With mTLS (issue 14) an inbound listener drops a plaintext probe, and gRPC Python checks a
+server's certificate by host name, which a workload certificate (a URI SAN only) has not. So
+the probe is a TLS handshake with the control plane's own certificate: the endpoint is live when
+it proves the expected SPIFFE ID against the mesh's trust bundle (a sidecar is there, as an
+authz denial shows for a plaintext probe; the runtime behind it is judged by the gates).
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from xds_server.ca import uri_sans
 
 AUTHZ_DENIALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
@@ -40,17 +52,70 @@ def probe(endpoint: str, timeout: float = 1.0) -> EndpointHealth:
     return EndpointHealth(endpoint, resp.status == health_pb2.HealthCheckResponse.SERVING, status)
 
 
+@dataclass(frozen=True)
+class MtlsProbe:
+    """How to probe an mTLS endpoint: a client context (our certificate, the trust bundle) and
+    the SPIFFE ID the endpoint must prove."""
+
+    context: ssl.SSLContext
+    peer_id: str
+
+
+def client_context(key_pem: bytes, chain_pem: bytes, bundle_pem: bytes) -> ssl.SSLContext:
+    """A TLS client context presenting `chain_pem` and trusting `bundle_pem` only; no host
+    name check (the peer's SPIFFE ID is checked after the handshake)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.load_verify_locations(cadata=bundle_pem.decode())
+    ctx.set_alpn_protocols(["h2"])
+    # load_cert_chain reads files only: an anonymous memory file keeps the key off every disk.
+    fd = os.memfd_create("meshlm-probe-tls", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, chain_pem + key_pem)
+        ctx.load_cert_chain(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+    return ctx
+
+
+def probe_mtls(endpoint: str, how: MtlsProbe, timeout: float = 1.0) -> EndpointHealth:
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with (
+            socket.create_connection((host, int(port)), timeout=timeout) as raw,
+            how.context.wrap_socket(raw) as tls,
+        ):
+            der = tls.getpeercert(binary_form=True)
+    except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+        return EndpointHealth(endpoint, False, f"mTLS handshake failed: {e}")
+    sans = uri_sans(x509.load_der_x509_certificate(der)) if der else []
+    if how.peer_id not in sans:
+        return EndpointHealth(
+            endpoint, False, f"presents {sans or 'no SPIFFE ID'}, not {how.peer_id}"
+        )
+    return EndpointHealth(endpoint, True, f"mTLS handshake as {how.peer_id}")
+
+
 class GrpcHealthSource:
     """Probes a version's endpoints; `endpoints` is a list or a function asked at every read
-    (the mesh's endpoints change through the admin API)."""
+    (the mesh's endpoints change through the admin API); `mtls`, asked at every read: None
+    for a plaintext mesh, else how to probe over mTLS."""
 
     def __init__(
-        self, endpoints: list[str] | Callable[[], list[str]], *, timeout: float = 1.0
+        self,
+        endpoints: list[str] | Callable[[], list[str]],
+        *,
+        timeout: float = 1.0,
+        mtls: Callable[[], MtlsProbe | None] = lambda: None,
     ) -> None:
         self._endpoints = endpoints if callable(endpoints) else (lambda: list(endpoints))
         self.timeout = timeout
+        self._mtls = mtls
 
     def read(self) -> list[EndpointHealth]:
+        how = self._mtls()
+        if how is not None:
+            return [probe_mtls(e, how, self.timeout) for e in self._endpoints()]
         return [probe(e, self.timeout) for e in self._endpoints()]
 
 
