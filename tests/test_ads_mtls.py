@@ -11,6 +11,7 @@ import grpc
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
+from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from sidecar import bootstrap
 from sidecar.bootstrap import ads_bootstrap
@@ -20,11 +21,13 @@ from sidecar.ports import free_port
 from sidecar.supervisor import Supervisor
 from tests.test_identity_support import join_token_file, short_dir
 from tests.test_xds_support import AdsClient, eventually, sotw, upstreams
+from wasm_filters.policy import hash_key
 from xds_server import ca as ca_mod
 from xds_server import membership
 from xds_server import types as t
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import Mesh, parse_mesh
+from xds_server.ratelimit import DOMAIN
 
 TD = "meshlm.local"
 CALLER = f"spiffe://{TD}/ns/default/sa/caller"
@@ -266,3 +269,49 @@ def test_no_join_token_grants_the_control_planes_identity(cp) -> None:
     body = b'{"service_account": "meshlm-system/control-plane"}'
     status, doc = cp.identity.handle("POST", "/identity/tokens", body)
     assert status == 400 and "control plane" in doc["error"], doc
+
+
+def test_global_rate_limit_is_served_over_mtls_and_keeps_its_buckets_across_a_restart(
+    caplog,
+) -> None:
+    caplog.set_level(logging.INFO, logger="xds_server.control_plane")
+    with upstreams("v1") as ups:
+        doc = {
+            "services": {
+                "llm": {
+                    "versions": {"v1": {"endpoints": [ups["v1"].address]}},
+                    "route": {"weights": {"v1": 100}},
+                }
+            },
+            "tenants": {
+                "acme": {
+                    "key_sha256": hash_key("k-acme"),
+                    "allow": ["llm/*"],
+                    "rate_limit": {"max_tokens": 3, "tokens_per_fill": 1, "fill_interval": "1h"},
+                }
+            },
+            "rate_limits": {"mode": "global"},
+            "identity": {"trust_domain": TD},
+        }
+        with ControlPlane(parse_mesh(doc), debounce=0.02) as cp:
+            request = rls_pb2.RateLimitRequest(domain=DOMAIN)
+            entries = request.descriptors.add().entries
+            entries.add(key="tenant", value="acme")
+            entries.add(key="service", value="llm")
+
+            def ask(ch: grpc.Channel) -> str:
+                reply = rls_pb2_grpc.RateLimitServiceStub(ch).ShouldRateLimit(
+                    request, timeout=10, wait_for_ready=True
+                )
+                return rls_pb2.RateLimitResponse.Code.Name(reply.overall_code)
+
+            with grpc.insecure_channel(f"127.0.0.1:{cp.grpc_port}") as plain:
+                with pytest.raises(grpc.RpcError) as e:
+                    rls_pb2_grpc.RateLimitServiceStub(plain).ShouldRateLimit(request, timeout=5)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            with _channel(cp, LLM) as ch:
+                assert [ask(ch) for _ in range(3)] == ["OK"] * 3
+                # A new root joins the trust bundle: the server restarts to take it.
+                cp.identity.ca.rotate_root()
+                eventually(lambda: "restarting its server" in caplog.text, what="restart")
+                assert ask(ch) == "OVER_LIMIT"  # the same bucket, not a fresh one
