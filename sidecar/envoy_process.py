@@ -113,7 +113,17 @@ class EnvoyProcess:
             *self._hot_restart_args(),
             *self.extra_args,
         ]  # fmt: skip
-        preexec = _die_with(os.getpid()) if self.die_with_parent else None
+        preexec = None
+        if self.die_with_parent:
+            # setpriv sets the death signal in the child and execs Envoy: no Python runs
+            # between fork and exec. A preexec_fn runs CPython's after-fork hooks in the child,
+            # which crash now and then ("Fatal Python error" in threading._after_fork) when
+            # other threads of the parent hold locks.
+            setpriv = shutil.which("setpriv")
+            if setpriv:
+                cmd = [setpriv, "--pdeathsig", "KILL", "--", *cmd]
+            else:
+                preexec = _die_with(os.getpid())
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd,
