@@ -271,7 +271,7 @@ def test_no_join_token_grants_the_control_planes_identity(cp) -> None:
     assert status == 400 and "control plane" in doc["error"], doc
 
 
-def test_global_rate_limit_is_served_over_mtls_and_keeps_its_buckets_across_a_restart(
+def test_global_rate_limit_takes_only_the_services_sidecars_and_keeps_buckets_on_restart(
     caplog,
 ) -> None:
     caplog.set_level(logging.INFO, logger="xds_server.control_plane")
@@ -309,6 +309,11 @@ def test_global_rate_limit_is_served_over_mtls_and_keeps_its_buckets_across_a_re
                 with pytest.raises(grpc.RpcError) as e:
                     rls_pb2_grpc.RateLimitServiceStub(plain).ShouldRateLimit(request, timeout=5)
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            with _channel(cp, CALLER) as other:  # not an inbound sidecar of llm
+                with pytest.raises(grpc.RpcError) as e:
+                    ask(other)
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert CALLER in e.value.details()
             with _channel(cp, LLM) as ch:
                 assert [ask(ch) for _ in range(3)] == ["OK"] * 3
                 # A new root joins the trust bundle: the server restarts to take it.

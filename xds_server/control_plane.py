@@ -115,7 +115,7 @@ class ControlPlane:
         td = mesh.identity.trust_domain if self.ads_mtls else None
         # One servicer each across restarts of the server (rate-limit buckets live in one).
         self._ads = AdsServicer(self.cache, self.sync, td)
-        self._rls = ratelimit.RateLimitServicer(lambda: self.cache.mesh)
+        self._rls = ratelimit.RateLimitServicer(lambda: self.cache.mesh, trust_domain=td)
         self._als = accesslog.AccessLogServicer(self.isolation)
         self._tls_served: tuple[bytes, bytes] = (b"", b"")  # chain, trust bundle
         self._tls_renewer: asyncio.Task | None = None

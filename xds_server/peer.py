@@ -29,20 +29,27 @@ class Peer:
     service_account: str  # "ns/sa"
 
 
-def peer_of(context: grpc.aio.ServicerContext, trust_domain: str) -> Peer:
-    """The workload whose certificate the TLS layer verified on this stream; NodeRejected
-    (UNAUTHENTICATED) without one of `trust_domain`."""
+def workload(context: grpc.aio.ServicerContext, trust_domain: str) -> Peer | None:
+    """The workload of `trust_domain` whose certificate the TLS layer verified on this call."""
     certs = context.auth_context().get("x509_pem_cert") or []
     cert = x509.load_pem_x509_certificate(certs[0]) if certs else None
     spiffe_id = workload_id(cert, trust_domain) if cert else None
     if spiffe_id is None:
+        return None
+    _, service_account = parse_spiffe_id(spiffe_id)
+    return Peer(spiffe_id, service_account)
+
+
+def peer_of(context: grpc.aio.ServicerContext, trust_domain: str) -> Peer:
+    """`workload(context)`, or NodeRejected (UNAUTHENTICATED) without one."""
+    peer = workload(context, trust_domain)
+    if peer is None:
         raise NodeRejected(
             "UNAUTHENTICATED",
             f"ADS needs a client certificate with one workload SPIFFE ID of trust domain "
             f"{trust_domain} (meshlm sidecar --identity)",
         )
-    _, service_account = parse_spiffe_id(spiffe_id)
-    return Peer(spiffe_id, service_account)
+    return peer
 
 
 def claim_refused(node_id: str, group: NodeInfo, peer: Peer, mesh: m.Mesh) -> str | None:

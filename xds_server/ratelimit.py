@@ -27,6 +27,7 @@ import grpc
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from xds_server import mesh as m
+from xds_server.peer import workload
 
 DOMAIN = "meshlm"
 TENANT_KEY = "tenant"
@@ -119,10 +120,16 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
     """ShouldRateLimit against the mesh that `current_mesh()` returns at each call."""
 
     def __init__(
-        self, current_mesh: Callable[[], m.Mesh], buckets: TokenBuckets | None = None
+        self,
+        current_mesh: Callable[[], m.Mesh],
+        buckets: TokenBuckets | None = None,
+        trust_domain: str | None = None,
     ) -> None:
+        """`trust_domain`: served over mTLS (issue 14), and a service's buckets are spent only
+        by its own inbound sidecars (their certificates hold its service account)."""
         self._mesh = current_mesh
         self._buckets = buckets or TokenBuckets()
+        self._trust_domain = trust_domain
         self._seen: m.Mesh | None = None
         self._by_key: dict[tuple[str, str], Limit] = {}
 
@@ -146,6 +153,9 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         problem = _problem(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        refused = self._refused(request, context)
+        if refused:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
         limits = self._limits()
         resp = rls_pb2.RateLimitResponse(overall_code=Code.OK)
         for d in request.descriptors:
@@ -167,6 +177,21 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
                 if not resp.response_headers_to_add:
                     resp.response_headers_to_add.add(key="retry-after", value=retry)
         return resp
+
+    def _refused(
+        self, request: rls_pb2.RateLimitRequest, context: grpc.aio.ServicerContext
+    ) -> str | None:
+        if self._trust_domain is None:
+            return None
+        peer = workload(context, self._trust_domain)
+        services = self._mesh().services
+        for d in request.descriptors:
+            name = next(e.value for e in d.entries if e.key == SERVICE_KEY)
+            svc = services.get(name)
+            if peer is None or svc is None or svc.service_account != peer.service_account:
+                who = peer.spiffe_id if peer else "a client without a workload certificate"
+                return f"{who} is not an inbound sidecar of service {name!r}: not its limits"
+        return None
 
 
 def _problem(request: rls_pb2.RateLimitRequest) -> str | None:
