@@ -10,7 +10,7 @@ import pytest
 
 from tests.test_mesh_support import ACME_KEY, GEN, json_lines, two_hops
 from tests.test_xds_support import eventually
-from xds_server.mesh import MeshError, parse_mesh
+from xds_server.mesh import MeshError, load_yaml, parse_mesh
 
 SERVICES = {"llm": {"versions": {"v1": {"endpoints": ["127.0.0.1:1"]}}}}
 
@@ -30,6 +30,13 @@ def test_mesh_file_access_log_options() -> None:
         parse_mesh({"services": SERVICES, "access_log": {"format": "x"}})
     with pytest.raises(MeshError, match=r"access_log.path: expected a file path"):
         parse_mesh({"services": SERVICES, "access_log": {"path": 3}})
+
+
+def test_a_bare_off_in_the_mesh_file_turns_a_side_off() -> None:
+    # YAML 1.1 reads an unquoted `off` as false: the README writes `inbound: off`.
+    text = "services: {llm: {versions: {v1: {endpoints: ['127.0.0.1:1']}}}}\n"
+    mesh = parse_mesh(load_yaml(text + "access_log: {inbound: off, outbound: off}\n"))
+    assert (mesh.access_log.outbound, mesh.access_log.inbound) == ("off", "off")
 
 
 def _by_listener(lines: list[dict]) -> dict[str, list[dict]]:

@@ -211,6 +211,8 @@ def _access_log(raw: Any) -> AccessLog:
     sides = {}
     for side in ("outbound", "inbound"):
         calls = d.get(side, getattr(AccessLog, side))
+        if calls is False:  # YAML 1.1 reads a bare `off` as false
+            calls = "off"
         if calls not in ACCESS_LOG_CALLS:
             raise MeshError(
                 f"access_log.{side}: expected one of {', '.join(ACCESS_LOG_CALLS)}, got {calls!r}"
