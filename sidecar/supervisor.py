@@ -60,21 +60,32 @@ def reachable(address: tuple[str, int], timeout: float = 0.5) -> bool:
         return False
 
 
+# HTTP/2's client connection preface and an empty SETTINGS frame (RFC 9113, 3.4).
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
 def speaks_tls(address: tuple[str, int], timeout: float = 2.0) -> bool | None:
-    """Whether the server at `address` answers a TLS ClientHello with TLS (True) or with plaintext
-    HTTP/2 (False); None when it cannot tell (down, or the connection closed). Only the protocol
-    is asked, so nothing is verified here: Envoy verifies its own connections."""
+    """Whether the server at `address` speaks TLS (True) or plaintext HTTP/2 (False); None when
+    it cannot tell (down, or it closed the connection). Only the protocol is asked, so nothing
+    is verified here: Envoy verifies its own connections."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
     try:
         with socket.create_connection(address, timeout=timeout) as raw, ctx.wrap_socket(raw):
             return True
-    except ssl.SSLError as e:  # a TLS alert (no client certificate...) is still TLS
-        reason = e.reason or ""
-        return False if reason == "WRONG_VERSION_NUMBER" else ("ALERT" in reason or None)
+    except ssl.SSLError as e:
+        if "ALERT" in (e.reason or ""):  # it refused us (no client certificate...) in TLS
+            return True
     except OSError:
         return None
+    try:  # not TLS: a plaintext HTTP/2 server answers the preface with its SETTINGS
+        with socket.create_connection(address, timeout=timeout) as s:
+            s.sendall(_H2_PREFACE)
+            head = s.recv(9)
+    except OSError:
+        return None
+    return False if len(head) >= 4 and head[3] == 4 else None
 
 
 class Supervisor:
