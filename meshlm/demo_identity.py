@@ -84,6 +84,9 @@ class CertWatch:
     def summary(self, admin_ports: dict[str, int]) -> dict[str, dict[str, Any]]:
         """Per sidecar: its SPIFFE ID, certificate serial and expiry, renewals and root
         rotations seen, and whether its Envoy presents a certificate of this agent's."""
+        self.poll()  # what the agents hold now, not a second ago
+        in_envoy = {name: envoy_serials(port) for name, port in admin_ports.items()}
+        self.poll()  # a renewal Envoy got while it was read
         out = {}
         with self._lock:
             for name in self.dirs:
@@ -100,7 +103,7 @@ class CertWatch:
                     "renewals": len(self._serials[name]) - 1,
                     "root_rotations": max(0, len(self._roots[name]) - 1),
                     # Envoy presents one of them (a renewal reaches it by SDS a moment later).
-                    "in_envoy": bool(envoy_serials(admin_ports[name]) & set(self._serials[name])),
+                    "in_envoy": bool(in_envoy[name] & set(self._serials[name])),
                 }
         return out
 
