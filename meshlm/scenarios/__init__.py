@@ -6,8 +6,14 @@ off and on) and `BENCH_TITLE`."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 # name -> module; the canary module runs both of its names.
 SCENARIOS: dict[str, str] = {
@@ -24,6 +30,44 @@ SCENARIOS: dict[str, str] = {
 def say(msg: str) -> None:
     """A scenario's progress line."""
     print(f"  {msg}", flush=True)
+
+
+def report_of(
+    title: str, produce: Callable[[], dict[str, Any]], hide: tuple[str, ...] = ()
+) -> dict[str, Any] | None:
+    """What a scenario's run() does around its one run: say what it shows, run it, print the
+    report (but the keys in `hide`, which the scenario shows its own way) and where its
+    report.json is. None, with the reason printed, when the mesh failed (a port taken, a
+    process that died, a timeout)."""
+    print(f"meshlm demo --scenario {title}")
+    try:
+        report = produce()
+    except (TimeoutError, RuntimeError, OSError) as e:
+        print(f"meshlm demo: {e}", file=sys.stderr)
+        return None
+    print(json.dumps({k: v for k, v in report.items() if k not in hide}, indent=2))
+    print(f"JSON report: {report['workdir']}/report.json")
+    return report
+
+
+@contextlib.contextmanager
+def running(mesh: Any, say: Callable[[str], None]) -> Iterator[contextlib.ExitStack]:
+    """Start `mesh` (a meshlm.launcher.LocalMesh) for the block; after it, whatever happened,
+    run the stops the block put on the stack (`stack.callback(traffic.stop)`), last first, then
+    stop every process of the mesh."""
+    with contextlib.ExitStack() as stack:
+
+        @stack.callback
+        def _stop_mesh() -> None:
+            mesh.stop()
+            say("all processes stopped")
+
+        mesh.start(say=say)
+        yield stack
+
+
+def write_report(workdir: Path, report: dict[str, Any]) -> None:
+    (workdir / "report.json").write_text(json.dumps(report, indent=2))
 
 
 def load(name: str) -> ModuleType:

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 import urllib.request
 from typing import Any
 
-from meshlm.scenarios import say
+from meshlm.scenarios import report_of, running, say, write_report
 
 BENCH_TITLE = "Load-aware routing: one replica of two decodes at half speed"
 SLOW, FAST = "v1-1", "v1-0"
@@ -29,14 +28,12 @@ WARMUP_CALLS = 6
 
 
 def run(args: argparse.Namespace, name: str) -> int:
-    print("meshlm demo --scenario hot-replica: one replica of two decodes at half speed")
-    try:
-        report = _run(least_loaded=True, seconds=60.0, workdir=args.workdir, say=say)
-    except (TimeoutError, RuntimeError, OSError) as e:
-        print(f"meshlm demo: {e}", file=sys.stderr)
+    report = report_of(
+        "hot-replica: one replica of two decodes at half speed",
+        lambda: _run(least_loaded=True, seconds=60.0, workdir=args.workdir, say=say),
+    )
+    if report is None:
         return 1
-    print(json.dumps(report, indent=2))
-    print(f"JSON report: {report['workdir']}/report.json")
     share = report["share_by_replica"].get(SLOW)
     return 0 if share is not None and share < 0.5 and report["sla"]["ok"] else 1
 
@@ -66,15 +63,14 @@ def _run(*, least_loaded: bool, seconds: float, workdir: Any, say: Any) -> dict[
     mesh = LocalMesh(_mesh(least_loaded), workdir=workdir, replicas={"v1": 2}, faults=faults)
     say(f"logs and report in {mesh.workdir}; load_balancing {lb}; {SLOW} decodes "
         f"{SLOW_FACTOR}x slower")  # fmt: skip
-    traffic = None
-    try:
-        mesh.start(say=say)
+    with running(mesh, say) as stops:
         _warm_up(mesh, say)
         before = _generated(mesh)
         load = TenantLoad("acme", "demo-acme-key", rate=RATE)
         traffic = Traffic(
             mesh.caller_target, [load], authority=SERVICE, max_new_tokens=MAX_NEW_TOKENS
         ).start()
+        stops.callback(traffic.stop)
         say(f"traffic: acme {RATE:g} Generate calls/s, {MAX_NEW_TOKENS} tokens, {seconds:.0f} s")
         time.sleep(seconds)
         traffic.stop()
@@ -97,13 +93,8 @@ def _run(*, least_loaded: bool, seconds: float, workdir: Any, say: Any) -> dict[
             else {},
             "orca_reports_received": _orca_reports(mesh),
         }
-        (mesh.workdir / "report.json").write_text(json.dumps(report, indent=2))
+        write_report(mesh.workdir, report)
         return report
-    finally:
-        if traffic is not None:
-            traffic.stop()
-        mesh.stop()
-        say("all processes stopped")
 
 
 def _warm_up(mesh: Any, say: Any) -> None:

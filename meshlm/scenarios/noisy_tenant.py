@@ -18,13 +18,11 @@ runtime; plus the `sla` object (meshlm/sla.py) of the isolated flood phase.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from meshlm.scenarios import say
+from meshlm.scenarios import report_of, running, say, write_report
 
 BENCH_TITLE = "Tenant isolation: a tenant floods long generations beside a quiet one"
 GOAL = 0.95
@@ -44,14 +42,12 @@ RATE_LIMITS = {  # both inside their limits: the flood is allowed traffic
 
 
 def run(args: argparse.Namespace, name: str) -> int:
-    print("meshlm demo --scenario noisy-tenant: a flood of long generations beside a quiet tenant")
-    try:
-        report = measure_both("full", workdir=args.workdir, say=say)
-    except (TimeoutError, RuntimeError, OSError) as e:
-        print(f"meshlm demo: {e}", file=sys.stderr)
+    report = report_of(
+        "noisy-tenant: a flood of long generations beside a quiet tenant",
+        lambda: measure_both("full", workdir=args.workdir, say=say),
+    )
+    if report is None:
         return 1
-    print(json.dumps(report, indent=2))
-    print(f"JSON report: {report['workdir']}/report.json")
     s = report["interference_suppression"]
     print(f"interference suppression {s if s is None else f'{100 * s:.1f} %'} "
           f"(goal {100 * GOAL:.0f} %)")  # fmt: skip
@@ -61,11 +57,8 @@ def run(args: argparse.Namespace, name: str) -> int:
 def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
     version = "v2" if mechanism else "v1"
     mesh = _local_mesh(None, versions=[version])
-    try:
-        mesh.start(say=lambda m: None)
+    with running(mesh, say=lambda m: None):
         r = _phases(mesh, version, PHASES["quick" if quick else "full"], say=lambda m: None)
-    finally:
-        mesh.stop()
     return {
         k: r[k] for k in ("sla", "tenants", "quiet_alone_ttft_ms", "quiet_ttft_p99_degradation_ms")
     }
@@ -76,13 +69,9 @@ def measure_both(phases: str, workdir: Path | None, say: Any) -> dict[str, Any]:
     durations in PHASES."""
     mesh = _local_mesh(workdir, versions=["v1", "v2"])
     say(f"logs and report in {mesh.workdir}; v1 --no-tenant-isolation, v2 isolation on")
-    try:
-        mesh.start(say=say)
+    with running(mesh, say):
         off = _phases(mesh, "v1", PHASES[phases], say)
         on = _phases(mesh, "v2", PHASES[phases], say)
-    finally:
-        mesh.stop()
-        say("all processes stopped")
     d_off, d_on = off["quiet_ttft_p99_degradation_ms"], on["quiet_ttft_p99_degradation_ms"]
     suppression = None
     if d_off is not None and d_on is not None and d_off > 0:
@@ -102,7 +91,7 @@ def measure_both(phases: str, workdir: Path | None, say: Any) -> dict[str, Any]:
         "isolation_off": off,
         "isolation_on": on,
     }
-    (mesh.workdir / "report.json").write_text(json.dumps(report, indent=2))
+    write_report(mesh.workdir, report)
     return report
 
 

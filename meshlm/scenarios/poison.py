@@ -16,8 +16,6 @@ ride on whatever is left.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import threading
 import time
 from collections import Counter
@@ -26,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from meshlm.scenarios import say
+from meshlm.scenarios import report_of, running, say, write_report
 
 BENCH_TITLE = "Semantic circuit breaking: a query of death at 1/s"
 POISON_REGEX = "POISON-PILL"
@@ -54,15 +52,11 @@ GENERATE = "/meshlm.inference.v1.Inference/Generate"
 
 
 def run(args: argparse.Namespace, name: str) -> int:
-    print("meshlm demo --scenario poison: a query of death arrives every second")
-    try:
-        report = _run(mechanism=True, phases=(15.0, 60.0), workdir=args.workdir, say=say)
-    except (TimeoutError, RuntimeError, OSError) as e:
-        print(f"meshlm demo: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(report, indent=2))
-    print(f"JSON report: {report['workdir']}/report.json")
-    return 0 if report["quarantined_classes"] else 1
+    report = report_of(
+        "poison: a query of death arrives every second",
+        lambda: _run(mechanism=True, phases=(15.0, 60.0), workdir=args.workdir, say=say),
+    )
+    return 0 if report is not None and report["quarantined_classes"] else 1
 
 
 def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
@@ -107,17 +101,17 @@ def _run(*, mechanism: bool, phases: tuple[float, float], workdir: Any, say: Any
         TenantLoad("acme", "demo-acme-key", rate=2.0),
         TenantLoad("free", "demo-free-key", rate=0.5),  # over its bucket now and then: 429s
     ]
-    traffic = poison = None
-    try:
-        mesh.start(say=say)
+    with running(mesh, say) as stops:
         mesh.keep_runtimes_alive(say=say)
         traffic = Traffic(
             mesh.caller_target, loads, authority=SERVICE, max_new_tokens=MAX_NEW_TOKENS,
             resume=False,
         ).start()  # fmt: skip
+        stops.callback(traffic.stop)
         say(f"baseline: healthy traffic alone for {baseline_s:.0f} s")
         time.sleep(baseline_s)
         poison = PoisonTrickle(mesh.caller_target, SERVICE).start()
+        stops.callback(poison.stop)
         say(f"a poison request every {1 / POISON_RATE:g} s for {poison_s:.0f} s")
         t_poison = time.monotonic()
         quarantined_at = _watch_quarantine(mesh, t_poison, poison_s) if mechanism else None
@@ -174,14 +168,8 @@ def _run(*, mechanism: bool, phases: tuple[float, float], workdir: Any, say: Any
             ),
             "restarted_by": "the demo's launcher (LocalMesh.keep_runtimes_alive)",
         }
-        (mesh.workdir / "report.json").write_text(json.dumps(report, indent=2))
+        write_report(mesh.workdir, report)
         return report
-    finally:
-        for t in (poison, traffic):
-            if t is not None:
-                t.stop()
-        mesh.stop()
-        say("all processes stopped")
 
 
 def poison_class() -> str:

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from meshlm.scenarios import say
+from meshlm.scenarios import report_of, running, say, write_report
 
 BENCH_TITLE = "SLO loop: a low-priority tenant's load step against a TTFT p99 SLO"
 GOAL_INTERVALS = 3
@@ -58,17 +57,16 @@ RATE_LIMITS = {
 
 
 def run(args: argparse.Namespace, name: str) -> int:
-    print("meshlm demo --scenario slo: a load step breaches a TTFT SLO; the SLO loop restores it")
-    try:
-        report = scenario(workdir=args.workdir, act=True, say=say)
-    except (TimeoutError, RuntimeError, OSError) as e:
-        print(f"meshlm demo: {e}", file=sys.stderr)
+    report = report_of(
+        "slo: a load step breaches a TTFT SLO; the SLO loop restores it",
+        lambda: scenario(workdir=args.workdir, act=True, say=say),
+        hide=("timeline",),
+    )
+    if report is None:
         return 1
-    print(json.dumps({k: v for k, v in report.items() if k != "timeline"}, indent=2))
     for row in report["timeline"]:
         print(f"  {row['t_s']:6.1f}s {row['phase']:5} TTFT p99 {row['ttft_p99_ms']} ms "
               f"dev {row['deviation']} {row['action'] or ''}")  # fmt: skip
-    print(f"JSON report: {report['workdir']}/report.json")
     n = report["intervals_to_restore"]
     print(f"intervals to restore: {n} (goal <= {GOAL_INTERVALS}); undone after the step: "
           f"{report['undone_after_step']}; flapped: {report['flapped']}")  # fmt: skip
@@ -94,13 +92,13 @@ def scenario(workdir: Path | None, act: bool, say: Any) -> dict[str, Any]:
 
     mesh = _local_mesh(workdir)
     say(f"logs and report in {mesh.workdir}")
-    loads: list[Any] = []
     watch = Watch(mesh)
-    try:
-        mesh.start(say=say)
+    with running(mesh, say) as stops:
+        stops.callback(watch.stop)
         gold = _traffic(mesh, "gold", GOLD_RATE, GOLD_TOKENS)
         free = _traffic(mesh, "free", FREE_BASE_RATE, FREE_TOKENS)
-        loads += [gold, free]
+        stops.callback(gold.stop)
+        stops.callback(free.stop)
         time.sleep(INTERVAL_S)  # warm-up
         # The base load's TTFT p99 on this machine: the median of three windows' (one slow
         # moment on a shared machine must not set the SLO).
@@ -119,7 +117,7 @@ def scenario(workdir: Path | None, act: bool, say: Any) -> dict[str, Any]:
         time.sleep(2 * INTERVAL_S)
         t_step = time.monotonic()
         flood = _traffic(mesh, "free", FREE_STEP_RATE, FREE_TOKENS)
-        loads.append(flood)
+        stops.callback(flood.stop)
         say(f"load step: free floods at {FREE_STEP_RATE:g}/s for {STEP_INTERVALS} intervals")
         time.sleep(STEP_INTERVALS * INTERVAL_S)
         flood.stop()
@@ -135,12 +133,6 @@ def scenario(workdir: Path | None, act: bool, say: Any) -> dict[str, Any]:
         for t in (gold, free):
             t.stop()
         status = mesh.admin("GET", "/slo/llm")
-    finally:
-        watch.stop()
-        for t in loads:
-            t.stop()
-        mesh.stop()
-        say("all processes stopped")
     timeline = watch.timeline(t_step, t_end, status["history"])
     step = [row for row in timeline if row["phase"] == "step"]
     gold_step = [o for o in gold.outcomes if t_step <= o.at < t_end]
@@ -150,18 +142,7 @@ def scenario(workdir: Path | None, act: bool, say: Any) -> dict[str, Any]:
         "scenario": "slo",
         "workdir": str(mesh.workdir),
         "loop_acts": act,
-        "traffic": {
-            "gold": {"rate_per_s": GOLD_RATE, "max_new_tokens": GOLD_TOKENS, "priority": "high"},
-            "free": {
-                "base_rate_per_s": FREE_BASE_RATE,
-                "step_rate_per_s": FREE_STEP_RATE,
-                "max_new_tokens": FREE_TOKENS,
-                "priority": "low",
-            },
-            "rate_limits": RATE_LIMITS,
-            "serve_args": SERVE_ARGS,
-            "step_s": STEP_INTERVALS * INTERVAL_S,
-        },
+        "traffic": _traffic_doc(),
         "base_ttft_p99_ms": round(base_p99, 1),
         "slo_ttft_p99_ms": slo_ms,
         "slo": block | {"deviation_fraction": status["slo"]["deviation"]},
@@ -183,7 +164,7 @@ def scenario(workdir: Path | None, act: bool, say: Any) -> dict[str, Any]:
         "gold_step_by_status": _by_status(gold_step),
         "timeline": timeline,
     }
-    (mesh.workdir / "report.json").write_text(json.dumps(report, indent=2))
+    write_report(mesh.workdir, report)
     return report
 
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 import urllib.request
 from collections import Counter
 from typing import Any
 
-from meshlm.scenarios import say
+from meshlm.scenarios import report_of, running, say, write_report
 
 BENCH_TITLE = "Token-stall resume: a replica stalls mid-stream, then dies"
 # Sized for a 2-core machine, where a loaded replica's first token may take seconds and its
@@ -33,14 +32,12 @@ CLUSTER = "outbound|llm|v1"
 
 
 def run(args: argparse.Namespace, name: str) -> int:
-    print("meshlm demo --scenario stall: a replica stalls, then dies, in the middle of streams")
-    try:
-        report = _run(mechanism=True, phase_s=40.0, workdir=args.workdir, say=say)
-    except (TimeoutError, RuntimeError, OSError) as e:
-        print(f"meshlm demo: {e}", file=sys.stderr)
+    report = report_of(
+        "stall: a replica stalls, then dies, in the middle of streams",
+        lambda: _run(mechanism=True, phase_s=40.0, workdir=args.workdir, say=say),
+    )
+    if report is None:
         return 1
-    print(json.dumps(report, indent=2))
-    print(f"JSON report: {report['workdir']}/report.json")
     ok = (
         report["resumed_streams"] > 0
         and report["resumed_unlike_any_uninterrupted"] == 0
@@ -87,9 +84,7 @@ def _run(*, mechanism: bool, phase_s: float, workdir: Any, say: Any) -> dict[str
         TenantLoad("free", "demo-free-key", rate=0.2, method="Info"),  # not allowed: 403
         TenantLoad("intruder", "not-a-key", rate=0.2),  # unknown key: 401
     ]
-    traffic = None
-    try:
-        mesh.start(say=say)
+    with running(mesh, say) as stops:
         traffic = Traffic(
             mesh.caller_target,
             loads,
@@ -97,6 +92,7 @@ def _run(*, mechanism: bool, phase_s: float, workdir: Any, say: Any) -> dict[str
             max_new_tokens=MAX_NEW_TOKENS,
             resume=mechanism,
         ).start()
+        stops.callback(traffic.stop)
         t0 = time.monotonic()
         say(f"phase 1: {FAULTY} stalls every stream after {STALL_AFTER} tokens")
         ejected_at = _watch_ejection(mesh, t0, phase_s)
@@ -142,13 +138,8 @@ def _run(*, mechanism: bool, phase_s: float, workdir: Any, say: Any) -> dict[str
                 "restarted_by_launcher": False,
             },
         }
-        (mesh.workdir / "report.json").write_text(json.dumps(report, indent=2))
+        write_report(mesh.workdir, report)
         return report
-    finally:
-        if traffic is not None:
-            traffic.stop()
-        mesh.stop()
-        say("all processes stopped")
 
 
 def _watch_ejection(mesh: Any, t0: float, phase_s: float) -> float | None:
