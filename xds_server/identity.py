@@ -5,7 +5,7 @@
 and answers `{"cert_chain": [PEM, ...], "trust_bundle": [PEM, ...], "spiffe_id", "not_after"}`.
 JSON, not FlatBuffers or protobuf: one small call per sidecar per half-life, every field is PEM
 text already, and it needs no generated code on either side (the agent lives in `sidecar/`, which
-shares no code with the control plane).
+imports nothing of the control plane).
 
 The identity signed is decided by the credential, never by the request: a join token (metadata
 `authorization: Bearer ...`, single use, stored as a SHA-256 only) grants its service account;
