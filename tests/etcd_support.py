@@ -231,6 +231,16 @@ class Partition:
             _reset(dst)
 
 
+def wait_for(what, timeout: float = 10.0):
+    """What `what()` returns once it is truthy; AssertionError after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if got := what():
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout:g}s")
+
+
 def _reset(s: socket.socket) -> None:
     with contextlib.suppress(OSError):
         s.shutdown(socket.SHUT_RDWR)

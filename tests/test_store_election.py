@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from tests.etcd_support import EtcdCluster, Partition, candidate_process
+from tests.etcd_support import EtcdCluster, Partition, candidate_process, wait_for
 from xds_server.store import EtcdStore, Fenced, FileStore, Store
 from xds_server.store.election import Election, NotLeader, current_leader
 
@@ -35,15 +35,6 @@ def store(request, tmp_path):
         s = etcd_store(request.getfixturevalue("etcd"), f"/t-{uuid.uuid4().hex}/")
     yield s
     s.close()
-
-
-def wait_for(what, timeout: float = 10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if got := what():
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout:g}s")
 
 
 def test_one_of_two_candidates_leads_until_it_resigns(store):

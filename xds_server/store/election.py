@@ -107,6 +107,7 @@ class Election:
         self._term = 0  # > 0 while this candidate holds the leader key
         self._announced = False  # what on_change last said
         self._seen: Leader | None = None  # the leader as last read or watched
+        self._free = True  # the leader key is absent, as far as this candidate knows
         self._watch: Watch | None = None
         self._error = ""
 
@@ -204,8 +205,8 @@ class Election:
                 self._announce()
 
     def _round(self) -> None:
-        """Renew the lease when due, campaign when the leader key is free (or unknown), then
-        follow the leader key's changes until the next beat."""
+        """Renew the lease when due; campaign when the leader key is free (re-read it when its
+        watch was lost); then follow the key's changes until the next beat."""
         try:
             if not self._lease:
                 sent = self._clock()
@@ -219,30 +220,40 @@ class Election:
                 with self._cond:
                     self._lease_deadline = sent + min(left, self.ttl)
                     self._next_beat = sent + self._beat
-            if self._term == 0 and (self._watch is None or self._seen is None):
-                self._campaign()
+            if self._watch is None or (self._term == 0 and self._free):
+                self._refresh()
         except LeaseLost:
             with self._cond:
                 self._lease, self._term = 0, 0  # the leader key went with the lease
             raise
+        if self._term == 0 and self._free:
+            return  # it was deleted in between: campaign again at once
         self._await_change()
 
-    def _campaign(self) -> None:
-        since = time.time()
-        value = encode({"id": self.candidate, "since": since, "info": self.info})
-        try:
-            term = self.store.put(self.key, value, revision=0, lease=self._lease)
-        except Conflict:  # someone leads: follow the key from what it is now
-            entry = self.store.get(self.key)
-            with self._cond:
-                self._seen = _leader(entry.value, entry.created) if entry else None
-            self._rewatch((entry.revision if entry else self.store.revision()) + 1)
-            return
+    def _refresh(self) -> None:
+        """Take office if the leader key is free; else read who holds it. Then watch it."""
+        if self._term == 0:
+            since = time.time()
+            value = encode({"id": self.candidate, "since": since, "info": self.info})
+            try:
+                term = self.store.put(self.key, value, revision=0, lease=self._lease)
+            except Conflict:
+                pass  # someone leads: follow the key from what it is now
+            else:
+                with self._cond:
+                    self._term, self._free = term, False
+                    self._seen = Leader(self.candidate, term, since, self.info)
+                log.warning("election %s: %s leads (term %d)", self.key, self.candidate, term)
+                self._rewatch(term + 1)
+                return
+        entry = self.store.get(self.key)
         with self._cond:
-            self._term = term
-            self._seen = Leader(self.candidate, term, since, self.info)
-        log.warning("election %s: %s leads (term %d)", self.key, self.candidate, term)
-        self._rewatch(term + 1)
+            if self._term and (entry is None or entry.created != self._term):
+                log.warning("election %s: %s lost the leader key", self.key, self.candidate)
+                self._term = 0
+            self._free = entry is None
+            self._seen = _leader(entry.value, entry.created) if entry else None
+        self._rewatch((entry.revision if entry else self.store.revision()) + 1)
 
     def _rewatch(self, start: int) -> None:
         if self._watch is not None:
@@ -263,6 +274,7 @@ class Election:
                     continue  # our own key
                 lost = self._term > 0
                 self._term = 0
+                self._free = ev.kind == "delete"
                 self._seen = _leader(ev.value, ev.created) if ev.kind == "put" else None
             if lost:
                 log.warning("election %s: %s lost the leader key (%s)", self.key,
