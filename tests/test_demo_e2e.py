@@ -15,6 +15,9 @@ import pytest
 
 from meshlm.launcher import MESH_ID_ENV
 
+SPIFFE_LLM = "spiffe://meshlm.local/ns/default/sa/llm"
+SPIFFE_CALLER = "spiffe://meshlm.local/ns/default/sa/caller"
+
 
 def _demo(tmp_path: Path, *flags: str) -> tuple[int, dict, str]:
     proc = subprocess.run(
@@ -82,6 +85,33 @@ def test_demo_promotes_a_healthy_canary(tmp_path: Path, no_leftover_processes: N
         assert s["gate_over"] == "interval" and s["gate_samples"] > 0, s
         assert s["client_ttft_ms"]["v2"]["count"] > 0, s
     assert (tmp_path / "calls.jsonl").read_text().count("\n") == traffic["requests"]
+    _assert_identity(report, out, tmp_path)
+
+
+def _assert_identity(report: dict, out: str, workdir: Path) -> None:
+    """Every sidecar holds the SPIFFE ID its join token granted (the service's account for the
+    inbound ones), its Envoy presents that certificate, the demo's 30 s certificates were
+    renewed while every acme call succeeded, and the caller -> inbound hops ran over mTLS."""
+    ident = report["identity"]
+    assert ident["enabled"], ident
+    cars = ident["sidecars"]
+    assert {n: c["spiffe_id"] for n, c in cars.items()} == {
+        "sidecar-v1": SPIFFE_LLM,
+        "sidecar-v2": SPIFFE_LLM,
+        "sidecar-caller": SPIFFE_CALLER,
+    }
+    assert all(c["renewals"] > 0 and c["in_envoy"] for c in cars.values()), cars
+    mesh_hops = {h["to"]: h["mtls"] for h in ident["hops"] if h["from"] == "sidecar-caller"}
+    assert mesh_hops["sidecar-v1"] and mesh_hops["sidecar-v2"], ident["hops"]
+    assert "\nidentity: " in out
+    # Join tokens only in 0600 files of the work dir; no token or key in the report or logs.
+    tokens = sorted((workdir / "join-tokens").iterdir())
+    assert [t.name for t in tokens] == ["caller.json", "v1.json", "v2.json"]
+    assert all(t.stat().st_mode & 0o777 == 0o600 for t in tokens)
+    secrets = [json.loads(t.read_text())["token"] for t in tokens] + ["PRIVATE KEY"]
+    texts = [(workdir / "report.json").read_text(), out]
+    texts += [p.read_text(errors="replace") for p in workdir.glob("*.log")]
+    assert not [s for s in secrets if any(s in t for t in texts)]
 
 
 def test_demo_rolls_back_a_faulty_canary(tmp_path: Path, no_leftover_processes: None) -> None:
