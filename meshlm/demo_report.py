@@ -34,19 +34,21 @@ def identity_report(mesh: LocalMesh) -> dict[str, Any]:
     seen = {name: handshakes(port) for name, port in ports.items()}
     hops = []
 
-    def hop(src: str, dst: str, at_src: int, at_dst: int | None) -> None:
+    def hop(kind: str, src: str, dst: str, at_src: int, at_dst: int | None) -> None:
+        # TLS handshakes counted by the Envoy at each end (None: the other end is no Envoy).
         tls = at_src > 0 and (at_dst is None or at_dst > 0)
-        hops.append({"from": src, "to": dst, "mtls": tls, "handshakes": [at_src, at_dst]})
+        shakes = {"from": at_src, "to": at_dst}
+        hops.append({"kind": kind, "from": src, "to": dst, "mtls": tls, "handshakes": shakes})
 
     for name, rt in mesh.runtimes.items():
         sidecar = f"sidecar-{name}"
         inbound = sum(v for k, v in seen[sidecar].items() if k.startswith("listener."))
         to_version = seen["sidecar-caller"].get(f"cluster.{outbound_cluster(SERVICE, rt.version)}")
-        hop("sidecar-caller", sidecar, to_version or 0, inbound)
+        hop("mesh", "sidecar-caller", sidecar, to_version or 0, inbound)
         local = seen[sidecar].get(f"cluster.{inbound_cluster(SERVICE, rt.version)}", 0)
-        hop(sidecar, f"runtime-{name} (loopback)", local, None)
+        hop("local", sidecar, f"runtime-{name}", local, None)
     for name in ports:  # ADS
-        hop(name, "control plane (ADS)", seen[name].get(f"cluster.{XDS_CLUSTER}", 0), None)
+        hop("ads", name, "control plane", seen[name].get(f"cluster.{XDS_CLUSTER}", 0), None)
     return {"enabled": True, "sidecars": mesh.certs.summary(ports), "hops": hops}
 
 
@@ -143,17 +145,14 @@ def _identity_line(ident: dict[str, Any] | None) -> str:
     ids = sorted({c["spiffe_id"] for c in cars if c["spiffe_id"]})
     renewals = sum(c.get("renewals", 0) for c in cars)
     rotations = max((c.get("root_rotations", 0) for c in cars), default=0)
-    mesh_hops = [
-        h for h in ident["hops"] if h["from"] == "sidecar-caller" and "runtime" not in h["to"]
-    ]
-    ads = [h for h in ident["hops"] if h["to"] == "control plane (ADS)"]
-    local = [h for h in ident["hops"] if "runtime" in h["to"]]
 
-    def share(hs: list[dict[str, Any]]) -> str:
+    def share(kind: str) -> str:
+        hs = [h for h in ident["hops"] if h["kind"] == kind]
         return f"{sum(h['mtls'] for h in hs)}/{len(hs)}"
 
     return (
         f"identity: {len(ids)} SPIFFE IDs ({', '.join(ids)}), {renewals} certificate renewals, "
         f"{rotations} root rotations seen; mTLS on caller -> inbound sidecar hops "
-        f"{share(mesh_hops)}, ADS {share(ads)}, sidecar -> its runtime on loopback {share(local)}"
+        f"{share('mesh')}, sidecar -> control plane (ADS) {share('ads')}, sidecar -> its "
+        f"runtime on loopback {share('local')}"
     )

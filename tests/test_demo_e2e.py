@@ -101,8 +101,8 @@ def _assert_identity(report: dict, out: str, workdir: Path) -> None:
         "sidecar-caller": SPIFFE_CALLER,
     }
     assert all(c["renewals"] > 0 and c["in_envoy"] for c in cars.values()), cars
-    mesh_hops = {h["to"]: h["mtls"] for h in ident["hops"] if h["from"] == "sidecar-caller"}
-    assert mesh_hops["sidecar-v1"] and mesh_hops["sidecar-v2"], ident["hops"]
+    mesh_hops = {h["to"]: h["mtls"] for h in ident["hops"] if h["kind"] == "mesh"}
+    assert mesh_hops == {"sidecar-v1": True, "sidecar-v2": True}, ident["hops"]
     assert "\nidentity: " in out
     # Join tokens only in 0600 files of the work dir; no token or key in the report or logs.
     tokens = sorted((workdir / "join-tokens").iterdir())
