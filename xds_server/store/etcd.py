@@ -23,7 +23,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from xds_server.store.base import (
@@ -148,7 +148,9 @@ class EtcdStore(Store):
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         data = json.dumps(body).encode()
         tried: list[str] = []
-        for i in self._order():
+        # Passes over the members until one answers: during a raft election (a second or
+        # two) each says "no leader", and a pass later one of them has it.
+        for i in itertools.chain.from_iterable(self._passes(deadline)):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -182,14 +184,22 @@ class EtcdStore(Store):
                 continue
             if code == _DEADLINE_EXCEEDED:  # "request timed out": no quorum behind it
                 tried.append(f"{host}:{port}: {message}")
-                break
+                break  # (the request may yet be applied)
             if code == _NOT_FOUND and "lease" in message:
                 raise LeaseLost(f"etcd: {message}")
             raise StoreError(f"etcd {host}:{port}{path}: {message or f'HTTP {status}'}")
         waited = self.timeout if timeout is None else timeout
-        raise StoreUnavailable(
-            f"etcd {self.describe()}: no answer within {waited:g}s ({'; '.join(tried) or 'no try'})"
-        )
+        why = "; ".join(dict.fromkeys(tried)) or "no try"
+        raise StoreUnavailable(f"etcd {self.describe()}: no answer within {waited:g}s ({why})")
+
+    def _passes(self, deadline: float) -> Iterator[list[int]]:
+        """The endpoints in order, again and again (a pause between passes) until `deadline`."""
+        while True:
+            yield self._order()
+            pause = min(0.1, deadline - time.monotonic())
+            if pause <= 0:
+                return
+            time.sleep(pause)
 
     def _order(self) -> list[int]:
         n = len(self.endpoints)

@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TextIO
 
 from xds_server.rollout_store import write_atomic
 from xds_server.store.base import (
@@ -70,7 +71,7 @@ class FileStore(Store):
         self._first = self._rev + 1  # the oldest revision a watch may start from
         self._leases: dict[int, tuple[float, float]] = {}  # id -> (ttl, deadline)
 
-    def _own(self, lock_path: Path):  # -> TextIO
+    def _own(self, lock_path: Path) -> TextIO:
         f = open(lock_path, "a")  # noqa: SIM115 (held open while the store lives)
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
