@@ -34,7 +34,7 @@ CALLER = f"spiffe://{TD}/ns/default/sa/caller"
 LLM = f"spiffe://{TD}/ns/default/sa/llm"  # the llm service's account (the default one)
 
 
-def _mesh(upstream: str, service_account: str = "default/llm") -> Mesh:
+def _mesh(upstream: str, service_account: str = "default/llm", **control_plane: int) -> Mesh:
     return parse_mesh(
         {
             "services": {
@@ -45,6 +45,7 @@ def _mesh(upstream: str, service_account: str = "default/llm") -> Mesh:
                 }
             },
             "identity": {"trust_domain": TD},
+            "control_plane": control_plane,
         }
     )
 
@@ -125,7 +126,8 @@ def test_sidecar_with_identity_gets_its_config_over_mtls_and_survives_a_restart(
     d = short_dir()
     events: list[str] = []
     with upstreams("v1") as ups:
-        mesh = _mesh(ups["v1"].address)
+        # CA ports of its own (by default a restart on a fixed ADS port takes the next two).
+        mesh = _mesh(ups["v1"].address, ca_port=free_port(), ca_mtls_port=free_port())
         first = ControlPlane(mesh, debounce=0.02, identity_dir=str(d / "cp")).start()
         port = first.grpc_port
         agent = IdentityAgent(d / "sc", join_token_file=join_token_file(first, "default/caller", d))
