@@ -97,6 +97,8 @@ def render(doc: dict[str, Any]) -> str:
         name = node_id if ns.get("connected") else f"{node_id} (disconnected)"
         if ns.get("lagging"):  # left out of the ACK quorum (control_plane.lagging_after)
             name += " (lagging)"
+        if ns.get("spiffe_id"):  # from its client certificate: ADS over mTLS (issue 14)
+            name += f" {ns['spiffe_id']}"
         if ns.get("error"):
             rows.append((name, "-", "-", "-", ns["error"]))
         types = ns.get("types", {})

@@ -13,6 +13,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
+from meshlm import cmd_status
 from sidecar import bootstrap
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
@@ -215,6 +216,7 @@ def test_mesh_certificate_is_taken_and_one_of_a_rogue_ca_refused(cp) -> None:
         assert ok.recv().type_url == t.CLUSTER
         assert rogue.closed_with()[0] == grpc.StatusCode.UNAVAILABLE  # the handshake fails
         assert eventually(lambda: cp.syncz()["nodes"]["caller-ok"]["spiffe_id"]) == CALLER
+        assert f"caller-ok {CALLER}" in cmd_status.render(cp.syncz())  # meshlm status
         assert "caller-rogue" not in cp.syncz()["nodes"]
     finally:
         ok.close()
