@@ -89,12 +89,15 @@ def _client(cp: ControlPlane, node_id: str, channel: grpc.Channel, **kw) -> AdsC
     return c
 
 
-def _supervisor(cp_port: int, node_id: str, d: Path, agent: IdentityAgent | None, events: list):
+def _supervisor(
+    cp_port: int, node_id: str, d: Path, agent: IdentityAgent | None, events: list, **where
+):
+    """A supervised Envoy, a caller sidecar unless `where` says otherwise (ads_bootstrap)."""
     boot = ads_bootstrap(
         node_id,
         xds_address=("127.0.0.1", cp_port),
-        outbound_port=free_port(),
         admin_port=free_port(),
+        **(where or {"outbound_port": free_port()}),
     )
     return Supervisor(
         node_id,
@@ -239,6 +242,11 @@ def test_ads_port_takes_a_rotated_root_at_once(cp) -> None:
 
 def test_inbound_sidecar_claiming_another_services_metadata_is_refused(cp, caplog) -> None:
     caplog.set_level(logging.DEBUG)
+    d = short_dir()
+    # A real sidecar whose certificate is a caller's, announcing an inbound listener of llm.
+    agent = IdentityAgent(d / "sc", join_token_file=join_token_file(cp, "default/caller", d))
+    inbound = {k.removeprefix("meshlm."): v for k, v in _inbound(free_port()).items()}
+    envoy = _supervisor(cp.grpc_port, "llm-v1-envoy-fake", d, agent, [], **inbound).start()
     fake = _client(cp, "llm-v1-fake", _channel(cp, CALLER), metadata=_inbound(15100))
     real = _client(cp, "llm-v1-real", _channel(cp, LLM), metadata=_inbound(15101))
     try:
@@ -254,6 +262,16 @@ def test_inbound_sidecar_claiming_another_services_metadata_is_refused(cp, caplo
         assert [r["code"] for r in rejected if r["node_id"] == "llm-v1-fake"] == [
             "PERMISSION_DENIED"
         ]
+        eventually(
+            lambda: any(r["node_id"] == "llm-v1-envoy-fake" for r in cp.syncz()["rejected"]),
+            what="the Envoy impostor refused",
+        )
+        rejected = cp.syncz()["rejected"]
+        assert {r["code"] for r in rejected if r["node_id"] == "llm-v1-envoy-fake"} == {
+            "PERMISSION_DENIED"
+        }
+        assert "llm-v1-envoy-fake" not in cp.syncz()["nodes"]
+        assert membership.inbound_sidecars(cp.sync)["llm"] == 1
         # The service gets another account: the old one's sidecar is no longer believed.
         upstream = str(cp.mesh.services["llm"].versions["v1"].endpoints[0])
         cp.update_mesh(_mesh(upstream, service_account="default/llm2"), timeout=0)
@@ -262,6 +280,9 @@ def test_inbound_sidecar_claiming_another_services_metadata_is_refused(cp, caplo
     finally:
         fake.close()
         real.close()
+        if envoy.envoy:  # never LIVE (its first fetch is refused): no wait for its timeout
+            envoy.envoy.kill()
+        envoy.stop()
 
 
 def test_sidecar_knows_the_control_planes_service_account() -> None:
