@@ -204,7 +204,7 @@ class Watch:
         while not self._stop.wait(0.5):
             try:
                 doc = self.mesh.admin("GET", "/slo/llm", timeout=5)
-            except OSError:
+            except (OSError, RuntimeError):  # RuntimeError: a 404 until the loop reads the block
                 continue
             last = doc.get("last") or {}
             if "time" in last:
