@@ -102,6 +102,7 @@ class EnvoyProcess:
         cfg = self.workdir / "bootstrap.json"
         # 0600: a last-known-good bootstrap in native authz mode holds plaintext keys.
         fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        os.fchmod(fd, 0o600)  # a file left from an earlier start keeps its mode otherwise
         with os.fdopen(fd, "w") as f:
             json.dump(self.bootstrap, f)
         cmd = [
