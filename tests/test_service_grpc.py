@@ -225,7 +225,7 @@ def test_traceparent_is_continued(client) -> None:
 def test_metrics_endpoint_and_otel_instruments(client, runtime) -> None:
     list(client.generate(prompt="Hi", max_new_tokens=3))
     with MetricsServer(runtime.telemetry) as m:
-        url = f"http://127.0.0.1:{m.port}/metrics"
+        url = f"http://127.0.0.1:{m.port}/metrics.json"
         doc = json.loads(urllib.request.urlopen(url, timeout=10).read())
     gen = doc["methods"]["Generate"]
     assert gen["by_status"]["OK"] >= 1 and "INVALID_ARGUMENT" in gen["by_status"]

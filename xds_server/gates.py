@@ -6,7 +6,7 @@ constructor arguments:
 - `EnvoyStatsSource`: Envoy's `grpc_stats` counters on the caller-side sidecars,
   `cluster.<cluster>.grpc.<service>.<method>.{total,success,failure,<grpc code>}`. gRPC errors are
   HTTP 200 with a `grpc-status` trailer, so 5xx counters are blind to them (DESIGN.md).
-- `RuntimeMetricsSource`: the canary runtime's loopback `GET /metrics` JSON. A gate reads the
+- `RuntimeMetricsSource`: the canary runtime's loopback `GET /metrics.json`. A gate reads the
   TTFT/TPOT p99 of exactly its analysis interval: one `snapshot()` of the runtime's cumulative
   histograms at the interval's start, one at its end, the percentile of the difference (as
   Prometheus' histogram_quantile over a rate). `read()` gives the runtime's sliding-window p99.
@@ -142,7 +142,7 @@ def quantile(q: float, bounds: tuple[float, ...], counts: tuple[int, ...]) -> fl
 
 
 def parse_histograms(doc: dict[str, Any]) -> Histograms | None:
-    """The runtime `/metrics` JSON's `histograms` (bounds in ms) -> Histograms, None if absent."""
+    """The runtime `/metrics.json`'s `histograms` (bounds in ms) -> Histograms, None if absent."""
     h = doc.get("histograms")
     if h is None:
         return None
@@ -197,7 +197,7 @@ def delta(before: dict[str, GrpcCounts] | None, after: dict[str, GrpcCounts]) ->
     return out
 
 
-MAX_BODY = 4 * 2**20  # a filtered Envoy /stats or a runtime's /metrics is a few KB
+MAX_BODY = 4 * 2**20  # a filtered Envoy /stats or a runtime's /metrics.json is a few KB
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -238,6 +238,11 @@ def _get_json(url: str, timeout: float) -> Any:
                     raise MeasurementError(f"{url}: response over {MAX_BODY} bytes")
                 if time.monotonic() > deadline:
                     raise MeasurementError(f"{url}: no complete response within {timeout:g}s")
+        if body.startswith(b"# HELP") or body.startswith(b"# TYPE"):
+            # A runtime's /metrics is Prometheus text since issue 16; its JSON moved.
+            raise MeasurementError(
+                f"{url}: answered Prometheus text, not JSON (a runtime's JSON is at /metrics.json)"
+            )
         return json.loads(body)
     except (OSError, urllib.error.URLError, ValueError) as e:
         raise MeasurementError(f"{url}: {e}") from e
@@ -301,7 +306,7 @@ def _seconds(v: Any, unit_s: float) -> float | None:
 
 
 def parse_runtime_metrics(doc: dict[str, Any]) -> LatencyReading:
-    """The runtime's `/metrics` JSON -> TTFT/TPOT p99 in seconds.
+    """The runtime's `/metrics.json` -> TTFT/TPOT p99 in seconds.
 
     Accepts `{"ttft_ms": {"p99": ..}, "tpot_ms": {..}}` (milliseconds) or `{"ttft": {"p99": ..}}`
     (seconds); sample count from `count`/`samples` of the TTFT entry."""

@@ -7,7 +7,7 @@ returns the endpoint callers reach it at (its inbound sidecar, host:port); `scal
 - `LocalScaler` starts `meshlm serve` and its `meshlm sidecar` on loopback, as the local mesh
   does (processes, not imports: the control plane never imports the CLI or torch).
 
-A scaler may also have `metrics_url(endpoint)`: the new runtime's `GET /metrics`, which the SLO
+A scaler may also have `metrics_url(endpoint)`: the new runtime's `GET /metrics.json`, which the SLO
 loop reads beside the version's metrics_urls (None: not known).
 """
 
@@ -90,7 +90,7 @@ class LocalScaler:
         self.xds, self.serve_args, self.timeout = xds, list(serve_args), timeout
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="meshlm-scaler-"))
         self.procs: dict[str, list[subprocess.Popen]] = {}
-        self.metrics: dict[str, str] = {}  # endpoint -> its runtime's GET /metrics
+        self.metrics: dict[str, str] = {}  # endpoint -> its runtime's GET /metrics.json
         self.count = 0
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
@@ -126,7 +126,7 @@ class LocalScaler:
                 why = "exited" if dead else f"not ready after {self.timeout:.0f}s"
                 raise ScalerError(f"replica {name} {why} (logs in {self.workdir})")
             time.sleep(0.5)
-        self.metrics[endpoint] = f"http://127.0.0.1:{metrics}/metrics"
+        self.metrics[endpoint] = f"http://127.0.0.1:{metrics}/metrics.json"
         return endpoint
 
     def metrics_url(self, endpoint: str) -> str | None:

@@ -6,7 +6,7 @@ tenant's open-loop Generate traffic. Replica v1-1 runs with `--fault-slow-decode
 out-of-band reports (the slow one holds each stream longer, so at the same rps its time-averaged
 utilization is higher and it gets fewer calls, model_runtime/orca.py); with `round_robin` each
 gets half. The report adds `share_by_replica` (Generate calls each runtime answered, from its own
-/metrics totals) and the `sla` object (meshlm/sla.py).
+/metrics.json totals) and the `sla` object (meshlm/sla.py).
 """
 
 from __future__ import annotations
@@ -113,10 +113,10 @@ def _warm_up(mesh: Any, say: Any) -> None:
 
 
 def _generated(mesh: Any) -> dict[str, int]:
-    """Generate calls each runtime answered OK so far (its /metrics totals)."""
+    """Generate calls each runtime answered OK so far (its /metrics.json totals)."""
     out = {}
     for name, rt in mesh.runtimes.items():
-        url = f"http://127.0.0.1:{rt.metrics_port}/metrics"
+        url = f"http://127.0.0.1:{rt.metrics_port}/metrics.json"
         with urllib.request.urlopen(url, timeout=5) as r:
             totals = json.loads(r.read()).get("totals", {})
         out[name] = int(totals.get("Generate", {}).get("OK", 0))

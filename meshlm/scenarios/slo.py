@@ -287,7 +287,7 @@ def _runtime_ttft_p99(mesh: Any) -> float:
     import urllib.request
 
     rt = next(iter(mesh.runtimes.values()))
-    with urllib.request.urlopen(f"http://127.0.0.1:{rt.metrics_port}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{rt.metrics_port}/metrics.json", timeout=5) as r:
         p99 = json.loads(r.read()).get("ttft_ms", {}).get("p99")
     if p99 is None:
         raise RuntimeError("the base load produced no TTFT at the runtime")

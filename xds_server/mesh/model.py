@@ -69,7 +69,7 @@ class Version:
     name: str
     precision: str | None
     endpoints: tuple[Endpoint, ...]
-    # The runtimes' `GET /metrics` (TTFT/TPOT), read by rollout gates when this version is the
+    # The runtimes' `GET /metrics.json` (TTFT/TPOT), read by rollout gates when this version is the
     # canary. Only the operator names them: a sidecar's own announcements are never read.
     metrics_urls: tuple[str, ...] = ()
 
