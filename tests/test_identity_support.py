@@ -1,6 +1,6 @@
 """Helpers for the identity tests (issue 14): a mesh with an `identity` block, join token files,
-a TLS listener that takes its certificate by SDS, a TLS client that reports the peer's
-certificate. No tests here."""
+a supervised sidecar with an identity agent, a TLS listener that takes its certificate by SDS, a
+TLS client that reports the peer's certificate. No tests here."""
 
 from __future__ import annotations
 
@@ -9,13 +9,20 @@ import json
 import os
 import ssl
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cryptography import x509
 
+from sidecar.bootstrap import ads_bootstrap
+from sidecar.envoy_process import EnvoyProcess
+from sidecar.identity import IdentityAgent
+from sidecar.lkg import LastKnownGood
+from sidecar.ports import free_port
 from sidecar.private_files import write_private
 from sidecar.sds import DEFAULT, ROOTCA, secret_ref
+from sidecar.supervisor import Supervisor
 from xds_server.ca import uri_sans
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import Mesh, parse_mesh
@@ -51,6 +58,46 @@ def join_token_file(cp: ControlPlane, service_account: str, where: Path, ttl: st
     path = where / f"token-{service_account.replace('/', '-')}.json"
     write_private(path, json.dumps(doc).encode(), "a join token")
     return path
+
+
+@dataclass
+class Sidecar:
+    """A supervised Envoy that only the control plane configures, with its identity agent."""
+
+    sv: Supervisor
+    agent: IdentityAgent
+    events: list[str] = field(default_factory=list)  # the agent's and the supervisor's
+
+    @property
+    def envoy(self) -> EnvoyProcess:  # the current one (a supervisor may restart it)
+        assert self.sv.envoy is not None
+        return self.sv.envoy
+
+    def stat(self, name: str) -> int:
+        return self.envoy.stats().get(name, 0)
+
+
+def identity_sidecar(
+    cp: ControlPlane,
+    where: Path,
+    node: str,
+    token: Path | None,
+    lkg: LastKnownGood | None = None,
+    **bootstrap: Any,
+) -> Sidecar:
+    """`meshlm sidecar --identity` in-process, not started: an agent in `where/node` enrolling
+    with `token` (None: it boots from the certificate persisted there) and a supervisor whose
+    Envoy reaches `cp` over ADS; `bootstrap`: ads_bootstrap's listener arguments."""
+    events: list[str] = []
+    agent = IdentityAgent(where / node, join_token_file=token, on_event=events.append)
+    boot = ads_bootstrap(
+        node, xds_address=("127.0.0.1", cp.grpc_port), admin_port=free_port(), **bootstrap
+    )
+    sv = Supervisor(
+        node, boot, ("127.0.0.1", cp.grpc_port), lkg=lkg, poll_interval=0.2, identity=agent,
+        on_event=events.append,
+    )  # fmt: skip
+    return Sidecar(sv, agent, events)
 
 
 def tls_listener(port: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import socket
 import ssl
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -28,15 +28,20 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from grpc_health.v1 import health_pb2
 
-from sidecar.bootstrap import ads_bootstrap, with_sds
+from sidecar.bootstrap import with_sds
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.identity import IdentityAgent
 from sidecar.lkg import LastKnownGood
 from sidecar.ports import free_port
-from sidecar.supervisor import Supervisor
 from tests.test_admin_token import Xds
 from tests.test_cli_errors import meshlm
-from tests.test_identity_support import join_token_file, short_dir, tls_listener
+from tests.test_identity_support import (
+    Sidecar,
+    identity_sidecar,
+    join_token_file,
+    short_dir,
+    tls_listener,
+)
 from tests.test_lb_least_loaded import OrcaReplica
 from tests.test_xds_support import METHOD, CallLoop, eventually
 from xds_server import types as t
@@ -65,40 +70,9 @@ class Replica(OrcaReplica):
         return super().service(details)
 
 
-@dataclass
-class Sidecar:
-    sv: Supervisor
-    agent: IdentityAgent
-    events: list[str] = field(default_factory=list)
-
-    @property
-    def envoy(self) -> EnvoyProcess:  # the current one (a supervisor may restart it)
-        assert self.sv.envoy is not None
-        return self.sv.envoy
-
-    def stat(self, name: str) -> int:
-        return self.envoy.stats().get(name, 0)
-
-
-def _sidecar(
-    cp: ControlPlane, d: Path, node: str, token: Path | None, lkg: LastKnownGood | None = None, **kw
-) -> Sidecar:
-    """A supervised Envoy configured by `cp` alone, with an identity agent in `d/node`."""
-    events: list[str] = []
-    agent = IdentityAgent(d / node, join_token_file=token, on_event=events.append)
-    boot = ads_bootstrap(
-        node, xds_address=("127.0.0.1", cp.grpc_port), admin_port=free_port(), **kw
-    )
-    sv = Supervisor(
-        node, boot, ("127.0.0.1", cp.grpc_port), lkg=lkg, poll_interval=0.2, identity=agent,
-        on_event=events.append,
-    )  # fmt: skip
-    return Sidecar(sv, agent, events)
-
-
 def _inbound(cp: ControlPlane, d: Path, node: str, sa: str, service: str, port: int, runtime: int):
     token = join_token_file(cp, sa, d)
-    return _sidecar(
+    return identity_sidecar(
         cp, d, node, token, service=service, version="v1", inbound_port=port,
         local_endpoint=f"127.0.0.1:{runtime}",
     )  # fmt: skip
@@ -190,7 +164,7 @@ def mesh() -> Iterator[Mesh]:
         inbound = {"llm": _inbound(cp, d, "llm-1", "default/llm", "llm", ports["llm"], llm.port)}
         caller_port = free_port()
         token = join_token_file(cp, "default/caller", d)
-        caller = _sidecar(cp, d, "caller", token, outbound_port=caller_port)
+        caller = identity_sidecar(cp, d, "caller", token, outbound_port=caller_port)
         sidecars = [*inbound.values(), caller]
         for s in sidecars:
             s.sv.start()
@@ -406,9 +380,9 @@ def test_a_sidecar_restarted_while_the_control_plane_is_down_serves_mtls_from_lk
         stack.callback(shutil.rmtree, d, True)
         stack.callback(replica.stop)
         cp = stack.enter_context(ControlPlane(spec, debounce=0.02, identity_dir=str(d / "cp")))
-        caller = _sidecar(cp, d, "caller", join_token_file(cp, "default/caller", d),
-                          outbound_port=caller_port)  # fmt: skip
-        inbound = _sidecar(cp, d, "llm-1", join_token_file(cp, "default/llm", d), lkg, **kw)
+        caller = identity_sidecar(cp, d, "caller", join_token_file(cp, "default/caller", d),
+                                  outbound_port=caller_port)  # fmt: skip
+        inbound = identity_sidecar(cp, d, "llm-1", join_token_file(cp, "default/llm", d), lkg, **kw)
         for s in (caller, inbound):
             stack.callback(s.sv.stop)
             s.sv.start()
@@ -420,7 +394,7 @@ def test_a_sidecar_restarted_while_the_control_plane_is_down_serves_mtls_from_lk
         cp.stop()
         # The control plane is gone; a new supervisor (same private dir, same cache) boots
         # Envoy from the last-known-good config, its agent serving the persisted certificate.
-        again = _sidecar(cp, d, "llm-1", None, lkg, **kw)
+        again = identity_sidecar(cp, d, "llm-1", None, lkg, **kw)
         stack.callback(again.sv.stop)
         again.sv.start()
         again.sv.wait_ready()

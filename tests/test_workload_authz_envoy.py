@@ -14,11 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from sidecar.bootstrap import ads_bootstrap
-from sidecar.identity import IdentityAgent
 from sidecar.ports import free_port
-from sidecar.supervisor import Supervisor
-from tests.test_identity_support import join_token_file, short_dir
+from tests.test_identity_support import Sidecar, identity_sidecar, join_token_file, short_dir
 from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
 from wasm_filters.testbed import EchoGrpcUpstream
@@ -52,7 +49,7 @@ CALLERS = [{"service_account": "apps/chat", "methods": ["Generate"]}]
 @dataclass
 class Mesh:
     cp: ControlPlane
-    inbound: Supervisor
+    inbound: Sidecar
     callers: dict[str, int]  # service account -> its caller sidecar's outbound port
     runtime_port: int
     inbound_port: int
@@ -69,16 +66,11 @@ class Mesh:
         return "OK", json.loads(out)
 
     def stat(self, name: str) -> int:
-        assert self.inbound.envoy is not None
-        return self.inbound.envoy.stats().get(name, 0)
+        return self.inbound.stat(name)
 
 
-def _supervised(cp: ControlPlane, d: Path, node: str, sa: str, **kw) -> Supervisor:
-    agent = IdentityAgent(d / node, join_token_file=join_token_file(cp, sa, d))
-    boot = ads_bootstrap(
-        node, xds_address=("127.0.0.1", cp.grpc_port), admin_port=free_port(), **kw
-    )
-    return Supervisor(node, boot, ("127.0.0.1", cp.grpc_port), poll_interval=0.2, identity=agent)
+def _supervised(cp: ControlPlane, d: Path, node: str, sa: str, **kw) -> Sidecar:
+    return identity_sidecar(cp, d, node, join_token_file(cp, sa, d), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +80,7 @@ def mesh() -> Iterator[Mesh]:
     with EchoGrpcUpstream() as runtime:
         spec = parse_mesh(mesh_doc(runtime.port, inbound_port, CALLERS))
         cp = ControlPlane(spec, debounce=0.02, identity_dir=str(d / "cp")).start()
-        sidecars: list[Supervisor] = []
+        sidecars: list[Sidecar] = []
         try:
             inbound = _supervised(
                 cp, d, "llm-1", "default/llm", service="llm", version="v1",
@@ -100,16 +92,16 @@ def mesh() -> Iterator[Mesh]:
                 for sa, port in ports.items()
             ]
             sidecars = [inbound, *callers]
-            for sv in sidecars:
-                sv.start()
-            for sv in sidecars:
-                sv.wait_ready()
+            for s in sidecars:
+                s.sv.start()
+            for s in sidecars:
+                s.sv.wait_ready()
             m = Mesh(cp, inbound, ports, runtime.port, inbound_port)
             eventually(lambda: m.call("apps/chat")[0] == "OK", 30, "a call through both sidecars")
             yield m
         finally:
-            for sv in sidecars:
-                sv.stop()
+            for s in sidecars:
+                s.sv.stop()
             cp.stop()
             shutil.rmtree(d, ignore_errors=True)
 
