@@ -19,6 +19,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, required=True, help="gRPC port (0 = any free port)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument(
+        "--http-port",
+        type=int,
+        help="also serve the OpenAI-compatible HTTP API on HOST:PORT (0 = any free port): "
+        "/v1/chat/completions, /v1/completions, /v1/models",
+    )
+    p.add_argument(
         "--model", help="GGUF file, sealed file or safetensors folder (default: SmolLM2)"
     )
     p.add_argument("--weight-key-file", type=Path, help="key for a sealed weight file")
@@ -143,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     log = logging.getLogger("meshlm.serve")
     from model_runtime.faults import Faults
+    from model_runtime.openai_http import OpenAIServer
     from model_runtime.otlp import OtlpConfigError
     from model_runtime.service import Runtime
     from model_runtime.telemetry import MetricsServer
@@ -193,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
     for where, host, port in (
         (f"{args.host}:{args.port}", args.host, args.port),
         (f"--metrics-port {args.metrics_port}", "127.0.0.1", args.metrics_port),  # loopback only
+        (f"--http-port {args.http_port}", args.host, args.http_port),
     ):
         reason = port is not None and listen_error(host, port)
         if reason:  # before gRPC, which would log its own error lines first
@@ -222,10 +230,23 @@ def run(args: argparse.Namespace) -> int:
             print(f"meshlm serve: cannot listen on --metrics-port {args.metrics_port}: {why}",
                   file=sys.stderr)  # fmt: skip
             return 1
+    http = None
+    if args.http_port is not None:
+        try:  # before the model loads, as gRPC: calls get 503 until it serves
+            http = OpenAIServer(runtime, args.http_port, args.host)
+        except OSError as e:
+            runtime.shutdown(0)
+            if metrics is not None:
+                metrics.stop()
+            why = (e.strerror or str(e)).lower()
+            print(f"meshlm serve: cannot listen on --http-port {args.http_port}: {why}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
     stop = termination_event()
     # One parseable line for launchers: the bound ports (either may have been 0).
     print(
         f"meshlm serve: grpc {runtime.target} metrics {metrics.port if metrics else '-'} "
+        f"http {http.port if http else '-'} "
         f"(loading {args.precision} model)",
         flush=True,
     )
@@ -274,6 +295,10 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot serve: %s", e)
         return 1
     finally:
+        if http is not None:
+            http.drain()  # new HTTP calls 503; streams in flight end with the engine's drain
         runtime.shutdown(args.drain_timeout)
+        if http is not None:
+            http.stop(timeout=5)
         if metrics is not None:
             metrics.stop()

@@ -44,6 +44,7 @@ INFO = f"/{SERVICE}/Info"
 TENANT_HEADER = "x-meshlm-tenant"  # set by the sidecar's authz filter after it verified the key
 PRIORITY_HEADER = "x-meshlm-priority"
 REPLICA_HEADER = "x-meshlm-replica"  # the replica serving a stream; a resume avoids it (issue 10)
+PROMPT_TOKENS_HEADER = "x-meshlm-prompt-tokens"  # with the first chunk: the prompt's length
 PRIORITY_NAMES = {"low": -1, "normal": 0, "default": 0, "high": 1}
 _POLL_S = 0.25  # how often a waiting stream re-checks deadline and liveness
 _CANCELLED = object()  # wakes a stream whose RPC ended (client cancel, deadline, drain)
@@ -204,6 +205,7 @@ class InferenceService:
         if tenant:
             span.set_attribute("meshlm.tenant", str(tenant))
         prompt_ids = self._prompt_ids(req)
+        stats["prompt_tokens"] = len(prompt_ids)  # usage counts (the OpenAI API's too)
         if len(prompt_ids) >= self.model_info.context_length:
             raise _Abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -300,11 +302,14 @@ class InferenceService:
                 raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, ev.error or "shed")
             if ev.finish_reason == "error":
                 error = ErrorInfo(grpc.StatusCode.INTERNAL.value[0], ev.error or "engine error")
-            if index == first_index and self.replica_id:
+            if index == first_index:
                 # With the first chunk, not earlier: until a token exists the call has no
                 # response headers, so the sidecar may still retry a slow replica.
+                headers = [(PROMPT_TOKENS_HEADER, str(stats.get("prompt_tokens", 0)))]
+                if self.replica_id:
+                    headers.append((REPLICA_HEADER, self.replica_id))
                 try:
-                    context.send_initial_metadata(((REPLICA_HEADER, self.replica_id),))
+                    context.send_initial_metadata(tuple(headers))
                 except grpc.RpcError:  # the client cancelled just before: not a runtime error
                     self.engine.cancel(rid)
                     stats["code"] = "CANCELLED"
