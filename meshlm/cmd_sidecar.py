@@ -18,6 +18,11 @@ def _hostport(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _hostports(value: str) -> list[tuple[str, int]]:
+    """HOST:PORT[,HOST:PORT...]: every control-plane replica (issue 15)."""
+    return [_hostport(v.strip()) for v in value.split(",") if v.strip()] or [_hostport(value)]
+
+
 def _default_node_id(args: argparse.Namespace) -> str:
     """`ROLE-HOST-PORT` (ROLE: SERVICE-VERSION or caller; PORT: its listener): unique on a host,
     since two sidecars cannot hold one port, and the same across restarts, so the last-known-good
@@ -29,7 +34,8 @@ def _default_node_id(args: argparse.Namespace) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--xds", type=_hostport, required=True, help="control plane ADS HOST:PORT")
+    p.add_argument("--xds", type=_hostports, required=True, help="control plane ADS HOST:PORT; "
+                   "with replicas, each one's, comma-separated (Envoy fails over)")  # fmt: skip
     p.add_argument("--node-id", help="unique sidecar id (default: ROLE-HOST-PORT, "
                    "ROLE being SERVICE-VERSION or caller)")  # fmt: skip
     p.add_argument("--mesh", help="mesh file: --inbound-port defaults to the port of the "
@@ -146,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     sv = Supervisor(
         node_id,
         boot,
-        args.xds,
+        # The supervisor probes the first replica (reachability, mTLS); Envoy uses them all.
+        args.xds[0],
         lkg=LastKnownGood(args.lkg_file),
         concurrency=args.concurrency,
         on_event=lambda msg: print(f"sidecar {node_id}: {msg}", flush=True),

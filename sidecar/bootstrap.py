@@ -20,7 +20,7 @@ CONTROL_PLANE_SA = "meshlm-system/control-plane"
 def ads_bootstrap(
     node_id: str,
     *,
-    xds_address: tuple[str, int],
+    xds_address: tuple[str, int] | list[tuple[str, int]],
     service: str | None = None,
     version: str | None = None,
     inbound_port: int | None = None,
@@ -34,7 +34,9 @@ def ads_bootstrap(
 
     `api_type` is "GRPC" (state of the world) or "DELTA_GRPC" (incremental). `local_endpoint`
     ("host:port") is the runtime an inbound listener fronts; without it the control plane uses
-    the endpoints the mesh file lists for this service version.
+    the endpoints the mesh file lists for this service version. `xds_address` may list every
+    control-plane replica (issue 15): the xds cluster then has one endpoint each, and when the
+    stream's replica dies Envoy's reconnect goes to one that answers.
     """
     if api_type not in ("GRPC", "DELTA_GRPC"):
         raise ValueError(f"api_type: expected GRPC or DELTA_GRPC, got {api_type!r}")
@@ -50,7 +52,9 @@ def ads_bootstrap(
     ):
         if value is not None:
             metadata[key] = value
-    host, port = xds_address
+    addresses = [xds_address] if isinstance(xds_address, tuple) else list(xds_address)
+    if not addresses:
+        raise ValueError("xds_address: at least one control plane HOST:PORT")
     ads = {"ads": {}, "resource_api_version": "V3"}
     return {
         "node": {"id": node_id, "cluster": cluster, "metadata": metadata},
@@ -78,8 +82,31 @@ def ads_bootstrap(
             "lds_config": ads,
             "cds_config": ads,
         },
-        "static_resources": {"clusters": [static_cluster(XDS_CLUSTER, host, port)]},
+        "static_resources": {"clusters": [xds_cluster(addresses)]},
     }
+
+
+def xds_cluster(addresses: list[tuple[str, int]]) -> dict[str, Any]:
+    """The static cluster of the control plane's replicas. A replica that refuses or drops
+    connections is ejected for a while (outlier detection on local origin errors), so the next
+    reconnect picks a live one instead of trying the dead one every other time."""
+    cluster = static_cluster(XDS_CLUSTER, *addresses[0])
+    if len(addresses) > 1:
+        cluster["load_assignment"]["endpoints"] = [
+            {"lb_endpoints": [_lb_endpoint(h, p) for h, p in addresses]}
+        ]
+        cluster["outlier_detection"] = {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,
+            "interval": "1s",
+            "base_ejection_time": "5s",
+            "max_ejection_percent": 100,
+        }
+    return cluster
+
+
+def _lb_endpoint(host: str, port: int) -> dict[str, Any]:
+    return {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
 
 
 def with_sds(boot: dict[str, Any], socket_path: str) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The admin HTTP API on loopback (stdlib http.server in a thread).
 
   GET  /debug/syncz                               sync status per sidecar and type, convergence
+  GET  /metrics                                   Prometheus text (xds_server/metrics.py)
   GET  /debug/config_dump                         the snapshots being served
   POST /v1/services/{s}/weights                   {"v1": 90, "v2": 10}
   POST /v1/services/{s}/versions/{v}/endpoints    {"add": "host:port"} or {"remove": "host:port"}
@@ -43,6 +44,8 @@ import yaml
 from xds_server.admin_tls import AdminTLS, drop_ca
 from xds_server.control_plane import ApplyResult, ControlPlane
 from xds_server.mesh import load_yaml, parse_mesh
+from xds_server.metrics import ControlPlaneMetrics, Exposition
+from xds_server.store.base import Conflict, StoreError
 
 log = logging.getLogger(__name__)
 # (method, path, body) -> (status, JSON-able reply)
@@ -70,6 +73,9 @@ class AdminServer:
         self.cp = cp
         self.token = token
         self.mounts = dict(mounts or {})
+        # Without a token, as every GET: scrapers hold no secret, and nothing in it is one.
+        self.metrics = ControlPlaneMetrics(cp)
+        self.status: Callable[[], dict[str, Any]] | None = None  # GET /
         # GET /isolation, POST /isolation/{service}/{class}/release|pin (issue 11)
         self.mounts.setdefault("/isolation", cp.isolation.handle)
         if cp.identity:  # GET /identity, POST /identity/tokens|rotate-root (issue 14)
@@ -118,8 +124,12 @@ class AdminServer:
         url = urlsplit(target)
         parts = [p for p in url.path.split("/") if p]
         query = parse_qs(url.query)
+        if method == "GET" and not parts and self.status is not None:
+            return 200, self.status()  # which replica this is and which leads (issue 15)
         if method == "GET" and parts == ["debug", "syncz"]:
             return 200, self.cp.syncz()
+        if method == "GET" and parts == ["metrics"]:
+            return 200, self.metrics.exposition()
         if method == "GET" and parts == ["debug", "config_dump"]:
             return 200, self.cp.config_dump()
         for prefix, mount in self.mounts.items():
@@ -153,20 +163,25 @@ class AdminServer:
                 return _outcome(r)
         except ValueError as e:  # MeshError, or a snapshot the sidecars could not take
             return 400, {"error": str(e)}
+        except StoreError as e:  # replicas: the store refused or did not answer
+            return _store_error(e)
         return 404, {"error": f"no such endpoint: {method} {url.path}"}
 
     def _apply_mesh(self, body: bytes, query: dict[str, list[str]]) -> tuple[int, Any]:
         """`POST /v1/mesh` with a mesh file (YAML or JSON): `meshlm apply`."""
         try:
             timeout = float(query.get("timeout", ["10"])[0])
-            mesh = parse_mesh(load_yaml(body or b"", "mesh"))
+            source = load_yaml(body or b"", "mesh")
+            mesh = parse_mesh(source)
             if mesh.authz.keys_file != self.cp.mesh.authz.keys_file:
                 # Else any token holder could make the control plane read any file.
                 return 400, {
                     "error": "authz.keys_file: cannot be changed over the admin API "
                     "(restart the control plane with the new mesh file)"
                 }
-            return _outcome(self.cp.apply_mesh(mesh, timeout=timeout))
+            return _outcome(self.cp.apply_mesh(mesh, timeout=timeout, source=source))
+        except StoreError as e:
+            return _store_error(e)
         except yaml.YAMLError as e:
             return 400, {"error": f"mesh: not YAML: {e}"}
         except ValueError as e:  # MeshError names the field; nothing was pushed
@@ -180,6 +195,12 @@ class AdminServer:
         return scheme.lower() == "bearer" and hmac.compare_digest(
             presented.strip().encode(), self.token.encode()
         )
+
+
+def _store_error(e: StoreError) -> tuple[int, Any]:
+    """409 when the store refused the write (it kept changing under us), else 503: the store
+    did not answer (no quorum, partitioned); the write may still land, so read before retrying."""
+    return (409 if isinstance(e, Conflict) else 503), {"error": f"state store: {e}"}
 
 
 def _outcome(r: ApplyResult) -> tuple[int, Any]:
@@ -337,9 +358,15 @@ class _Handler(BaseHTTPRequestHandler):
         return 0, ""
 
     def _reply(self, status: int, reply: Any, *, body: bool = True) -> None:
-        data = json.dumps(reply, indent=1, default=str).encode()
+        if isinstance(reply, Exposition):
+            data, content_type = reply.body, reply.content_type
+        else:
+            data, content_type = (
+                json.dumps(reply, indent=1, default=str).encode(),
+                "application/json",
+            )
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data) if body else 0))
         self.end_headers()
         if body:

@@ -13,14 +13,15 @@ and no longer hold changes back, so one stuck sidecar cannot fail every change.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
@@ -37,6 +38,10 @@ from xds_server.resources import tls
 from xds_server.snapshot import make_version
 from xds_server.sync import Limits, SyncStatus
 
+if TYPE_CHECKING:
+    from xds_server.store.base import Fence
+    from xds_server.store.replica import Replication
+
 log = logging.getLogger(__name__)
 # The longest a caller may wait for ACKs (seconds); longer asks are refused before staging.
 MAX_TIMEOUT = 600.0
@@ -52,9 +57,10 @@ class ApplyResult:
     missing: list[str] = field(default_factory=list)  # NACKed or not yet ACKed
     errors: dict[str, str] = field(default_factory=dict)  # node -> NACK error
     lagging: list[str] = field(default_factory=list)  # left out: un-ACKed for lagging_after
+    revision: int = 0  # the store revision written (replicas on a store, issue 15)
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "version": self.version,
             "ok": self.ok,
             "acked": self.acked,
@@ -62,6 +68,9 @@ class ApplyResult:
             "errors": self.errors,
             "lagging": self.lagging,
         }
+        if self.revision:
+            out["revision"] = self.revision
+        return out
 
 
 def check_timeout(timeout: float) -> float:
@@ -90,9 +99,14 @@ class ControlPlane:
         limits: Limits | None = None,
         isolation_store: str | None = None,
         identity_dir: str | None = None,
+        replication: Replication | None = None,
     ) -> None:
         """`identity_dir`: where the mesh CA keeps its root and join tokens (a private dir);
-        None keeps them in memory. The CA runs only when the mesh has an `identity` block."""
+        None keeps them in memory. The CA runs only when the mesh has an `identity` block.
+        `replication`: this control plane is one replica of several sharing a store (issue 15);
+        its desired state is the store's, and changes are written there."""
+        self.replication = replication
+        self._fence = threading.local()  # the leader's fence for the current thread's writes
         self.incarnation = incarnation or new_incarnation()
         # Quarantined request classes (issue 11); restored ones are in the very first snapshot,
         # so a restart leaves no window of unprotected traffic.
@@ -129,6 +143,8 @@ class ControlPlane:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self, grpc_port: int = 0, host: str = "127.0.0.1") -> ControlPlane:
+        if self.replication is not None:  # the store's state before the first sidecar's
+            self.replication.start(self)
         self._runner = LoopThread("xds")
         self._loop = self._runner.loop
         self.grpc_port = self._serve(host, grpc_port)
@@ -151,6 +167,8 @@ class ControlPlane:
         if self._loop is None or self._server is None:
             return
         self._isolation_stop.set()
+        if self.replication is not None:
+            self.replication.stop()
 
         async def shutdown() -> None:
             if self._tls_renewer:
@@ -301,10 +319,11 @@ class ControlPlane:
 
         return self._change(edit, timeout)
 
-    def apply_mesh(self, mesh: m.Mesh, *, timeout: float = 10.0) -> ApplyResult:
+    def apply_mesh(self, mesh: m.Mesh, *, timeout: float = 10.0, source: Any = None) -> ApplyResult:
         """A new mesh file (tenants, endpoints, resilience...) that keeps the live traffic split:
         weights and `x-canary` pins of a service whose versions are unchanged belong to the
-        weights API and rollouts, not to whatever the file said when it was written."""
+        weights API and rollouts, not to whatever the file said when it was written. `source`:
+        the document `mesh` parsed from, which replicas keep in their store (needed there)."""
 
         def keep_split(live: m.Mesh) -> m.Mesh:
             new = mesh
@@ -317,17 +336,39 @@ class ControlPlane:
                     new = new.with_pins(name, *cur.route.pins)
             return new
 
-        return self._change(keep_split, timeout)
+        return self._change(keep_split, timeout, self._source(source))
 
-    def update_mesh(self, mesh: m.Mesh, *, timeout: float = 10.0) -> ApplyResult:
-        return self._change(lambda live: mesh, timeout)
+    def _source(self, source: Any) -> Any:
+        if self.replication is not None and source is None:
+            raise ValueError("a replica on a store needs the mesh's source document to apply it")
+        return source
+
+    def update_mesh(
+        self, mesh: m.Mesh, *, timeout: float = 10.0, source: Any = None
+    ) -> ApplyResult:
+        return self._change(lambda live: mesh, timeout, self._source(source))
+
+    @contextlib.contextmanager
+    def fenced(self, fence: Fence) -> Iterator[None]:
+        """The changes this thread makes inside are leader-only: written with `fence`, so they
+        fail (Fenced) once the term has ended (replicas on a store)."""
+        self._fence.value = fence
+        try:
+            yield
+        finally:
+            self._fence.value = None
 
     def _change(
-        self, edit: Callable[[m.Mesh], m.Mesh | None], timeout: float
+        self,
+        edit: Callable[[m.Mesh], m.Mesh | None],
+        timeout: float,
+        source: Any = None,
     ) -> ApplyResult | None:
         """Stage `edit(live mesh)` under the mutation lock, then wait for ACKs without it, so
         a slow sidecar (or a caller that left) never blocks the next change."""
         timeout = check_timeout(timeout)  # before anything is staged
+        if self.replication is not None:
+            return self._change_replicated(edit, timeout, source)
         with self._mutate:
             mesh = edit(self.mesh)
             if mesh is None:
@@ -336,6 +377,27 @@ class ControlPlane:
         if timeout == 0:
             return ApplyResult(version=version, ok=False, missing=nodes)
         return self.wait_for_ack(version, nodes, timeout=timeout)
+
+    def _change_replicated(
+        self, edit: Callable[[m.Mesh], m.Mesh | None], timeout: float, source: Any
+    ) -> ApplyResult | None:
+        """Written to the store, staged here; returns when every replica's sidecars hold it."""
+        fence = getattr(self._fence, "value", None)
+        done = self.replication.change(edit, source=source, fence=fence)
+        if done is None:
+            return None
+        revision, gen = done
+        version = make_version(self.incarnation, gen)
+        if timeout == 0:
+            return ApplyResult(version=version, ok=False, revision=revision)
+        acked, errors, missing, lagging = self.replication.wait(revision, timeout)
+        return ApplyResult(version, not missing, acked, missing, errors, lagging, revision)
+
+    def _stage_desired(self, mesh: m.Mesh) -> int:
+        """Stage `mesh` (desired state, read from the store) with the isolation controller's
+        routes over it; the new generation. The caller holds the mutation lock."""
+        self._stage(self.isolation.overlay(mesh))
+        return self.cache.generation
 
     def _push_isolation(self) -> tuple[m.Mesh, ApplyResult] | None:
         """The isolation controller's routes, when they differ from the live ones."""
@@ -420,6 +482,8 @@ class ControlPlane:
         out = self.sync.to_json()
         out["incarnation"] = self.incarnation
         out["generation"] = self.cache.generation
+        if self.replication is not None:
+            out["replication"] = self.replication.status()
         return out
 
     def config_dump(self) -> dict:
