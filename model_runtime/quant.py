@@ -2,6 +2,8 @@
 
 torch's int4pack dequantizes a group as w = (q - 8) * scale + zero. A GGUF Q4_1 block stores
 w = q * d + m for 32 weights, so scale = d and zero = m + 8 d: the remap is exact at group 32.
+With bf16 activations and group 32, on CPUs with AVX-512 the layers run the native kernel of
+model_runtime/kernels (the same arithmetic, bit-identical outputs, faster); else torch's.
 """
 
 from __future__ import annotations
@@ -13,21 +15,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_runtime import kernels
 from model_runtime.gguf_loader import Q4_1
+
+NATIVE_BLOCK = 64  # output columns per block of the native layout (kernels/int4mm.c)
 
 
 def _pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype):
+    """(packed codes, scales and zeros, native?) for torch's int4pack kernel or the native one."""
+    n, k = codes.shape
+    group = k // scale.shape[1]
+    if dtype == torch.bfloat16 and group == 32 and n % NATIVE_BLOCK == 0 and kernels.applies():
+        # panels of 16 columns: [panel, k / 2, column] bytes holding k (low nibble) and k + 1,
+        # then [panel, group, scale | zero, column] bf16
+        c = codes.to(torch.uint8).view(n // NATIVE_BLOCK, NATIVE_BLOCK, k // 2, 2)
+        packed = (c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1).contiguous()
+        sz = torch.stack([scale.to(dtype), zero.to(dtype)])  # [2, n, groups]
+        sz = sz.view(2, n // NATIVE_BLOCK, NATIVE_BLOCK, -1).permute(1, 3, 0, 2).contiguous()
+        return packed, sz, True
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
     sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
-    return packed, sz
+    return packed, sz, False
 
 
 class Int4Linear(nn.Module):
     """y = x @ W.T with W held as 4-bit codes plus a (scale, zero) per group of `group_size`."""
 
-    def __init__(self, packed, scales_zeros, out_features, in_features, group_size, dense=None):
+    def __init__(
+        self, packed, scales_zeros, out_features, in_features, group_size, dense=None, native=False
+    ):
         super().__init__()
         self.out_features, self.in_features, self.group_size = out_features, in_features, group_size
+        self.native = native  # packed/scales_zeros in the native kernel's layout
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
         # a dense copy is kept only for the non-finite guard (keep_dense=True)
@@ -37,9 +56,9 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_q4_1(cls, q: Q4_1, dtype=torch.bfloat16, keep_dense: bool = False) -> Int4Linear:
         n, k = q.codes.shape
-        packed, sz = _pack(q.codes, q.d, q.m + 8 * q.d, dtype)
+        packed, sz, native = _pack(q.codes, q.d, q.m + 8 * q.d, dtype)
         dense = q.dequantize().to(dtype) if keep_dense else None
-        return cls(packed, sz, n, k, 32, dense)
+        return cls(packed, sz, n, k, 32, dense, native)
 
     @classmethod
     def from_dense(
@@ -54,8 +73,9 @@ class Int4Linear(nn.Module):
         scale = (hi - lo) / 15
         safe = torch.where(scale == 0, torch.ones_like(scale), scale)
         codes = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15).reshape(n, k)
-        packed, sz = _pack(codes, scale, lo + 8 * scale, dtype)
-        return cls(packed, sz, n, k, group_size, w.to(dtype) if keep_dense else None)
+        packed, sz, native = _pack(codes, scale, lo + 8 * scale, dtype)
+        dense = w.to(dtype) if keep_dense else None
+        return cls(packed, sz, n, k, group_size, dense, native)
 
     def dequantize(self) -> torch.Tensor:
         """The weights as the kernel sees them, [out, in] (via an identity matmul)."""
@@ -63,6 +83,8 @@ class Int4Linear(nn.Module):
         return self._mm(eye).T.contiguous()
 
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return _native_mm(x2, self)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.packed, self.group_size, self.scales_zeros
         )
@@ -78,7 +100,30 @@ class Int4Linear(nn.Module):
         return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, group_size={self.group_size}"
+        kernel = "native" if self.native else "torch"
+        return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, {kernel}"
+
+
+def _native_mm(x2: torch.Tensor, lin: Int4Linear) -> torch.Tensor:
+    x2 = x2.contiguous()
+    if x2.dtype != torch.bfloat16:
+        raise TypeError(f"the native int4 kernel takes bf16 activations, got {x2.dtype}")
+    m = x2.shape[0]
+    y = torch.empty(m, lin.out_features, dtype=torch.bfloat16)
+    if m:
+        rc = kernels.library().int4mm_bf16(
+            x2.data_ptr(),
+            m,
+            lin.in_features,
+            lin.packed.data_ptr(),
+            lin.scales_zeros.data_ptr(),
+            lin.out_features,
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise RuntimeError(f"native int4 kernel refused shapes {tuple(x2.shape)} x {lin}")
+    return y
 
 
 class Int8Linear(nn.Module):
