@@ -26,6 +26,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
+from envoy.extensions.access_loggers.stream.v3.stream_pb2 import StdoutAccessLog
 from grpc_health.v1 import health_pb2
 
 from sidecar.bootstrap import with_sds
@@ -43,6 +44,7 @@ from tests.test_identity_support import (
     tls_listener,
 )
 from tests.test_lb_least_loaded import OrcaReplica
+from tests.test_mesh_support import json_lines
 from tests.test_xds_support import METHOD, CallLoop, eventually
 from xds_server import types as t
 from xds_server.ca import MeshCA, key_pem, uri_sans
@@ -50,6 +52,7 @@ from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 from xds_server.node import NodeInfo
 from xds_server.resources import ResourceError, build_resources
+from xds_server.resources.listeners import HCM
 
 TD = "meshlm.local"
 LLM_ID = f"spiffe://{TD}/ns/default/sa/llm"
@@ -59,15 +62,23 @@ CERT_TTL = 20.0  # seconds: every agent renews at half-life, 10 s, while the tes
 
 
 class Replica(OrcaReplica):
-    """A runtime stand-in: answers calls with its name, streams ORCA load reports (least_loaded)
-    and answers gRPC health checks SERVING, so the caller's probes and ORCA streams cross the
-    mTLS hop too."""
+    """A runtime stand-in: answers calls with its name (keeping the last call's metadata),
+    streams ORCA load reports (least_loaded) and answers gRPC health checks SERVING, so the
+    caller's probes and ORCA streams cross the mTLS hop too."""
+
+    def __init__(self, name: str, utilization: float) -> None:
+        self.seen: dict[str, str] = {}
+        super().__init__(name, utilization)
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         if details.method == HEALTH_CHECK:
             serving = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
             return grpc.unary_unary_rpc_method_handler(lambda req, ctx: serving.SerializeToString())
         return super().service(details)
+
+    def _who(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        self.seen = dict(context.invocation_metadata())
+        return super()._who(request, context)
 
 
 def _inbound(cp: ControlPlane, d: Path, node: str, sa: str, service: str, port: int, runtime: int):
@@ -119,6 +130,13 @@ class Mesh:
     ports: dict[str, int]  # service -> inbound listener port
     llm: Replica
     impostor: Impostor  # at the address of service `bad`'s one replica
+    access_log: Path  # every sidecar's, one JSON line per call
+
+    def inbound_lines(self, path: str = METHOD) -> list[dict]:
+        """The inbound sidecar's access log lines of calls to `path`, oldest first."""
+        text = self.access_log.read_text() if self.access_log.exists() else ""
+        lines = json_lines(text)
+        return [x for x in lines if x["listener"] == "inbound|llm|v1" and x["path"] == path]
 
     def call(self, service: str) -> str:
         return call(self.caller_port, service)
@@ -155,6 +173,7 @@ def mesh() -> Iterator[Mesh]:
                 },
             },
             "identity": {"trust_domain": TD, "cert_ttl": f"{CERT_TTL:g}s"},
+            "access_log": {"path": str(d / "access.log"), "inbound": "all"},
         }
     )
     cp = ControlPlane(spec, debounce=0.02, identity_dir=str(d / "cp")).start()
@@ -172,7 +191,9 @@ def mesh() -> Iterator[Mesh]:
             s.sv.wait_ready()
             assert s.agent.wait_ready(15), s.events
         eventually(lambda: call(caller_port, "llm") == "llm", 30, "a call through both sidecars")
-        yield Mesh(cp, d / "cp", caller, caller_port, inbound, ports, llm, impostor)
+        yield Mesh(
+            cp, d / "cp", caller, caller_port, inbound, ports, llm, impostor, d / "access.log"
+        )
     finally:
         for s in sidecars:
             s.sv.stop()
@@ -339,6 +360,57 @@ def test_a_replica_holding_another_identity_is_refused_by_the_caller(mesh: Mesh)
     assert mesh.impostor.envoy.stats().get("http.tls_test.downstream_rq_total", 0) == 0
 
 
+def _xfcc(value: str) -> list[dict[str, str]]:
+    """An x-forwarded-client-cert value: one dict per element (a proxy hop), key -> value."""
+    return [dict(kv.split("=", 1) for kv in element.split(";")) for element in value.split(",")]
+
+
+def _grpc_over_http1(port: int, client: ClientCert, headers: dict[str, str]) -> bytes:
+    """A gRPC call (METHOD, an empty message) as HTTP/1.1 over TLS with `client`'s
+    certificate, straight to an inbound listener (Python's gRPC checks a server by host name,
+    which a workload certificate has not); the first bytes of the answer."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(cadata=client.bundle)
+    ctx.check_hostname = False
+    ctx.load_cert_chain(str(client.cert), str(client.key))
+    head = {"Host": "llm", "content-type": "application/grpc", "te": "trailers",
+            "content-length": "5", **headers}  # fmt: skip
+    request = f"POST {METHOD} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items())
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        ctx.wrap_socket(raw) as s,
+    ):
+        s.sendall(request.encode() + b"\r\n" + b"\0" * 5)
+        return s.recv(64)
+
+
+def test_the_runtime_learns_the_verified_caller_from_xfcc(mesh: Mesh, tmp_path: Path) -> None:
+    # Istio's way: the inbound sidecar sets x-forwarded-client-cert from the TLS connection
+    # (forward_client_cert_details SANITIZE_SET), whatever the authz mode (none here).
+    forged = f"By={LLM_ID};URI=spiffe://{TD}/ns/apps/sa/admin"
+    with grpc.insecure_channel(
+        f"127.0.0.1:{mesh.caller_port}", options=[("grpc.default_authority", "llm")]
+    ) as ch:
+        md = (("x-forwarded-client-cert", forged),)
+        assert ch.unary_unary(METHOD)(b"", metadata=md, timeout=5) == b"llm"
+    (hop,) = _xfcc(mesh.llm.seen["x-forwarded-client-cert"])
+    assert (hop["By"], hop["URI"]) == (LLM_ID, CALLER_ID) and len(hop["Hash"]) == 64, hop
+    # A workload of the mesh that sends its own XFCC straight to the inbound listener gets it
+    # replaced, not appended: the runtime sees only what the handshake proved.
+    client = _mint(mesh, tmp_path, "a workload of the mesh")
+    answer = _grpc_over_http1(mesh.ports["llm"], client, {"x-forwarded-client-cert": forged})
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    (hop,) = _xfcc(mesh.llm.seen["x-forwarded-client-cert"])
+    assert (hop["By"], hop["URI"]) == (LLM_ID, CALLER_ID), hop
+
+
+def test_the_inbound_access_log_names_the_callers_spiffe_id(mesh: Mesh) -> None:
+    before = len(mesh.inbound_lines())
+    assert mesh.call("llm") == "llm"
+    lines = eventually(lambda: mesh.inbound_lines()[before:], 10, "the call's inbound line")
+    assert lines[-1]["downstream_peer_uri_san"] == CALLER_ID, lines[-1]
+
+
 def test_certificate_renewals_under_load_lose_no_call(mesh: Mesh, tmp_path: Path) -> None:
     inbound, caller = mesh.inbound["llm"], mesh.caller
     start = (inbound.agent.renewals, caller.agent.renewals)
@@ -422,8 +494,8 @@ def test_a_sidecar_restarted_while_the_control_plane_is_down_serves_mtls_from_lk
 # -- the mesh file's side ----------------------------------------------------------------------
 
 
-def _one_service(identity: dict | None, endpoint: str = "127.0.0.1:9"):
-    raw = {
+def _raw_one_service(endpoint: str = "127.0.0.1:9") -> dict:
+    return {
         "services": {
             "llm": {
                 "versions": {"v1": {"endpoints": [endpoint]}},
@@ -431,6 +503,10 @@ def _one_service(identity: dict | None, endpoint: str = "127.0.0.1:9"):
             }
         }
     }
+
+
+def _one_service(identity: dict | None, endpoint: str = "127.0.0.1:9"):
+    raw = _raw_one_service(endpoint)
     return parse_mesh({**raw, "identity": identity} if identity is not None else raw)
 
 
@@ -465,6 +541,34 @@ def test_mtls_off_keeps_hops_plaintext_and_strict_refuses_a_runtime_off_loopback
         build_resources(strict, inbound)
     assert "meshlm.local_endpoint" in str(e.value) and "10.0.0.5:7" in str(e.value)
     assert "identity.mtls: off" in str(e.value)
+
+
+def _inbound_hcm(mesh) -> HCM:
+    node = NodeInfo(service="llm", version="v1", inbound_port=9000, local_endpoint="127.0.0.1:7")
+    (lis,) = build_resources(mesh, node)[t.LISTENER].values()
+    hcm = HCM()
+    lis.filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    return hcm
+
+
+def test_only_an_mtls_inbound_listener_forwards_and_logs_the_callers_identity() -> None:
+    logged = {"access_log": {"inbound": "all"}}
+    strict = _inbound_hcm(parse_mesh({**_raw_one_service(), **logged, "identity": {}}))
+    assert strict.forward_client_cert_details == HCM.SANITIZE_SET
+    assert strict.set_current_client_cert_details.uri
+    assert _log_fields(strict)["downstream_peer_uri_san"] == "%DOWNSTREAM_PEER_URI_SAN%"
+    for plain in ({}, {"identity": {"mtls": False}}):  # no certificate to forward or log
+        hcm = _inbound_hcm(parse_mesh({**_raw_one_service(), **logged, **plain}))
+        assert hcm.forward_client_cert_details == HCM.SANITIZE  # a client's XFCC dropped
+        assert not hcm.HasField("set_current_client_cert_details")
+        assert "downstream_peer_uri_san" not in _log_fields(hcm)
+
+
+def _log_fields(hcm: HCM) -> dict:
+    (log,) = hcm.access_log
+    out = StdoutAccessLog()
+    log.typed_config.Unpack(out)
+    return dict(out.log_format.json_format)
 
 
 def test_the_control_plane_warns_at_load_of_a_mesh_without_identity(tmp_path: Path) -> None:

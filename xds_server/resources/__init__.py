@@ -130,7 +130,9 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         stat_prefix=f"inbound_{svc.name}_{ver.name}",
         stream_idle_timeout=svc.route.stream_idle_timeout,
         authz_filters=authz,
-        access_log=access_log.access_logs(mesh.access_log, lname, inbound=True, tenant=bool(authz)),
+        access_log=access_log.access_logs(
+            mesh.access_log, lname, inbound=True, tenant=bool(authz), peer=tls.mtls(mesh)
+        ),
         # A denied request must not carry (or log) a client-sent tenant either.
         strip_request_headers=names.IDENTITY_HEADERS if authz or mesh.identity else (),
         local_reply=listeners.died_holding_the_call_reply(),

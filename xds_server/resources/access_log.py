@@ -3,7 +3,8 @@
 What a line holds is chosen so it can be shipped anywhere: never the API key, the
 `authorization` header, the session (hash) header or any body. The tenant is logged only on an
 inbound listener with authz, where the filter has replaced any client-sent tenant header with
-the verified one (`%REQ(...)%` reads the request headers as they are after the filters).
+the verified one (`%REQ(...)%` reads the request headers as they are after the filters). On
+an mTLS inbound listener a line names the caller by the SPIFFE ID its certificate proved.
 """
 
 from __future__ import annotations
@@ -44,15 +45,18 @@ FIELDS = {
 
 
 def access_logs(
-    cfg: m.AccessLog, listener: str, *, inbound: bool, tenant: bool
+    cfg: m.AccessLog, listener: str, *, inbound: bool, tenant: bool, peer: bool = False
 ) -> list[accesslog_pb2.AccessLog]:
-    """The HCM `access_log` list for `listener` ([] when the mesh turns its side's logs off)."""
+    """The HCM `access_log` list for `listener` ([] when the mesh turns its side's logs off).
+    `peer`: the listener takes mTLS only, so each line names the caller's verified SPIFFE ID."""
     calls = cfg.inbound if inbound else cfg.outbound
     if not cfg.enabled or calls == "off":
         return []
     fields: dict[str, str] = {"listener": listener, **FIELDS}
     if tenant:
         fields["tenant"] = f"%REQ({TENANT_HEADER.upper()})%"
+    if peer:
+        fields["downstream_peer_uri_san"] = "%DOWNSTREAM_PEER_URI_SAN%"
     fmt = struct_pb2.Struct()
     fmt.update(fields)
     log_format = sfs.SubstitutionFormatString(json_format=fmt)

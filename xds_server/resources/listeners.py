@@ -80,6 +80,18 @@ def died_holding_the_call_reply() -> hcm_pb2.LocalReplyConfig:
     return hcm_pb2.LocalReplyConfig(mappers=[mapper])
 
 
+def forward_client_cert() -> dict[str, object]:
+    """The HCM fields that hand the runtime its verified caller, as Istio does: Envoy replaces
+    any client-sent `x-forwarded-client-cert` with `By=<this sidecar's SPIFFE ID>;Hash=<the
+    client certificate's SHA-256>;URI=<the caller's SPIFFE ID>` from the TLS connection, in
+    every authz mode (the Wasm filter's `x-meshlm-principal` exists only in mode wasm). Without
+    mTLS the default, SANITIZE, drops a client's header."""
+    return {
+        "forward_client_cert_details": HCM.SANITIZE_SET,
+        "set_current_client_cert_details": HCM.SetCurrentClientCertDetails(uri=True),
+    }
+
+
 def http_listener(
     name: str,
     *,
@@ -96,7 +108,8 @@ def http_listener(
     transport_socket: base_pb2.TransportSocket | None = None,
 ) -> listener_pb2.Listener:
     """`transport_socket`: mTLS for every connection (xds_server/resources/tls.py); a client
-    that does not complete the handshake reaches no filter."""
+    that does not complete the handshake reaches no filter, and the upstream learns the
+    verified caller from `x-forwarded-client-cert`."""
     stats = [grpc_stats_filter()] if grpc_stats else []
     hcm = HCM(
         stat_prefix=stat_prefix,
@@ -111,6 +124,7 @@ def http_listener(
             [remove_request_headers(strip_request_headers)] if strip_request_headers else []
         ),
         local_reply_config=local_reply,
+        **(forward_client_cert() if transport_socket else {}),
         # No `tracing` block: W3C `traceparent`/`tracestate` are ordinary headers that Envoy
         # forwards unchanged hop to hop, so the runtime continues the client's trace.
     )
