@@ -122,6 +122,17 @@ class SnapshotCache:
             self._staged = staged
             return gen
 
+    def check(self, mesh: m.Mesh, live: set[NodeInfo]) -> None:
+        """Raise ValueError as `stage` would for a group in `live` that cannot take `mesh`;
+        stages nothing (replicas check a change before writing it to the store)."""
+        with self._lock:
+            groups = [g for g in self._snapshots if g in live]
+        for group in groups:
+            try:
+                build_resources(mesh, group)
+            except ValueError as e:
+                raise ValueError(f"sidecars with {group.label()}: {e}") from None
+
     def publish(self) -> None:
         """Make the staged state visible and wake every stream (called by the debouncer)."""
         with self._lock:

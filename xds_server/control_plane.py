@@ -393,6 +393,13 @@ class ControlPlane:
         acked, errors, missing, lagging = self.replication.wait(revision, timeout)
         return ApplyResult(version, not missing, acked, missing, errors, lagging, revision)
 
+    def _check_desired(self, mesh: m.Mesh) -> None:
+        """ValueError if a group with a connected sidecar cannot take `mesh`; stages nothing."""
+        mesh = membership.overlay(
+            self.isolation.overlay(mesh), membership.inbound_sidecars(self.sync)
+        )
+        self.cache.check(mesh, self.sync.live_groups())
+
     def _stage_desired(self, mesh: m.Mesh) -> int:
         """Stage `mesh` (desired state, read from the store) with the isolation controller's
         routes over it; the new generation. The caller holds the mutation lock."""

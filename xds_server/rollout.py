@@ -149,7 +149,7 @@ class RolloutController:
     def __init__(
         self,
         control_plane: ControlPlane,
-        store_path: str,
+        store_path: str | RolloutStore,
         sources_factory: SourcesFactory,
         *,
         autorun: bool = True,
@@ -157,7 +157,9 @@ class RolloutController:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cp = control_plane
-        self.store = RolloutStore(store_path)
+        # A path (one control plane), or any load()/save() store: replicas keep it in the
+        # state store, fenced (xds_server/store/leader.py StoreRollouts).
+        self.store = store_path if hasattr(store_path, "save") else RolloutStore(store_path)
         self.sources_factory = sources_factory
         self.clock = clock
         self.poll_s = poll_s

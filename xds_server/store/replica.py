@@ -200,18 +200,19 @@ class Replication:
                     return None
                 checks, ops = self._writes(base, new, source)
                 checks = ([fence.check()] if fence else []) + checks
-                gen = cp._stage_desired(new)  # ValueError: nothing written
+                cp._check_desired(new)  # ValueError: nothing written
                 try:
                     rev = self.store.txn(checks, ops)
                 except Conflict as e:
                     if fence is not None and e.key == fence.key:
-                        self._revs = {}  # staged here, not written: restage what the store has
                         raise
                     conflict = e
                 except StoreError:
-                    self._revs = {}  # it may or may not have landed: the next reload restages
+                    self._revs = {}  # it may or may not have landed: the next reload says
                     raise
                 else:
+                    # Staged only once written: sidecars never see what the store refused.
+                    gen = cp._stage_desired(new)
                     for op in ops:
                         if isinstance(op, Put):
                             self._revs[op.key] = rev

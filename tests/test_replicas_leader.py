@@ -1,0 +1,127 @@
+"""The leader's work on replicas (issue 15): one replica runs the rollouts, its writes fenced;
+when it dies mid-rollout another takes over within the lease TTL plus a few seconds and the
+rollout continues from its step, with no failed call; a write with the old term's fence fails.
+Real etcd, real Envoy, real gRPC upstreams."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+
+import pytest
+
+from sidecar.bootstrap import ads_bootstrap
+from sidecar.envoy_process import EnvoyProcess
+from sidecar.ports import free_port
+from tests.etcd_support import EtcdCluster, wait_for
+from tests.rollout_upstreams import Traffic, Upstream
+from tests.test_replicas_sync import source
+from xds_server.control_plane import ControlPlane
+from xds_server.gates import mesh_sources
+from xds_server.mesh import parse_mesh
+from xds_server.rollout import TERMINAL, RolloutController
+from xds_server.store import EtcdStore, Fenced
+from xds_server.store.election import Election
+from xds_server.store.leader import FencedChanges, LeaderWork, StoreRollouts, rollouts_of
+from xds_server.store.replica import Replication
+
+TTL = 2.0
+SPEC = {
+    "service": "llm",
+    "stable": "v1",
+    "canary": "v2",
+    "steps": [10, 40, 70, 100],
+    "interval": "1.5s",
+    "threshold": 2,
+    "ack_timeout": "10s",
+    "gates": {"grpc_success_rate_min": 99.0, "min_requests": 5},
+}
+
+
+class Replica:
+    """A control plane on the store, its election and its leader-only rollout controller."""
+
+    def __init__(self, store: EtcdStore, name: str, doc: dict, sources) -> None:
+        self.store = store
+        self.cp = ControlPlane(parse_mesh(doc), replication=Replication(store, name, doc))
+        self.cp.start()
+        self.election = Election(store, name, ttl=TTL, on_change=lambda up: self.work.changed(up))
+
+        def start() -> RolloutController:
+            changes = FencedChanges(self.cp, self.election)
+            return RolloutController(
+                changes, StoreRollouts(store, self.election), sources, poll_s=0.05
+            )
+
+        self.work = LeaderWork(self.election, start, lambda c: c.close())
+        self.election.start()
+
+    @property
+    def controller(self) -> RolloutController | None:
+        return self.work._handle
+
+    def kill(self) -> None:
+        """As a SIGKILL leaves it: nothing resigns; the lease ends by itself."""
+        self.work.close()
+        self.election.stop(resign=False)
+        self.cp.stop()
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with EtcdCluster(1) as cluster:
+        yield cluster
+
+
+def test_the_leader_dies_mid_rollout_and_the_other_replica_finishes_it(etcd):
+    root = f"/t-{uuid.uuid4().hex}/"
+    with contextlib.ExitStack() as stack:
+        v1 = stack.enter_context(Upstream("v1"))
+        v2 = stack.enter_context(Upstream("v2"))
+        doc = source(v1.port, v2.port)
+        stores = [stack.enter_context(EtcdStore(etcd.endpoints, root=root, timeout=0.5))
+                  for _ in range(2)]  # fmt: skip
+        admin = free_port()
+        sources = mesh_sources([f"http://127.0.0.1:{admin}"])
+        a, b = (Replica(s, n, doc, sources) for s, n in zip(stores, "ab", strict=True))
+        for r in (a, b):
+            stack.callback(r.kill)
+        listen = free_port()
+        boot = ads_bootstrap(
+            "caller-0",
+            xds_address=[("127.0.0.1", a.cp.grpc_port), ("127.0.0.1", b.cp.grpc_port)],
+            outbound_port=listen,
+            admin_port=admin,
+        )
+        stack.enter_context(EnvoyProcess(boot))
+        t = stack.enter_context(Traffic(f"127.0.0.1:{listen}", authority="llm"))
+        wait_for(lambda: t.replies["v1"] > 20, 20)
+        leader = wait_for(lambda: [r for r in (a, b) if r.controller], 20)[0]
+        other = b if leader is a else a
+        assert other.controller is None and other.work.state == "following"
+        term = leader.election.fence()
+        leader.controller.start(SPEC)
+        wait_for(lambda: rollouts_of(other.store)["llm"]["canary_weight"] >= 40, 30)
+        step = rollouts_of(other.store)["llm"]["step"]
+        leader.kill()
+        killed = time.monotonic()
+        wait_for(lambda: other.controller is not None, TTL + 5)
+        took = time.monotonic() - killed
+        rec = other.controller.status("llm")
+        assert rec["step"] >= step, rec  # from its step, not from the start
+        reason = rec["history"][-1]["reason"].lower()
+        assert "restarted while progressing" in reason or rec["step"] > step, rec
+        done = wait_for(lambda: (s := other.controller.status("llm"))["state"] in TERMINAL and s,
+                        45)  # fmt: skip
+        assert done["state"] == "Succeeded", done["message"]
+        assert other.cp.mesh.services["llm"].route.weights == {"v1": 0, "v2": 100}
+        assert min(h["canary_weight"] for h in done["history"][-3:]) >= 10
+        t.__exit__(None, None, None)
+        assert set(t.codes) == {"OK"}, t.codes
+        assert t.replies["v1"] and t.replies["v2"]
+        # The dead leader's term is over: a write with its fence is refused, nothing lands.
+        with pytest.raises(Fenced, match="another term began"), other.cp.fenced(term):
+            other.cp.set_weights("llm", {"v1": 100, "v2": 0}, timeout=1)
+        assert other.cp.mesh.services["llm"].route.weights == {"v1": 0, "v2": 100}
+        assert took < TTL + 5
