@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     admin.mounts["/slo"] = slo.handle
     api = RolloutAPI(rollouts, lambda service: spec_from_mesh(cp.mesh, service))
     admin.mounts["/rollouts"] = api.handle
+    admin.metrics.rollouts, admin.metrics.slo = rollouts, slo  # in GET /metrics from now on
     print(
         f"xds-server: incarnation {cp.incarnation}, ADS on {args.grpc_host}:{cp.grpc_port}, "
         f"admin on {admin.url} (token {token_note}"

@@ -122,6 +122,11 @@ class SyncStatus:
         self._waiters: list[_Waiter] = []
         self.histogram = [0] * len(BUCKETS)
         self.convergence: list[float] = []  # seconds, newest last (bounded)
+        self.convergence_sum = 0.0  # seconds, every change since start (Prometheus' _sum)
+        # Since start, by type URL: responses sent and NACKs received (never decrease, unlike
+        # the per-node counts, which go with a departed sidecar).
+        self.pushes: collections.Counter[str] = collections.Counter()
+        self.rejects: collections.Counter[str] = collections.Counter()
 
     # -- admission ------------------------------------------------------------------------------
     def check_node(self, node_id: str, metadata_bytes: int) -> None:
@@ -225,6 +230,7 @@ class SyncStatus:
             ts.sent_version, ts.sent_at = version, time.time()
             ts.pending_since = ts.pending_since or ts.sent_at
             ts.pushes += 1
+            self.pushes[type_url] += 1
 
     def stale(self, node_id: str, type_url: str) -> None:
         with self.cond:
@@ -262,6 +268,7 @@ class SyncStatus:
                 return
             error = error[: self.limits.max_error_chars]
             ts.nack_version, ts.nack_error, ts.nack_at = version, error, time.time()
+            self.rejects[type_url] += 1
             if version == ts.sent_version:
                 ts.pending_since = 0.0
             self._progress(node_id, ts.nack_at)
@@ -385,6 +392,7 @@ class SyncStatus:
 
     def _record(self, seconds: float) -> None:
         self.histogram[bisect.bisect_left(BUCKETS, seconds)] += 1
+        self.convergence_sum += seconds
         self.convergence.append(seconds)
         del self.convergence[:-1000]
 
