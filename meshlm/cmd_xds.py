@@ -32,6 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra `meshlm serve` arguments of a local scaler's replicas")  # fmt: skip
     p.add_argument("--isolation-store", help="quarantined request classes, kept across restarts "
                    "(default: .meshlm/isolation.json beside the mesh file)")  # fmt: skip
+    r = p.add_argument_group("replicas (issue 15)")
+    r.add_argument("--store", help="shared state store: etcd://HOST:PORT[,HOST:PORT...][/ROOT] "
+                   "(run several xds-servers on it) or file:PATH; the mesh file seeds an empty "
+                   "store (default: none, one control plane on its local files)")  # fmt: skip
+    r.add_argument("--leader-ttl", type=float, default=30.0, help="seconds: the leader's "
+                   "lease: a dead leader's successor leads within it (default 30)")  # fmt: skip
+    r.add_argument("--replica-id", help="this replica's name (default: HOST-GRPC_PORT)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,19 +46,26 @@ def run(args: argparse.Namespace) -> int:
     from xds_server.admin import AdminServer
     from xds_server.control_plane import ControlPlane
     from xds_server.discovery import configured_sources
-    from xds_server.mesh import MeshError, load_mesh, parse_duration
+    from xds_server.mesh import MeshError, load_yaml, parse_duration, parse_mesh
     from xds_server.resources.tls import plaintext_warning
     from xds_server.rollout import RolloutController
     from xds_server.rollout_api import RolloutAPI, spec_from_mesh
     from xds_server.slo import SloLoops
+    from xds_server.store import StoreError
+    from xds_server.store.serve import ReplicaRole, default_replica_id
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.scaler == "command" and not (args.scale_out_command and args.scale_in_command):
         print("meshlm xds-server: --scaler command needs --scale-out-command and "
               "--scale-in-command", file=sys.stderr)  # fmt: skip
         return 2
+    if not args.leader_ttl > 0:  # NaN too
+        print(f"meshlm xds-server: --leader-ttl: must be seconds > 0, got {args.leader_ttl}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
-        mesh = load_mesh(args.mesh)
+        source = load_yaml(Path(args.mesh).read_text(), args.mesh)
+        mesh = parse_mesh(source)
         debounce = parse_duration(args.debounce, "--debounce") if args.debounce else None
         token, token_note = os.environ.get(TOKEN_ENV), f"from ${TOKEN_ENV}"
         if args.token_file:
@@ -65,17 +79,26 @@ def run(args: argparse.Namespace) -> int:
     grpc_port = mesh.control_plane.grpc_port if args.grpc_port is None else args.grpc_port
     admin_port = mesh.control_plane.admin_port if args.admin_port is None else args.admin_port
     isolation = args.isolation_store or Path(args.mesh).resolve().parent / ".meshlm/isolation.json"
+    replica_id = args.replica_id or default_replica_id(grpc_port)
     try:
+        replication = _replication(args, mesh, source, replica_id)
         # The mesh CA's root and join tokens (only with an `identity` block), 0700 / 0600.
         identity_dir = Path(args.mesh).resolve().parent / ".meshlm/identity"
         cp = ControlPlane(
-            mesh, debounce=debounce, isolation_store=str(isolation), identity_dir=str(identity_dir)
+            mesh,
+            debounce=debounce,
+            isolation_store=str(isolation),
+            identity_dir=str(identity_dir),
+            replication=replication,
         )
     except ValueError as e:  # an isolation store that is not ours, a CA root that cannot be read
         print(f"meshlm xds-server: {e}", file=sys.stderr)
         return 2
     try:
         cp.start(grpc_port, host=args.grpc_host)
+    except (StoreError, ValueError) as e:  # the store did not answer, or holds no mesh
+        print(f"meshlm xds-server: state store {args.store}: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"meshlm xds-server: cannot listen on gRPC port {grpc_port}: {e}", file=sys.stderr)
         return 1
@@ -107,14 +130,42 @@ def run(args: argparse.Namespace) -> int:
             return 1
         token_note = f"written to {path} (mode 0600)"
     admin.start()
-    store = Path(args.rollout_store or Path(args.mesh).resolve().parent / ".meshlm/rollouts.json")
-    store.parent.mkdir(parents=True, exist_ok=True)
-    rollouts = RolloutController(cp, str(store), configured_sources(cp))
-    slo = SloLoops(cp, _scaler(args, f"127.0.0.1:{cp.grpc_port}")).start()
-    admin.mounts["/slo"] = slo.handle
-    api = RolloutAPI(rollouts, lambda service: spec_from_mesh(cp.mesh, service))
-    admin.mounts["/rollouts"] = api.handle
-    admin.metrics.rollouts, admin.metrics.slo = rollouts, slo  # in GET /metrics from now on
+    scaler = _scaler(args, f"127.0.0.1:{cp.grpc_port}")
+
+    def api(controller: RolloutController):  # -> RolloutAPI.handle
+        return RolloutAPI(controller, lambda service: spec_from_mesh(cp.mesh, service)).handle
+
+    def in_metrics(rollouts: RolloutController | None, slo: SloLoops | None) -> None:
+        admin.metrics.rollouts, admin.metrics.slo = rollouts, slo  # in GET /metrics from now on
+
+    role = None
+    if replication is None:  # one control plane on its local files, as before issue 15
+        store = Path(
+            args.rollout_store or Path(args.mesh).resolve().parent / ".meshlm/rollouts.json"
+        )
+        store.parent.mkdir(parents=True, exist_ok=True)
+        rollouts = RolloutController(cp, str(store), configured_sources(cp))
+        slo = SloLoops(cp, scaler).start()
+        admin.mounts["/slo"] = slo.handle
+        admin.mounts["/rollouts"] = api(rollouts)
+        admin.status = lambda: {"replica": None, "leading": True, "store": "local files"}
+        in_metrics(rollouts, slo)
+    else:  # one of several: the leader runs the rollouts and the SLO loop
+        role = ReplicaRole(
+            replication.store,
+            replica_id,
+            cp,
+            ttl=args.leader_ttl,
+            info={"grpc": f"{args.grpc_host}:{cp.grpc_port}", "admin": admin.url},
+            rollouts=lambda c, s: RolloutController(c, s, configured_sources(cp)),
+            slo=lambda c: SloLoops(c, scaler).start(),
+            on_work=in_metrics,
+        ).start()
+        admin.mounts["/slo"] = role.slo_handler()
+        admin.mounts["/rollouts"] = role.rollouts_handler(api)
+        admin.status = role.status
+        print(f"xds-server: replica {replica_id} on {args.store}, leader lease "
+              f"{args.leader_ttl:g} s", flush=True)  # fmt: skip
     print(
         f"xds-server: incarnation {cp.incarnation}, ADS on {args.grpc_host}:{cp.grpc_port}, "
         f"admin on {admin.url} (token {token_note}"
@@ -132,13 +183,36 @@ def run(args: argparse.Namespace) -> int:
               flush=True)  # fmt: skip
     stop = termination_event()
     stop.wait()
-    rollouts.close()
-    slo.stop()
+    if role is not None:
+        role.stop()
+    else:
+        rollouts.close()
+        slo.stop()
     admin.stop()
     cp.stop()
     if written:
         admin_token.remove_token(admin.port, admin.token)
     return 0
+
+
+def _replication(args: argparse.Namespace, mesh, source, replica_id: str):
+    """A replica's link to the store (None without --store); ValueError says what is wrong."""
+    if not args.store:
+        return None
+    from xds_server.store import open_store
+    from xds_server.store.replica import Replication
+
+    if mesh.identity and args.store.startswith("etcd://"):
+        # Every replica must sign with one mesh CA, whose private key would then live in etcd,
+        # which this client reaches in plaintext without authentication (issue 15).
+        raise ValueError(
+            "--store etcd:// with an identity block is not supported yet: the mesh CA's key "
+            "cannot be shared over etcd without TLS; run one control plane (no --store) or "
+            "remove identity"
+        )
+    # The store's deadline under a third of the lease: a step-down is never later than that.
+    store = open_store(args.store, timeout=min(2.0, args.leader_ttl / 3))
+    return Replication(store, replica_id, source)
 
 
 def _scaler(args: argparse.Namespace, xds: str):  # -> xds_server.scaler.Scaler | None

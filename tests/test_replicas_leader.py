@@ -59,7 +59,7 @@ class Replica:
 
     @property
     def controller(self) -> RolloutController | None:
-        return self.work._handle
+        return self.work.handle
 
     def kill(self) -> None:
         """As a SIGKILL leaves it: nothing resigns; the lease ends by itself."""

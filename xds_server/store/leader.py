@@ -99,6 +99,11 @@ class LeaderWork:
         self._thread = threading.Thread(target=self._run, name="leader-work", daemon=True)
         self._thread.start()
 
+    @property
+    def handle(self) -> Any:
+        """What start() returned while this replica leads; None otherwise."""
+        return self._handle
+
     def changed(self, leading: bool) -> None:
         """The election's on_change: never blocks it."""
         self._want.set()
