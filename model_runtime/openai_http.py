@@ -33,7 +33,7 @@ from urllib.parse import unquote, urlsplit
 
 from model_runtime import openai_api as api
 from model_runtime.openai_api import ApiError
-from model_runtime.service import PROMPT_TOKENS_HEADER
+from model_runtime.service import PROMPT_TOKENS_HEADER, TENANT_HEADER
 from schemas import codec
 from schemas.codec import Limits
 
@@ -279,7 +279,8 @@ class _Handler(BaseHTTPRequestHandler):
             call = translate[path](api.parse_body(raw))
             request = codec.encode_generate_request(call.request)
         except ApiError as e:
-            service.telemetry.record("Generate", "INVALID_ARGUMENT")
+            tenant = self.headers.get(TENANT_HEADER, "")
+            service.telemetry.record("Generate", "INVALID_ARGUMENT", tenant=tenant)
             self._reply_error(e)
             return
         self.api.track(1)

@@ -9,12 +9,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
 import openai
 import pytest
 
+from model_runtime.faults import Faults
 from model_runtime.openai_http import OpenAIServer
 from model_runtime.service import PROMPT_TOKENS_HEADER, REPLICA_HEADER, TENANT_HEADER, Runtime
 from tests.runtime_fixtures import serving_runtime
@@ -214,12 +216,18 @@ def _post(port: int, path: str, body: bytes, headers: dict | None = None):
     return conn, conn.getresponse()
 
 
-def test_raw_http_errors_are_openai_shaped(server) -> None:
+def _invalid(runtime: Runtime) -> int:
+    return runtime.telemetry.snapshot()["totals"].get("Generate", {}).get("INVALID_ARGUMENT", 0)
+
+
+def test_raw_http_errors_are_openai_shaped(server, runtime) -> None:
+    before = _invalid(runtime)
     for body, status in ((b"{not json", 400), (b"[]", 400)):
         conn, r = _post(server.port, "/v1/chat/completions", body)
         err = json.loads(r.read())["error"]
         assert r.status == status and set(err) == {"message", "type", "param", "code"}
         conn.close()
+    assert _invalid(runtime) == before + 2  # counted as a gRPC call's INVALID_ARGUMENT is
     # An oversized body is refused from its headers, before it is sent (or read).
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
         s.sendall(
@@ -279,6 +287,80 @@ def test_a_client_leaving_mid_stream_cancels_its_generation(server, model, runti
         time.sleep(0.05)
     assert runtime.engine.stats()["running"] == 0
     assert cancelled() == before + 1
+
+
+@pytest.fixture
+def private(smollm_int4) -> Iterator:
+    """make(**kw) -> (runtime, HTTP port, SDK client): a runtime of its own (serving_runtime's
+    keywords) on the module's model, with its HTTP server."""
+    made: list[tuple[Runtime, OpenAIServer, openai.OpenAI]] = []
+
+    def make(**kw) -> tuple[Runtime, int, openai.OpenAI]:
+        rt = serving_runtime(smollm_int4, **kw)
+        srv = OpenAIServer(rt)
+        url = f"http://127.0.0.1:{srv.port}/v1"
+        made.append((rt, srv, openai.OpenAI(base_url=url, api_key="-", max_retries=0, timeout=120)))
+        return rt, srv.port, made[-1][2]
+
+    yield make
+    for rt, srv, c in made:
+        c.close()
+        srv.stop()
+        rt.shutdown(grace=0)
+
+
+def test_a_full_queue_is_429(private) -> None:
+    rt, _, c = private(max_queue=0)  # every call finds the queue full
+    model = rt.service.model_info.name
+    for stream in (False, True):
+        with pytest.raises(openai.RateLimitError) as e:
+            c.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, stream=stream)
+        assert e.value.code == "rate_limit_exceeded" and "queue full" in e.value.message
+
+
+def test_a_runtime_failure_before_the_first_token_is_500(private) -> None:
+    rt, _, c = private(faults=Faults(poison="dragon", poison_action="error"))
+    with pytest.raises(openai.InternalServerError) as e:
+        c.chat.completions.create(model=rt.service.model_info.name, messages=STORY, max_tokens=2)
+    assert e.value.status_code == 500 and e.value.type == "server_error"
+
+
+def test_an_error_mid_stream_is_an_error_event(private) -> None:
+    rt, _, c = private()
+    stream = c.chat.completions.create(
+        model=rt.service.model_info.name,
+        messages=STORY,
+        temperature=0,
+        max_tokens=2000,
+        stream=True,
+    )
+    events = iter(stream)
+    assert next(events).choices[0].delta.role == "assistant"
+    threading.Thread(target=rt.engine.shutdown, args=(0,)).start()  # cancels what runs
+    with pytest.raises(openai.APIError) as e:
+        for _ in events:
+            pass
+    assert e.value.code == "service_unavailable" and "cancelled by the runtime" in e.value.message
+
+
+def test_a_client_leaving_while_queued_leaves_the_queue(private) -> None:
+    rt, port, c = private(max_batch=1)
+    model = rt.service.model_info.name
+    body = {"model": model, "messages": STORY, "max_tokens": 1000, "temperature": 0}
+    running = c.chat.completions.create(**body, stream=True)
+    next(iter(running))  # the one stream the batch holds
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body))  # waits in the queue
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and rt.engine.stats()["queue_depth"] == 0:
+        time.sleep(0.02)
+    assert rt.engine.stats()["queue_depth"] == 1
+    conn.close()  # before a token: nothing was written that could fail
+    while time.monotonic() < deadline and rt.engine.stats()["queue_depth"]:
+        time.sleep(0.05)
+    stats = rt.engine.stats()
+    assert stats["queue_depth"] == 0 and stats["running"] == 1
+    running.close()
 
 
 def test_not_ready_is_503() -> None:
