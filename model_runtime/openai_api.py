@@ -146,6 +146,8 @@ def completion_call(body: dict[str, Any]) -> Call:
     if isinstance(prompt, str):
         req.prompt = prompt
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        if not all(0 <= t < 1 << 31 for t in prompt):  # the wire's int32; the codec: vocab
+            raise bad("prompt", "token ids must be in [0, 2^31)")
         req.prompt_token_ids = prompt
     elif isinstance(prompt, list):
         raise bad("prompt", "a batch of several prompts is not supported: send one per call")

@@ -246,12 +246,11 @@ class _Handler(BaseHTTPRequestHandler):
         if self.headers.get("transfer-encoding"):
             return ApiError(411, "send the body with a content-length (no chunked upload)")
         raw = self.headers.get("content-length")
-        try:
-            n = int(raw or "")
-        except ValueError:
+        if raw is None:
             return ApiError(411, "a content-length header is required")
-        if n < 0:
-            return ApiError(400, f"content-length {raw!r} is not a length")
+        if not raw.isdigit() or not raw.isascii():
+            return ApiError(400, f"content-length {raw[:32]!r} is not a length")
+        n = int(raw)
         if n > self.api.max_body:
             return ApiError(413, f"the body's {n} bytes exceed the limit of {self.api.max_body}")
         return None
@@ -277,7 +276,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             call = translate[path](api.parse_body(raw))
-            request = codec.encode_generate_request(call.request)
+            try:
+                request = codec.encode_generate_request(call.request)
+            except UnicodeEncodeError as e:  # JSON may escape a lone surrogate; UTF-8 cannot
+                raise ApiError(400, f"a string is not valid Unicode: {e.reason}") from None
         except ApiError as e:
             tenant = self.headers.get(TENANT_HEADER, "")
             service.telemetry.record("Generate", "INVALID_ARGUMENT", tenant=tenant)

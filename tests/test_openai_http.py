@@ -197,7 +197,7 @@ def test_bad_requests_name_the_field(client, model, field, kw) -> None:
 
 
 def test_bad_completion_prompts_name_the_field(client, model) -> None:
-    for prompt in (["one", "two"], [1, "x"], [49152]):
+    for prompt in (["one", "two"], [1, "x"], [49152], [1 << 40], [-1]):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=model, prompt=prompt, max_tokens=2)
         assert e.value.param == "prompt"
@@ -227,7 +227,11 @@ def test_raw_http_errors_are_openai_shaped(server, runtime) -> None:
         err = json.loads(r.read())["error"]
         assert r.status == status and set(err) == {"message", "type", "param", "code"}
         conn.close()
-    assert _invalid(runtime) == before + 2  # counted as a gRPC call's INVALID_ARGUMENT is
+    lone = b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}'
+    conn, r = _post(server.port, "/v1/chat/completions", lone)
+    assert r.status == 400 and "not valid Unicode" in json.loads(r.read())["error"]["message"]
+    conn.close()
+    assert _invalid(runtime) == before + 3  # counted as a gRPC call's INVALID_ARGUMENT is
     # An oversized body is refused from its headers, before it is sent (or read).
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
         s.sendall(
