@@ -42,11 +42,11 @@ SPEC = {
 class Replica:
     """A control plane on the store, its election and its leader-only rollout controller."""
 
-    def __init__(self, store: EtcdStore, name: str, doc: dict, sources) -> None:
+    def __init__(self, store: EtcdStore, name: str, doc: dict, sources, ttl: float = TTL) -> None:
         self.store = store
         self.cp = ControlPlane(parse_mesh(doc), replication=Replication(store, name, doc))
         self.cp.start()
-        self.election = Election(store, name, ttl=TTL, on_change=lambda up: self.work.changed(up))
+        self.election = Election(store, name, ttl=ttl, on_change=lambda up: self.work.changed(up))
 
         def start() -> RolloutController:
             changes = FencedChanges(self.cp, self.election)

@@ -38,6 +38,7 @@ from xds_server.store.base import (
     Put,
     Store,
     StoreError,
+    StoreUnavailable,
     Watch,
     encode,
 )
@@ -185,45 +186,65 @@ class Replication:
         source: Any = None,
         fence: Fence | None = None,
         attempts: int = 8,
+        retry_for: float = 5.0,
     ) -> tuple[int, int] | None:
         """Write `edit(desired mesh)` (and `source`, the new mesh document, if given) to the
         store at the revisions it was read at, staging it here; (store revision, generation),
         or None when the edit changes nothing. Retries on a conflict with what others wrote;
-        raises Fenced for a `fence` whose term ended, StoreUnavailable when the store cannot
-        be reached (the write may have landed: the next reload shows)."""
-        cp = self._cp
-        for _ in range(attempts):
-            with cp._mutate:
-                base = cp.mesh
-                new = edit(base)
-                if new is None:
-                    return None
-                checks, ops = self._writes(base, new, source)
-                checks = ([fence.check()] if fence else []) + checks
-                cp._check_desired(new)  # ValueError: nothing written
-                try:
-                    rev = self.store.txn(checks, ops)
-                except Conflict as e:
-                    if fence is not None and e.key == fence.key:
-                        raise
-                    conflict = e
-                except StoreError:
-                    self._revs = {}  # it may or may not have landed: the next reload says
+        raises Fenced for a `fence` whose term ended, StoreUnavailable when the store did not
+        answer for `retry_for` seconds (the write may have landed: the next reload shows)."""
+        deadline, conflicts = time.monotonic() + retry_for, 0
+        while True:
+            try:
+                done = self._write(edit, source, fence)
+            except StoreUnavailable:
+                # An etcd leader election takes a second or two: try again (the revision
+                # checks make that safe, and a reload shows a write that did land).
+                if time.monotonic() >= deadline or self._stop.wait(0.2):
                     raise
-                else:
-                    # Staged only once written: sidecars never see what the store refused.
-                    gen = cp._stage_desired(new)
-                    for op in ops:
-                        if isinstance(op, Put):
-                            self._revs[op.key] = rev
-                        else:
-                            self._revs.pop(op.key, None)
-                    self.revision = rev
-                    self._remember(rev, gen)
-                    return rev, gen
-            log.info("replica %s: %s; reading again", self.id, conflict)
+                with contextlib.suppress(StoreError):
+                    self.reload()
+                continue
+            if not isinstance(done, Conflict):
+                return done
+            conflicts += 1
+            if conflicts >= attempts:
+                raise done
+            log.info("replica %s: %s; reading again", self.id, done)
             self.reload()  # restages what the store holds
-        raise conflict
+
+    def _write(
+        self, edit: Callable[[m.Mesh], m.Mesh | None], source: Any, fence: Fence | None
+    ) -> tuple[int, int] | Conflict | None:
+        """One try of `change`: the Conflict (other than the fence's) is returned, not raised."""
+        cp = self._cp
+        with cp._mutate:
+            base = cp.mesh
+            new = edit(base)
+            if new is None:
+                return None
+            checks, ops = self._writes(base, new, source)
+            checks = ([fence.check()] if fence else []) + checks
+            cp._check_desired(new)  # ValueError: nothing written
+            try:
+                rev = self.store.txn(checks, ops)
+            except Conflict as e:
+                if fence is not None and e.key == fence.key:
+                    raise
+                return e
+            except StoreError:
+                self._revs = {}  # it may or may not have landed: the next reload says
+                raise
+            # Staged only once written: sidecars never see what the store refused.
+            gen = cp._stage_desired(new)
+            for op in ops:
+                if isinstance(op, Put):
+                    self._revs[op.key] = rev
+                else:
+                    self._revs.pop(op.key, None)
+            self.revision = rev
+            self._remember(rev, gen)
+            return rev, gen
 
     def _writes(self, base: m.Mesh, new: m.Mesh, source: Any) -> tuple[list[Check], list]:
         checks, ops = [], []
