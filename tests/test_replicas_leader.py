@@ -14,14 +14,14 @@ import pytest
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.ports import free_port
-from tests.etcd_support import EtcdCluster, wait_for
+from tests.etcd_support import EtcdCluster, Partition, wait_for
 from tests.rollout_upstreams import Traffic, Upstream
 from tests.test_replicas_sync import source
 from xds_server.control_plane import ControlPlane
 from xds_server.gates import mesh_sources
 from xds_server.mesh import parse_mesh
 from xds_server.rollout import TERMINAL, RolloutController
-from xds_server.store import EtcdStore, Fenced
+from xds_server.store import EtcdStore, Fenced, StoreUnavailable
 from xds_server.store.election import Election
 from xds_server.store.leader import FencedChanges, LeaderWork, StoreRollouts, rollouts_of
 from xds_server.store.replica import Replication
@@ -125,3 +125,44 @@ def test_the_leader_dies_mid_rollout_and_the_other_replica_finishes_it(etcd):
             other.cp.set_weights("llm", {"v1": 100, "v2": 0}, timeout=1)
         assert other.cp.mesh.services["llm"].route.weights == {"v1": 0, "v2": 100}
         assert took < TTL + 5
+
+
+def test_a_leader_partitioned_from_the_store_steps_down_and_catches_up_after(etcd):
+    root = f"/t-{uuid.uuid4().hex}/"
+    with contextlib.ExitStack() as stack:
+        v1 = stack.enter_context(Upstream("v1"))
+        v2 = stack.enter_context(Upstream("v2"))
+        doc = source(v1.port, v2.port)
+        link = stack.enter_context(Partition(etcd.endpoints[0]))
+        sa = stack.enter_context(EtcdStore([link.endpoint], root=root, timeout=0.5))
+        sb = stack.enter_context(EtcdStore(etcd.endpoints, root=root, timeout=0.5))
+        sources = mesh_sources([])
+        a = Replica(sa, "a", doc, sources)
+        stack.callback(a.kill)
+        wait_for(lambda: a.controller is not None, 20)  # a leads: it came first
+        b = Replica(sb, "b", doc, sources)
+        stack.callback(b.kill)
+        listen = free_port()
+        boot = ads_bootstrap("caller-0", xds_address=("127.0.0.1", a.cp.grpc_port),
+                             outbound_port=listen)  # fmt: skip
+        stack.enter_context(EnvoyProcess(boot))
+        t = stack.enter_context(Traffic(f"127.0.0.1:{listen}", authority="llm"))
+        wait_for(lambda: t.replies["v1"] > 20, 20)
+
+        link.cut()
+        wait_for(lambda: b.controller is not None, TTL + 5)
+        assert not a.election.is_leader and a.controller is None
+        assert a.work.state.startswith("paused"), a.work.state
+        with pytest.raises(StoreUnavailable):  # nothing written from a stale view
+            a.cp.set_weights("llm", {"v1": 0, "v2": 100}, timeout=1)
+        assert b.cp.set_weights("llm", {"v1": 0, "v2": 100}, timeout=0) is not None
+        calls = sum(t.codes.values())
+        wait_for(lambda: sum(t.codes.values()) > calls + 50, 20)  # a's sidecar still served
+        assert t.replies["v2"] == 0  # on the last config a had
+
+        link.heal()
+        before = t.replies["v2"]
+        wait_for(lambda: t.replies["v2"] > before + 20, 20)  # a caught up from the store
+        assert a.controller is None and b.controller is not None
+        t.__exit__(None, None, None)
+        assert set(t.codes) == {"OK"}, t.codes
