@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         token_note = f"written to {path} (mode 0600)"
     admin.start()
-    scaler = _scaler(args, f"127.0.0.1:{cp.grpc_port}")
+    scaler = _scaler(args, cp)
 
     def api(controller: RolloutController):  # -> RolloutAPI.handle
         return RolloutAPI(controller, lambda service: spec_from_mesh(cp.mesh, service)).handle
@@ -215,13 +215,17 @@ def _replication(args: argparse.Namespace, mesh, source, replica_id: str):
     return Replication(store, replica_id, source)
 
 
-def _scaler(args: argparse.Namespace, xds: str):  # -> xds_server.scaler.Scaler | None
+def _scaler(args: argparse.Namespace, cp):  # -> xds_server.scaler.Scaler | None
     import shlex
 
-    from xds_server.scaler import CommandScaler, LocalScaler
+    from xds_server.scaler import CommandScaler, LocalScaler, control_plane_join_tokens
 
-    if args.scaler == "local":
-        return LocalScaler(xds, serve_args=shlex.split(args.scaler_serve_args))
+    if args.scaler == "local":  # its sidecars enrol with join tokens of cp's mesh CA
+        return LocalScaler(
+            f"127.0.0.1:{cp.grpc_port}",
+            serve_args=shlex.split(args.scaler_serve_args),
+            join_tokens=control_plane_join_tokens(cp),
+        )
     if args.scaler == "command":
         return CommandScaler(args.scale_out_command, args.scale_in_command)
     return None

@@ -5,7 +5,10 @@ returns the endpoint callers reach it at (its inbound sidecar, host:port); `scal
   command prints the new endpoint as its last line; both get MESHLM_SERVICE, MESHLM_VERSION
   (and MESHLM_ENDPOINT for scale-in) in their environment, never on a shell line.
 - `LocalScaler` starts `meshlm serve` and its `meshlm sidecar` on loopback, as the local mesh
-  does (processes, not imports: the control plane never imports the CLI or torch).
+  does (processes, not imports: the control plane never imports the CLI or torch). On a mesh
+  whose hops are mTLS the sidecar gets `--identity` and a join token for the service's
+  service_account, issued in-process by the control plane's mesh CA (`join_tokens`) and handed
+  over in a 0600 file, never on a command line (issue 14).
 
 A scaler may also have `metrics_url(endpoint)`: the new runtime's `GET /metrics.json`, which the SLO
 loop reads beside the version's metrics_urls (None: not known).
@@ -13,25 +16,36 @@ loop reads beside the version's metrics_urls (None: not known).
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sidecar.ports import free_port
+from sidecar.private_files import write_private
 from xds_server.mesh import parse_endpoint
 
+if TYPE_CHECKING:
+    from xds_server.control_plane import ControlPlane
+
 START_TIMEOUT_S = 180.0  # a runtime loads its model before it serves
+JOIN_TOKEN_TTL_S = 600.0  # the sidecar enrols as it starts; single use anyway
+
+# service -> a join token for its service_account (the answer of POST /identity/tokens), or
+# None when the mesh's sidecars need no certificate.
+JoinTokens = Callable[[str], "dict[str, Any] | None"]
 
 
 class ScalerError(RuntimeError):
@@ -86,10 +100,15 @@ class LocalScaler:
         serve_args: Sequence[str] = (),
         workdir: str | None = None,
         timeout: float = START_TIMEOUT_S,
+        join_tokens: JoinTokens | None = None,
     ) -> None:
         self.xds, self.serve_args, self.timeout = xds, list(serve_args), timeout
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="meshlm-scaler-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.join_tokens = join_tokens
         self.procs: dict[str, list[subprocess.Popen]] = {}
+        self.private: dict[str, list[Path]] = {}  # endpoint -> its join token, its identity dir
+        self._identity_root: Path | None = None
         self.metrics: dict[str, str] = {}  # endpoint -> its runtime's GET /metrics.json
         self.count = 0
 
@@ -104,6 +123,8 @@ class LocalScaler:
         self.count += 1
         name = f"{service}-{version}-scaled-{self.count}"
         port, metrics, inbound, admin = (free_port() for _ in range(4))
+        endpoint = f"127.0.0.1:{inbound}"
+        identity = self._identity_args(service, name, endpoint)
         runtime = self._spawn(
             f"runtime-{name}",
             ["serve", "--port", str(port), "--metrics-port", str(metrics), *self.serve_args],
@@ -112,9 +133,8 @@ class LocalScaler:
             f"sidecar-{name}",
             ["sidecar", "--xds", self.xds, "--node-id", name, "--service", service,
              "--version", version, "--inbound-port", str(inbound),
-             "--local-endpoint", f"127.0.0.1:{port}", "--admin-port", str(admin)],
+             "--local-endpoint", f"127.0.0.1:{port}", "--admin-port", str(admin), *identity],
         )  # fmt: skip
-        endpoint = f"127.0.0.1:{inbound}"
         self.procs[endpoint] = [sidecar, runtime]
         deadline = time.monotonic() + self.timeout
         # SERVING, not only listening: a runtime answers /metrics while its model still loads,
@@ -129,6 +149,25 @@ class LocalScaler:
         self.metrics[endpoint] = f"http://127.0.0.1:{metrics}/metrics.json"
         return endpoint
 
+    def _identity_args(self, service: str, name: str, endpoint: str) -> list[str]:
+        """`meshlm sidecar`'s identity flags for replica `name` ([] when the mesh needs none):
+        its join token in a 0600 file of the workdir, its key in a private dir of a short path
+        (the SDS socket's path holds 107 bytes); both removed at scale_in."""
+        token = self.join_tokens(service) if self.join_tokens else None
+        if token is None:
+            return []
+        if self._identity_root is None:
+            self._identity_root = Path(tempfile.mkdtemp(prefix="meshlm-id-"))
+        token_file = self.workdir / "join-tokens" / f"{name}.json"
+        identity_dir = self._identity_root / name
+        try:
+            write_private(token_file, json.dumps(token).encode(), "join tokens")
+        except (OSError, ValueError) as e:  # PrivateFileError: a workdir others can read
+            raise ScalerError(f"replica {name}: cannot write its join token: {e}") from None
+        self.private[endpoint] = [token_file, identity_dir]
+        return ["--identity", "--join-token-file", str(token_file),
+                "--identity-dir", str(identity_dir)]  # fmt: skip
+
     def metrics_url(self, endpoint: str) -> str | None:
         return self.metrics.get(endpoint)
 
@@ -142,6 +181,32 @@ class LocalScaler:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+        for path in self.private.pop(endpoint, []):  # a spent join token, a private key
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        if not self.private and self._identity_root is not None:
+            shutil.rmtree(self._identity_root, ignore_errors=True)
+            self._identity_root = None
+
+
+def control_plane_join_tokens(cp: ControlPlane) -> JoinTokens:
+    """Join tokens from `cp`'s own mesh CA (a ControlPlane: its admin API's POST
+    /identity/tokens, in-process) for each service's service_account, when the mesh's hops are
+    mTLS (ADS too: a sidecar without a certificate is refused)."""
+
+    def issue(service: str) -> dict[str, Any] | None:
+        if cp.identity is None or not cp.ads_mtls:
+            return None
+        sa = cp.mesh.services[service].service_account
+        body = json.dumps({"service_account": sa, "ttl": JOIN_TOKEN_TTL_S}).encode()
+        status, doc = cp.identity.handle("POST", "/identity/tokens", body)
+        if status != 200:
+            raise ScalerError(f"join token for {sa}: {doc.get('error', status)}")
+        return doc
+
+    return issue
 
 
 def _live(admin_port: int) -> bool:
