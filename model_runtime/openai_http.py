@@ -200,15 +200,18 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _reply_json(self, status: int, obj: dict, headers: dict[str, str] | None = None) -> None:
         body = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        if self.close_connection:
-            self.send_header("connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            if self.close_connection:
+                self.send_header("connection", "close")
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:  # the client went away
+            self.close_connection = True
 
     # --- GET --------------------------------------------------------------------------------
 
@@ -302,6 +305,9 @@ class _Handler(BaseHTTPRequestHandler):
             out.finish()
         except _Aborted as a:
             out.fail(call.error_from_status(a.status, a.message))
+        except Exception:  # a fault of this module: answer 500, keep the reason in the log
+            log.exception("OpenAI HTTP call failed")
+            out.fail(ApiError(500, "internal error in the runtime", type_="server_error"))
         finally:
             ctx.end()
 
@@ -349,7 +355,11 @@ class _Output:
         h.send_header("transfer-encoding", "chunked")
         for k, v in self.ctx.response_headers.items():
             h.send_header(k, v)
-        h.end_headers()
+        try:
+            h.end_headers()
+        except OSError:  # the client went away
+            h.close_connection = True
+            self.ctx.end()
 
     def _write(self, data: bytes) -> None:
         if self.ctx.ended:
