@@ -110,6 +110,7 @@ def test_a_listed_workload_gets_through_and_the_runtime_learns_who_called(mesh: 
     status, seen = mesh.call("apps/chat")
     assert status == "OK"
     assert seen["x-meshlm-principal"] == CHAT_ID
+    assert f";URI={CHAT_ID}" in seen["x-forwarded-client-cert"]  # Envoy's own, any authz mode
     assert seen["x-meshlm-tenant"] == "acme" and "x-api-key" not in seen
     assert mesh.stat(INBOUND + "rbac.meshlm_callers.policy.caller:apps/chat.allowed") >= 1
     # The Wasm filter read the same certificate and allowed by the same rule.
