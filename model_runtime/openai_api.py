@@ -56,13 +56,8 @@ class ApiError(Exception):
         code: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = (
-            status,
-            message,
-            param,
-            type_,
-            code,
-        )
+        self.status, self.message, self.param = status, message, param
+        self.type, self.code = type_, code
 
     def body(self) -> dict[str, Any]:
         return {
@@ -97,7 +92,7 @@ class Call:
         field at fault first, as `max_new_tokens: ...`)."""
         http, type_, code = _STATUS.get(status, (500, "server_error", None))
         param = None
-        m = _FIELD.match(message) if http < 500 else None
+        m = _FIELD.match(message) if http in (400, 404) else None
         if m:
             wire = m.group(1)
             base = re.split(r"[\[.]", wire, maxsplit=1)[0]

@@ -182,6 +182,7 @@ def test_seeded_sampling_is_reproducible(client, model) -> None:
         ("logprobs", {"logprobs": True}),
         ("presence_penalty", {"presence_penalty": 0.5}),
         ("messages", {"messages": []}),
+        ("messages", {"messages": [{"role": "user", "content": "dragon " * 9000}]}),  # > context
         ("messages[0].role", {"messages": [{"role": "wizard", "content": "hi"}]}),
         ("messages[0].content", {"messages": [{"role": "user"}]}),
         ("frobnicate", {"extra_body": {"frobnicate": 1}}),
