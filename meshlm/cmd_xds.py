@@ -202,13 +202,14 @@ def _replication(args: argparse.Namespace, mesh, source, replica_id: str):
     from xds_server.store import open_store
     from xds_server.store.replica import Replication
 
-    if mesh.identity and args.store.startswith("etcd://"):
-        # Every replica must sign with one mesh CA, whose private key would then live in etcd,
-        # which this client reaches in plaintext without authentication (issue 15).
+    if mesh.identity and not mesh.identity.root_cert_file and args.store.startswith("etcd://"):
+        # Each replica would make a self-signed root of its own, and a sidecar enrolled by one
+        # would not trust another. The CA's key stays out of etcd (plaintext, no auth here):
+        # every replica is given the same root files and signs as an intermediate of it.
         raise ValueError(
-            "--store etcd:// with an identity block is not supported yet: the mesh CA's key "
-            "cannot be shared over etcd without TLS; run one control plane (no --store) or "
-            "remove identity"
+            "--store etcd:// with an identity block needs a root shared by every replica: "
+            "identity.root: {cert_file, key_file} (the same files on each; each replica signs "
+            "as an intermediate of it, and the root's key never goes to etcd)"
         )
     # The store's deadline under a third of the lease: a step-down is never later than that.
     store = open_store(args.store, timeout=min(2.0, args.leader_ttl / 3))

@@ -20,6 +20,7 @@ import yaml
 
 from sidecar.ports import free_port
 from tests.etcd_support import EtcdCluster, wait_for
+from xds_server.ca import MeshCA, key_pem, pem
 
 TOKEN = "replica-test-token-0123456789"
 TTL = 2
@@ -159,12 +160,26 @@ def test_bad_replica_flags_are_refused(tmp_path, env, args, message):
     assert message in r.output() and "Traceback" not in r.output(), r.output()
 
 
-def test_identity_with_an_etcd_store_is_refused_with_a_reason(etcd, tmp_path, env):
+def test_identity_on_etcd_needs_a_root_shared_by_every_replica(etcd, tmp_path, env, replicas):
     mesh = dict(MESH, identity={"trust_domain": "example.org"})
     (tmp_path / "mesh.yaml").write_text(yaml.safe_dump(mesh))
-    r = Replica(tmp_path, env, "id", "--store", f"etcd://{etcd.endpoints[0]}")
+    url = f"etcd://{etcd.endpoints[0]}/t-{uuid.uuid4().hex}"
+    r = Replica(tmp_path, env, "id", "--store", url)
     try:
         assert r.proc.wait(60) == 2
     finally:
         r.kill()
-    assert "identity block is not supported yet" in r.output(), r.output()
+    assert "needs a root shared by every replica: identity.root" in r.output(), r.output()
+    # With the same user root given to each, two replicas serve (each an intermediate of it).
+    root_ca = MeshCA(trust_domain="example.org")
+    (tmp_path / "root.pem").write_text(pem(root_ca.trust_bundle()[0]))
+    (tmp_path / "root.key").write_bytes(key_pem(root_ca._roots[0].key))
+    root = {"cert_file": str(tmp_path / "root.pem"), "key_file": str(tmp_path / "root.key")}
+    mesh["identity"] = {"trust_domain": "example.org", "root": root}
+    mesh["control_plane"] = {"ca_port": 0, "ca_mtls_port": 0}  # else ADS port + 2, + 3
+    (tmp_path / "mesh.yaml").write_text(yaml.safe_dump(mesh))
+    for name in ("i1", "i2"):
+        replicas.append(Replica(tmp_path, env, name, "--store", url))
+    for rep in replicas:
+        wait_for(lambda rep=rep: "mesh CA for example.org" in rep.output(), 30)
+        assert rep.proc.poll() is None, rep.output()

@@ -228,6 +228,7 @@ class Election:
             raise
         if self._term == 0 and self._free:
             return  # it was deleted in between: campaign again at once
+        self._announce()  # now, not after the wait below (up to ttl / 3)
         self._await_change()
 
     def _refresh(self) -> None:
