@@ -27,7 +27,7 @@ import torch
 
 from bench.llama_peer import LlamaPeer, PeerError, installed
 from bench.machine import describe, describe_flags
-from model_runtime import generate
+from model_runtime import generate, kernels
 from model_runtime.engine import Engine, GenerateParams
 from model_runtime.gguf_loader import default_gguf_path
 from model_runtime.loader import load
@@ -176,6 +176,13 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
             add("tokens int4 Engine+lookup", e["tokens"])
             add("int4 bare b8", _bare_decode(int4, ids, n, 8)[0])
             add("int4 guard-off b1", _bare_decode(models["int4 guard-off"], ids, n, 1)[0])
+            if "int4 torch-kernel" in models:
+                tk = models["int4 torch-kernel"]
+                tps, toks = _bare_decode(tk, ids, n, 1)
+                add("int4 torch-kernel b1", tps)
+                add("tokens int4 torch-kernel", toks)
+                add("int4 torch-kernel b8", _bare_decode(tk, ids, n, 8)[0])
+                add("prefill int4 torch-kernel", _bare_prefill(tk, prompt))
             add("bf16 bare b1", _bare_decode(bf16, ids, n, 1)[0])
             add("bf16 bare b8", _bare_decode(bf16, ids, n, 8)[0])
             add("prefill int4 bare", _bare_prefill(int4, prompt))
@@ -225,6 +232,22 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         ),
         ("ours", "bare, non-finite guard off", "int4", 1, "int4 guard-off b1", None),
         ("ours", "bare forward", "int4", 8, "int4 bare b8", None),
+        (
+            "ours",
+            "bare, torch's int4/int8 kernels",
+            "int4",
+            1,
+            "int4 torch-kernel b1",
+            "prefill int4 torch-kernel",
+        ),
+        (
+            "ours",
+            "bare forward, torch's int4/int8 kernels",
+            "int4",
+            8,
+            "int4 torch-kernel b8",
+            None,
+        ),
         ("ours", "bare forward", "bf16", 1, "bf16 bare b1", "prefill bf16 bare"),
         ("ours", "bare forward", "bf16", 8, "bf16 bare b8", None),
         ("llama.cpp", "`Llama.eval` + argmax", "Q4_1", 1, "llama.cpp b1", "prefill llama.cpp"),
@@ -242,6 +265,18 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         "bf16 decode, b8 / b1 aggregate": _ratio(r, "bf16 bare b8", "bf16 bare b1"),
         "int4 decode b1, Engine / bare": _ratio(r, "int4 Engine b1", "int4 bare b1"),
         "int4 decode b1, Engine+lookup / bare": _ratio(r, "int4 Engine+lookup b1", "int4 bare b1"),
+        "int4 decode b1, native / torch's kernels": _ratio(
+            r, "int4 bare b1", "int4 torch-kernel b1"
+        ),
+        "int4 decode b8, native / torch's kernels": _ratio(
+            r, "int4 bare b8", "int4 torch-kernel b8"
+        ),
+        "int4 prefill, native / torch's kernels": _ratio(
+            r, "prefill int4 bare", "prefill int4 torch-kernel"
+        ),
+        "int4 decode, b8 / b1 aggregate, torch's kernels": _ratio(
+            r, "int4 torch-kernel b8", "int4 torch-kernel b1"
+        ),
     }
     lines += [
         "",
@@ -262,6 +297,9 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
     spec = _first_difference(r["tokens int4 bare"][0], r["tokens int4 Engine+lookup"][0])
     kept, drafted = r["lookup drafts"][0]
     lines[-1] += f"; Engine with lookup vs bare {spec} ({kept} of {drafted} drafts kept)"
+    if "tokens int4 torch-kernel" in r:
+        tk = _first_difference(r["tokens int4 bare"][0], r["tokens int4 torch-kernel"][0])
+        lines[-1] += f"; native vs torch's kernels {tk}"
     if peer is not None:
         peer_cmp = _first_difference(r["tokens int4 bare"][0], r["tokens llama.cpp"][0])
         lines[-1] += f"; ours vs llama.cpp {peer_cmp} (its kernels round activations to 8 bits)"
@@ -310,6 +348,18 @@ def main(quick: bool) -> str:
         "int4 guard-off": load(precision="int4", nonfinite_guard=False),
         "bf16": load(precision="bf16"),
     }
+    kernel_line = (
+        "int4 and int8 layers: native kernels (model_runtime/kernels, bit-identical to torch's "
+        "AVX-512 int4pack/int8pack kernels; torch's measured beside them)."
+        if kernels.applies()
+        else f"int4 and int8 layers: torch's kernels ({kernels.why_not()})."
+    )
+    if kernels.applies():  # the same model on torch's kernels, for the A/B in one run
+        os.environ["MESHLM_INT4_KERNEL"] = "torch"
+        try:
+            models["int4 torch-kernel"] = load(precision="int4")
+        finally:
+            del os.environ["MESHLM_INT4_KERNEL"]
     try:
         r = _speed_rounds(models, peer, n, p_len, rounds)
     except PeerError as e:  # the peer died mid-run: measure ours alone
@@ -325,6 +375,7 @@ def main(quick: bool) -> str:
         f"Machine: {describe()}; torch {torch.__version__}, {threads} threads, kernels "
         f"dispatched for {torch.backends.cpu.get_cpu_capability()}.",
         f"CPU features: {describe_flags()}.",
+        kernel_line,
         _peer_line(peer, why_not),
         f"Command: `python -m bench runtime{' --quick' if quick else ''}`.",
         f"Load average at start {load0[0]:.1f} (on a busy machine absolute speeds drop; the "

@@ -2,8 +2,9 @@
 
 torch's int4pack dequantizes a group as w = (q - 8) * scale + zero. A GGUF Q4_1 block stores
 w = q * d + m for 32 weights, so scale = d and zero = m + 8 d: the remap is exact at group 32.
-With bf16 activations and group 32, on CPUs with AVX-512 the layers run the native kernel of
-model_runtime/kernels (the same arithmetic, bit-identical outputs, faster); else torch's.
+With bf16 activations (int4 at group 32), on CPUs with AVX-512 the int4 and int8 layers run
+the native kernels of model_runtime/kernels (the same arithmetic, bit-identical outputs,
+faster); else torch's.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class Int4Linear(nn.Module):
 
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return _native_mm(x2, self)
+            lib = kernels.library()
+            return _native_mm(lib.int4mm_bf16, x2, self.packed, self.scales_zeros, self)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.packed, self.group_size, self.scales_zeros
         )
@@ -104,25 +106,21 @@ class Int4Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, {kernel}"
 
 
-def _native_mm(x2: torch.Tensor, lin: Int4Linear) -> torch.Tensor:
+def _native_mm(fn, x2: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, lin):
+    """y = fn(x2, weights, scales) of kernels/qmm.c for a [rows, in] bf16 input."""
     x2 = x2.contiguous()
     if x2.dtype != torch.bfloat16:
-        raise TypeError(f"the native int4 kernel takes bf16 activations, got {x2.dtype}")
+        raise TypeError(f"the native kernels take bf16 activations, got {x2.dtype}")
     m = x2.shape[0]
     y = torch.empty(m, lin.out_features, dtype=torch.bfloat16)
     if m:
-        rc = kernels.library().int4mm_bf16(
-            x2.data_ptr(),
-            m,
-            lin.in_features,
-            lin.packed.data_ptr(),
-            lin.scales_zeros.data_ptr(),
-            lin.out_features,
-            y.data_ptr(),
+        k, n = lin.in_features, lin.out_features
+        rc = fn(
+            x2.data_ptr(), m, k, weights.data_ptr(), scales.data_ptr(), n, y.data_ptr(),
             torch.get_num_threads(),
-        )
+        )  # fmt: skip
         if rc:
-            raise RuntimeError(f"native int4 kernel refused shapes {tuple(x2.shape)} x {lin}")
+            raise RuntimeError(f"native kernel refused shapes {tuple(x2.shape)} x {lin}")
     return y
 
 
@@ -136,6 +134,13 @@ class Int8Linear(nn.Module):
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, dense=None):
         super().__init__()
         self.out_features, self.in_features = q.shape
+        # the native kernel reads the same buffers as torch's (kernels/qmm.c)
+        self.native = (
+            scales.dtype == torch.bfloat16
+            and self.out_features % NATIVE_BLOCK == 0
+            and self.in_features % 16 == 0
+            and kernels.applies()
+        )
         self.register_buffer("q", q)
         self.register_buffer("scales", scales)
         self.register_buffer("dense", dense)
@@ -156,7 +161,11 @@ class Int8Linear(nn.Module):
             w = self.dense if self.dense is not None else self.dequantize()
             return F.linear(x.float(), w.float()).to(x.dtype)
         shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.q, self.scales)
+        x2 = x.reshape(-1, shape[-1])
+        if self.native:
+            y = _native_mm(kernels.library().int8mm_bf16, x2, self.q, self.scales, self)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales)
         return y.view(*shape[:-1], self.out_features)
 
     def weight_bytes(self) -> int:

@@ -8,7 +8,7 @@ import torch
 
 from model_runtime import kernels
 from model_runtime.gguf_loader import Q4_1, default_gguf_path, read_gguf
-from model_runtime.quant import Int4Linear
+from model_runtime.quant import Int4Linear, Int8Linear
 
 # one of each shape the model has: qkv [960, 576], wo [576, 576], gate|up [1536, 576] halves,
 # down [576, 1536]
@@ -17,9 +17,13 @@ NAMES += ("blk.13.ffn_down.weight",)
 
 
 @pytest.fixture(scope="module")
-def q4_layers():
-    g = read_gguf(default_gguf_path())
-    return [g.tensors[n] for n in NAMES]
+def gguf():
+    return read_gguf(default_gguf_path())
+
+
+@pytest.fixture(scope="module")
+def q4_layers(gguf):
+    return [gguf.tensors[n] for n in NAMES]
 
 
 def _pair(q, monkeypatch):
@@ -102,3 +106,27 @@ def test_the_native_kernel_takes_bf16_activations_only(q4_layers):
         return
     with pytest.raises(TypeError, match=r"bf16 activations, got torch\.float32"):
         lin(torch.zeros(1, lin.in_features))
+
+
+@pytest.fixture(scope="module")
+def head(gguf):
+    return Int8Linear.from_dense(gguf.tensors["token_embd.weight"])
+
+
+@torch.inference_mode()
+def test_native_int8_head_is_bit_identical_to_torchs(head):
+    assert head.native == kernels.applies(), kernels.why_not()
+    gen = torch.Generator().manual_seed(4)
+    for rows in (1, 3, 8, 9):
+        x = (torch.randn(rows, head.in_features, generator=gen) * 2).to(torch.bfloat16)
+        want = torch.ops.aten._weight_int8pack_mm(x, head.q, head.scales)
+        assert torch.equal(head(x), want), rows
+    # a sum that cancels: what is left is fp32 rounding, so any other order of it shows
+    half = (torch.randn(2, head.in_features // 2, generator=gen) * 4).to(torch.bfloat16)
+    x = torch.cat([half, -half], 1)
+    q = head.q.clone()
+    q[:, head.in_features // 2 :] = q[:, : head.in_features // 2]
+    cancelling = Int8Linear(q, head.scales)
+    want = torch.ops.aten._weight_int8pack_mm(x, q, head.scales)
+    assert bool((want != 0).any()) and want.abs().max() < 0.05 * head(x).abs().max()
+    assert torch.equal(cancelling(x), want)

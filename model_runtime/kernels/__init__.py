@@ -1,10 +1,10 @@
-"""The native int4 matmul (int4mm.c, built by `python -m model_runtime.kernels.build`).
+"""Native int4 and int8 weight-only matmuls (qmm.c; `python -m model_runtime.kernels.build`).
 
-`applies()` says whether int4 layers built now use it (else torch's kernel); `library()` loads
-it. It computes the same fp32 FMA chains as torch's AVX-512 int4pack kernel (bit-identical
-results), so it is used only on x86-64 Linux CPUs with AVX-512 (F and BW) where torch dispatches
-its AVX-512 kernels. MESHLM_INT4_KERNEL=torch turns it off for the layers loaded while it is set
-(benchmarks compare the two in one process).
+`applies()` says whether quantized layers built now use them (else torch's kernels); `library()`
+loads them. They compute the same fp32 arithmetic as torch's AVX-512 int4pack and int8pack
+kernels (bit-identical results), so they are used only on x86-64 Linux CPUs with AVX-512 (F and
+BW) where torch dispatches its AVX-512 kernels. MESHLM_INT4_KERNEL=torch turns them off for the
+layers loaded while it is set (benchmarks compare the two in one process).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-LIBRARY = HERE / "libint4mm.so"
+LIBRARY = HERE / "libqmm.so"
 
 
 def _cpu_flags() -> set[str]:
@@ -66,10 +66,12 @@ def library() -> ctypes.CDLL:
     lib.int4mm_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.int4mm_bf16.argtypes += [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.int4mm_bf16.restype = ctypes.c_int
-    lib.int4mm_set_gomp.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.int8mm_bf16.argtypes = lib.int4mm_bf16.argtypes
+    lib.int8mm_bf16.restype = ctypes.c_int
+    lib.qmm_set_gomp.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     gomp = _gomp()
     if gomp is not None:  # else one thread
-        lib.int4mm_set_gomp(
+        lib.qmm_set_gomp(
             ctypes.cast(gomp.GOMP_parallel, ctypes.c_void_p),
             ctypes.cast(gomp.omp_get_thread_num, ctypes.c_void_p),
         )

@@ -1,6 +1,6 @@
-"""Build the native int4 kernel: `python -m model_runtime.kernels.build [--check]`.
+"""Build the native quantized matmuls: `python -m model_runtime.kernels.build [--check]`.
 
-int4mm.c builds with the pinned zig (PyPI `ziglang`, its clang) to libint4mm.so, committed and
+qmm.c builds with the pinned zig (PyPI `ziglang`, its clang) to libqmm.so, committed and
 shipped as package data like the Wasm filters, so an install needs no compiler. `--check`
 rebuilds it into a temporary folder and fails if it differs from the committed file (CI runs
 it): the shipped library is the one its source and the pinned zig produce.
@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "int4mm.c"
-LIBRARY = HERE / "libint4mm.so"
+SOURCE = HERE / "qmm.c"
+LIBRARY = HERE / "libqmm.so"
 
 # x86-64 Linux against glibc (the only symbols used are malloc, free, memcpy); AVX-512 F/BW code
 # throughout, loaded only where the CPU has it (kernels/__init__.py). No debug info (-g0, -s):

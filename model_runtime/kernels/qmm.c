@@ -1,4 +1,6 @@
-// y[M, N] = x[M, K] @ W.T for int4 weights in groups of 32 along K (w = (q - 8) * scale + zero),
+// Quantized matmuls for the int4 model on AVX-512 CPUs, bit-identical to torch's kernels.
+//
+// int4mm_bf16: y[M, N] = x[M, K] @ W.T for int4 weights in groups of 32 along K (w = (q - 8) * scale + zero),
 // x and y bfloat16: the same arithmetic as torch's AVX-512 `_weight_int4pack_mm_for_cpu`, so the
 // results are bit-identical to it. Every output is one fp32 FMA chain over k = 0 .. K-1 (the
 // weight dequantized by fma(q - 8, scale, zero), then acc = fma(x, w, acc)), rounded to bf16
@@ -115,16 +117,18 @@ static const int WIDTH[MAX_ROWS + 1] = {0, 4, 4, 4, 4, 2, 2, 2, 2};
 static const block_fn ONE[MAX_ROWS + 1] = {0, block_1_1, block_2_1, block_3_1, block_4_1,
                                            block_5_1, block_6_1, block_7_1, block_8_1};
 
-// Panels [a, b) of every row block of the call.
-typedef struct {
+// One call: x widened, the weights, and `run` for output columns [a, b) of every row.
+typedef struct call {
     const float *x;
     int M, K, N;
-    const uint8_t *codes;
-    const uint16_t *sz;
+    const uint8_t *codes;  // int4: the blocks above; int8: [N][K] int8
+    const uint16_t *sz;    // int4: scales and zeros; int8: [N] bf16 scales
     uint16_t *y;
+    void (*run)(const struct call *, int a, int b);
 } call_t;
 
-static void run_panels(const call_t *c, int a, int b) {
+static void int4_columns(const call_t *c, int a, int b) {
+    a /= PANEL, b /= PANEL;
     for (int m0 = 0; m0 < c->M; m0 += MAX_ROWS) {
         int rows = c->M - m0 < MAX_ROWS ? c->M - m0 : MAX_ROWS;
         job_t j = {c->x + (size_t)m0 * c->K, rows, c->K, c->N, c->codes, c->sz,
@@ -135,7 +139,75 @@ static void run_panels(const call_t *c, int a, int b) {
     }
 }
 
-// --- threads: torch's own OpenMP team (libgomp's C ABI, set by int4mm_set_gomp), so that the
+// int8mm_bf16: y = x @ (W * scale).T for int8 weights [N, K] with one bf16 scale per output, as
+// torch's AVX-512 `_weight_int8pack_mm`: 16 fp32 lanes per output, lane l an FMA chain over
+// k = l, l + 16, ... of x * (float(q) * scale), the lanes summed as a tree (256-bit halves,
+// 128-bit halves, then pairs: GCC's _mm512_reduce_add_ps, which torch is built with), rounded to
+// bf16. Up to 8 rows share each widened weight vector.
+static inline float reduce16(__m512 v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(q) + _mm_cvtss_f32(_mm_shuffle_ps(q, q, _MM_SHUFFLE(3, 2, 0, 1)));
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+#define DEFINE_INT8(R, C)                                                                         \
+    static void int8_##R##_##C(const call_t *c, int m0, int n0) {                                 \
+        const int K = c->K;                                                                       \
+        const float *x = c->x + (size_t)m0 * K;                                                   \
+        const int8_t *q = (const int8_t *)c->codes + (size_t)n0 * K;                              \
+        __m512 acc[R][C], s[C];                                                                   \
+        for (int i = 0; i < C; i++) {                                                             \
+            uint32_t u = (uint32_t)c->sz[n0 + i] << 16;                                           \
+            float f;                                                                              \
+            memcpy(&f, &u, 4);                                                                    \
+            s[i] = _mm512_set1_ps(f);                                                             \
+        }                                                                                         \
+        for (int r = 0; r < R; r++)                                                               \
+            for (int i = 0; i < C; i++) acc[r][i] = _mm512_setzero_ps();                          \
+        for (int k = 0; k < K; k += 16) {                                                         \
+            for (int i = 0; i < C; i++) {                                                         \
+                __m128i b8 = _mm_loadu_si128((const __m128i *)(q + (size_t)i * K + k));           \
+                __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b8)), s[i]);     \
+                for (int r = 0; r < R; r++)                                                       \
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)r * K + k), w,        \
+                                                acc[r][i]);                                       \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < R; r++)                                                               \
+            for (int i = 0; i < C; i++)                                                           \
+                c->y[(size_t)(m0 + r) * c->N + n0 + i] = f32_to_bf16(reduce16(acc[r][i]));        \
+    }
+
+DEFINE_INT8(1, 4)
+DEFINE_INT8(2, 4)
+DEFINE_INT8(3, 4)
+DEFINE_INT8(4, 4)
+DEFINE_INT8(5, 2)
+DEFINE_INT8(6, 2)
+DEFINE_INT8(7, 2)
+DEFINE_INT8(8, 2)
+
+typedef void (*int8_fn)(const call_t *, int, int);
+static const int8_fn INT8[MAX_ROWS + 1] = {0, int8_1_4, int8_2_4, int8_3_4, int8_4_4,
+                                           int8_5_2, int8_6_2, int8_7_2, int8_8_2};
+
+static void int8_columns(const call_t *c, int a, int b) {
+    for (int m0 = 0; m0 < c->M; m0 += MAX_ROWS) {
+        int rows = c->M - m0 < MAX_ROWS ? c->M - m0 : MAX_ROWS;
+        for (int n = a; n < b; n += WIDTH[rows]) INT8[rows](c, m0, n);
+    }
+}
+
+// --- threads: torch's own OpenMP team (libgomp's C ABI, set by qmm_set_gomp), so that the
 // kernel's threads are the ones torch already runs and spins, not a second set competing for
 // the same cores
 typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
@@ -143,7 +215,7 @@ typedef int (*omp_int_fn)(void);
 static gomp_parallel_fn gomp_parallel;
 static omp_int_fn omp_thread_num;
 
-void int4mm_set_gomp(void *parallel, void *thread_num) {
+void qmm_set_gomp(void *parallel, void *thread_num) {
     gomp_parallel = (gomp_parallel_fn)parallel;
     omp_thread_num = (omp_int_fn)thread_num;
 }
@@ -156,7 +228,7 @@ typedef struct {
 // thread i of n: its share of the 64-column blocks
 static void thread_share(const call_t *c, int i, int n) {
     int blocks = c->N / BLOCK;
-    run_panels(c, blocks * i / n * 4, blocks * (i + 1) / n * 4);
+    c->run(c, blocks * i / n * BLOCK, blocks * (i + 1) / n * BLOCK);
 }
 
 static void team_share(void *arg) {
@@ -165,26 +237,38 @@ static void team_share(void *arg) {
 }
 
 // Widen x to fp32, then run the call over `threads` threads (the caller included).
-// Returns 0, or -1 when the shapes are not supported (the caller checks them first).
-int int4mm_bf16(const uint16_t *x, int M, int K, const uint8_t *codes, const uint16_t *sz, int N,
-                uint16_t *y, int threads) {
-    if (M <= 0 || K % GROUP || N % BLOCK || threads < 1) return -1;
-    float *xf = (float *)malloc((size_t)M * K * sizeof(float));
+static int run_call(call_t *c, const uint16_t *x, int threads) {
+    float *xf = (float *)malloc((size_t)c->M * c->K * sizeof(float));
     if (!xf) return -1;
-    size_t n = (size_t)M * K, i = 0;
+    size_t n = (size_t)c->M * c->K, i = 0;
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(xf + i, bf16x16_to_f32(x + i));
     for (; i < n; i++) {
         uint32_t u = (uint32_t)x[i] << 16;
         memcpy(xf + i, &u, 4);
     }
-    call_t c = {xf, M, K, N, codes, sz, y};
-    if (threads > N / BLOCK) threads = N / BLOCK;
+    c->x = xf;
+    if (threads > c->N / BLOCK) threads = c->N / BLOCK;
     if (threads == 1 || !gomp_parallel) {
-        thread_share(&c, 0, 1);
+        thread_share(c, 0, 1);
     } else {
-        team_t t = {&c, threads};
+        team_t t = {c, threads};
         gomp_parallel(team_share, &t, (unsigned)threads, 0);
     }
     free(xf);
     return 0;
+}
+
+// Both return 0, or -1 when the shapes are not supported (the caller checks them first).
+int int4mm_bf16(const uint16_t *x, int M, int K, const uint8_t *codes, const uint16_t *sz, int N,
+                uint16_t *y, int threads) {
+    if (M <= 0 || K % GROUP || N % BLOCK || threads < 1) return -1;
+    call_t c = {0, M, K, N, codes, sz, y, int4_columns};
+    return run_call(&c, x, threads);
+}
+
+int int8mm_bf16(const uint16_t *x, int M, int K, const int8_t *q, const uint16_t *scales, int N,
+                uint16_t *y, int threads) {
+    if (M <= 0 || K % 16 || N % BLOCK || threads < 1) return -1;
+    call_t c = {0, M, K, N, (const uint8_t *)q, scales, y, int8_columns};
+    return run_call(&c, x, threads);
 }
