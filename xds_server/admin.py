@@ -1,5 +1,6 @@
 """The admin HTTP API on loopback (stdlib http.server in a thread).
 
+  GET  /healthz, /readyz                          alive; ready to serve ADS (xds_server/health.py)
   GET  /debug/syncz                               sync status per sidecar and type, convergence
   GET  /metrics                                   Prometheus text (xds_server/metrics.py)
   GET  /debug/config_dump                         the snapshots being served
@@ -41,6 +42,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
+from xds_server import health
 from xds_server.admin_tls import AdminTLS, drop_ca
 from xds_server.control_plane import ApplyResult, ControlPlane
 from xds_server.mesh import load_yaml, parse_mesh
@@ -126,6 +128,8 @@ class AdminServer:
         query = parse_qs(url.query)
         if method == "GET" and not parts and self.status is not None:
             return 200, self.status()  # which replica this is and which leads (issue 15)
+        if method == "GET" and parts in (["healthz"], ["readyz"]):
+            return health.http(parts[0], self.cp)  # no token: kubelet probes hold none
         if method == "GET" and parts == ["debug", "syncz"]:
             return 200, self.cp.syncz()
         if method == "GET" and parts == ["metrics"]:

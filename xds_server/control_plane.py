@@ -27,7 +27,7 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from sidecar.loop_thread import LoopThread
-from xds_server import accesslog, membership, ratelimit
+from xds_server import accesslog, health, membership, ratelimit
 from xds_server import mesh as m
 from xds_server.ads import AdsServicer
 from xds_server.cache import SnapshotCache
@@ -131,6 +131,7 @@ class ControlPlane:
         self._ads = AdsServicer(self.cache, self.sync, td)
         self._rls = ratelimit.RateLimitServicer(lambda: self.cache.mesh, trust_domain=td)
         self._als = accesslog.AccessLogServicer(self.isolation)
+        self._health = health.HealthServicer(lambda: self.serving)  # grpc.health.v1 (issue 16)
         self._tls_served: tuple[bytes, bytes] = (b"", b"")  # chain, trust bundle
         self._tls_renewer: asyncio.Task | None = None
         self._mutate = threading.Lock()
@@ -179,6 +180,11 @@ class ControlPlane:
 
         self._runner.stop(shutdown, timeout=grace + 10)  # and it cancels the open streams
         self._server = None
+
+    @property
+    def serving(self) -> bool:
+        """The ADS port is bound and serving (from start() until stop())."""
+        return self._server is not None
 
     def __enter__(self) -> ControlPlane:
         return self if self._server else self.start()
@@ -229,6 +235,7 @@ class ControlPlane:
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self._ads, server)
         ratelimit.add_to_server(server, self._rls)
         accesslog.add_to_server(server, self._als)
+        health.add_to_server(server, self._health)
         address = f"{host}:{port}"
         try:
             if self.ads_mtls:

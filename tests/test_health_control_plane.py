@@ -1,0 +1,134 @@
+"""Health of the control plane (issue 16, item 3): GET /healthz and /readyz on the admin port
+(no token), grpc.health.v1 on the ADS port, and `python -m meshlm.probe`, the Kubernetes exec
+probe over them (deploy/kubernetes/). On real `meshlm xds-server` processes, one of them a
+replica on a real etcd that stays ready on its last good config when etcd goes away."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import uuid
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sidecar.ports import free_port
+from tests.etcd_support import EtcdCluster, wait_for
+from tests.test_replicas_cli import MESH, Replica, env  # noqa: F401 (env: a fixture)
+from xds_server.admin import AdminServer
+from xds_server.control_plane import ControlPlane
+from xds_server.health import ADS_SERVICE
+from xds_server.mesh import parse_mesh
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:  # no Authorization header
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def probe(url: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "meshlm.probe", url], capture_output=True, text=True, timeout=30
+    )
+
+
+def grpc_port(r: Replica) -> int:
+    return int(r.proc.args[r.proc.args.index("--grpc-port") + 1])
+
+
+def check(port: int, service: str) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+
+def ready(r: Replica) -> dict | None:
+    try:
+        code, doc = get(r.admin + "/readyz")
+    except OSError:
+        return None
+    return doc if code == 200 else None
+
+
+@pytest.fixture
+def started():
+    procs: list[Replica] = []
+    yield procs
+    for r in procs:
+        if r.proc.poll() is None:
+            r.proc.terminate()
+            try:
+                r.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                r.kill()
+
+
+def test_a_control_plane_is_alive_and_ready_on_both_ports(tmp_path, env, started):  # noqa: F811
+    (tmp_path / "mesh.yaml").write_text(yaml.safe_dump(MESH))
+    started.append(r := Replica(tmp_path, env, "one"))
+    doc = wait_for(lambda: ready(r), 30)
+    assert doc["status"] == "ready" and doc["ads_port"] == grpc_port(r), doc
+    assert get(r.admin + "/healthz") == (200, {"status": "alive"})
+    for service in ("", ADS_SERVICE):
+        assert check(grpc_port(r), service) == SERVING
+    with pytest.raises(grpc.RpcError) as e:
+        check(grpc_port(r), "no.such.Service")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port(r)}") as ch:
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=10)
+        assert next(watch).status == SERVING
+        watch.cancel()
+
+    ok = probe(r.admin + "/readyz")
+    assert ok.returncode == 0 and '"ready"' in ok.stdout, ok
+    gone = probe(f"http://127.0.0.1:{free_port()}/readyz")
+    assert gone.returncode == 1 and "refused" in gone.stderr.lower(), gone
+    assert "Traceback" not in r.output()
+
+
+def test_readyz_is_503_until_the_ads_port_serves_and_after_it_stops():
+    cp = ControlPlane(parse_mesh(MESH))
+    admin = AdminServer(cp, token="t" * 32).start()
+    try:
+        code, doc = get(admin.url + "/readyz")
+        assert code == 503 and doc["status"] == "not ready", doc
+        assert "not serving" in doc["reason"]
+        assert get(admin.url + "/healthz")[0] == 200  # alive all the same
+        assert probe(admin.url + "/readyz").returncode == 1
+        cp.start()
+        code, doc = get(admin.url + "/readyz")
+        assert code == 200 and doc["ads_port"] == cp.grpc_port, doc
+        cp.stop()
+        assert get(admin.url + "/readyz")[0] == 503
+    finally:
+        cp.stop()
+        admin.stop()
+
+
+def test_a_replica_stays_ready_on_its_last_good_config_when_etcd_is_gone(
+    tmp_path,
+    env,  # noqa: F811
+    started,
+):
+    with EtcdCluster(1) as etcd:
+        url = f"etcd://{etcd.endpoints[0]}/t-{uuid.uuid4().hex}"
+        started.append(r := Replica(tmp_path, env, "r1", "--store", url, "--leader-ttl", "2"))
+        doc = wait_for(lambda: ready(r), 30)
+        assert doc["replica"] == "r1" and doc["store"] == "answering", doc
+        assert doc["store_revision"] > 0
+        etcd.kill(0)
+        doc = wait_for(lambda: (d := ready(r)) and d["store"] != "answering" and d, 20)
+        assert doc["store"].startswith("not answering"), doc
+        assert "serving the last good config" in doc["store"]
+        assert check(grpc_port(r), "") == SERVING
+        assert probe(r.admin + "/readyz").returncode == 0
