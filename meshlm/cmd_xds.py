@@ -139,18 +139,19 @@ def run(args: argparse.Namespace) -> int:
         admin.metrics.rollouts, admin.metrics.slo = rollouts, slo  # in GET /metrics from now on
 
     role = None
+    rollout_file = Path(
+        args.rollout_store or Path(args.mesh).resolve().parent / ".meshlm/rollouts.json"
+    )
     if replication is None:  # one control plane on its local files, as before issue 15
-        store = Path(
-            args.rollout_store or Path(args.mesh).resolve().parent / ".meshlm/rollouts.json"
-        )
-        store.parent.mkdir(parents=True, exist_ok=True)
-        rollouts = RolloutController(cp, str(store), configured_sources(cp))
+        rollout_file.parent.mkdir(parents=True, exist_ok=True)
+        rollouts = RolloutController(cp, str(rollout_file), configured_sources(cp))
         slo = SloLoops(cp, scaler).start()
         admin.mounts["/slo"] = slo.handle
         admin.mounts["/rollouts"] = api(rollouts)
         admin.status = lambda: {"replica": None, "leading": True, "store": "local files"}
         in_metrics(rollouts, slo)
     else:  # one of several: the leader runs the rollouts and the SLO loop
+        _import_rollouts(replication.store, rollout_file)
         role = ReplicaRole(
             replication.store,
             replica_id,
@@ -193,6 +194,23 @@ def run(args: argparse.Namespace) -> int:
     if written:
         admin_token.remove_token(admin.port, admin.token)
     return 0
+
+
+def _import_rollouts(store, path: Path) -> None:
+    """The rollouts of this mesh's single control plane, read once into an empty store."""
+    from xds_server.rollout_store import RolloutStoreError
+    from xds_server.store import StoreError
+    from xds_server.store.leader import import_rollouts
+
+    if not path.exists():
+        return
+    try:
+        if done := import_rollouts(store, path):
+            print(f"xds-server: rollouts of {', '.join(done)} imported from {path} into the "
+                  "store (the leader continues them)", flush=True)  # fmt: skip
+    except (RolloutStoreError, StoreError) as e:
+        print(f"xds-server: warning: rollouts in {path} not imported: {e}", file=sys.stderr,
+              flush=True)  # fmt: skip
 
 
 def _replication(args: argparse.Namespace, mesh, source, replica_id: str):

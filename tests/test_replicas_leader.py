@@ -21,9 +21,16 @@ from xds_server.control_plane import ControlPlane
 from xds_server.gates import mesh_sources
 from xds_server.mesh import parse_mesh
 from xds_server.rollout import TERMINAL, RolloutController
-from xds_server.store import EtcdStore, Fenced, StoreUnavailable
+from xds_server.rollout_store import RolloutStore
+from xds_server.store import EtcdStore, Fenced, FileStore, StoreUnavailable
 from xds_server.store.election import Election
-from xds_server.store.leader import FencedChanges, LeaderWork, StoreRollouts, rollouts_of
+from xds_server.store.leader import (
+    FencedChanges,
+    LeaderWork,
+    StoreRollouts,
+    import_rollouts,
+    rollouts_of,
+)
 from xds_server.store.replica import Replication
 
 TTL = 2.0
@@ -178,3 +185,16 @@ def test_taking_office_is_announced_at_once_not_a_beat_later(etcd):
             wait_for(lambda: calls == [True], 2)
         finally:
             e.stop()
+
+
+def test_rollouts_of_a_single_control_plane_are_imported_once(tmp_path):
+    old = tmp_path / "rollouts.json"
+    RolloutStore(old).save({"llm": {"state": "Progressing", "step": 2}})
+    with FileStore(tmp_path / "state.json") as store:
+        assert import_rollouts(store, old) == ["llm"]
+        assert rollouts_of(store) == {"llm": {"state": "Progressing", "step": 2}}
+        RolloutStore(old).save({"llm": {"state": "Paused", "step": 0}})
+        assert import_rollouts(store, old) == []  # the store's are newer than the file
+        assert rollouts_of(store)["llm"]["step"] == 2
+    with FileStore(tmp_path / "other.json") as store:
+        assert import_rollouts(store, tmp_path / "none.json") == []

@@ -120,6 +120,9 @@ class SyncStatus:
         self._next_sweep = 0.0
         self._trackers: dict[int, _Tracker] = {}
         self._waiters: list[_Waiter] = []
+        # Bumped by every connect, ACK, NACK and departure: replicas summarise their sidecars
+        # for the others only when it moved (xds_server/store/replica.py).
+        self.changes = 0
         self.histogram = [0] * len(BUCKETS)
         self.convergence: list[float] = []  # seconds, newest last (bounded)
         self.convergence_sum = 0.0  # seconds, every change since start (Prometheus' _sum)
@@ -201,6 +204,7 @@ class SyncStatus:
                 for ts in ns.types.values():
                     ts.pending_since = 0.0
             self.nodes[node_id] = ns
+            self.changes += 1
             self._membership_changed()
             self.cond.notify_all()
             return ns.stream
@@ -371,6 +375,7 @@ class SyncStatus:
         w.remaining.discard(node_id)
 
     def _progress(self, node_id: str | None, now: float) -> None:
+        self.changes += 1
         if node_id is not None:
             for w in list(self._waiters):
                 if node_id in w.remaining:

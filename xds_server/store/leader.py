@@ -16,10 +16,12 @@ import json
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from xds_server.rollout_store import RolloutStore
 from xds_server.store import keys
-from xds_server.store.base import Check, Delete, Put, Store, StoreError, encode
+from xds_server.store.base import Check, Conflict, Delete, Put, Store, StoreError, encode
 from xds_server.store.election import Election
 
 log = logging.getLogger("meshlm.leader")
@@ -75,6 +77,21 @@ class StoreRollouts:
         self._revs = dict.fromkeys(wanted, rev)
 
 
+def import_rollouts(store: Store, path: str | Path) -> list[str]:
+    """Rollouts of a control plane that ran alone (its rollouts.json) into a store that has
+    none yet, once, so the first leader continues them; the services imported. Not fenced:
+    each key is written only if absent."""
+    old = RolloutStore(path).load()  # RolloutStoreError for a file that is not one
+    if not old or store.list(keys.ROLLOUTS)[0]:
+        return []
+    ops = [Put(keys.rollout(s), encode(r)) for s, r in sorted(old.items())]
+    try:
+        store.txn([Check(op.key, revision=0) for op in ops], ops)
+    except Conflict:
+        return []  # another replica imported them first
+    return sorted(old)
+
+
 def rollouts_of(store: Store) -> dict[str, dict[str, Any]]:
     """Every rollout as the store holds it (what a follower shows)."""
     entries, _ = store.list(keys.ROLLOUTS)
@@ -126,8 +143,11 @@ class LeaderWork:
                 try:
                     self._handle = self._start()
                     self.state = "leading"
-                except StoreError as e:
+                except Exception as e:  # a store error, or a stored rollout it cannot read
+                    if not isinstance(e, StoreError):
+                        log.exception("leader: could not start the leader's work")
                     log.warning("leader: could not take over: %s; trying again", e)
+                    self.state = f"paused: could not start: {e}"
                     self._want.set()
                     self._closing.wait(1.0)
             elif not leading and self._handle is not None:

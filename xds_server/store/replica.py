@@ -317,14 +317,22 @@ class Replication:
 
     def _publish(self) -> None:
         key, lease, last, beat = keys.ACKS + self.id, 0, None, 0.0
+        looked: tuple = ()
+        look_again = 0.0
         while not self._stop.wait(self.publish_every):
             try:
                 now = time.monotonic()
                 if not lease:
                     lease, last, beat = self.store.grant(self.lease_ttl), None, now
+                    looked = ()
                 elif now - beat >= self.lease_ttl / 3:
                     self.store.keepalive(lease)
                     beat = now
+                # Lagging is a matter of time alone: look again each second regardless.
+                seen = (self._cp.sync.changes, self.revision, self._staged[-1:])
+                if seen == looked and now < look_again:
+                    continue
+                looked, look_again = seen, now + 1.0
                 doc = self.summary()
                 if doc != last:
                     self.store.txn([], [Put(key, encode(doc), lease)])
