@@ -5,14 +5,28 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import sys
+
+DESCRIPTION = """\
+meshlm serves a language model as a service mesh: runtimes serve SmolLM2 over gRPC, each behind
+an Envoy sidecar that authorizes API keys, rate-limits tenants and routes between model
+versions, all configured by one control plane from one mesh file.
+
+Start with `meshlm demo` (a whole local mesh), then `meshlm generate` to call it and
+`meshlm status` to watch it. `meshlm COMMAND --help` describes each command."""
+
+EPILOG = """\
+Commands that change a running control plane (apply, weights, rollout, identity) send its admin
+token: from --token-file, else $MESHLM_ADMIN_TOKEN, else the local control plane's token file."""
 
 # subcommand -> module with `add_arguments(parser)` and `run(args) -> int`
 COMMANDS: dict[str, tuple[str, str]] = {
     "xds-server": ("meshlm.cmd_xds", "run the xDS control plane"),
     "status": ("meshlm.cmd_status", "show sync status of every sidecar and rollout"),
     "apply": ("meshlm.cmd_apply", "push a changed mesh file to a running control plane"),
+    "weights": ("meshlm.cmd_weights", "set a service's traffic split between its versions"),
     "serve": ("meshlm.cmd_serve", "serve a model over gRPC"),
     "generate": ("meshlm.cmd_generate", "stream a generation from a runtime or sidecar"),
     "policy": ("meshlm.cmd_policy", "compile or test the authz policy"),
@@ -23,9 +37,53 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default, except where there is none worth printing (None, a flag's
+    False, an empty list) or the help text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        d = action.default
+        if d is None or d is False or d == [] or d == argparse.SUPPRESS or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("meshlm")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown (not installed)"
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of `meshlm NAME` (imports the command's module)."""
+    module_name, help_text = COMMANDS[name]
+    # No abbreviations: `--token SECRET` must fail, not be taken for `--token-file`.
+    cmd = argparse.ArgumentParser(
+        prog=f"meshlm {name}",
+        description=help_text,
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+    )
+    importlib.import_module(module_name).add_arguments(cmd)
+    # Subcommands' parsers (policy compile|test...) inherit nothing from their parent.
+    for action in cmd._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.formatter_class = HelpFormatter
+    return cmd
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="meshlm", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="meshlm",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"meshlm {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -33,14 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         parser.parse_args(argv)
         return 2
-    module_name, help_text = COMMANDS[argv[0]]
-    module = importlib.import_module(module_name)
-    # No abbreviations: `--token SECRET` must fail, not be taken for `--token-file`.
-    cmd = argparse.ArgumentParser(
-        prog=f"meshlm {argv[0]}", description=help_text, allow_abbrev=False
-    )
-    module.add_arguments(cmd)
-    args = cmd.parse_args(argv[1:])
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    args = command_parser(argv[0]).parse_args(argv[1:])
     try:
         code = int(module.run(args) or 0)
         sys.stdout.flush()  # here, so that a closed pipe is caught below, not at exit

@@ -14,14 +14,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--authority", help="mesh service name (:authority) when going via a sidecar")
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat")
     p.add_argument("--system", help="a system message")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
+    p.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        type=_header,
+        metavar="NAME:VALUE",
+        help="send a gRPC metadata header, e.g. x-canary:always (repeatable)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1: off")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest; 0: off")
+    p.add_argument("--seed", type=int, help="sampling seed, for a repeatable sampled answer")
     p.add_argument("--stop", action="append", default=[], help="a stop sequence (repeatable)")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
     p.add_argument("--stats", action="store_true", help="print TTFT and token count to stderr")
+
+
+def _header(text: str) -> tuple[str, str]:
+    """("x-canary", "always") from "x-canary:always" (gRPC metadata keys are lower case)."""
+    name, sep, value = text.partition(":")
+    name = name.strip().lower()
+    if not sep or not name or name.startswith(":") or not value.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME:VALUE, e.g. x-canary:always, got {text!r}")
+    if name == "x-api-key":
+        raise argparse.ArgumentTypeError("the API key goes in --api-key, not --header")
+    return name, value.strip()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
         msgs = [{"role": "system", "content": args.system}] if args.system else []
         what = {"messages": [*msgs, {"role": "user", "content": args.prompt}]}
     tokens, ttft_us, reason = 0, None, None
-    caller = Caller(args.target, api_key=args.api_key, authority=args.authority)
+    caller = Caller(
+        args.target, api_key=args.api_key, authority=args.authority, metadata=args.header
+    )
     stream = None
     try:
         stream = caller.generate(

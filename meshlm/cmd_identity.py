@@ -22,7 +22,7 @@ ACTIONS = ("token", "status", "rotate-root")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=ACTIONS)
+    p.add_argument("action", choices=ACTIONS, help="what to do: " + ", ".join(ACTIONS))
     add_admin_client_arguments(p)
     p.add_argument("--json", action="store_true", help="print the raw JSON reply (status)")
     p.add_argument("--timeout", type=float, default=30.0, help="HTTP timeout in seconds")

@@ -39,10 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--mesh", required=True, type=Path, help="mesh file (YAML)")
     c.add_argument("--service", default="llm", help="service the sidecar guards (default llm)")
     t = sub.add_parser("test", help="run one request through the real filter")
-    t.add_argument("--mesh", required=True, type=Path)
-    t.add_argument("--service", default="llm")
+    t.add_argument("--mesh", required=True, type=Path, help="mesh file (YAML)")
+    t.add_argument("--service", default="llm", help="service the sidecar guards")
     t.add_argument("--key", default="", help="API key sent as x-api-key (empty: none)")
-    t.add_argument("--path", default="/meshlm.inference.v1.Inference/Generate")
+    t.add_argument("--path", default="/meshlm.inference.v1.Inference/Generate", help="request path")
     t.add_argument("--http", action="store_true", help="send as plain HTTP, not gRPC")
     t.add_argument(
         "--principal",

@@ -10,20 +10,22 @@ import time
 from typing import Any
 
 from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
+from meshlm.watch import add_watch_argument, watch
 from xds_server.admin_token import TokenError
 
 ACTIONS = ("start", "status", "pause", "resume", "abort", "promote")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=ACTIONS)
+    p.add_argument("action", choices=ACTIONS, help="what to do: " + ", ".join(ACTIONS))
     p.add_argument("service", nargs="?", help="the service (status without one lists all)")
     add_admin_client_arguments(p)
     p.add_argument("--json", action="store_true", help="print the raw JSON reply")
     p.add_argument("--timeout", type=float, default=120.0, help="HTTP timeout in seconds")
+    add_watch_argument(p)  # status only
     s = p.add_argument_group("start (defaults: the mesh file's rollouts.SERVICE)")
-    s.add_argument("--stable")
-    s.add_argument("--canary")
+    s.add_argument("--stable", help="the version serving today")
+    s.add_argument("--canary", help="the version to roll out")
     s.add_argument("--steps", help="canary weights, e.g. 5,25,50,100")
     s.add_argument("--interval", help="analysis interval per step, e.g. 10s")
     s.add_argument("--threshold", type=int, help="failed intervals before rollback")
@@ -86,6 +88,13 @@ def run(args: argparse.Namespace) -> int:
     if args.action != "status" and not args.service:
         print(f"meshlm rollout {args.action}: SERVICE is required", file=sys.stderr)
         return 2
+    if args.watch is not None and args.action != "status":
+        print(f"meshlm rollout {args.action}: --watch is for status only", file=sys.stderr)
+        return 2
+    return watch(lambda: _once(args, admin), args.watch)
+
+
+def _once(args: argparse.Namespace, admin: AdminClient) -> int:
     if args.action == "start":
         method, path, body = "POST", f"/rollouts/{args.service}", _spec(args)
     elif args.action == "status":

@@ -15,9 +15,10 @@ from meshlm.signals import termination_event
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--precision", choices=("int4", "bf16", "fp16"), default="int4")
+    p.add_argument("--precision", choices=("int4", "bf16", "fp16"), default="int4",
+                   help="weights' precision")  # fmt: skip
     p.add_argument("--port", type=int, required=True, help="gRPC port (0 = any free port)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument(
         "--http-port",
         type=int,
@@ -28,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model", help="GGUF file, sealed file or safetensors folder (default: SmolLM2)"
     )
     p.add_argument("--weight-key-file", type=Path, help="key for a sealed weight file")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--max-queue", type=int, default=64)
+    p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--max-batch", type=int, default=8, help="most requests decoded at once")
+    p.add_argument("--max-queue", type=int, default=64, help="most requests waiting")
     p.add_argument("--tpot-target-ms", type=float, help="adaptive batching latency target")
     p.add_argument("--metrics-port", type=int, help="loopback /metrics (Prometheus), /metrics.json")
     p.add_argument("--metrics-window", type=float, default=60.0, metavar="SECONDS",
@@ -124,7 +125,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish streams")
     p.add_argument("--log-level", default="info", type=str.lower,
-                   choices=("debug", "info", "warning", "error", "critical"))  # fmt: skip
+                   choices=("debug", "info", "warning", "error", "critical"),
+                   help="log level")  # fmt: skip
 
 
 def _loopback(host: str) -> bool:

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
+from meshlm.watch import add_watch_argument, watch
 
 ORDER = ("CDS", "EDS", "LDS", "ECDS", "RDS")
 
@@ -17,6 +18,7 @@ ORDER = ("CDS", "EDS", "LDS", "ECDS", "RDS")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_admin_client_arguments(p, token=False)  # reads only: no token
     p.add_argument("--json", action="store_true", help="print the raw /debug/syncz JSON")
+    add_watch_argument(p)
 
 
 def _get(admin: AdminClient, path: str) -> Any:
@@ -31,11 +33,20 @@ def _get(admin: AdminClient, path: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     try:
         admin = AdminClient.from_args(args)
+    except AdminError as e:
+        print(f"meshlm status: {e}", file=sys.stderr)
+        return 1
+    return watch(lambda: show(admin, args.json), args.watch)
+
+
+def show(admin: AdminClient, as_json: bool) -> int:
+    """Print the status once; 1 when the control plane cannot be read."""
+    try:
         doc = _get(admin, "/debug/syncz")
     except AdminError as e:
         print(f"meshlm status: {e}", file=sys.stderr)
         return 1
-    if args.json:
+    if as_json:
         print(json.dumps(doc, indent=1))
         return 0
     # A control plane without rollouts mounted, an older one, one without the SLO loop: {}.
