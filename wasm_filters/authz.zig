@@ -4,12 +4,14 @@
 //! mTLS certificate, property `connection.uri_san_peer_certificate`) -> the first rule naming it
 //! -> its allowed paths, before any key is looked at; then API key (`x-api-key` or `authorization: Bearer`) -> SHA-256 -> tenant (constant
 //! time compare; keys the policy already matched are remembered, see KnownKeys) -> allow rules
-//! for this service's gRPC methods (any other path is denied) -> per-tenant token bucket in
+//! for this service's gRPC methods (an OpenAI HTTP path counts as the method it runs; any other
+//! path is denied) -> per-tenant token bucket in
 //! shared data (compare-and-swap) -> verified `x-meshlm-tenant` / `x-meshlm-priority` headers,
 //! and `x-meshlm-principal` (the caller's SPIFFE ID) when `peer_identity` is on.
 //! Host calls are most of the cost (issue 19): one header read, one bucket write, three header
 //! changes and a counter per allowed request.
 //! The configuration is JSON compiled by `wasm_filters/policy.py`; it holds key hashes only.
+//! A denial answers gRPC callers with a grpc-status, any other caller with OpenAI's error JSON.
 //! Fails closed: a bad configuration is refused in proxy_on_configure (Envoy NACKs it) and a
 //! stream without a loaded policy is denied.
 //! Build: `python -m wasm_filters.build` (zig from PyPI `ziglang`).
@@ -66,10 +68,14 @@ const CallerJson = struct {
     principal: []const u8,
     paths: ?[]const []const u8 = null,
 };
+/// An OpenAI HTTP path (issue 17) and the gRPC method it counts as; `/*` at the end matches one
+/// more path segment.
+const HttpPathJson = struct { path: []const u8, method: []const u8 };
 const ConfigJson = struct {
     version: u32,
     service: []const u8,
     method_prefix: []const u8,
+    http_paths: []const HttpPathJson = &.{},
     tenants: []const TenantJson,
     peer_identity: bool = false,
     /// null: any workload may call; empty: none.
@@ -227,6 +233,9 @@ fn parsePolicy(a: std.mem.Allocator, raw: []const u8) !Policy {
     const cfg = try std.json.parseFromSliceLeaky(ConfigJson, a, raw, .{ .allocate = .alloc_always });
     if (cfg.version != 1) return error.UnsupportedVersion;
     if (!validName(cfg.service)) return error.BadService;
+    for (cfg.http_paths) |hp| {
+        if (hp.path.len < 2 or hp.path[0] != '/' or !validName(hp.method)) return error.BadHttpPath;
+    }
     const tenants = try a.alloc(Tenant, cfg.tenants.len);
     for (cfg.tenants, tenants, 0..) |tj, *t, i| {
         if (!validName(tj.name)) return error.BadTenantName;
@@ -501,6 +510,22 @@ fn methodOf(cfg: *const ConfigJson, path: []const u8) ?[]const u8 {
     return method;
 }
 
+/// The gRPC path an OpenAI HTTP path runs (`<method_prefix><Method>`, in scratch), else null.
+fn grpcPathOf(cfg: *const ConfigJson, raw_path: []const u8) ?[]const u8 {
+    const q = std.mem.indexOfScalar(u8, raw_path, '?') orelse raw_path.len;
+    const path = raw_path[0..q];
+    for (cfg.http_paths) |hp| {
+        const matches = if (std.mem.endsWith(u8, hp.path, "/*")) blk: {
+            const prefix = hp.path[0 .. hp.path.len - 1];
+            if (!std.mem.startsWith(u8, path, prefix)) break :blk false;
+            const rest = path[prefix.len..];
+            break :blk rest.len > 0 and std.mem.indexOfScalar(u8, rest, '/') == null;
+        } else std.mem.eql(u8, hp.path, path);
+        if (matches) return std.fmt.allocPrint(scratch.allocator(), "{s}{s}", .{ cfg.method_prefix, hp.method }) catch null;
+    }
+    return null;
+}
+
 /// The caller's SPIFFE ID: the first URI SAN of the certificate it presented on this connection,
 /// which the listener's TLS context has verified; null on a plaintext connection.
 fn peerPrincipal() ?[]const u8 {
@@ -545,36 +570,59 @@ fn checkCaller(callers: []Caller, principal: ?[]const u8, raw_path: []const u8) 
     return UNKNOWN_CALLER;
 }
 
-const Deny = struct { code: u32, grpc: i32, details: []const u8, msg: []const u8 };
+/// `msg` is a gRPC caller's grpc-message; any other caller gets `json`, OpenAI's error shape.
+const Deny = struct { code: u32, grpc: i32, details: []const u8, msg: []const u8, json: []const u8 };
+
+fn denial(code: u32, grpc: i32, comptime details: []const u8, comptime msg: []const u8, comptime type_: []const u8, comptime api_code: []const u8) Deny {
+    const json = "{\"error\":{\"message\":\"" ++ msg ++ "\",\"type\":\"" ++ type_ ++
+        "\",\"param\":null,\"code\":\"" ++ api_code ++ "\"}}";
+    return .{ .code = code, .grpc = grpc, .details = details, .msg = msg, .json = json };
+}
+
+/// Header map serialization of ABI 0.2.1: count, (key len, value len)*, then "key\0value\0"*.
+fn headerMap(buf: []u8, pairs: []const [2][]const u8) []const u8 {
+    std.mem.writeInt(u32, buf[0..4], @intCast(pairs.len), .little);
+    var at: usize = 4 + 8 * pairs.len;
+    for (pairs, 0..) |kv, i| {
+        std.mem.writeInt(u32, buf[4 + 8 * i ..][0..4], @intCast(kv[0].len), .little);
+        std.mem.writeInt(u32, buf[8 + 8 * i ..][0..4], @intCast(kv[1].len), .little);
+        for (kv) |part| {
+            @memcpy(buf[at..][0..part.len], part);
+            buf[at + part.len] = 0;
+            at += part.len + 1;
+        }
+    }
+    return buf[0..at];
+}
 
 fn deny(d: Deny, is_grpc: bool, retry_after: u64) u32 {
-    var hbuf: [64]u8 = undefined;
-    var headers: []const u8 = &[_]u8{ 0, 0, 0, 0 };
+    var val: [20]u8 = undefined;
+    var pairs: [2][2][]const u8 = undefined;
+    var n: usize = 0;
     if (retry_after > 0) {
-        // Header map serialization of ABI 0.2.1: count, (key len, value len)*, then "key\0value\0"*.
-        var val: [20]u8 = undefined;
-        const v = std.fmt.bufPrint(&val, "{d}", .{retry_after}) catch "1";
-        const k = "retry-after";
-        std.mem.writeInt(u32, hbuf[0..4], 1, .little);
-        std.mem.writeInt(u32, hbuf[4..8], k.len, .little);
-        std.mem.writeInt(u32, hbuf[8..12], @intCast(v.len), .little);
-        @memcpy(hbuf[12 .. 12 + k.len], k);
-        hbuf[12 + k.len] = 0;
-        @memcpy(hbuf[13 + k.len .. 13 + k.len + v.len], v);
-        hbuf[13 + k.len + v.len] = 0;
-        headers = hbuf[0 .. 14 + k.len + v.len];
+        pairs[n] = .{ "retry-after", std.fmt.bufPrint(&val, "{d}", .{retry_after}) catch "1" };
+        n += 1;
     }
-    _ = proxy_send_local_response(d.code, d.details.ptr, d.details.len, d.msg.ptr, d.msg.len, headers.ptr, headers.len, if (is_grpc) d.grpc else NO_GRPC_STATUS);
+    if (!is_grpc) {
+        pairs[n] = .{ "content-type", "application/json" };
+        n += 1;
+    }
+    var hbuf: [128]u8 = undefined;
+    const headers = headerMap(&hbuf, pairs[0..n]);
+    const body = if (is_grpc) d.msg else d.json;
+    _ = proxy_send_local_response(d.code, d.details.ptr, d.details.len, body.ptr, body.len, headers.ptr, headers.len, if (is_grpc) d.grpc else NO_GRPC_STATUS);
     return STOP_ITERATION;
 }
 
-const NO_POLICY = Deny{ .code = 503, .grpc = 14, .details = "meshlm_authz_no_policy", .msg = "authz policy not loaded" };
-const MISSING = Deny{ .code = 401, .grpc = 16, .details = "meshlm_authz_missing_key", .msg = "missing api key" };
-const UNKNOWN = Deny{ .code = 401, .grpc = 16, .details = "meshlm_authz_unknown_key", .msg = "unknown api key" };
-const FORBIDDEN = Deny{ .code = 403, .grpc = 7, .details = "meshlm_authz_forbidden", .msg = "tenant may not call this method" };
-const UNKNOWN_CALLER = Deny{ .code = 403, .grpc = 7, .details = "meshlm_authz_unknown_caller", .msg = "workload may not call this service" };
-const CALLER_FORBIDDEN = Deny{ .code = 403, .grpc = 7, .details = "meshlm_authz_caller_forbidden", .msg = "workload may not call this method" };
-const LIMITED = Deny{ .code = 429, .grpc = 8, .details = "meshlm_authz_rate_limited", .msg = "tenant rate limit exceeded" };
+// OpenAI's shapes: a bad key is `invalid_request_error` / `invalid_api_key` as api.openai.com
+// answers it; the types of 403 and 429 are those of its SDK's PermissionDenied / RateLimit.
+const NO_POLICY = denial(503, 14, "meshlm_authz_no_policy", "authz policy not loaded", "server_error", "service_unavailable");
+const MISSING = denial(401, 16, "meshlm_authz_missing_key", "missing api key", "invalid_request_error", "missing_api_key");
+const UNKNOWN = denial(401, 16, "meshlm_authz_unknown_key", "unknown api key", "invalid_request_error", "invalid_api_key");
+const FORBIDDEN = denial(403, 7, "meshlm_authz_forbidden", "tenant may not call this method", "permission_error", "method_not_allowed");
+const UNKNOWN_CALLER = denial(403, 7, "meshlm_authz_unknown_caller", "workload may not call this service", "permission_error", "unknown_caller");
+const CALLER_FORBIDDEN = denial(403, 7, "meshlm_authz_caller_forbidden", "workload may not call this method", "permission_error", "method_not_allowed");
+const LIMITED = denial(429, 8, "meshlm_authz_rate_limited", "tenant rate limit exceeded", "rate_limit_error", "rate_limit_exceeded");
 
 export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
     defer _ = scratch.reset(.{ .retain_with_limit = 256 * 1024 });
@@ -591,10 +639,13 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
         log(LOG_ERROR, "no valid policy loaded; denying", .{});
         return deny(NO_POLICY, is_grpc, 0);
     };
+    // An OpenAI HTTP path is checked as the gRPC method it runs (issue 17).
+    const raw_path = nonEmpty(h.path) orelse "";
+    const path = grpcPathOf(&p.cfg, raw_path) orelse raw_path;
     // Workload first: an unlisted caller reaches no key check (issue 14).
     const principal = if (p.cfg.peer_identity) peerPrincipal() else null;
     if (p.callers) |cs| {
-        if (checkCaller(cs, principal, nonEmpty(h.path) orelse "")) |d| return deny(d, is_grpc, 0);
+        if (checkCaller(cs, principal, path)) |d| return deny(d, is_grpc, 0);
     }
     const key = presentedKey(&h);
     if (key.len == 0) {
@@ -606,7 +657,7 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
         return deny(UNKNOWN, is_grpc, 0);
     };
     var allowed = false;
-    if (methodOf(&p.cfg, nonEmpty(h.path) orelse "")) |method| {
+    if (methodOf(&p.cfg, path)) |method| {
         for (t.json.allow) |pat| {
             if (glob(pat, method)) allowed = true;
         }

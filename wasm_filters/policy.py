@@ -28,6 +28,16 @@ from dataclasses import dataclass
 from typing import Any
 
 METHOD_PREFIX = "/meshlm.inference.v1.Inference/"
+# The OpenAI-compatible HTTP API (issue 17, model_runtime/openai_http.py): each path counts as
+# the gRPC method it runs, for allow rules and `callers` alike, so `llm/Generate` covers both
+# completions endpoints and `llm/Info` the model list. A path ending in `/*` matches one more
+# segment (`/v1/models/{id}`). Any other /v1/ path matches no rule (denied).
+OPENAI_PATHS: tuple[tuple[str, str], ...] = (
+    ("/v1/chat/completions", "Generate"),
+    ("/v1/completions", "Generate"),
+    ("/v1/models", "Info"),
+    ("/v1/models/*", "Info"),
+)
 PRIORITIES = ("high", "normal", "low")
 FILTER_CONFIG_VERSION = 1
 
@@ -81,6 +91,11 @@ class Policy:
             if fnmatch.fnmatchcase(service, svc) and method not in out:
                 out.append(method)
         return out
+
+
+def openai_paths(methods: Sequence[str]) -> list[str]:
+    """The OpenAI HTTP paths (patterns of OPENAI_PATHS) that run one of `methods`."""
+    return [p for p, m in OPENAI_PATHS if m in methods]
 
 
 def hash_key(key: str | bytes) -> str:
@@ -261,6 +276,7 @@ def compile_filter_config(
         "version": FILTER_CONFIG_VERSION,
         "service": service,
         "method_prefix": METHOD_PREFIX,
+        "http_paths": [{"path": p, "method": m} for p, m in OPENAI_PATHS],
         "tenants": [
             {
                 "name": t.name,
