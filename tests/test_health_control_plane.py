@@ -93,6 +93,10 @@ def test_a_control_plane_is_alive_and_ready_on_both_ports(tmp_path, env, started
     assert ok.returncode == 0 and '"ready"' in ok.stdout, ok
     gone = probe(f"http://127.0.0.1:{free_port()}/readyz")
     assert gone.returncode == 1 and "refused" in gone.stderr.lower(), gone
+    ok = probe(f"grpc://127.0.0.1:{grpc_port(r)}")
+    assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok
+    gone = probe(f"grpc://127.0.0.1:{free_port()}")
+    assert gone.returncode == 1 and "UNAVAILABLE" in gone.stderr, gone
     assert "Traceback" not in r.output()
 
 
