@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--version", help="the version of that service")
     p.add_argument("--inbound-port", type=int, help="listener in front of the local runtime")
     p.add_argument("--local-endpoint", help="the local runtime HOST:PORT")
+    p.add_argument("--local-http-endpoint", help="the local runtime's OpenAI HTTP API "
+                   "HOST:PORT (meshlm serve --http-port); the inbound listener routes /v1/ "
+                   "there, with the same authz (default: none, /v1/ goes nowhere)")  # fmt: skip
     p.add_argument("--outbound-port", type=int, help="listener for calls to mesh services")
     p.add_argument("--admin-port", type=int, default=0, help="Envoy admin, loopback only")
     p.add_argument("--delta", action="store_true", help="incremental xDS (DELTA_GRPC)")
@@ -121,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
     if args.inbound_port is not None and not args.local_endpoint:
         print("meshlm sidecar: --inbound-port needs --local-endpoint", file=sys.stderr)
         return 2
+    if args.local_http_endpoint and args.inbound_port is None:
+        print("meshlm sidecar: --local-http-endpoint needs --inbound-port", file=sys.stderr)
+        return 2
     if (args.join_token_file or args.identity_dir or args.cert_ttl) and not args.identity:
         print("meshlm sidecar: --join-token-file, --identity-dir and --cert-ttl need --identity",
               file=sys.stderr)  # fmt: skip
@@ -141,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
             inbound_port=args.inbound_port,
             outbound_port=args.outbound_port,
             local_endpoint=args.local_endpoint,
+            local_http_endpoint=args.local_http_endpoint,
             api_type="DELTA_GRPC" if args.delta else "GRPC",
             admin_port=admin_port,
         )

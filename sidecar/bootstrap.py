@@ -26,6 +26,7 @@ def ads_bootstrap(
     inbound_port: int | None = None,
     outbound_port: int | None = None,
     local_endpoint: str | None = None,
+    local_http_endpoint: str | None = None,
     api_type: str = "GRPC",
     admin_port: int = 0,
     cluster: str = "meshlm",
@@ -34,9 +35,10 @@ def ads_bootstrap(
 
     `api_type` is "GRPC" (state of the world) or "DELTA_GRPC" (incremental). `local_endpoint`
     ("host:port") is the runtime an inbound listener fronts; without it the control plane uses
-    the endpoints the mesh file lists for this service version. `xds_address` may list every
-    control-plane replica (issue 15): the xds cluster then has one endpoint each, and when the
-    stream's replica dies Envoy's reconnect goes to one that answers.
+    the endpoints the mesh file lists for this service version; `local_http_endpoint` that
+    runtime's OpenAI HTTP API (`meshlm serve --http-port`), routed on /v1/. `xds_address` may
+    list every control-plane replica (issue 15): the xds cluster then has one endpoint each,
+    and when the stream's replica dies Envoy's reconnect goes to one that answers.
     """
     if api_type not in ("GRPC", "DELTA_GRPC"):
         raise ValueError(f"api_type: expected GRPC or DELTA_GRPC, got {api_type!r}")
@@ -49,6 +51,7 @@ def ads_bootstrap(
         ("meshlm.inbound_port", inbound_port),
         ("meshlm.outbound_port", outbound_port),
         ("meshlm.local_endpoint", local_endpoint),
+        ("meshlm.local_http_endpoint", local_http_endpoint),
     ):
         if value is not None:
             metadata[key] = value

@@ -8,7 +8,8 @@ hashes leave Python.
 Native (`native_http_filters`, the baseline and a no-Wasm fallback), in order:
 `header_mutation` (drops client-sent identity headers) -> `api_key_auth` (key -> client id,
 forwarded as `x-meshlm-tenant`, credential hidden from the upstream) -> `rbac` (tenant ->
-allowed gRPC methods) -> `local_ratelimit` (one token bucket per tenant, descriptor `tenant`).
+allowed gRPC methods and the OpenAI HTTP paths that run them) -> `local_ratelimit` (one token
+bucket per tenant, descriptor `tenant`).
 What native mode cannot do, compared with the Wasm filter:
 - `api_key_auth` compares plaintext keys, so the keys themselves must be in the xDS config (and
   in every config dump); RBAC cannot hash a header either. Callers pass them in `keys`.
@@ -17,11 +18,14 @@ What native mode cannot do, compared with the Wasm filter:
   time to the next refill; its buckets are per listener filter, as the Wasm ones are per vm_id.
   In both modes these per-sidecar buckets are the local tier; the control plane's rate-limit
   service (xds_server/ratelimit.py) holds the mesh-wide one.
-- a missing and an unknown key both give 401, as in Wasm, but with Envoy's own messages.
+- a missing and an unknown key both give 401, as in Wasm, but with Envoy's own messages, as
+  plain text: an OpenAI client gets the right status (401/403/429, so the SDK's error class)
+  without OpenAI's error JSON.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -47,11 +51,13 @@ from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
 
 from wasm_filters.policy import (
     METHOD_PREFIX,
+    OPENAI_PATHS,
     CallerRule,
     Policy,
     PolicyError,
     compile_filter_config,
     hash_key,
+    openai_paths,
 )
 
 WASM_PATH = Path(__file__).resolve().parent / "authz.wasm"
@@ -164,6 +170,22 @@ def _method_regex(globs: Sequence[str]) -> str:
     return f"{re.escape(METHOD_PREFIX)}(?:{alts})"
 
 
+def _methods_matching(globs: Sequence[str]) -> list[str]:
+    """The OpenAI API's methods (OPENAI_PATHS) that one of `globs` allows."""
+    return [m for _, m in OPENAI_PATHS if any(fnmatch.fnmatchcase(m, g) for g in globs)]
+
+
+def _http_path(pattern: str) -> rbac_pb2.Permission:
+    """An OPENAI_PATHS pattern as an RBAC path (`/*`: one more segment, as in the Wasm filter)."""
+    if pattern.endswith("/*"):
+        match = string_pb2.StringMatcher(
+            safe_regex=regex_pb2.RegexMatcher(regex=re.escape(pattern[:-1]) + "[^/]+")
+        )
+    else:
+        match = string_pb2.StringMatcher(exact=pattern)
+    return rbac_pb2.Permission(url_path=path_pb2.PathMatcher(path=match))
+
+
 def native_http_filters(
     policy: Policy, *, service: str, keys: Mapping[str, Sequence[str]] | None = None
 ) -> list[hcm_pb2.HttpFilter]:
@@ -207,6 +229,9 @@ def native_http_filters(
                 )
             )
         )
+        http = [_http_path(p) for p in openai_paths(_methods_matching(methods))]
+        if http:
+            perm = rbac_pb2.Permission(or_rules=rbac_pb2.Permission.Set(rules=[perm, *http]))
         principal = rbac_pb2.Principal(
             header=route_components_pb2.HeaderMatcher(
                 name=TENANT_HEADER, string_match=string_pb2.StringMatcher(exact=t.name)

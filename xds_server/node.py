@@ -12,6 +12,7 @@ VERSION = "meshlm.version"
 INBOUND_PORT = "meshlm.inbound_port"
 OUTBOUND_PORT = "meshlm.outbound_port"
 LOCAL_ENDPOINT = "meshlm.local_endpoint"
+LOCAL_HTTP_ENDPOINT = "meshlm.local_http_endpoint"
 LISTEN_HOST = "meshlm.listen_host"
 
 
@@ -24,6 +25,8 @@ class NodeInfo:
     inbound_port: int | None = None
     outbound_port: int | None = None
     local_endpoint: str | None = None  # host:port of the runtime an inbound listener fronts
+    # host:port of that runtime's OpenAI HTTP API (`meshlm serve --http-port`, issue 17)
+    local_http_endpoint: str | None = None
     listen_host: str = "127.0.0.1"
 
     @classmethod
@@ -54,6 +57,7 @@ class NodeInfo:
             inbound_port=port(INBOUND_PORT),
             outbound_port=port(OUTBOUND_PORT),
             local_endpoint=text(LOCAL_ENDPOINT),
+            local_http_endpoint=text(LOCAL_HTTP_ENDPOINT),
             listen_host=text(LISTEN_HOST) or "127.0.0.1",
         )
 

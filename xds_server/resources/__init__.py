@@ -106,7 +106,12 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         if node.local_endpoint
         else ver.endpoints
     )
-    exposed = tls.off_loopback(local) if tls.mtls(mesh) else []
+    http = (
+        (m.parse_endpoint(node.local_http_endpoint, "node metadata meshlm.local_http_endpoint"),)
+        if node.local_http_endpoint
+        else ()
+    )
+    exposed = tls.off_loopback((*local, *http)) if tls.mtls(mesh) else []
     if exposed:
         # Issue 14: the runtime accepts connections only from its own sidecar. One reachable
         # from other hosts takes plaintext calls around the sidecar's mTLS and authz.
@@ -118,8 +123,19 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         )
     out[t.CLUSTER][cname] = clusters.cluster(cname, svc)
     out[t.ENDPOINT][cname] = endpoints.load_assignment(cname, local)
+    http_cluster = None
+    if http:
+        # The OpenAI HTTP API (issue 17): no gRPC health probe there (the gRPC cluster's
+        # probe covers the runtime); outlier detection as for gRPC.
+        http_cluster = names.inbound_http_cluster(svc.name, ver.name)
+        out[t.CLUSTER][http_cluster] = clusters.cluster(
+            http_cluster, svc, active_health=False, http1=True
+        )
+        out[t.ENDPOINT][http_cluster] = endpoints.load_assignment(http_cluster, http)
     authz = _authz_filters(mesh, svc.name, out)
-    rc = routes.inbound_route_config(svc, ver.name, tuple(f.name for f in authz))
+    rc = routes.inbound_route_config(
+        svc, ver.name, tuple(f.name for f in authz), http_cluster=http_cluster
+    )
     out[t.ROUTE][rc.name] = rc
     lname = names.inbound_listener(svc.name, ver.name)
     out[t.LISTENER][lname] = listeners.http_listener(

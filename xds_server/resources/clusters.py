@@ -38,11 +38,13 @@ def cluster(
     active_health: bool = True,
     caller_side: bool = False,
     transport_socket: base_pb2.TransportSocket | None = None,
+    http1: bool = False,
 ) -> cluster_pb2.Cluster:
     """`caller_side`: a cluster of a version's replicas (their inbound sidecars), where the
     service's load_balancing applies; the inbound cluster has one host, its runtime.
     `transport_socket`: mTLS to the hosts (xds_server/resources/tls.py); it carries the calls,
-    the active health checks and the ORCA streams alike."""
+    the active health checks and the ORCA streams alike. `http1`: the upstream speaks
+    HTTP/1.1 only (the runtime's OpenAI API, issue 17); every other hop is HTTP/2."""
     c = cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.EDS,
@@ -62,14 +64,15 @@ def cluster(
     if transport_socket is not None:
         c.transport_socket.CopyFrom(transport_socket)
     # gRPC needs HTTP/2 to the upstream, stated explicitly (no ALPN on plaintext loopback).
-    c.typed_extension_protocol_options[_HTTP_OPTIONS].CopyFrom(
-        pack(
-            hpo.HttpProtocolOptions(
-                explicit_http_config=hpo.HttpProtocolOptions.ExplicitHttpConfig(
-                    http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
-                )
-            )
+    explicit = hpo.HttpProtocolOptions.ExplicitHttpConfig(
+        http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+    )
+    if http1:
+        explicit = hpo.HttpProtocolOptions.ExplicitHttpConfig(
+            http_protocol_options=protocol_pb2.Http1ProtocolOptions()
         )
+    c.typed_extension_protocol_options[_HTTP_OPTIONS].CopyFrom(
+        pack(hpo.HttpProtocolOptions(explicit_http_config=explicit))
     )
     od = svc.outlier_detection
     if svc.slo_state.outlier_tightened:

@@ -20,6 +20,11 @@ def inbound_cluster(service: str, version: str) -> str:
     return f"inbound|{service}|{version}"
 
 
+def inbound_http_cluster(service: str, version: str) -> str:
+    """The runtime's OpenAI HTTP API (issue 17) behind an inbound listener."""
+    return f"inbound|{service}|{version}|http"
+
+
 def inbound_listener(service: str, version: str) -> str:
     return f"inbound|{service}|{version}"
 

@@ -2,19 +2,23 @@
 
 One ALLOW policy per caller: `principals.authenticated.principal_name` is the caller's SPIFFE ID
 (the URI SAN of its verified client certificate; a prefix for `NAMESPACE/*`), `permissions` the
-gRPC paths of its methods, or any path when it may call every method. A workload no policy
-matches gets HTTP 403, which Envoy answers a gRPC caller as PERMISSION_DENIED. The filter runs
-first, before the tenant authz (Wasm or native), so an unlisted workload reaches no key check.
+gRPC paths of its methods and the OpenAI HTTP paths that run them (issue 17), or any path when
+it may call every method. A workload no policy matches gets HTTP 403, which Envoy answers a
+gRPC caller as PERMISSION_DENIED. The filter runs first, before the tenant authz (Wasm or
+native), so an unlisted workload reaches no key check.
 """
 
 from __future__ import annotations
+
+import importlib
+import re
 
 from envoy.config.rbac.v3 import rbac_pb2
 from envoy.extensions.filters.http.rbac.v3 import rbac_pb2 as rbac_filter_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
-from envoy.type.matcher.v3 import path_pb2, string_pb2
+from envoy.type.matcher.v3 import path_pb2, regex_pb2, string_pb2
 
 from xds_server import mesh as m
 from xds_server.mesh import callers as c
@@ -55,8 +59,24 @@ def _principal(spiffe_id: str) -> rbac_pb2.Principal:
 def _permission(paths: tuple[str, ...] | None) -> rbac_pb2.Permission:
     if paths is None:
         return rbac_pb2.Permission(any=True)
+    exact = [string_pb2.StringMatcher(exact=p) for p in (*paths, *_openai_paths(paths))]
     rules = [
-        rbac_pb2.Permission(url_path=path_pb2.PathMatcher(path=string_pb2.StringMatcher(exact=p)))
-        for p in paths
+        rbac_pb2.Permission(url_path=path_pb2.PathMatcher(path=_star_segment(m))) for m in exact
     ]
     return rbac_pb2.Permission(or_rules=rbac_pb2.Permission.Set(rules=rules))
+
+
+def _openai_paths(paths: tuple[str, ...]) -> list[str]:
+    """The OpenAI HTTP paths (issue 17) that run the gRPC methods among `paths`, as the Wasm
+    filter maps them (wasm_filters.policy.OPENAI_PATHS)."""
+    policy = importlib.import_module("wasm_filters.policy")
+    methods = [p[len(policy.METHOD_PREFIX) :] for p in paths if p.startswith(policy.METHOD_PREFIX)]
+    return policy.openai_paths(methods)
+
+
+def _star_segment(match: string_pb2.StringMatcher) -> string_pb2.StringMatcher:
+    """A path ending in `/*` (OPENAI_PATHS) matches one more segment."""
+    if not match.exact.endswith("/*"):
+        return match
+    regex = re.escape(match.exact[:-1]) + "[^/]+"
+    return string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(regex=regex))

@@ -19,6 +19,8 @@ QUARANTINED_MESSAGE = "request class quarantined: it broke runtimes (no isolatio
 # over (out-of-band ORCA, xds/service/orca/v3/orca.proto): it reaches the runtime through its
 # inbound sidecar without tenant authz, since Envoy sends no API key on it.
 ORCA_PATH = "/xds.service.orca.v3.OpenRcaService/StreamCoreMetrics"
+# The runtime's OpenAI-compatible HTTP API (issue 17, model_runtime/openai_http.py).
+OPENAI_PREFIX = "/v1/"
 
 
 def stable_and_canary(mesh: m.Mesh, svc: m.Service) -> tuple[str, str | None]:
@@ -156,11 +158,17 @@ def _quarantine_route(svc: m.Service, q: m.Quarantine) -> rc.Route:
 
 
 def inbound_route_config(
-    svc: m.Service, version: str, authz_filters: tuple[str, ...] = ()
+    svc: m.Service,
+    version: str,
+    authz_filters: tuple[str, ...] = (),
+    *,
+    http_cluster: str | None = None,
 ) -> route_pb2.RouteConfiguration:
     """`authz_filters`: the listener's tenant filters (authz, rate limits), turned off on the
     ORCA route only. That route carries read-only load figures (utilization, rps, queue and KV
-    use) of this runtime, no tenant data; every other path still passes every filter."""
+    use) of this runtime, no tenant data; every other path still passes every filter.
+    `http_cluster`: the runtime's OpenAI HTTP API (issue 17), which takes every /v1/ path (the
+    gRPC paths are /<package>.<Service>/<Method>, never /v1/)."""
     cluster = names.inbound_cluster(svc.name, version)
     orca = rc.Route(
         name=f"{svc.name}-{version}-orca",
@@ -175,10 +183,19 @@ def inbound_route_config(
         match=rc.RouteMatch(prefix="/"),
         route=_action(svc, cluster=cluster, retries=False),
     )
+    openai = []
+    if http_cluster is not None:
+        openai.append(
+            rc.Route(
+                name=f"{svc.name}-{version}-openai",
+                match=rc.RouteMatch(prefix=OPENAI_PREFIX),
+                route=_action(svc, cluster=http_cluster, retries=False),
+            )
+        )
     return route_pb2.RouteConfiguration(
         name=names.inbound_route(svc.name, version),
         virtual_hosts=[
-            rc.VirtualHost(name=f"{svc.name}-local", domains=["*"], routes=[orca, route])
+            rc.VirtualHost(name=f"{svc.name}-local", domains=["*"], routes=[orca, *openai, route])
         ],
     )
 
