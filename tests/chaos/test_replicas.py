@@ -140,6 +140,7 @@ def test_etcd_member_killed_then_quorum_lost_and_back(cluster):
                     cluster.restart(i)
             leader, other = leader_of(reps, 6.0)
             details["leader_again_s"] = round(time.monotonic() - back, 2)
+            wait_for(lambda: other.work.state == "following", 10)  # no longer "paused: ..."
             r = wait_for(lambda: _try(other, {"v1": 0, "v2": 100}), 20)
             assert r.ok and r.acked == ["caller-0"], r
             before = t.replies["v2"]

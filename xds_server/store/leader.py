@@ -153,6 +153,10 @@ class LeaderWork:
             elif not leading and self._handle is not None:
                 error = self.election.status()["error"]
                 self._halt("not the leader any more" + (f" ({error})" if error else ""))
+            elif not leading and self.state.startswith("paused"):
+                e = self.election.status()
+                if not e["error"] and e["leader"]:  # the store answers; another replica leads
+                    self.state = "following"
 
     def _halt(self, why: str) -> None:
         handle, self._handle = self._handle, None
