@@ -5,7 +5,10 @@ constructor arguments:
 
 - `EnvoyStatsSource`: Envoy's `grpc_stats` counters on the caller-side sidecars,
   `cluster.<cluster>.grpc.<service>.<method>.{total,success,failure,<grpc code>}`. gRPC errors are
-  HTTP 200 with a `grpc-status` trailer, so 5xx counters are blind to them (DESIGN.md).
+  HTTP 200 with a `grpc-status` trailer, so 5xx counters are blind to them (DESIGN.md). The
+  OpenAI HTTP API (issue 17) shares the version's cluster: its calls are the cluster's
+  completed upstream requests beyond the gRPC calls, its faults the cluster's
+  `upstream_rq_5xx` (see `parse_http_stats`).
 - `RuntimeMetricsSource`: the canary runtime's loopback `GET /metrics.json`. A gate reads the
   TTFT/TPOT p99 of exactly its analysis interval: one `snapshot()` of the runtime's cumulative
   histograms at the interval's start, one at its end, the percentile of the difference (as
@@ -36,6 +39,9 @@ class MeasurementError(RuntimeError):
 # UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS: the codes a
 # server answers for its own faults (grpc/doc/statuscodes.md lists which codes are server-side).
 SERVER_FAULT_CODES = frozenset({"2", "4", "12", "13", "14", "15"})
+# by_status keys of the OpenAI HTTP API's calls (issue 17): a 5xx is the upstream's fault.
+HTTP_5XX = "http_5xx"
+HTTP_OTHER = "http_other"
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,8 @@ class GrpcCounts:
         argument is the right answer to a bad call, and must not roll a healthy canary back."""
         if not self.by_status:
             return self.failure
-        return sum(v for k, v in self.by_status.items() if k in SERVER_FAULT_CODES)
+        faults = SERVER_FAULT_CODES | {HTTP_5XX}
+        return sum(v for k, v in self.by_status.items() if k in faults)
 
     @property
     def success_rate(self) -> float | None:
@@ -272,8 +279,31 @@ def parse_grpc_stats(stats_json: dict[str, Any], cluster: str) -> GrpcCounts:
     return GrpcCounts(total, success, failure, codes)
 
 
+def parse_http_stats(stats_json: dict[str, Any], cluster: str, grpc: GrpcCounts) -> GrpcCounts:
+    """`grpc` plus the cluster's non-gRPC calls (the OpenAI HTTP API, issue 17).
+
+    Envoy's cluster counters mix both protocols. HTTP calls: the completed upstream requests
+    that are neither a retry nor a gRPC call. A gRPC call answered by the upstream is HTTP 200
+    whatever its grpc-status, so `upstream_rq_5xx` holds the HTTP API's 5xx, plus gRPC calls the
+    caller sidecar failed itself (connect failure, reset), which grpc_stats already counts: the
+    HTTP faults are capped at the HTTP calls, so gRPC-only traffic reads as before."""
+    prefix = f"cluster.{cluster}."
+    got = {"upstream_rq_completed": 0, "upstream_rq_retry": 0, "upstream_rq_5xx": 0}
+    for s in stats_json.get("stats", []):
+        name = s.get("name", "")
+        if name.startswith(prefix) and name[len(prefix) :] in got:
+            got[name[len(prefix) :]] += s.get("value") or 0
+    calls = got["upstream_rq_completed"] - got["upstream_rq_retry"] - grpc.total
+    if calls <= 0:
+        return grpc
+    failed = min(got["upstream_rq_5xx"], calls)
+    http = {HTTP_5XX: failed, HTTP_OTHER: calls - failed}
+    return grpc + GrpcCounts(calls, calls - failed, failed, {k: v for k, v in http.items() if v})
+
+
 class EnvoyStatsSource:
-    """gRPC counters for one upstream cluster, read from several Envoys' admin `/stats`.
+    """gRPC counters for one upstream cluster, read from several Envoys' admin `/stats`, with
+    the OpenAI HTTP API's calls to it (`parse_http_stats`).
     `admin_urls` is a list, or a function asked at every read (sidecars come and go)."""
 
     def __init__(
@@ -288,16 +318,18 @@ class EnvoyStatsSource:
         self._urls = admin_urls if callable(admin_urls) else (lambda: list(admin_urls))
         self.cluster = cluster
         self.timeout = timeout
-        regex = "^" + re.escape(f"cluster.{cluster}.grpc.")
+        c = re.escape(f"cluster.{cluster}.")
+        regex = f"^{c}(grpc\\.|upstream_rq_(completed|retry|5xx)$)"
         self._query = "/stats?format=json&filter=" + urllib.parse.quote(regex, safe="")
 
     def read(self) -> dict[str, GrpcCounts]:
         urls = [u.rstrip("/") for u in self._urls()]
         if not urls:
             raise MeasurementError("no caller-side sidecar with an admin URL is connected")
+        docs = {url: _get_json(url + self._query, self.timeout) for url in urls}
         return {
-            url: parse_grpc_stats(_get_json(url + self._query, self.timeout), self.cluster)
-            for url in urls
+            url: parse_http_stats(doc, self.cluster, parse_grpc_stats(doc, self.cluster))
+            for url, doc in docs.items()
         }
 
 
