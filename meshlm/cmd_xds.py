@@ -78,12 +78,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     grpc_port = mesh.control_plane.grpc_port if args.grpc_port is None else args.grpc_port
     admin_port = mesh.control_plane.admin_port if args.admin_port is None else args.admin_port
-    isolation = args.isolation_store or Path(args.mesh).resolve().parent / ".meshlm/isolation.json"
     replica_id = args.replica_id or default_replica_id(grpc_port)
+    # Replicas beside one mesh file keep their own local state (quarantines, join tokens): one
+    # file written by several processes would keep only the last writer's.
+    own = f"-{replica_id}" if args.store else ""
+    state = Path(args.mesh).resolve().parent / ".meshlm"
+    isolation = args.isolation_store or state / f"isolation{own}.json"
     try:
         replication = _replication(args, mesh, source, replica_id)
         # The mesh CA's root and join tokens (only with an `identity` block), 0700 / 0600.
-        identity_dir = Path(args.mesh).resolve().parent / ".meshlm/identity"
+        identity_dir = state / f"identity{own}"
         cp = ControlPlane(
             mesh,
             debounce=debounce,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import subprocess
 import sys
 import urllib.error
@@ -56,7 +57,9 @@ class Replica:
         mesh = tmp / "mesh.yaml"
         if not mesh.exists():
             mesh.write_text(yaml.safe_dump(MESH))
-        self.admin = f"http://127.0.0.1:{(port := free_port())}"
+        self.port = port = free_port()
+        self.admin = f"http://127.0.0.1:{port}"
+        self.run_dir = Path(env["XDG_RUNTIME_DIR"]) / "meshlm"
         self.log = tmp / f"xds-{name}.log"
         argv = [sys.executable, "-m", "meshlm.cli", "xds-server", "--mesh", str(mesh),
                 "--grpc-port", str(free_port()), "--admin-port", str(port),
@@ -71,8 +74,12 @@ class Replica:
             data=json.dumps(doc).encode() if doc is not None else None,
             headers={"Authorization": f"Bearer {TOKEN}"},
         )
+        ctx = None
+        if f"admin on https://127.0.0.1:{self.port}" in self.output():  # a mesh with identity
+            req.full_url = req.full_url.replace("http://", "https://", 1)
+            ctx = ssl.create_default_context(cafile=self.run_dir / f"admin-{self.port}-ca.pem")
         try:
-            with urllib.request.urlopen(req, timeout=20) as r:
+            with urllib.request.urlopen(req, timeout=20, context=ctx) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
@@ -183,3 +190,9 @@ def test_identity_on_etcd_needs_a_root_shared_by_every_replica(etcd, tmp_path, e
     for rep in replicas:
         wait_for(lambda rep=rep: "mesh CA for example.org" in rep.output(), 30)
         assert rep.proc.poll() is None, rep.output()
+    # Join tokens are each replica's own (a sidecar enrolls at its first --xds replica's CA).
+    code, doc = replicas[0].call("POST", "/identity/tokens", {"service_account": "default/llm"})
+    assert code == 200, doc
+    assert sorted(p.name for p in (tmp_path / ".meshlm").iterdir() if "identity" in p.name) == [
+        "identity-i1"
+    ]
