@@ -196,3 +196,12 @@ def test_identity_on_etcd_needs_a_root_shared_by_every_replica(etcd, tmp_path, e
     assert sorted(p.name for p in (tmp_path / ".meshlm").iterdir() if "identity" in p.name) == [
         "identity-i1"
     ]
+
+
+def test_sidecar_xds_lists_replicas_and_names_a_bad_one(env):
+    r = subprocess.run(
+        [sys.executable, "-m", "meshlm.cli", "sidecar", "--xds", "127.0.0.1:1,replica-2",
+         "--outbound-port", "1"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "expected HOST:PORT, got 'replica-2'" in r.stderr, r.stderr
