@@ -1,6 +1,8 @@
-"""The Python API for callers: streaming generate that survives a replica that stalls or dies.
+"""The Python client of the mesh: generate (streaming), complete, chat, model info, with typed
+errors (meshlm.errors); a stream survives a replica that stalls or dies. `meshlm.client` is the
+documented entry point (it also has AsyncCaller, the same API on asyncio).
 
-    from meshlm.caller import Caller
+    from meshlm.client import Caller
 
     with Caller("127.0.0.1:15001", api_key=KEY, authority="llm") as llm:
         for chunk in llm.generate(messages=[{"role": "user", "content": "Hi"}]):
@@ -14,8 +16,8 @@ cancelled and resumed: the same request plus the delivered token ids, sent again
 it (`x-meshlm-version`, added by the caller-side route). The runtime continues the generation
 without re-emitting a token, so the caller sees one whole stream; only `Caller.resumes`, the
 stream's `resumes` and a log line / trace event `meshlm.stream.resumed` tell. After `max_resumes`
-resumes the stream ends with `StreamLost` (a grpc.RpcError, UNAVAILABLE). A stream the caller
-closed, or whose deadline passed, is never resumed.
+resumes the stream ends with `StreamLost` (Unavailable). A stream the caller closed, or whose
+deadline passed, is never resumed.
 
 The thresholds come from the mesh file's `services.<name>.stall` block, which the caller-side
 route sends as the `x-meshlm-stall` response header; `stall=Stall(...)` overrides it. Without a
@@ -36,6 +38,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from meshlm.errors import DeadlineExceeded, InvalidArgument, StreamLost, from_rpc_error
 from model_runtime.client import Client, Metadata
 from schemas import codec
 from schemas.codec import ChatMessage, GenerateRequest, ModelInfo, TokenChunk
@@ -57,28 +60,7 @@ RESUMABLE = frozenset(
     }
 )
 
-__all__ = ["Caller", "Resume", "Stall", "Stream", "StreamLost"]
-
-
-class _Status(grpc.RpcError):
-    """An error of this library shaped like a call's: code() and details()."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-class StreamLost(_Status):
-    """The stream failed again after `max_resumes` resumes: UNAVAILABLE, with why."""
-
-    def __init__(self, details: str) -> None:
-        super().__init__(grpc.StatusCode.UNAVAILABLE, details)
+__all__ = ["Caller", "Completion", "Resume", "Stall", "Stream", "StreamLost"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,56 +74,28 @@ class Resume:
     delivered: int
 
 
-class Caller:
-    """One channel to a caller-side sidecar (or a runtime); thread-safe, reuse it."""
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A whole answer: its text and token ids, why it ended ("stop", "length"...), the time to
+    its first token (microseconds, as the runtime measured it), the replicas that served it and
+    the resumes it took."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        api_key: str | None = None,
-        authority: str | None = None,
-        metadata: Metadata = (),
-        stall: Stall | None = None,
-    ) -> None:
-        self.client = Client(target, api_key=api_key, authority=authority, metadata=metadata)
-        self.explicit = stall
-        self.learned: Stall | None = None  # from the route's x-meshlm-stall header
-        self.resumes = 0  # over every stream of this caller
-        self._lock = threading.Lock()
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    ttft_us: int | None
+    replicas: list[str]
+    resumes: list[Resume]
 
-    def close(self) -> None:
-        self.client.close()
 
-    def __enter__(self) -> Caller:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def info(self, *, timeout: float | None = 10.0, metadata: Metadata = ()) -> ModelInfo:
-        return self.client.info(timeout=timeout, metadata=metadata)
-
-    @property
-    def stall(self) -> Stall:
-        """The thresholds in force: explicit, else the mesh's, else the defaults."""
-        return self.explicit or self.learned or Stall()
-
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[ChatMessage | dict[str, str]] | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        metadata: Metadata = (),
-        **params: Any,
-    ) -> Stream:
-        """Stream decoded chunks, resuming on another replica when one stalls or fails.
-        `params`: GenerateRequest fields (max_new_tokens, temperature, top_p, top_k, seed,
-        stop, priority, request_id, model). `timeout` bounds the whole stream, resumes
-        included. Raises grpc.RpcError for a failure that a resume cannot fix (a denial, bad
-        input, the deadline), StreamLost once the resumes are spent."""
+def build_request(
+    prompt: str | None,
+    messages: Sequence[ChatMessage | dict[str, str]] | None,
+    prompt_token_ids: Sequence[int] | None,
+    params: dict[str, Any],
+) -> GenerateRequest:
+    """A validated GenerateRequest; InvalidArgument naming the field, before anything is sent."""
+    try:
         msgs = None
         if messages is not None:
             msgs = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
@@ -152,7 +106,26 @@ class Caller:
             **params,
         )
         codec.validate_generate_request(req)
-        return Stream(self, req, timeout, list(metadata))
+    except TypeError as e:  # an unknown parameter or message field
+        raise InvalidArgument(str(e)) from None
+    except ValueError as e:  # codec.WireError: names the field
+        raise InvalidArgument(str(e)) from e
+    return req
+
+
+class CallerBase:
+    """What Caller and AsyncCaller share: the stall thresholds in force and the resume count."""
+
+    def __init__(self, stall: Stall | None) -> None:
+        self.explicit = stall
+        self.learned: Stall | None = None  # from the route's x-meshlm-stall header
+        self.resumes = 0  # over every stream of this caller
+        self._lock = threading.Lock()
+
+    @property
+    def stall(self) -> Stall:
+        """The thresholds in force: explicit, else the mesh's, else the defaults."""
+        return self.explicit or self.learned or Stall()
 
     def _learn(self, headers: dict[str, str]) -> None:
         value = headers.get(STALL_HEADER)
@@ -168,6 +141,219 @@ class Caller:
             self.resumes += 1
 
 
+class Caller(CallerBase):
+    """One channel to a caller-side sidecar (or a runtime); thread-safe, reuse it.
+
+    `target`: HOST:PORT. `api_key`: sent as x-api-key, which the sidecar's authz checks.
+    `authority`: the mesh service to call (through a sidecar). `metadata`: headers sent with
+    every call, e.g. [("x-canary", "always")]. `stall`: thresholds that override the mesh's."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        api_key: str | None = None,
+        authority: str | None = None,
+        metadata: Metadata = (),
+        stall: Stall | None = None,
+    ) -> None:
+        super().__init__(stall)
+        self.client = Client(target, api_key=api_key, authority=authority, metadata=metadata)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> Caller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def info(self, *, timeout: float | None = 10.0, metadata: Metadata = ()) -> ModelInfo:
+        """The served model's name, precision, version and context length."""
+        try:
+            return self.client.info(timeout=timeout, metadata=metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[ChatMessage | dict[str, str]] | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        **params: Any,
+    ) -> Stream:
+        """Stream decoded chunks (TokenChunk: text_delta, token_ids, finish_reason...), resuming
+        on another replica when one stalls or fails. Give one of `prompt` (plain text),
+        `messages` (chat: [{"role": "user", "content": ...}]) or `prompt_token_ids`.
+        `params`: GenerateRequest fields (max_new_tokens, temperature, top_p, top_k, seed,
+        stop, priority, request_id, model). `timeout` bounds the whole stream, resumes
+        included. Raises InvalidArgument at once for a bad request; while iterating, a
+        MeshlmError for a failure a resume cannot fix (Unauthenticated, PermissionDenied,
+        RateLimited, DeadlineExceeded...), StreamLost once the resumes are spent."""
+        req = build_request(prompt, messages, prompt_token_ids, params)
+        return Stream(self, req, timeout, list(metadata))
+
+    def complete(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[ChatMessage | dict[str, str]] | None = None,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        **params: Any,
+    ) -> Completion:
+        """The whole answer at once: generate(...).result()."""
+        stream = self.generate(
+            prompt, messages=messages, timeout=timeout, metadata=metadata, **params
+        )
+        return stream.result()
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage | dict[str, str]],
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        **params: Any,
+    ) -> Completion:
+        """The assistant's whole reply to `messages` ([{"role": ..., "content": ...}]); append
+        {"role": "assistant", "content": reply.text} and the next user message to go on."""
+        return self.complete(messages=messages, timeout=timeout, metadata=metadata, **params)
+
+
+class Progress:
+    """One stream's state across its attempts, and the resume decisions; Stream and AsyncStream
+    only move the bytes."""
+
+    def __init__(
+        self, caller: CallerBase, request: GenerateRequest, timeout: float | None, md: list
+    ) -> None:
+        self.caller, self.request, self.metadata = caller, request, md
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.token_ids: list[int] = []
+        self.resumes: list[Resume] = []
+        self.replicas: list[str] = []
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.ttft_us: int | None = None
+        self._next_index = 0
+        self._avoid, self._version = "", ""
+
+    def attempt(self) -> tuple[bytes, float | None, list]:
+        """(request, timeout, metadata) of the next attempt; DeadlineExceeded when none is left."""
+        remaining = None if self.deadline is None else self.deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise self.expired()
+        req = self.request
+        if self.resumes:
+            req = dataclasses.replace(
+                req,
+                resume_token_ids=list(self.token_ids),
+                resume_index=self._next_index,
+                avoid_replica=self._avoid,
+            )
+        md = self.metadata + ([(VERSION_HEADER, self._version)] if self._version else [])
+        self._last, self._slow, self._first = time.monotonic(), 0, True
+        return codec.encode_generate_request(req), remaining, md
+
+    def wait(self) -> float | None:
+        """Seconds to wait for this attempt's next event before it counts as stalled."""
+        stall = self.caller.stall
+        # Before an attempt's first token the wait is queueing and prefill, not a stall: the
+        # caller-side route's per_try_idle_timeout (the hard limit) retries a silent host
+        # there, before any header. After it the hard limit is checked one gap late, so that
+        # the same Envoy timeout resets the stream first and the stall counts in Envoy's
+        # stats and outlier detection; this check is the backstop.
+        wait = stall.gap if self._slow + 1 >= stall.consecutive else stall.hard_limit + stall.gap
+        until = math.inf if self._first else self._last + wait
+        if self.deadline is not None:
+            until = min(until, self.deadline)
+        return None if until == math.inf else max(0.0, until - time.monotonic())
+
+    def silent(self) -> str:
+        """No event within wait(): why the attempt failed; DeadlineExceeded if that passed."""
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise self.expired()
+        return f"stalled: no token for {time.monotonic() - self._last:.1f}s" + (
+            f" after {self._slow} slow gaps" if self._slow else ""
+        )
+
+    def headers(self, headers: dict[str, str]) -> None:
+        self.caller._learn(headers)
+        replica = headers.get(REPLICA_HEADER)
+        if replica:
+            self.replicas.append(replica)
+
+    def error(self, e: grpc.RpcError) -> str:
+        """Why a failed attempt is worth a resume; else raises its typed error."""
+        if e.code() in RESUMABLE and (self.token_ids or self.resumes):
+            return f"{e.code().name}: {e.details() or ''}".rstrip(": ")
+        raise from_rpc_error(e) from e
+
+    def chunk(self, buf: bytes, at: float) -> TokenChunk:
+        chunk = codec.decode_token_chunk(buf)
+        if len(chunk.token_ids):
+            if not self._first:
+                self._slow = self._slow + 1 if at - self._last > self.caller.stall.gap else 0
+            self._first = False
+            self._last = at
+            self.token_ids.extend(int(t) for t in chunk.token_ids)
+        self._next_index = chunk.index + 1
+        self.text.append(chunk.text_delta)
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+        self.ttft_us = chunk.ttft_us if self.ttft_us is None else self.ttft_us
+        return chunk
+
+    def failed(self, failure: str, headers: dict[str, str]) -> None:
+        """Record a resume after the attempt with `headers` failed; StreamLost when spent."""
+        replica = headers.get(REPLICA_HEADER, "")
+        self._version = headers.get(VERSION_HEADER, self._version)
+        # Unknown when the attempt failed before its headers (a refusal: every other host
+        # was down or ejected): then the next try may go anywhere, the same replica too.
+        self._avoid = replica
+        stall = self.caller.stall
+        if len(self.resumes) >= stall.max_resumes:
+            raise StreamLost(
+                f"stream lost: {failure} (replica {replica or '?'}); gave up after "
+                f"{len(self.resumes)} resumes (max_resumes {stall.max_resumes}), "
+                f"{len(self.token_ids)} tokens delivered"
+            )
+        event = Resume(failure, replica, self._version, len(self.token_ids))
+        self.resumes.append(event)
+        self.caller._count()
+        log.info(
+            "stream %s resumed (%d of at most %d): %s on replica %s, %d tokens delivered",
+            self.request.request_id or "-",
+            len(self.resumes),
+            stall.max_resumes,
+            failure,
+            replica or "?",
+            event.delivered,
+        )
+        trace.get_current_span().add_event(
+            "meshlm.stream.resumed", dataclasses.asdict(event) | {"n": len(self.resumes)}
+        )
+
+    def expired(self) -> DeadlineExceeded:
+        return DeadlineExceeded(
+            f"deadline passed with {len(self.token_ids)} tokens delivered (not resumed)"
+        )
+
+    def completion(self) -> Completion:
+        return Completion(
+            text="".join(self.text),
+            token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason,
+            ttft_us=self.ttft_us,
+            replicas=list(self.replicas),
+            resumes=list(self.resumes),
+        )
+
+
 class Stream:
     """An iterator of TokenChunk; `token_ids` (all delivered), `resumes` (its Resume events) and
     `replicas` (each replica that served part of it) are readable during and after it."""
@@ -175,12 +361,11 @@ class Stream:
     def __init__(
         self, caller: Caller, request: GenerateRequest, timeout: float | None, md: list
     ) -> None:
-        self.caller, self.request, self.metadata = caller, request, md
-        self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.token_ids: list[int] = []
-        self.resumes: list[Resume] = []
-        self.replicas: list[str] = []
-        self._next_index = 0
+        self.caller, self.request = caller, request
+        self.progress = Progress(caller, request, timeout, md)
+        self.token_ids = self.progress.token_ids
+        self.resumes = self.progress.resumes
+        self.replicas = self.progress.replicas
         self._gen = self._run()
 
     def __iter__(self) -> Iterator[TokenChunk]:
@@ -193,24 +378,17 @@ class Stream:
         """Cancel the stream (never resumed after this)."""
         self._gen.close()
 
+    def result(self) -> Completion:
+        """Read the rest of the stream; the whole answer."""
+        for _ in self:
+            pass
+        return self.progress.completion()
+
     def _run(self) -> Iterator[TokenChunk]:
-        avoid, version = "", ""
+        p = self.progress
         while True:
-            remaining = None if self.deadline is None else self.deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise _deadline(self)
-            req = self.request
-            if self.resumes:
-                req = dataclasses.replace(
-                    req,
-                    resume_token_ids=list(self.token_ids),
-                    resume_index=self._next_index,
-                    avoid_replica=avoid,
-                )
-            md = self.metadata + ([(VERSION_HEADER, version)] if version else [])
-            call = self.caller.client.generate_raw(
-                codec.encode_generate_request(req), timeout=remaining, metadata=md
-            )
+            request, timeout, md = p.attempt()
+            call = self.caller.client.generate_raw(request, timeout=timeout, metadata=md)
             attempt = _Attempt(call)
             try:
                 failure = yield from self._consume(attempt)
@@ -218,80 +396,24 @@ class Stream:
                 call.cancel()  # a no-op once the stream ended; on close: the caller's cancel
             if failure is None:
                 return
-            replica = attempt.headers.get(REPLICA_HEADER, "")
-            version = attempt.headers.get(VERSION_HEADER, version)
-            # Unknown when the attempt failed before its headers (a refusal: every other host
-            # was down or ejected): then the next try may go anywhere, the same replica too.
-            avoid = replica
-            stall = self.caller.stall
-            if len(self.resumes) >= stall.max_resumes:
-                raise StreamLost(
-                    f"stream lost: {failure} (replica {replica or '?'}); gave up after "
-                    f"{len(self.resumes)} resumes (max_resumes {stall.max_resumes}), "
-                    f"{len(self.token_ids)} tokens delivered"
-                )
-            event = Resume(failure, replica, version, len(self.token_ids))
-            self.resumes.append(event)
-            self.caller._count()
-            log.info(
-                "stream %s resumed (%d of at most %d): %s on replica %s, %d tokens delivered",
-                self.request.request_id or "-",
-                len(self.resumes),
-                stall.max_resumes,
-                failure,
-                replica or "?",
-                event.delivered,
-            )
-            trace.get_current_span().add_event(
-                "meshlm.stream.resumed", dataclasses.asdict(event) | {"n": len(self.resumes)}
-            )
+            p.failed(failure, attempt.headers)
 
     def _consume(self, attempt: _Attempt) -> Iterator[TokenChunk]:
         """Yield this attempt's chunks; return None when it finished, else why it failed."""
-        last = time.monotonic()
-        slow = 0  # inter-token gaps over `gap` in a row
-        first = True
+        p = self.progress
         while True:
-            stall = self.caller.stall
-            # Before an attempt's first token the wait is queueing and prefill, not a stall: the
-            # caller-side route's per_try_idle_timeout (the hard limit) retries a silent host
-            # there, before any header. After it the hard limit is checked one gap late, so that
-            # the same Envoy timeout resets the stream first and the stall counts in Envoy's
-            # stats and outlier detection; this check is the backstop.
-            wait = stall.gap if slow + 1 >= stall.consecutive else stall.hard_limit + stall.gap
-            until = math.inf if first else last + wait
-            if self.deadline is not None:
-                until = min(until, self.deadline)
-            timeout = None if until == math.inf else max(0.0, until - time.monotonic())
             try:
-                kind, value, at = attempt.events.get(timeout=timeout)
+                kind, value, at = attempt.events.get(timeout=p.wait())
             except queue.Empty:
-                if self.deadline is not None and time.monotonic() >= self.deadline:
-                    raise _deadline(self) from None
-                return f"stalled: no token for {time.monotonic() - last:.1f}s" + (
-                    f" after {slow} slow gaps" if slow else ""
-                )
+                return p.silent()
             if kind == "headers":
-                self.caller._learn(value)
-                replica = value.get(REPLICA_HEADER)
-                if replica:
-                    self.replicas.append(replica)
-                continue
-            if kind == "error":
-                if value.code() in RESUMABLE and (self.token_ids or self.resumes):
-                    return f"{value.code().name}: {value.details() or ''}".rstrip(": ")
-                raise value
-            if kind == "end":
+                p.headers(value)
+            elif kind == "error":
+                return p.error(value)
+            elif kind == "end":
                 return None
-            chunk = codec.decode_token_chunk(value)
-            if len(chunk.token_ids):
-                if not first:
-                    slow = slow + 1 if at - last > stall.gap else 0
-                first = False
-                last = at
-                self.token_ids.extend(int(t) for t in chunk.token_ids)
-            self._next_index = chunk.index + 1
-            yield chunk
+            else:
+                yield p.chunk(value, at)
 
 
 class _Attempt:
@@ -317,10 +439,3 @@ class _Attempt:
             put(("end", None, time.monotonic()))
         except grpc.RpcError as e:
             put(("error", e, time.monotonic()))
-
-
-def _deadline(stream: Stream) -> grpc.RpcError:
-    return _Status(
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        f"deadline passed with {len(stream.token_ids)} tokens delivered (not resumed)",
-    )

@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     from meshlm.caller import Caller
+    from meshlm.errors import InvalidArgument
     from model_runtime.client import GENERATE
-    from schemas.codec import WireError
 
     if args.raw:
         what = {"prompt": args.prompt}
@@ -59,7 +59,6 @@ def run(args: argparse.Namespace) -> int:
     caller = Caller(
         args.target, api_key=args.api_key, authority=args.authority, metadata=args.header
     )
-    stream = None
     try:
         stream = caller.generate(
             timeout=args.timeout,
@@ -71,15 +70,17 @@ def run(args: argparse.Namespace) -> int:
             stop=args.stop,
             **what,
         )
+    except InvalidArgument as e:  # found before sending: a usage error
+        caller.close()
+        print(f"meshlm generate: invalid request: {e.details()}", file=sys.stderr)
+        return 2
+    try:
         for chunk in stream:
             sys.stdout.write(chunk.text_delta)
             sys.stdout.flush()
             tokens += len(chunk.token_ids)
             ttft_us = chunk.ttft_us if ttft_us is None else ttft_us
             reason = chunk.finish_reason or reason
-    except WireError as e:
-        print(f"meshlm generate: invalid request: {e}", file=sys.stderr)
-        return 2
     except grpc.RpcError as e:
         detail = e.details() or ""
         if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # Envoy's 404: no route, empty details
@@ -93,8 +94,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        if stream is not None:
-            stream.close()
+        stream.close()
         caller.close()
     sys.stdout.write("\n")
     if args.stats:
