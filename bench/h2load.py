@@ -136,11 +136,8 @@ def run(
             cmd += ["-d", str(Path(tmp) / "body")]
         if rps_per_client is not None:
             cmd += ["--rps", str(rps_per_client)]
-        pinned = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
         before = {p: cpu_seconds(p) for p in pids}
-        out = subprocess.run(
-            [*cmd, url], capture_output=True, text=True, timeout=seconds + 60, preexec_fn=pinned
-        )
+        out = _run_pinned([*cmd, url], cpu, timeout=seconds + 60)
         used = {p: cpu_seconds(p) - before[p] for p in pids}
         latencies = [int(line.split("\t")[2]) for line in log.read_text().splitlines() if line]
     text = out.stdout
@@ -154,6 +151,21 @@ def run(
     if r.succeeded == 0 or r.succeeded < done:
         raise RuntimeError(f"h2load: not every request was answered as expected:\n{text[-800:]}")
     return r
+
+
+def _run_pinned(argv: list[str], cpu: int | None, timeout: float) -> subprocess.CompletedProcess:
+    """`argv` run to its end on `cpu`. Pinned once started, not in a preexec_fn: a fork that
+    runs Python in the child calls gRPC's fork handlers, and with gRPC threads in this process
+    (control planes, SDS servers) the child aborted in them before exec."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        if cpu is not None:
+            os.sched_setaffinity(proc.pid, {cpu})  # h2load's one thread, before it sends
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def median(xs: Iterable[float]) -> float:
