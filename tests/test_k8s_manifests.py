@@ -1,0 +1,296 @@
+"""deploy/kubernetes/ (issue 15, item 5), checked offline: every object is valid Kubernetes
+(kubernetes-validate, strict, at the oldest and newest version we support), and the manifests
+agree with the code they run: each `meshlm` container's arguments parse with the CLI's own
+parser, each port a Service, a probe or a flag names is one a container listens on, each file a
+flag names is on a volume, no Secret or API access is granted. Then the control plane runs with
+the manifest's own arguments (ports, paths and etcd swapped for local ones) and its probes pass."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from meshlm.cli import command_parser
+from sidecar.ports import free_port
+from tests.etcd_support import EtcdCluster, wait_for
+from xds_server.mesh import parse_mesh
+
+ROOT = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
+# The oldest Kubernetes these manifests need (native sidecars: 1.29 beta, on by default) and
+# the newest kubernetes-validate knows.
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+LOOPBACK = "127.0.0.1"
+# Values Kubernetes puts in $(VAR) at run time, for parsing the arguments here.
+SAMPLE_ENV = {"POD_NAME": "meshlm-xds-5d8f-abcde", "SERVICE_HOST": "10.96.0.10"}
+
+
+def files() -> list[Path]:
+    return sorted(p for p in ROOT.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def objects() -> list[dict[str, Any]]:
+    return [d for p in files() for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def named(kind: str, name: str) -> dict[str, Any]:
+    (obj,) = [o for o in objects() if o["kind"] == kind and o["metadata"]["name"] == name]
+    return obj
+
+
+def workloads() -> list[dict[str, Any]]:
+    return [o for o in objects() if o["kind"] in ("Deployment", "StatefulSet")]
+
+
+def containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return pod.get("initContainers", []) + pod["containers"]
+
+
+def expand(text: str, container: dict[str, Any]) -> str:
+    """`text` with each $(VAR) replaced as kubelet would: the container's env, or a Service's
+    MESHLM_XDS_SERVICE_HOST-style variable (the Service must exist in the manifests)."""
+    own = {e["name"] for e in container.get("env", [])}
+
+    def value(m: re.Match) -> str:
+        var = m.group(1)
+        if var in own:
+            return SAMPLE_ENV.get(var, "x")
+        service = var.removesuffix("_SERVICE_HOST")
+        assert service != var, f"{container['name']}: $({var}) is not set"
+        names = {o["metadata"]["name"] for o in objects() if o["kind"] == "Service"}
+        assert service.lower().replace("_", "-") in names, f"no Service for $({var})"
+        return SAMPLE_ENV["SERVICE_HOST"]
+
+    return re.sub(r"\$\(([A-Z0-9_]+)\)", value, text)
+
+
+def meshlm_args(container: dict[str, Any]) -> tuple[str, argparse.Namespace]:
+    """(subcommand, its arguments parsed by the CLI's own parser); fails on a bad flag."""
+    command, args = container["command"], container.get("args", [])
+    assert command[0] == "meshlm", container["name"]
+    argv = [expand(a, container) for a in [*command[1:], *args]]
+    try:
+        return argv[0], command_parser(argv[0]).parse_args(argv[1:])
+    except SystemExit:
+        pytest.fail(f"{container['name']}: meshlm does not take {argv}")
+
+
+def listens(container: dict[str, Any]) -> dict[int, str]:
+    """port -> address, for what the container's command listens on."""
+    if container["command"][0] != "meshlm":  # etcd: its --listen-*-urls
+        urls = [a.split("=", 1)[1] for a in container["args"] if a.startswith("--listen-")]
+        return {urlsplit(u).port: urlsplit(u).hostname for u in urls}
+    name, a = meshlm_args(container)
+    if name == "xds-server":
+        return {a.grpc_port: a.grpc_host, a.admin_port: LOOPBACK}
+    if name == "serve":
+        ports = {a.port: a.host, a.metrics_port: LOOPBACK, a.http_port: a.host}
+        return {p: h for p, h in ports.items() if p is not None}
+    if name == "sidecar":  # Envoy's admin; the inbound port is the version's endpoint
+        mesh = mesh_of_configmap()
+        endpoint = mesh.services[a.service].versions[a.version].endpoints[0]
+        return {a.admin_port: LOOPBACK, a.inbound_port or endpoint.port: LOOPBACK}
+    return {}
+
+
+def mesh_of_configmap():
+    return parse_mesh(yaml.safe_load(named("ConfigMap", "meshlm-mesh")["data"]["mesh.yaml"]))
+
+
+def probe_urls(container: dict[str, Any]) -> list[str]:
+    out = []
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = container.get(kind)
+        if probe and "exec" in probe:
+            cmd = probe["exec"]["command"]
+            assert cmd[:3] == ["python", "-m", "meshlm.probe"] and len(cmd) == 4, cmd
+            out.append(cmd[3])
+    return out
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_object_is_valid_kubernetes(version):
+    docs = objects()
+    assert {d["kind"] for d in docs} >= {
+        "Namespace", "ConfigMap", "ServiceAccount", "Deployment", "StatefulSet", "Service",
+        "PodDisruptionBudget", "NetworkPolicy",
+    }  # fmt: skip
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+    # The check can fail: a misspelt field is refused.
+    bad = copy.deepcopy(named("Deployment", "meshlm-xds"))
+    bad["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, version, strict=True)
+
+
+def test_kustomization_applies_every_file_in_the_namespace():
+    kustomization = yaml.safe_load((ROOT / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in files())
+    for doc in objects():
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == "meshlm", doc["metadata"]
+
+
+def test_every_meshlm_container_passes_only_flags_the_cli_takes():
+    seen = set()
+    for w in workloads():
+        for c in containers(w["spec"]["template"]["spec"]):
+            if c["command"][0] == "meshlm":
+                seen.add(meshlm_args(c)[0])
+    assert seen == {"xds-server", "serve", "sidecar"}
+    # The check can fail: a flag the CLI does not have, or an abbreviated one.
+    for wrong in (["--grpc-prot=1"], ["--leader=30"]):
+        c = {"name": "x", "command": ["meshlm", "xds-server", "--mesh=m", *wrong]}
+        with pytest.raises(pytest.fail.Exception):
+            meshlm_args(c)
+
+
+def test_every_service_and_probe_port_is_one_its_container_listens_on():
+    for svc in (o for o in objects() if o["kind"] == "Service"):
+        selector = svc["spec"]["selector"]
+        pods = [
+            w["spec"]["template"]
+            for w in workloads()
+            if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert pods, f"Service {svc['metadata']['name']} selects no pod"
+        for port in svc["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            found = [
+                (c, p)
+                for pod in pods
+                for c in containers(pod["spec"])
+                for p in c.get("ports", [])
+                if target in (p.get("name"), p["containerPort"])
+            ]
+            assert found, f"Service {svc['metadata']['name']}: no container port {target}"
+            for c, p in found:  # reachable from other pods: not on loopback
+                address = listens(c).get(p["containerPort"])
+                assert address not in (None, LOOPBACK), (c["name"], p, listens(c))
+    for w in workloads():
+        for c in containers(w["spec"]["template"]["spec"]):
+            for p in c.get("ports", []):
+                assert p["containerPort"] in listens(c), (c["name"], p)
+            for url in probe_urls(c):
+                u = urlsplit(url)
+                assert u.hostname == LOOPBACK and listens(c).get(u.port) == LOOPBACK, url
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                http = c.get(kind, {}).get("httpGet")
+                if http:
+                    names = {p.get("name"): p["containerPort"] for p in c["ports"]}
+                    assert names.get(http["port"], http["port"]) in listens(c), (c["name"], http)
+
+
+def test_the_sidecar_reaches_the_control_plane_and_fronts_its_runtime():
+    xds = named("Deployment", "meshlm-xds")["spec"]["template"]["spec"]
+    (server,) = [c for c in xds["containers"] if c["name"] == "xds-server"]
+    _, cp = meshlm_args(server)
+    service_ports = {p["port"] for p in named("Service", "meshlm-xds")["spec"]["ports"]}
+    pod = named("Deployment", "llm-v1")["spec"]["template"]["spec"]
+    (sidecar,) = [c for c in containers(pod) if c["name"] == "sidecar"]
+    (runtime,) = [c for c in containers(pod) if c["name"] == "runtime"]
+    _, sc = meshlm_args(sidecar)
+    _, rt = meshlm_args(runtime)
+    assert sc.xds == [(SAMPLE_ENV["SERVICE_HOST"], cp.grpc_port)]
+    assert cp.grpc_port in service_ports
+    assert sc.local_endpoint == f"{rt.host}:{rt.port}" and rt.host == LOOPBACK
+    assert sidecar.get("restartPolicy") == "Always"  # a native sidecar: outlives the runtime
+    mesh = mesh_of_configmap()
+    assert sc.version in mesh.services[sc.service].versions
+
+
+def test_the_store_names_every_etcd_member_on_its_client_port():
+    etcd = named("StatefulSet", "etcd")
+    (member,) = etcd["spec"]["template"]["spec"]["containers"]
+    client = next(p for p in member["ports"] if p["name"] == "client")["containerPort"]
+    service = etcd["spec"]["serviceName"]
+    assert named("Service", service)["spec"]["clusterIP"] == "None"  # per-member DNS names
+    server = named("Deployment", "meshlm-xds")["spec"]["template"]["spec"]["containers"][0]
+    _, cp = meshlm_args(server)
+    hosts = cp.store.removeprefix("etcd://").split("/")[0].split(",")
+    members = [f"{etcd['metadata']['name']}-{i}.{service}:{client}" for i in range(3)]
+    assert etcd["spec"]["replicas"] == 3 and hosts == members
+    pdb = named("PodDisruptionBudget", "etcd")["spec"]
+    assert pdb["minAvailable"] == 2  # a quorum of three
+
+
+def test_files_are_on_volumes_and_nothing_secret_or_privileged_is_in_the_manifests():
+    assert not [o for o in objects() if o["kind"] in ("Secret", "Role", "ClusterRole")]
+    assert not [o for o in objects() if o["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    for w in workloads():
+        pod = w["spec"]["template"]["spec"]
+        assert pod.get("automountServiceAccountToken") is False, w["metadata"]["name"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for c in containers(pod):
+            assert c["resources"]["requests"] and c["resources"]["limits"]["memory"], c["name"]
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            if c["command"][0] != "meshlm":
+                continue
+            mounts = [m["mountPath"] for m in c.get("volumeMounts", [])]
+            _, a = meshlm_args(c)
+            for flag in ("mesh", "token_file", "isolation_store", "lkg_file"):
+                path = getattr(a, flag, None)
+                if path:  # read-only root: files live on volumes
+                    assert any(path.startswith(m + "/") for m in mounts), (c["name"], path)
+            for e in c.get("env", []):
+                assert "TOKEN" not in e["name"] and "KEY" not in e["name"], e
+
+
+def test_the_control_plane_runs_with_the_manifests_arguments_and_passes_its_probes(tmp_path):
+    """The xds-server container's own argument list, with what a cluster provides swapped for
+    local things: ports (free ones), the volumes' paths (tmp_path), the etcd members (one real
+    etcd). Then each of its exec probes, as kubelet would run it, answers 0."""
+    pod = named("Deployment", "meshlm-xds")["spec"]["template"]["spec"]
+    (server,) = [c for c in pod["containers"] if c["name"] == "xds-server"]
+    grpc_port, admin_port = free_port(), free_port()
+    (tmp_path / "mesh.yaml").write_text(named("ConfigMap", "meshlm-mesh")["data"]["mesh.yaml"])
+    (tmp_path / "token").write_text("k8s-manifest-test-token-0123456789\n")
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    with EtcdCluster(1) as etcd:
+        swap = {
+            "/var/lib/meshlm/mesh.yaml": str(tmp_path / "mesh.yaml"),
+            "/etc/meshlm/admin/token": str(tmp_path / "token"),
+            "/var/lib/meshlm/": f"{tmp_path}/",
+            "18000": str(grpc_port),
+            "18001": str(admin_port),
+        }
+        args = []
+        for a in server["args"]:
+            a = expand(a, server)
+            if a.startswith("--store="):
+                a = f"--store=etcd://{etcd.endpoints[0]}/meshlm"
+            for old, new in swap.items():
+                a = a.replace(old, new)
+            args.append(a)
+        env = {"PATH": str(Path(sys.executable).parent), "XDG_RUNTIME_DIR": str(run)}
+        argv = [sys.executable, "-m", "meshlm.cli", *server["command"][1:], *args]
+        log = tmp_path / "xds.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            for url in probe_urls(server):
+                url = url.replace(":18001/", f":{admin_port}/")
+                cmd = [sys.executable, "-m", "meshlm.probe", url]
+
+                def passes(cmd=cmd) -> bool:
+                    assert proc.poll() is None, log.read_text()
+                    return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
+
+                wait_for(passes, 60)
+        finally:
+            proc.terminate()
+            proc.wait(20)
+    assert "Traceback" not in log.read_text(), log.read_text()
