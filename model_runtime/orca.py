@@ -7,8 +7,9 @@ Envoy's `client_side_weighted_round_robin` with `enable_oob_load_report` opens t
 host and weighs the host by qps / (utilization + eps / qps * error_utilization_penalty), where
 utilization is application_utilization, or cpu_utilization when that is 0; a report without
 rps_fractional, or with no utilization at all, does not move the weight (Envoy docs for
-ClientSideWeightedRoundRobin; verified on Envoy 1.40, DESIGN.md). Per-request reports in trailers
-would be read once per token stream, too late for long streams, hence out-of-band.
+ClientSideWeightedRoundRobin; verified on Envoy 1.40, docs/ARCHITECTURE.md). Per-request
+reports in trailers would be read once per token stream, too late for long streams, hence
+out-of-band.
 
 Both figures cover the same window (the last WINDOW_S), so their ratio is what a host costs:
 

@@ -5,7 +5,7 @@ expects. The exporters read the standard variables themselves (headers, timeout,
 
 Protocol http/protobuf only (the specification's default; collectors listen on 4318): the gRPC
 exporter needs googleapis-common-protos, whose google.api/google.rpc modules collide with the
-copies xds-protos ships (DESIGN.md).
+copies xds-protos ships (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from model_runtime.service import PROMPT_TOKENS_HEADER, REPLICA_HEADER, TENANT_H
 from tests.runtime_fixtures import serving_runtime
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
-ANSWER = "The capital of France is Paris."  # greedy (DESIGN.md: the deterministic check)
+ANSWER = "The capital of France is Paris."  # greedy (docs/ARCHITECTURE.md: the deterministic check)
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 
 

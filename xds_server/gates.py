@@ -5,10 +5,10 @@ constructor arguments:
 
 - `EnvoyStatsSource`: Envoy's `grpc_stats` counters on the caller-side sidecars,
   `cluster.<cluster>.grpc.<service>.<method>.{total,success,failure,<grpc code>}`. gRPC errors are
-  HTTP 200 with a `grpc-status` trailer, so 5xx counters are blind to them (DESIGN.md). The
-  OpenAI HTTP API (issue 17) shares the version's cluster: its calls are the cluster's
-  completed upstream requests beyond the gRPC calls, its faults the cluster's
-  `upstream_rq_5xx` (see `parse_http_stats`).
+  HTTP 200 with a `grpc-status` trailer, so 5xx counters are blind to them
+  (docs/ARCHITECTURE.md). The OpenAI HTTP API (issue 17) shares the version's cluster: its
+  calls are the cluster's completed upstream requests beyond the gRPC calls, its faults the
+  cluster's `upstream_rq_5xx` (see `parse_http_stats`).
 - `RuntimeMetricsSource`: the canary runtime's loopback `GET /metrics.json`. A gate reads the
   TTFT/TPOT p99 of exactly its analysis interval: one `snapshot()` of the runtime's cumulative
   histograms at the interval's start, one at its end, the percentile of the difference (as

@@ -1,7 +1,7 @@
 """A canary rollout's desired shape, parsed from the mesh file's `rollouts:` section.
 
-Names follow DESIGN.md "One vocabulary" (and Flagger's `analysis`): steps, interval, threshold,
-gates. A bad spec raises `RolloutSpecError` naming the field; nothing is applied.
+Names follow docs/ARCHITECTURE.md "One vocabulary" (and Flagger's `analysis`): steps, interval,
+threshold, gates. A bad spec raises `RolloutSpecError` naming the field; nothing is applied.
 """
 
 from __future__ import annotations
