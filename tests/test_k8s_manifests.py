@@ -294,3 +294,18 @@ def test_the_control_plane_runs_with_the_manifests_arguments_and_passes_its_prob
             proc.terminate()
             proc.wait(20)
     assert "Traceback" not in log.read_text(), log.read_text()
+
+
+def test_the_image_installs_every_package_and_runs_as_the_manifests_user():
+    """deploy/Dockerfile itself is not built here (no container runtime): what can be checked
+    offline is that it copies every package pyproject installs and runs as the pods' user."""
+    dockerfile = (ROOT.parent / "Dockerfile").read_text()
+    copied = set(re.findall(r"^COPY (\w+) \1$", dockerfile, re.M))
+    pyproject = (ROOT.parent.parent / "pyproject.toml").read_text()
+    include = re.search(r"packages\.find\]\s*include = \[(.*?)\]", pyproject, re.S).group(1)
+    assert copied == {p.strip(' "*') for p in include.split(",")}
+    user = int(re.search(r"^USER (\d+)$", dockerfile, re.M).group(1))
+    for w in workloads():
+        pod = w["spec"]["template"]["spec"]
+        if any(c["image"] == "meshlm" for c in containers(pod)):
+            assert pod["securityContext"]["runAsUser"] == user, w["metadata"]["name"]
