@@ -136,3 +136,24 @@ def test_a_replica_stays_ready_on_its_last_good_config_when_etcd_is_gone(
         assert "serving the last good config" in doc["store"]
         assert check(grpc_port(r), "") == SERVING
         assert probe(r.admin + "/readyz").returncode == 0
+
+
+def test_with_identity_the_probe_reads_readyz_over_https_and_ads_needs_a_certificate(
+    tmp_path,
+    env,  # noqa: F811
+    started,
+):
+    """Why deploy/kubernetes/ probes the admin port: with identity ADS is mTLS, and a probe,
+    holding no client certificate, cannot even ask it for its health."""
+    mesh = dict(MESH, identity={"trust_domain": "example.org"})
+    mesh["control_plane"] = {"ca_port": 0, "ca_mtls_port": 0}
+    (tmp_path / "mesh.yaml").write_text(yaml.safe_dump(mesh))
+    started.append(r := Replica(tmp_path, env, "id"))
+    https = r.admin.replace("http://", "https://") + "/readyz"
+    wait_for(lambda: probe(https).returncode == 0 or r.proc.poll() is not None, 60)
+    ok = probe(https)
+    assert ok.returncode == 0 and '"ready"' in ok.stdout, (ok, r.output())
+    plain = probe(r.admin + "/readyz")  # the port speaks HTTPS only
+    assert plain.returncode == 1, plain
+    no_cert = probe(f"grpc://127.0.0.1:{grpc_port(r)}")
+    assert no_cert.returncode == 1 and "UNAVAILABLE" in no_cert.stderr, no_cert
