@@ -159,8 +159,7 @@ def run(args: argparse.Namespace) -> int:
     sv = Supervisor(
         node_id,
         boot,
-        # The supervisor probes the first replica (reachability, mTLS); Envoy uses them all.
-        args.xds[0],
+        args.xds,  # any replica that answers will do (the supervisor probes them in turn)
         lkg=LastKnownGood(args.lkg_file),
         concurrency=args.concurrency,
         on_event=lambda msg: print(f"sidecar {node_id}: {msg}", flush=True),

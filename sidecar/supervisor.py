@@ -90,13 +90,14 @@ def speaks_tls(address: tuple[str, int], timeout: float = 2.0) -> bool | None:
 
 class Supervisor:
     """Keeps one Envoy running for `node_id`. `bootstrap` is the ADS bootstrap (its admin port
-    must be fixed so readers of stats keep one address across restarts)."""
+    must be fixed so readers of stats keep one address across restarts); `xds_address` is the
+    control plane, or the list of its replicas (issue 15): any one that answers will do."""
 
     def __init__(
         self,
         node_id: str,
         bootstrap: dict[str, Any],
-        xds_address: tuple[str, int],
+        xds_address: tuple[str, int] | list[tuple[str, int]],
         *,
         lkg: LastKnownGood | None = None,
         concurrency: int = 1,
@@ -114,7 +115,9 @@ class Supervisor:
         before Envoy and stopped after it."""
         self.node_id = node_id
         self.bootstrap = bootstrap
-        self.xds_address = xds_address
+        self.xds_addresses = [xds_address] if isinstance(xds_address, tuple) else list(xds_address)
+        if not self.xds_addresses:
+            raise ValueError("xds_address: at least one control plane HOST:PORT")
         self.lkg = lkg or LastKnownGood()
         self.concurrency = concurrency
         self.drain_time_s = drain_time_s
@@ -192,11 +195,20 @@ class Supervisor:
         # Access logs reach the log within a second (Envoy's default buffers them 10 s).
         return (*args, "--file-flush-interval-msec", "1000")
 
+    def _answering(self) -> tuple[str, int] | None:
+        """The first control plane replica that accepts a connection, else None (Envoy itself
+        fails over between all of them, so any one up means ADS will configure it)."""
+        for address in self.xds_addresses:
+            if reachable(address):
+                return address
+        return None
+
     def _launch(self) -> None:
         res = self.lkg.get(self.node_id)
-        cp_up = reachable(self.xds_address)
-        if cp_up:
-            self._check_transport()
+        cp = self._answering()
+        cp_up = cp is not None
+        if cp is not None:
+            self._check_transport(cp)
         if cp_up or res is None:
             boot, mode = self.bootstrap, "ads"
         else:
@@ -205,8 +217,8 @@ class Supervisor:
         self._config_seen = False
         waited = mode == "ads" and not cp_up
         if waited:
-            host, port = self.xds_address
-            self.on_event(f"waiting for the control plane at {host}:{port}: no listeners until "
+            where = ", ".join(f"{h}:{p}" for h, p in self.xds_addresses)
+            self.on_event(f"waiting for the control plane at {where}: no listeners until "
                           "it answers (and no last-known-good config)")  # fmt: skip
         self._wait_ready(self.envoy)
         self.mode = mode
@@ -233,10 +245,11 @@ class Supervisor:
                 raise PortInUse(held) from None
             raise
 
-    def _check_transport(self) -> None:
-        """WrongTransport when the control plane and this sidecar disagree on mTLS."""
-        tls = speaks_tls(self.xds_address)
-        host, port = self.xds_address
+    def _check_transport(self, address: tuple[str, int]) -> None:
+        """WrongTransport when the control plane at `address` and this sidecar disagree on
+        mTLS."""
+        tls = speaks_tls(address)
+        host, port = address
         if tls and not self.identity:
             raise WrongTransport(
                 f"the control plane at {host}:{port} requires mTLS (its mesh has an identity "
@@ -309,8 +322,8 @@ class Supervisor:
             if self.envoy.proc.poll() is not None:
                 raise EnvoyError(f"envoy exited with {self.envoy.proc.returncode}")
             if self.mode == "lkg":
-                if reachable(self.xds_address):
-                    self._check_transport()
+                if (cp := self._answering()) is not None:
+                    self._check_transport(cp)
                     self._switch_to_ads()
                 continue
             self._follow_ads()
