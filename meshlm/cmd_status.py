@@ -36,11 +36,12 @@ def run(args: argparse.Namespace) -> int:
     except AdminError as e:
         print(f"meshlm status: {e}", file=sys.stderr)
         return 1
-    return watch(lambda: show(admin, args.json), args.watch)
+    return watch(lambda: show(admin, args.json, args.cacert), args.watch)
 
 
-def show(admin: AdminClient, as_json: bool) -> int:
-    """Print the status once; 1 when the control plane cannot be read."""
+def show(admin: AdminClient, as_json: bool, cacert: str | None = None) -> int:
+    """Print the status once; 1 when the control plane cannot be read. `cacert` is also the
+    root of the leader's admin API when replicas are asked (issue 15)."""
     try:
         doc = _get(admin, "/debug/syncz")
     except AdminError as e:
@@ -57,6 +58,8 @@ def show(admin: AdminClient, as_json: bool) -> int:
         isolation = _get(admin, "/isolation")
     with contextlib.suppress(AdminError):
         slo = _get(admin, "/slo")
+    if replica := render_replica(admin, cacert):
+        print(replica)
     print(render(doc))
     if rollouts:
         print("\n" + render_rollouts(rollouts))
@@ -65,6 +68,42 @@ def show(admin: AdminClient, as_json: bool) -> int:
     if slo:
         print("\n" + render_slo(slo))
     return 0
+
+
+def render_replica(admin: AdminClient, cacert: str | None = None) -> str:
+    """Replicas on a store (issue 15): which one answers, who leads, and what the leader's work
+    (rollouts, SLO loop) is doing, as the leader itself says; "" for a single control plane."""
+    with contextlib.suppress(AdminError):
+        me = _get(admin, "/")
+        if isinstance(me, dict) and me.get("replica"):
+            return _replica_line(me, cacert)
+    return ""
+
+
+def _replica_line(me: dict[str, Any], cacert: str | None) -> str:
+    store = me.get("store") or {}
+    line = f"replica {me['replica']} ({'leader' if me.get('leading') else 'follower'}"
+    line += f", store revision {store.get('revision', '?')})"
+    if store.get("store_error"):
+        line += f", store: {store['store_error']}"
+    leader = me.get("leader")
+    if not leader:
+        why = f": {me['election_error']}" if me.get("election_error") else ""
+        return f"{line}\nleader: none known{why}"
+    where = (leader.get("info") or {}).get("admin", "")
+    line += f"\nleader {leader['id']} (term {leader['term']}, since {leader.get('since_iso', '?')}"
+    line += f"{f', {where}' if where else ''})"
+    if me.get("leading"):
+        return f"{line}, its work: {me.get('leader_work', '?')}"
+    if not where:
+        return f"{line}, its work: unknown (it published no admin URL)"
+    try:  # the leader's own word on its work; a follower only knows it follows
+        theirs = _get(AdminClient(where, cacert=cacert), "/")
+        work = theirs.get("leader_work", "?") if theirs.get("replica") == leader["id"] else None
+        work = work or f"unknown ({where} is not {leader['id']} any more)"
+    except AdminError as e:
+        work = f"unknown ({e})"
+    return f"{line}, its work: {work}"
 
 
 def render_slo(slo: dict[str, Any]) -> str:

@@ -99,6 +99,13 @@ class Replica:
         self.proc.wait(10)
 
 
+def meshlm_status(r: Replica, env: dict) -> str:
+    p = subprocess.run([sys.executable, "-m", "meshlm.cli", "status", "--admin", r.admin],
+                       env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
 @pytest.fixture
 def replicas() -> Iterator[list[Replica]]:
     started: list[Replica] = []
@@ -121,13 +128,19 @@ def test_two_replicas_elect_one_leader_and_a_follower_writes_through_the_store(
 
     def leaders():
         st = [r.status() for r in replicas]
-        return st if all(st) and all(s["leader"] for s in st) else None
+        return st if all(st) and all(s.get("leader") for s in st) else None
 
     st = wait_for(leaders, 30)
     assert {s["leader"]["id"] for s in st} == {s["replica"] for s in st if s["leading"]}
     leader, follower = replicas if st[0]["leading"] else replicas[::-1]
     wait_for(lambda: leader.status()["leader_work"] == "leading", 10)
     assert follower.status()["leader_work"] == "following"
+    # meshlm status names the replica it asked, the leader, and the leader's work in its words.
+    lead_id = st[0]["leader"]["id"]
+    for r, role in ((follower, "follower"), (leader, "leader")):
+        out = meshlm_status(r, env)
+        assert f"replica {r.status()['replica']} ({role}, store revision " in out, out
+        assert f"leader {lead_id} (term " in out and f"{leader.admin}), its work: leading" in out
 
     code, doc = follower.call("POST", "/v1/services/llm/weights", {"v1": 60, "v2": 40})
     assert code == 200 and doc["ok"] and doc["revision"] > 0, doc
