@@ -22,10 +22,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Rebuild generated code (flatc output, the Wasm filter) and fail if anything changed.
+# Rebuild generated code (flatc output, the Wasm filter, the native int4/int8 kernels) and fail if
+# anything changed.
 generated: $(STAMP)
 	$(BIN)/python -m schemas.build --check
 	$(BIN)/python -m wasm_filters.build --check
+	$(BIN)/python -m model_runtime.kernels.build --check
 
 test: $(STAMP) lint generated test-tools
 	$(BIN)/python -m pytest -q
