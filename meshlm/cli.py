@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollout": ("meshlm.cmd_rollout", "start or steer a canary rollout"),
     "demo": ("meshlm.cmd_demo", "run the local mesh demo"),
     "identity": ("meshlm.cmd_identity", "join tokens and root rotation of the mesh CA"),
+    "etcd": ("meshlm.cmd_etcd", "run a local etcd for control-plane replicas (--store)"),
 }
 
 

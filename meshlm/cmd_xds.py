@@ -38,7 +38,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "store (default: none, one control plane on its local files)")  # fmt: skip
     r.add_argument("--leader-ttl", type=float, default=30.0, help="seconds: the leader's "
                    "lease: a dead leader's successor leads within it (default 30)")  # fmt: skip
-    r.add_argument("--replica-id", help="this replica's name (default: HOST-GRPC_PORT)")
+    r.add_argument("--replica-id", help="this replica's name (default: HOST-GRPC_PORT; with "
+                   "--replicas: a prefix, default r: r1, r2...)")  # fmt: skip
+    r.add_argument("--replicas", type=int, default=1, help="start this many replica processes "
+                   f"on --store, replica i's ADS and admin ports {REPLICA_PORT_STRIDE} * (i - 1) "
+                   "above the first's; Ctrl-C stops them all")  # fmt: skip
+
+
+# Replica i of --replicas listens REPLICA_PORT_STRIDE * i above the first: room for the ports a
+# mesh CA takes after the ADS port (+2, +3) and the admin port beside it.
+REPLICA_PORT_STRIDE = 10
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
     from xds_server.store import StoreError
     from xds_server.store.serve import ReplicaRole, default_replica_id
 
+    if args.replicas != 1:
+        from meshlm.replicas import launch_replicas
+
+        return launch_replicas(args, REPLICA_PORT_STRIDE)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.scaler == "command" and not (args.scale_out_command and args.scale_in_command):
         print("meshlm xds-server: --scaler command needs --scale-out-command and "

