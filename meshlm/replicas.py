@@ -79,15 +79,21 @@ def launch_replicas(args: argparse.Namespace, stride: int) -> int:
 
 
 def _first_ports(args: argparse.Namespace) -> tuple[int, int]:
-    """The first replica's ADS and admin ports: the flags, else the mesh file's."""
-    if args.grpc_port is not None and args.admin_port is not None:
-        return args.grpc_port, args.admin_port
+    """The first replica's ADS and admin ports: the flags, else the mesh file's. ValueError
+    for a mesh whose fixed ports every replica would try to take."""
     from xds_server.mesh import MeshError, load_yaml, parse_mesh
 
     try:
-        cp = parse_mesh(load_yaml(Path(args.mesh).read_text(), args.mesh)).control_plane
+        mesh = parse_mesh(load_yaml(Path(args.mesh).read_text(), args.mesh))
     except MeshError as e:
         raise ValueError(str(e)) from None
+    cp = mesh.control_plane
+    if mesh.identity and (cp.ca_port is not None or cp.ca_mtls_port is not None):
+        raise ValueError(
+            f"--replicas: {args.mesh} fixes control_plane.ca_port/ca_mtls_port, which every "
+            "replica would take: leave them out (each replica's CA then listens on its ADS "
+            "port + 2 and + 3)"
+        )
     grpc = cp.grpc_port if args.grpc_port is None else args.grpc_port
     return grpc, cp.admin_port if args.admin_port is None else args.admin_port
 

@@ -140,12 +140,19 @@ def test_meshlm_etcd_and_xds_server_replicas_serve_a_sidecar_and_stop_on_ctrl_c(
                 p.wait()
 
 
-def test_replicas_need_an_etcd_store(tmp_path):
+def test_replicas_need_an_etcd_store_and_free_ca_ports():
     r = subprocess.run(
         [sys.executable, "-m", "meshlm.cli", "xds-server", "--mesh", "examples/mesh.yaml",
          "--replicas", "3"], capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 2 and "--replicas needs --store etcd://" in r.stderr, r.stderr
+    # A mesh whose CA ports are fixed: every replica would take them.
+    r = subprocess.run(
+        [sys.executable, "-m", "meshlm.cli", "xds-server", "--mesh", "examples/mesh.yaml",
+         "--store", "etcd://127.0.0.1:1", "--replicas", "3"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "fixes control_plane.ca_port/ca_mtls_port" in r.stderr, r.stderr
 
 
 def test_meshlm_etcd_names_a_port_in_use(tmp_path):
