@@ -7,6 +7,10 @@
     control plane's CPU seconds and RSS per stream. Peer: istiod's published figure, "2000
     sidecars with 1 vCPU and 1.5 GB" (istio.io, Performance and Scalability).
 
+(c) replicas (issue 15): convergence and the 2,000-stream push with 3 replicas on a 3-member
+    etcd vs 1 control plane on the file store, rounds interleaved; leader failover time
+    (bench/xds_replicas.py).
+
     python -m bench xds [--quick]
 """
 
@@ -153,46 +157,10 @@ def scale(m: int, changes: int, per_channel: int = 1) -> dict:
 
     cp = ControlPlane(parse_mesh(MESH), debounce=0.0).start()
     rss0, cpu0 = _rss_mib(), _cpu()
-    # One HTTP/2 connection per sidecar, as real Envoys have; 500 sidecars per client process.
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _CLIENT,
-                f"127.0.0.1:{cp.grpc_port}",
-                str(k),
-                str(per_channel),
-                str(first),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for first in range(0, m, 500)
-        for k in [min(500, m - first)]
-    ]
+    procs = _sim_sidecars([cp], m, per_channel)
     try:
         t0 = time.perf_counter()
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            syncz = cp.sync.nodes
-            with cp.sync.cond:
-                n_acked = sum(
-                    1
-                    for ns in syncz.values()
-                    if ns.connected
-                    and len(ns.types) == 4
-                    and all(ts.acked_version for ts in ns.types.values())
-                )
-            if n_acked >= m:
-                break
-            for proc in procs:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"simulated clients exited: {proc.stderr.read()[-2000:]}")
-            time.sleep(0.2)
-        else:
-            raise RuntimeError(f"only {n_acked}/{m} simulated sidecars connected")
+        _wait_connected([cp], m, procs)
         connect_s = time.perf_counter() - t0
         rss1, cpu1 = _rss_mib(), _cpu()
         push, cpu_per_change, ok = [], [], 0
@@ -224,6 +192,46 @@ def scale(m: int, changes: int, per_channel: int = 1) -> dict:
     return result
 
 
+def _sim_sidecars(cps: list, m: int, per_channel: int = 1) -> list[subprocess.Popen]:
+    """`m` simulated sidecars spread evenly over the control planes `cps` (replicas); one
+    HTTP/2 connection per sidecar, as real Envoys have; up to 500 sidecars per client process."""
+    procs = []
+    for j, cp in enumerate(cps):
+        share = m // len(cps) + (j < m % len(cps))
+        base = sum(m // len(cps) + (i < m % len(cps)) for i in range(j))
+        for first in range(0, share, 500):
+            argv = [sys.executable, "-c", _CLIENT, f"127.0.0.1:{cp.grpc_port}",
+                    str(min(500, share - first)), str(per_channel), str(base + first)]  # fmt: skip
+            procs.append(
+                subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            )
+    return procs
+
+
+def _wait_connected(cps: list, m: int, procs: list[subprocess.Popen]) -> None:
+    """Until `m` sidecars over `cps` subscribed to the four types and ACKed each."""
+    deadline = time.monotonic() + 600
+    n_acked = 0
+    while time.monotonic() < deadline:
+        n_acked = 0
+        for cp in cps:
+            with cp.sync.cond:
+                n_acked += sum(
+                    1
+                    for ns in cp.sync.nodes.values()
+                    if ns.connected
+                    and len(ns.types) == 4
+                    and all(ts.acked_version for ts in ns.types.values())
+                )
+        if n_acked >= m:
+            return
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"simulated clients exited: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.2)
+    raise RuntimeError(f"only {n_acked}/{m} simulated sidecars connected")
+
+
 def _client_errors(proc: subprocess.Popen) -> int:
     """Streams the simulated sidecar re-opened (the last `errors {...}` line it printed)."""
     lines = [x for x in (proc.stdout.read() if proc.stdout else "").splitlines() if x]
@@ -233,16 +241,21 @@ def _client_errors(proc: subprocess.Popen) -> int:
 
 
 def main(quick: bool = False) -> str:
+    from bench import xds_replicas
+
+    load0 = os.getloadavg()[0]
     changes = 20 if quick else 60
     sizes = (1, 4) if quick else (1, 4, 8)
     conv = [convergence(n, changes, debounce=0.0) for n in sizes]
     conv_db = convergence(sizes[-1], max(10, changes // 3), debounce=0.1)
     scales = [scale(m, 3 if quick else 5) for m in ((50, 200) if quick else (200, 1000, 2000))]
+    replicas = xds_replicas.run(quick)
     load = os.getloadavg()[0]
     lines = [
         "## xDS control plane (`xds_server`)",
         "",
-        f"Machine: {describe()}. Load average at the end: {load:.1f} (simulated sidecars and "
+        f"Machine: {describe()}. Load average at the start {load0:.1f}, at the end {load:.1f} "
+        "(simulated sidecars and "
         "control plane share the 2 cores, so absolute times are pessimistic).",
         "",
         f"Command: `python -m bench xds{' --quick' if quick else ''}`",
@@ -296,6 +309,8 @@ def main(quick: bool = False) -> str:
         "the ADS fan-out itself (one snapshot built once, serialized per stream). Client "
         "reconnects: streams the simulated sidecars re-opened during the connection storm "
         "(client-side gRPC errors under CPU starvation; they retry like Envoy).",
+        "",
+        *xds_replicas.section(replicas),
     ]
     return "\n".join(lines) + "\n"
 
