@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
             ttl=args.leader_ttl,
             info={"grpc": f"{args.grpc_host}:{cp.grpc_port}", "admin": admin.url},
             rollouts=lambda c, s: RolloutController(c, s, configured_sources(cp)),
-            slo=lambda c: SloLoops(c, scaler).start(),
+            slo=lambda c, memory: SloLoops(c, scaler, memory=memory).start(),
             on_work=in_metrics,
         ).start()
         admin.mounts["/slo"] = role.slo_handler()

@@ -23,13 +23,14 @@ halves the outlier detection thresholds (xds_server/resources/clusters.py `tight
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from xds_server import mesh as m
 from xds_server.gates import (
@@ -130,6 +131,15 @@ def lowest_priority_tenants(mesh: m.Mesh, service: str) -> tuple[str, ...]:
     return tuple(sorted(n for n, r in ranks.items() if r == worst))
 
 
+class SloMemory(Protocol):
+    """Where a loop's level, state and history outlive the process running it: the store, on
+    replicas (xds_server/store/leader.py StoreSlo), so the next leader continues the loop."""
+
+    def load(self, service: str) -> dict[str, Any] | None: ...
+
+    def save(self, service: str, doc: dict[str, Any]) -> None: ...
+
+
 class SloController:
     """One service's loop: `tick()` measures one interval, decides and acts. The control
     plane (`cp`) is what set_slo_state / add_endpoint / remove_endpoint are called on."""
@@ -142,8 +152,10 @@ class SloController:
         scaler: Scaler | None = None,
         read: Callable[[], Reading] | None = None,
         clock: Callable[[], float] = time.time,
+        memory: SloMemory | None = None,
     ) -> None:
         self.cp, self.service, self.scaler, self.clock = cp, service, scaler, clock
+        self.memory = memory
         self.slo: m.Slo = cp.mesh.services[service].slo
         self.plan = steps(self.slo)
         self.decide = Hysteresis(self.slo, len(self.plan))
@@ -155,6 +167,35 @@ class SloController:
         self._before: dict[str, dict[str, GrpcCounts]] = {}
         self._tick = threading.Lock()  # one interval at a time (a scale-out can take minutes)
         self._lock = threading.Lock()  # what status() reads: never held while acting
+        if memory is not None:
+            self._adopt(memory.load(service))
+
+    # -- memory (issue 15) -----------------------------------------------------------------------
+    def _objectives(self) -> Any:
+        return json.loads(json.dumps(asdict(self.slo)))  # tuples as JSON lists, as stored
+
+    def _adopt(self, doc: dict[str, Any] | None) -> None:
+        """The loop as the previous leader left it, when its objectives are these: without it
+        a new leader's first interval took back every action in force (level 0, no state)."""
+        if not doc or doc.get("slo") != self._objectives():
+            return
+        self.decide.level = max(0, min(int(doc.get("level", 0)), len(self.plan)))
+        st = doc.get("state") or {}
+        self.state = m.SloState(tuple(st.get("shed_tenants", ())),
+                                bool(st.get("outlier_tightened", False)))  # fmt: skip
+        self.replicas = [(str(v), str(e)) for v, e in doc.get("replicas", [])]
+        self.history.extend(doc.get("history", []))
+        in_force = ", ".join(self.plan[: self.decide.level]) or "nothing"
+        log.warning("slo %s: continuing at level %d (%s in force)", self.service,
+                    self.decide.level, in_force)  # fmt: skip
+
+    def _remember(self) -> None:
+        if self.memory is None:
+            return
+        self.memory.save(self.service, {
+            "slo": self._objectives(), "level": self.decide.level, "state": asdict(self.state),
+            "replicas": self.replicas, "history": list(self.history)[-20:],
+        })  # fmt: skip
 
     # -- measuring ------------------------------------------------------------------------------
     def _measure(self) -> Reading:
@@ -216,6 +257,8 @@ class SloController:
             elif step < 0:
                 action = self.plan[self.decide.level]
                 self._record(action, "undo", self._undo(action), what, dev)
+            if step:
+                self._remember()
             self._reassert()
             return last
 
@@ -318,8 +361,10 @@ class SloController:
             while self.replicas:
                 self._scale_in()
             self.state = m.SloState()
+            self.decide.level = 0
             if self.service in self.cp.mesh.services:
                 self.cp.set_slo_state(self.service, self.state)
+            self._remember()
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -346,8 +391,16 @@ class SloLoops:
     counts: a new block gets a loop, a removed one's actions are undone and its loop ends, a
     changed one starts over (its actions undone) with the new objectives."""
 
-    def __init__(self, cp: Any, scaler: Scaler | None = None, *, poll: float = 1.0) -> None:
-        self.cp, self.scaler, self.poll = cp, scaler, poll
+    def __init__(
+        self,
+        cp: Any,
+        scaler: Scaler | None = None,
+        *,
+        poll: float = 1.0,
+        memory: SloMemory | None = None,
+    ) -> None:
+        """`memory`: each loop's state kept beyond this object (the store, on replicas)."""
+        self.cp, self.scaler, self.poll, self.memory = cp, scaler, poll, memory
         self.loops: dict[str, SloController] = {}
         self._stops: dict[str, threading.Event] = {}
         self._stop = threading.Event()
@@ -369,7 +422,9 @@ class SloLoops:
                 log.warning("slo %s: slo block %s", name, "changed" if name in want else "removed")
                 loop.undo_all()
             for name in want.keys() - self.loops.keys():
-                self.loops[name] = SloController(self.cp, name, scaler=self.scaler)
+                self.loops[name] = SloController(
+                    self.cp, name, scaler=self.scaler, memory=self.memory
+                )
                 self._stops[name] = threading.Event()
                 if self._started:
                     self._run(name)

@@ -7,7 +7,8 @@ since starting a rollout controller re-applies each rollout's step and waits for
 never hold up the election's keep-alives. `FencedChanges` is the control plane as the leader's
 work sees it: each change it makes carries the term's fence, so a deposed leader's late write
 fails (Fenced) instead of landing. `StoreRollouts` keeps rollout state in the store
-(`rollouts/<service>`), fenced, so the next leader continues each rollout from its step.
+(`rollouts/<service>`), fenced, so the next leader continues each rollout from its step;
+`StoreSlo` does the same for each SLO loop's level and actions in force (`slo/<service>`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,30 @@ class StoreRollouts:
             ops.append(Put(key, wanted[key]) if key in wanted else Delete(key))
         rev = self.store.txn(checks, ops)
         self._revs = dict.fromkeys(wanted, rev)
+
+
+class StoreSlo:
+    """The SLO loops' level, state and history in the store (`slo/<service>`), written with the
+    fence (xds_server/slo.py SloMemory): the next leader continues each loop where it was."""
+
+    def __init__(self, store: Store, election: Election) -> None:
+        self.store, self.election = store, election
+        self._revs: dict[str, int] = {}
+
+    def load(self, service: str) -> dict[str, Any] | None:
+        entry = self.store.get(keys.slo(service))
+        self._revs[service] = entry.revision if entry else 0
+        try:
+            return entry.json() if entry else None
+        except ValueError:
+            log.error("%s: not JSON; the SLO loop starts over", keys.slo(service))
+            return None
+
+    def save(self, service: str, doc: dict[str, Any]) -> None:
+        """Raises Fenced/NotLeader once the term is over: nothing of a deposed leader lands."""
+        key = keys.slo(service)
+        checks = [self.election.fence().check(), Check(key, revision=self._revs.get(service, 0))]
+        self._revs[service] = self.store.txn(checks, [Put(key, encode(doc))])
 
 
 def import_rollouts(store: Store, path: str | Path) -> list[str]:

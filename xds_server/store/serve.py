@@ -14,7 +14,13 @@ from typing import Any
 
 from xds_server.store.base import Store, StoreError
 from xds_server.store.election import Election
-from xds_server.store.leader import FencedChanges, LeaderWork, StoreRollouts, rollouts_of
+from xds_server.store.leader import (
+    FencedChanges,
+    LeaderWork,
+    StoreRollouts,
+    StoreSlo,
+    rollouts_of,
+)
 
 Handler = Callable[..., tuple[int, Any]]
 
@@ -36,7 +42,7 @@ class ReplicaRole:
         ttl: float,
         info: dict[str, Any],
         rollouts: Callable[[Any, Any], Any],  # (control plane, rollout store) -> controller
-        slo: Callable[[Any], Any],  # control plane -> started SloLoops
+        slo: Callable[[Any, Any], Any],  # (control plane, SLO memory) -> started SloLoops
         on_work: Callable[[Any, Any], None] = lambda rollouts, slo: None,
     ) -> None:
         """`on_work(controller, loops)` when this replica takes office, (None, None) when it
@@ -49,7 +55,7 @@ class ReplicaRole:
         def start() -> tuple[Any, Any]:
             changes = FencedChanges(cp, self.election)
             controller = rollouts(changes, StoreRollouts(store, self.election))
-            loops = slo(changes)
+            loops = slo(changes, StoreSlo(store, self.election))
             on_work(controller, loops)
             return controller, loops
 
