@@ -78,6 +78,8 @@ def mesh(smollm_int4) -> Iterator[Mesh]:
             "llm": {
                 "versions": {v: {"endpoints": [f"127.0.0.1:{p}"]} for v, p in ports.items()},
                 "route": {"weights": {"v1": 100, "v2": 0}},
+                # Far below any completion's time: it must not reach the HTTP API's calls.
+                "retry_policy": {"retry_on": "connect-failure", "per_try_timeout": "50ms"},
             }
         },
         "tenants": tenants,
@@ -201,3 +203,12 @@ def test_gates_count_an_http_5xx(mesh: Mesh, acme: openai.OpenAI) -> None:
     assert got.total == 2 and got.by_status.get(HTTP_5XX) == 1 and got.server_faults == 1
     verdict = evaluate(Gates(grpc_success_rate_min=99.0, min_requests=2), got, None)
     assert verdict.outcome == FAIL and "50.00%" in verdict.reason
+
+
+def test_a_completion_longer_than_the_per_try_timeout_is_not_cut(mesh: Mesh, acme) -> None:
+    """A completion without `stream` sends its headers with the whole answer; the service's
+    per_try_timeout (50 ms here) would cut it (504) and a retry would run it again."""
+    r = acme.chat.completions.create(
+        model=mesh.model, messages=QUESTION, temperature=0, max_tokens=20
+    )
+    assert r.choices[0].message.content == ANSWER

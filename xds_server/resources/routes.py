@@ -49,14 +49,28 @@ def _service_vhost(mesh: m.Mesh, svc: m.Service) -> rc.VirtualHost:
     stable, canary = stable_and_canary(mesh, svc)
     if svc.stall is not None:
         routes += _version_pins(svc, {stable, canary} - {None})
+    if svc.stall is not None or (svc.retry_policy and svc.retry_policy.per_try_timeout):
+        # The OpenAI HTTP API (issue 17): a completion without `stream` sends its headers with
+        # the whole answer, so a per-try (idle) timeout would cut every long one and run it
+        # again; its calls get the same split and retries without per-try limits. No retry
+        # follows response headers, so a streamed answer is never sent twice.
+        routes += _split_routes(svc, stable, canary, OPENAI_PREFIX)
+    return _vhost(svc, [*routes, *_split_routes(svc, stable, canary, "/")])
+
+
+def _split_routes(svc: m.Service, stable: str, canary: str | None, prefix: str) -> list[rc.Route]:
+    """The `x-canary: always|never` pins, then the weighted split, for paths under `prefix`."""
+    per_try = prefix == "/"
+    suffix = "" if per_try else "-openai"
+    routes = []
     if canary is not None:
         # Header pins before the weighted split: `x-canary: always|never`.
         for value, version in (("always", canary), ("never", stable)):
             routes.append(
                 rc.Route(
-                    name=f"{svc.name}-canary-{value}",
+                    name=f"{svc.name}-canary-{value}{suffix}",
                     match=rc.RouteMatch(
-                        prefix="/",
+                        prefix=prefix,
                         headers=[
                             rc.HeaderMatcher(
                                 name=svc.route.canary_header,
@@ -64,7 +78,9 @@ def _service_vhost(mesh: m.Mesh, svc: m.Service) -> rc.VirtualHost:
                             )
                         ],
                     ),
-                    route=_action(svc, cluster=names.outbound_cluster(svc.name, version)),
+                    route=_action(
+                        svc, cluster=names.outbound_cluster(svc.name, version), per_try=per_try
+                    ),
                     response_headers_to_add=_served_by(svc, version),
                 )
             )
@@ -83,11 +99,15 @@ def _service_vhost(mesh: m.Mesh, svc: m.Service) -> rc.VirtualHost:
     )
     routes.append(
         rc.Route(
-            name=f"{svc.name}-weighted",
-            match=rc.RouteMatch(prefix="/"),
-            route=_action(svc, weighted=weighted),
+            name=f"{svc.name}-weighted{suffix}",
+            match=rc.RouteMatch(prefix=prefix),
+            route=_action(svc, weighted=weighted, per_try=per_try),
         )
     )
+    return routes
+
+
+def _vhost(svc: m.Service, routes: list[rc.Route]) -> rc.VirtualHost:
     # gRPC clients put the service name (maybe with a port) in :authority.
     vhost = rc.VirtualHost(name=svc.name, domains=[svc.name, f"{svc.name}:*"], routes=routes)
     if svc.stall is not None:
@@ -206,7 +226,9 @@ def _action(
     cluster: str | None = None,
     weighted: rc.WeightedCluster | None = None,
     retries: bool = True,
+    per_try: bool = True,
 ) -> rc.RouteAction:
+    """`per_try`: the retry policy's per-try timeouts (and the stall's idle one) apply."""
     a = rc.RouteAction(
         # 0 disables the 15 s default route timeout, which would cut token streams.
         timeout=duration(0),
@@ -229,7 +251,7 @@ def _action(
     policy = svc.retry_policy or (m.RetryPolicy() if svc.stall else None)
     if retries and policy:
         rp = rc.RetryPolicy(retry_on=policy.retry_on, num_retries=u32(policy.num_retries))
-        if policy.per_try_timeout is not None:
+        if policy.per_try_timeout is not None and per_try:
             rp.per_try_timeout.CopyFrom(duration(policy.per_try_timeout))
         # A retry goes to another host: the one that failed is likely still down (concurrent
         # calls share the load balancer's turn, so without this a retry often gets it again).
@@ -240,7 +262,7 @@ def _action(
             )
         )
         rp.host_selection_retry_max_attempts = 5
-        if svc.stall is not None:
+        if svc.stall is not None and per_try:
             _stall_retries(rp, svc.stall)
         a.retry_policy.CopyFrom(rp)
     return a
