@@ -30,6 +30,11 @@ def launch_replicas(args: argparse.Namespace, stride: int) -> int:
     if not (args.store or "").startswith("etcd://"):
         return _usage("--replicas needs --store etcd://HOST:PORT,... (replicas share their state "
                       "through etcd; `meshlm etcd` starts a local one)")  # fmt: skip
+    if args.isolation_store or args.rollout_store:
+        # One file written by several processes keeps only the last writer's (each replica's
+        # default is its own: .meshlm/isolation-<id>.json; rollouts live in the store).
+        return _usage("--replicas: --isolation-store and --rollout-store name one file for "
+                      "every replica; leave them out")  # fmt: skip
     try:
         grpc_port, admin_port = _first_ports(args)
     except (OSError, ValueError) as e:

@@ -153,6 +153,12 @@ def test_replicas_need_an_etcd_store_and_free_ca_ports():
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 2 and "fixes control_plane.ca_port/ca_mtls_port" in r.stderr, r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "meshlm.cli", "xds-server", "--mesh", "examples/mesh.yaml",
+         "--store", "etcd://127.0.0.1:1", "--replicas", "2", "--isolation-store", "q.json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "name one file for every replica" in r.stderr, r.stderr
 
 
 def test_meshlm_etcd_names_a_port_in_use(tmp_path):
