@@ -10,8 +10,9 @@ Read from the mesh file's `tenants:` mapping (and an optional top-level `roles:`
       free: {key_sha256: ["<new hex>", "<old hex>"], roles: [reader], allow: ["llm/Generate"]}
 
 Allow patterns are `service/method` globs (`*` is the only wildcard); methods are the gRPC
-method names of `/meshlm.inference.v1.Inference/<Method>`, and no rule matches any other path
-(`llm/*` is neither llm's health checks nor another gRPC service on its sidecar). A list of key
+method names of `/meshlm.inference.v1.Inference/<Method>` (the OpenAI HTTP paths count as the
+method they run, OPENAI_PATHS), and no rule matches any other path (`llm/*` is neither llm's
+health checks nor another gRPC service on its sidecar). A list of key
 hashes lets a tenant rotate keys: add the new hash, move clients, then drop the old one.
 Plaintext keys never enter the policy, the filter's configuration or a log line; `hash_key`
 turns a key into its hash.
