@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import socket
 import sys
 from collections.abc import Callable
@@ -16,6 +17,13 @@ def _hostport(value: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
     return host, int(port)
+
+
+def _ip(value: str) -> str:
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an IP address, got {value!r}") from None
 
 
 def _hostports(value: str) -> list[tuple[str, int]]:
@@ -48,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "HOST:PORT (meshlm serve --http-port); the inbound listener routes /v1/ "
                    "there, with the same authz (default: none, /v1/ goes nowhere)")  # fmt: skip
     p.add_argument("--outbound-port", type=int, help="listener for calls to mesh services")
+    p.add_argument("--listen-host", type=_ip, default="127.0.0.1", help="IP address the "
+                   "listeners bind (0.0.0.0: reachable from other hosts or pods)")  # fmt: skip
     p.add_argument("--admin-port", type=int, default=0, help="Envoy admin, loopback only")
     p.add_argument("--delta", action="store_true", help="incremental xDS (DELTA_GRPC)")
     p.add_argument("--concurrency", type=int, default=1, help="Envoy worker threads")
@@ -148,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
             outbound_port=args.outbound_port,
             local_endpoint=args.local_endpoint,
             local_http_endpoint=args.local_http_endpoint,
+            listen_host=args.listen_host,
             api_type="DELTA_GRPC" if args.delta else "GRPC",
             admin_port=admin_port,
         )

@@ -27,6 +27,7 @@ def ads_bootstrap(
     outbound_port: int | None = None,
     local_endpoint: str | None = None,
     local_http_endpoint: str | None = None,
+    listen_host: str | None = None,
     api_type: str = "GRPC",
     admin_port: int = 0,
     cluster: str = "meshlm",
@@ -39,6 +40,8 @@ def ads_bootstrap(
     runtime's OpenAI HTTP API (`meshlm serve --http-port`), routed on /v1/. `xds_address` may
     list every control-plane replica (issue 15): the xds cluster then has one endpoint each,
     and when the stream's replica dies Envoy's reconnect goes to one that answers.
+    `listen_host`: the IP address the sidecar's listeners bind (default 127.0.0.1; a pod's
+    sidecar that other pods call binds 0.0.0.0).
     """
     if api_type not in ("GRPC", "DELTA_GRPC"):
         raise ValueError(f"api_type: expected GRPC or DELTA_GRPC, got {api_type!r}")
@@ -52,6 +55,7 @@ def ads_bootstrap(
         ("meshlm.outbound_port", outbound_port),
         ("meshlm.local_endpoint", local_endpoint),
         ("meshlm.local_http_endpoint", local_http_endpoint),
+        ("meshlm.listen_host", listen_host),
     ):
         if value is not None:
             metadata[key] = value
