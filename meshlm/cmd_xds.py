@@ -92,8 +92,9 @@ def run(args: argparse.Namespace) -> int:
     grpc_port = mesh.control_plane.grpc_port if args.grpc_port is None else args.grpc_port
     admin_port = mesh.control_plane.admin_port if args.admin_port is None else args.admin_port
     replica_id = args.replica_id or default_replica_id(grpc_port)
-    # Replicas beside one mesh file keep their own local state (quarantines, join tokens): one
-    # file written by several processes would keep only the last writer's.
+    # Replicas beside one mesh file keep their own local state (join tokens; quarantines are
+    # shared through the store, the file is unused then): one file written by several
+    # processes would keep only the last writer's.
     own = f"-{replica_id}" if args.store else ""
     state = Path(args.mesh).resolve().parent / ".meshlm"
     isolation = args.isolation_store or state / f"isolation{own}.json"

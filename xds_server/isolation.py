@@ -99,7 +99,17 @@ class Isolation:
         self._windows: dict[str, OrderedDict[str, Window]] = {}
         self._tripped: dict[tuple[str, str], Tripped] = {}
         self.changed = threading.Event()  # the routes need a push
+        self._shared: SharedQuarantine | None = None
         self._load()
+
+    def share(self, shared: SharedQuarantine) -> None:
+        """Replicas (issue 15): quarantine decisions go to the store and come from it, so a
+        class tripped by one replica's callers is quarantined at every replica's sidecars.
+        The store's quarantines replace this replica's own file's."""
+        with self._lock:
+            self._tripped = {}
+            self._shared = shared
+        self.sync()
 
     # -- outcomes -------------------------------------------------------------------------------
     def observe(
@@ -140,7 +150,7 @@ class Isolation:
             )
             t = Tripped(service, key, "open", now, why, cfg.cooldown, now + cfg.cooldown)
             self._tripped[(service, key)] = t
-            self._saved_locked()
+            self._saved_locked(t)
         log.warning("isolation: class %s of %s quarantined: %s", key, service, why)
         self.changed.set()
         return "trip"
@@ -167,23 +177,59 @@ class Isolation:
             event = "release"
             log.warning("isolation: class %s of %s released after %d good probes",
                         t.key, t.service, t.probe_ok)  # fmt: skip
-        self._saved_locked()
+        self._saved_locked(t)
         self.changed.set()
         return event
 
     def tick(self) -> bool:
-        """Cooldowns that ended go half-open; True when that changed a route."""
+        """Cooldowns that ended go half-open; the store's decisions come in (replicas); True
+        when that changed a route."""
         now = self._clock()
         with self._lock:
             due = [t for t in self._tripped.values() if t.state == "open" and t.reopen_at <= now]
             for t in due:
                 t.state, t.probe_ok = "half_open", 0
                 log.info("isolation: class %s of %s half-open", t.key, t.service)
-            if due:
-                self._saved_locked()
+                self._saved_locked(t)
         if due:
             self.changed.set()
-        return bool(due)
+        return self.sync() or bool(due)
+
+    def sync(self) -> bool:
+        """Replicas: write this replica's decisions to the store, take the others'; True when
+        the quarantines changed here. A store that does not answer is tried again next tick."""
+        shared = self._shared
+        if shared is None:
+            return False
+        with self._lock:
+            dirty = {k: _copy(self._tripped.get(k)) for k in shared.dirty}
+            shared.dirty.clear()
+        try:
+            stored = shared.exchange(dirty)
+        except Exception as e:  # StoreError: kept dirty, retried; the routes stay as they are
+            with self._lock:
+                shared.dirty |= dirty.keys()
+            if str(e) != shared.error:  # once per outage, not every tick
+                log.warning("isolation: state store: %s; quarantines kept as they are", e)
+            shared.error = str(e)
+            return False
+        shared.error = ""
+        with self._lock:
+            for k in shared.dirty:  # changed here meanwhile: ours goes out next time
+                stored.pop(k, None)
+            mine = {k: t for k, t in self._tripped.items() if k not in shared.dirty}
+            if {k: _decision(t) for k, t in mine.items()} == {
+                k: _decision(t) for k, t in stored.items()
+            }:
+                return False
+            for k in mine.keys() - stored.keys():
+                del self._tripped[k]
+            for k, t in stored.items():
+                old = self._tripped.get(k)
+                t.applied = old.applied if old is not None and old.state == t.state else ""
+                self._tripped[k] = t
+        self.changed.set()
+        return True
 
     # -- operator -------------------------------------------------------------------------------
     def release(self, service: str, key: str) -> dict[str, Any]:
@@ -193,7 +239,7 @@ class Isolation:
             if t is None:
                 raise IsolationError(f"{service}: class {key} is not quarantined", 404)
             self._windows.get(service, OrderedDict()).pop(key, None)
-            self._saved_locked()
+            self._saved_locked(t)
         log.warning("isolation: class %s of %s released by hand", key, service)
         self.changed.set()
         return {"service": service, "key": key, "state": "released"}
@@ -209,7 +255,7 @@ class Isolation:
                 self._tripped[(service, key)] = t
             elif t.state != "pinned":
                 t.state, t.why = "pinned", f"pinned by hand (was: {t.why})"
-            self._saved_locked()
+            self._saved_locked(t)
             out = t.to_json()
         log.warning("isolation: class %s of %s pinned by hand", key, service)
         self.changed.set()
@@ -294,7 +340,10 @@ class Isolation:
         return {}
 
     # -- persistence ----------------------------------------------------------------------------
-    def _saved_locked(self) -> None:
+    def _saved_locked(self, changed: Tripped) -> None:
+        if self._shared is not None:
+            self._shared.dirty.add((changed.service, changed.key))
+            return
         if self._store is None:
             return
         doc = {
@@ -329,6 +378,59 @@ class Isolation:
         if self._tripped:
             log.warning("isolation: %d quarantined classes restored from %s",
                         len(self._tripped), self._store)  # fmt: skip
+
+
+class SharedQuarantine:
+    """The quarantined classes of every replica in a store (issue 15): one key per class
+    (`isolation/<service>/<key>`, a Tripped), each written only over the revision this replica
+    last read, so two replicas deciding about one class at once never overwrite each other: the
+    later one takes the stored decision instead."""
+
+    def __init__(self, store: Any) -> None:  # xds_server.store.Store
+        from xds_server.store import keys
+
+        self.store, self._keys = store, keys
+        self.dirty: set[tuple[str, str]] = set()  # changed here, not yet written
+        self.error = ""  # the store's last error, "" once it answers
+        self._revs: dict[tuple[str, str], int] = {}
+
+    def exchange(self, changes: dict[tuple[str, str], Tripped | None]) -> dict:
+        """Write `changes` (None: released), each over the revision last read (a conflict
+        drops ours), then read them all: {(service, key): Tripped}."""
+        from xds_server.store.base import Check, Conflict, Delete, Put, encode
+
+        for (service, key), t in changes.items():
+            k = self._keys.quarantine(service, key)
+            op = Delete(k) if t is None else Put(k, encode(_decision(t)))
+            try:
+                self.store.txn([Check(k, revision=self._revs.get((service, key), 0))], [op])
+            except Conflict:
+                log.info("isolation: class %s of %s was decided by another replica first",
+                         key, service)  # fmt: skip
+        entries, _ = self.store.list(self._keys.QUARANTINE)
+        fields = {f.name for f in dataclasses.fields(Tripped)}
+        out, revs = {}, {}
+        for e in entries:
+            try:
+                t = Tripped(**{k: v for k, v in e.json().items() if k in fields})
+            except (TypeError, ValueError, AttributeError):
+                log.error("isolation: %s: not a quarantined class; ignored", e.key)
+                continue
+            out[(t.service, t.key)] = t
+            revs[(t.service, t.key)] = e.revision
+        self._revs = revs
+        return out
+
+
+def _decision(t: Tripped) -> dict[str, Any]:
+    """What replicas share about a class: all but `applied` (each replica's own push)."""
+    d = dataclasses.asdict(t)
+    del d["applied"]
+    return d
+
+
+def _copy(t: Tripped | None) -> Tripped | None:
+    return None if t is None else dataclasses.replace(t)
 
 
 def _iso(ts: float) -> str:

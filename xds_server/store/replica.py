@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from xds_server import mesh as m
+from xds_server.isolation import SharedQuarantine
 from xds_server.mesh.model import parse_endpoint
 from xds_server.store import keys
 from xds_server.store.base import (
@@ -128,6 +129,8 @@ class Replication:
         self._cp = cp
         self._seed()
         self.reload()
+        # Quarantines are decided by any replica from its sidecars' access logs and shared.
+        cp.isolation.share(SharedQuarantine(self.store))
         for target, name in ((self._follow, "watch"), (self._publish, "acks")):
             t = threading.Thread(target=target, name=f"replica-{name}", daemon=True)
             t.start()
