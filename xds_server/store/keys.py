@@ -7,8 +7,9 @@ Desired state, written by whichever replica took the admin call (revision-checke
                              added, the SLO actions in force (what ControlPlane._change makes)
 Leader-only (fenced) state:
   rollouts/<service>         one rollout (xds_server/rollout.py Rollout.to_dict())
-  isolation/<service>/<key>  one quarantined request class (xds_server/isolation.py Tripped)
   slo/<service>              one SLO loop: level, state, replicas it started, history
+Decided by any replica from its sidecars' access logs, each key revision-checked:
+  isolation/<service>/<key>  one quarantined request class (xds_server/isolation.py Tripped)
 Shared by every replica:
   identity/ca                the mesh CA's state (roots and their keys: etcd needs TLS + auth)
   identity/join-tokens       join token hashes and what each may enroll
