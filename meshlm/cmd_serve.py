@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = None
     if args.metrics_port is not None:
         try:
-            metrics = MetricsServer(runtime.telemetry, args.metrics_port)
+            metrics = MetricsServer(runtime.telemetry, args.metrics_port, records=runtime.records)
         except OSError as e:
             runtime.shutdown(0)
             why = (e.strerror or str(e)).lower()

@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from model_runtime.faults import Faults
 from model_runtime.orca import OrcaService
+from model_runtime.records import Records
 from model_runtime.telemetry import Telemetry
 from schemas import codec
 from schemas.codec import ErrorInfo, Limits, WireError
@@ -90,8 +91,10 @@ class InferenceService:
         faults: Faults | None = None,
         limits: Limits | None = None,
         replica_id: str = "",
+        records: Records | None = None,
     ) -> None:
         self.loaded, self.engine = loaded, engine
+        self.records = records  # greedy calls' outputs by request id (issue 18)
         self.replica_id = replica_id
         self.telemetry = telemetry
         self.faults = faults or Faults()
@@ -249,14 +252,25 @@ class InferenceService:
             raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except ValueError as e:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        stats["token_ids"] = []
         try:
             yield from self._stream(
                 rid, reply_id, context, events, started, stats, req.resume_index, ended
             )
+            self._record(req, md, params, stats)
         finally:
             # Frees the request's KV blocks at once if it is still running (cancel, deadline,
             # drain past the grace period); a no-op for a finished request.
             self.engine.cancel(rid)
+
+    def _record(self, req: Any, md: dict[str, Any], params: Any, stats: dict[str, Any]) -> None:
+        """Keep a greedy, complete, non-resumed answer under its request id (records.py)."""
+        if self.records is None or params.temperature > 0 or params.resume_ids:
+            return
+        if stats.get("finish") not in ("stop", "length"):
+            return
+        key = req.request_id or str(md.get("x-request-id", ""))
+        self.records.add(key, params.prompt_ids, stats["token_ids"], stats["finish"])
 
     def _stream(
         self,
@@ -290,6 +304,7 @@ class InferenceService:
             now = time.monotonic()
             if ev.token_ids:
                 tokens += len(ev.token_ids)
+                stats["token_ids"].extend(ev.token_ids)
                 if first_at is None:
                     first_at = now
                     stats["ttft"] = now - started
@@ -334,6 +349,7 @@ class InferenceService:
                 return
             if ev.finish_reason is None:
                 continue
+            stats["finish"] = ev.finish_reason
             if tokens > 1 and first_at is not None and last_at is not None:
                 stats["tpot"] = (last_at - first_at) / (tokens - 1)
             if ev.finish_reason == "error":
@@ -372,6 +388,7 @@ class Runtime:
         replica_id: str | None = None,
     ) -> None:
         self.telemetry = telemetry or Telemetry()
+        self.records = Records()  # served on the metrics port (records.py)
         self.faults = faults
         self.limits = limits
         self.service: InferenceService | None = None
@@ -430,7 +447,9 @@ class Runtime:
             faults=self.faults,
             limits=self.limits,
             replica_id=self.replica_id,
+            records=self.records,
         )
+        self.records.model = loaded.model
         self.telemetry.engine_stats = engine.stats
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on %s", loaded.info.version, self.target)

@@ -255,7 +255,11 @@ class MetricsServer:
     """`GET /metrics` (Prometheus text) and `GET /metrics.json` on loopback; a thread of its
     own. Use as a context manager or stop()."""
 
-    def __init__(self, telemetry: Telemetry, port: int = 0, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, telemetry: Telemetry, port: int = 0, host: str = "127.0.0.1", records: Any = None
+    ) -> None:
+        # records (model_runtime/records.py): GET /records and /score, for the quality gate
+        queried = {"/records", "/score"} if records is not None else set()
         pages = {
             "/metrics": (CONTENT_TYPE, telemetry.prom.exposition),
             "/metrics.json": (
@@ -266,7 +270,16 @@ class MetricsServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                page = pages.get(self.path.split("?")[0])
+                path, _, query = self.path.partition("?")
+                if path in queried:
+                    status, body = records.page(path, query)
+                    self.send_response(status)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                page = pages.get(path)
                 if page is None:
                     self.send_error(404, "only /metrics and /metrics.json live here")
                     return

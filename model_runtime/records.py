@@ -1,0 +1,143 @@
+"""What greedy calls produced, per request id, for the quality-gated canary (issue 18).
+
+A bounded LRU: request id -> the prompt's token ids (kept in memory only, never served) and the
+generated token ids. The control plane joins the stable's and the canary's records by id and asks
+the canary to score the stable's tokens (teacher-forced log-probabilities: one prefill), so the
+prompt never leaves the runtime. Only greedy (temperature 0), complete, non-resumed calls are
+recorded: a sampled or partial answer says nothing about agreement.
+
+The key is the call's body `request_id` (a mirrored call carries the same body, and a replay sets
+it), else the `x-request-id` header Envoy sends (and copies to a mirror's shadow).
+
+Served on the runtime's loopback metrics port (model_runtime/telemetry.py MetricsServer):
+    GET /records?ids=a,b        {"records": {id: {"token_ids": [...], "finish_reason": ...}}}
+    GET /score?request_id=a&token_ids=1,2,3   {"logprobs": [...], "argmax": [...]}
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs
+
+DEFAULT_CAPACITY = 1024
+MAX_IDS = 256  # ids per /records query
+MAX_SCORE_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class Record:
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    finish_reason: str
+
+
+class Records:
+    """Thread-safe; `model` (set once a model serves) scores continuations."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < 1:
+            raise ValueError(f"records capacity: expected >= 1, got {capacity}")
+        self.capacity = capacity
+        self.model: Any = None
+        self._lock = threading.Lock()
+        self._items: OrderedDict[str, Record] = OrderedDict()
+
+    def add(
+        self, request_id: str, prompt_ids: list[int], token_ids: list[int], finish: str
+    ) -> None:
+        if not request_id:
+            return
+        rec = Record(tuple(prompt_ids), tuple(token_ids), finish)
+        with self._lock:
+            self._items[request_id] = rec
+            self._items.move_to_end(request_id)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def get(self, request_id: str) -> Record | None:
+        with self._lock:
+            return self._items.get(request_id)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    def score(self, request_id: str, token_ids: list[int]) -> dict[str, list]:
+        """Log-probabilities of `token_ids` after the prompt recorded under `request_id`, and the
+        model's own greedy choice at each position (both teacher-forced, one forward pass)."""
+        rec = self.get(request_id)
+        if rec is None:
+            raise KeyError(request_id)
+        if self.model is None:
+            raise RuntimeError("no model is serving yet")
+        return teacher_forced(self.model, list(rec.prompt_ids), token_ids)
+
+    # --- the HTTP pages (GET only, loopback) ------------------------------------------------
+
+    def page(self, path: str, query: str) -> tuple[int, bytes]:
+        """(HTTP status, JSON body) for /records and /score; bad input answers 400 naming it."""
+        q = parse_qs(query)
+        try:
+            if path == "/records":
+                ids = [i for v in q.get("ids", []) for i in v.split(",") if i]
+                if not ids:
+                    return _err(400, "ids: expected ?ids=ID[,ID...]")
+                if len(ids) > MAX_IDS:
+                    return _err(400, f"ids: at most {MAX_IDS} per query, got {len(ids)}")
+                out = {}
+                for i in ids:
+                    rec = self.get(i)
+                    if rec is not None:
+                        out[i] = {
+                            "token_ids": list(rec.token_ids),
+                            "finish_reason": rec.finish_reason,
+                        }
+                return 200, json.dumps({"records": out}).encode()
+            # /score
+            rid = (q.get("request_id") or [""])[0]
+            if not rid:
+                return _err(400, "request_id: expected ?request_id=ID")
+            tokens = _token_ids((q.get("token_ids") or [""])[0])
+            vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+            if vocab is not None and any(t >= vocab for t in tokens):
+                return _err(400, f"token_ids: every id must be < the vocabulary size {vocab}")
+            try:
+                return 200, json.dumps(self.score(rid, tokens)).encode()
+            except KeyError:
+                return _err(404, f"request_id: no record of {rid!r} (greedy calls only; LRU)")
+        except ValueError as e:
+            return _err(400, str(e))
+
+
+def _token_ids(raw: str) -> list[int]:
+    try:
+        ids = [int(t) for t in raw.split(",") if t != ""]
+    except ValueError:
+        raise ValueError(
+            f"token_ids: expected comma-separated integers, got {raw[:40]!r}"
+        ) from None
+    if not ids or len(ids) > MAX_SCORE_TOKENS or any(t < 0 for t in ids):
+        raise ValueError(f"token_ids: expected 1..{MAX_SCORE_TOKENS} ids >= 0")
+    return ids
+
+
+def _err(status: int, message: str) -> tuple[int, bytes]:
+    return status, json.dumps({"error": message}).encode()
+
+
+def teacher_forced(model: Any, prompt_ids: list[int], token_ids: list[int]) -> dict[str, list]:
+    """One prefill of prompt + continuation: each continuation token's log-probability and the
+    argmax the model would have chosen there. Outside the engine (no KV cache, no slot)."""
+    import torch
+
+    with torch.inference_mode():
+        x = torch.tensor([prompt_ids + token_ids], device=model.device)
+        logits = model(x, all_logits=True)[0, len(prompt_ids) - 1 : -1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        target = torch.tensor(token_ids, device=logp.device)
+        chosen = logp.gather(1, target.view(-1, 1)).view(-1)
+        return {"logprobs": chosen.tolist(), "argmax": logp.argmax(dim=-1).tolist()}

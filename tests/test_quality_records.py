@@ -1,0 +1,86 @@
+"""The runtime's per-request records (issue 18): a greedy call's token ids by request id on the
+metrics port, teacher-forced scoring of a given continuation, sampled calls not kept, the LRU
+bound, and bad queries answered 400 naming the field. A real runtime over real gRPC."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from model_runtime.client import Client
+from model_runtime.records import Records
+from model_runtime.telemetry import MetricsServer
+from tests.runtime_fixtures import serving_runtime
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
+
+
+@pytest.fixture(scope="module")
+def served(smollm_int4) -> Iterator[tuple[str, Client]]:
+    rt = serving_runtime(smollm_int4)
+    try:
+        with MetricsServer(rt.telemetry, records=rt.records) as m, Client(rt.target) as c:
+            yield f"http://127.0.0.1:{m.port}", c
+    finally:
+        rt.shutdown(grace=5)
+
+
+def _get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _tokens(c: Client, rid: str, **kw) -> list[int]:
+    chunks = c.generate(messages=MESSAGES, max_new_tokens=6, request_id=rid, **kw)
+    return [t for ch in chunks for t in ch.token_ids]
+
+
+def test_a_greedy_call_is_recorded_by_request_id_and_scored(served) -> None:
+    url, c = served
+    got = _tokens(c, "greedy-1")
+    status, body = _get(f"{url}/records?ids=greedy-1,unknown")
+    assert status == 200
+    assert body["records"] == {"greedy-1": {"token_ids": got, "finish_reason": "length"}}
+    ids = ",".join(map(str, got))
+    status, score = _get(f"{url}/score?request_id=greedy-1&token_ids={ids}")
+    assert status == 200
+    # teacher-forced on its own greedy answer: the model's argmax is that answer
+    assert score["argmax"] == got
+    assert len(score["logprobs"]) == len(got) and all(lp <= 0 for lp in score["logprobs"])
+
+
+def test_a_sampled_call_is_not_recorded(served) -> None:
+    url, c = served
+    _tokens(c, "sampled-1", temperature=0.8, seed=3)
+    assert _get(f"{url}/records?ids=sampled-1") == (200, {"records": {}})
+
+
+def test_bad_queries_answer_400_naming_the_field(served) -> None:
+    url, c = served
+    _tokens(c, "greedy-2")
+    for query, field in [
+        ("/records", "ids"),
+        ("/score?token_ids=1", "request_id"),
+        ("/score?request_id=greedy-2&token_ids=a,b", "token_ids"),
+        ("/score?request_id=greedy-2&token_ids=99999999", "token_ids"),
+    ]:
+        status, body = _get(url + query)
+        assert status == 400, query
+        assert body["error"].startswith(field + ":"), body
+    status, body = _get(f"{url}/score?request_id=nobody&token_ids=1")
+    assert status == 404 and body["error"].startswith("request_id:")
+
+
+def test_records_keep_the_most_recent_up_to_their_capacity() -> None:
+    r = Records(capacity=2)
+    for i in range(3):
+        r.add(f"id{i}", [1], [i], "stop")
+    r.add("id3", [1], [3], "stop")
+    assert [k for k in ("id0", "id1", "id2", "id3") if r.get(k)] == ["id2", "id3"]
