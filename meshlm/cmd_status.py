@@ -9,6 +9,7 @@ import json
 import sys
 from typing import Any
 
+from meshlm import status_csds
 from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
 from meshlm.watch import add_watch_argument, watch
 
@@ -19,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_admin_client_arguments(p, token=False)  # reads only: no token
     p.add_argument("--json", action="store_true", help="print the raw /debug/syncz JSON")
     add_watch_argument(p)
+    status_csds.add_arguments(p)
 
 
 def _get(admin: AdminClient, path: str) -> Any:
@@ -31,6 +33,8 @@ def _get(admin: AdminClient, path: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.csds:  # CSDS on the ADS port instead of the admin API (issue 16)
+        return watch(lambda: status_csds.show(args), args.watch)
     try:
         admin = AdminClient.from_args(args)
     except AdminError as e:

@@ -27,7 +27,7 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from sidecar.loop_thread import LoopThread
-from xds_server import accesslog, health, membership, ratelimit
+from xds_server import accesslog, csds, health, membership, ratelimit
 from xds_server import mesh as m
 from xds_server.ads import AdsServicer
 from xds_server.cache import SnapshotCache
@@ -132,6 +132,7 @@ class ControlPlane:
         self._rls = ratelimit.RateLimitServicer(lambda: self.cache.mesh, trust_domain=td)
         self._als = accesslog.AccessLogServicer(self.isolation)
         self._health = health.HealthServicer(lambda: self.serving)  # grpc.health.v1 (issue 16)
+        self._csds = csds.CsdsServicer(self.cache, self.sync)  # proxy-status (issue 16)
         self._tls_served: tuple[bytes, bytes] = (b"", b"")  # chain, trust bundle
         self._tls_renewer: asyncio.Task | None = None
         self._mutate = threading.Lock()
@@ -236,6 +237,7 @@ class ControlPlane:
         ratelimit.add_to_server(server, self._rls)
         accesslog.add_to_server(server, self._als)
         health.add_to_server(server, self._health)
+        csds.add_to_server(server, self._csds)
         address = f"{host}:{port}"
         try:
             if self.ads_mtls:
