@@ -9,6 +9,9 @@ constructor arguments:
   (docs/ARCHITECTURE.md). The OpenAI HTTP API (issue 17) shares the version's cluster: its
   calls are the cluster's completed upstream requests beyond the gRPC calls, its faults the
   cluster's `upstream_rq_5xx` (see `parse_http_stats`).
+- `PrometheusSource`: with `gates.provider.prometheus` in the spec, the gates are PromQL queries
+  to that server instead (issue 16; Flagger's and Argo's Prometheus provider), judged by
+  `evaluate_metrics`: one host's loopback polling no longer bounds the mesh.
 - `RuntimeMetricsSource`: the canary runtime's loopback `GET /metrics.json`. A gate reads the
   TTFT/TPOT p99 of exactly its analysis interval: one `snapshot()` of the runtime's cumulative
   histograms at the interval's start, one at its end, the percentile of the difference (as
@@ -28,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from xds_server.liveness import GrpcHealthSource
-from xds_server.rollout_spec import Gates
+from xds_server.promql import QueryError, duration, render, single_value
+from xds_server.rollout_spec import Gates, PrometheusProvider, RolloutSpec
 from xds_server.source_url import url_problem
 
 
@@ -251,6 +255,9 @@ def _get_json(url: str, timeout: float) -> Any:
                 f"{url}: answered Prometheus text, not JSON (a runtime's JSON is at /metrics.json)"
             )
         return json.loads(body)
+    except urllib.error.HTTPError as e:  # its body says why (Prometheus: a JSON error)
+        why = e.read(1000).decode("utf-8", "replace").strip() if e.fp else ""
+        raise MeasurementError(f"{url}: {e}{': ' + why if why else ''}") from e
     except (OSError, urllib.error.URLError, ValueError) as e:
         raise MeasurementError(f"{url}: {e}") from e
 
@@ -403,6 +410,82 @@ def _worst(readings: list[LatencyReading]) -> LatencyReading:
     )
 
 
+class PrometheusSource:
+    """Instant queries to a Prometheus server's HTTP API (`GET /api/v1/query`), fetched as
+    every source is (`_get_json`: http(s) only, no redirects, no proxy, size cap, deadline)."""
+
+    def __init__(self, provider: PrometheusProvider) -> None:
+        self.url = provider.url.rstrip("/")
+        self.timeout = provider.timeout
+
+    def query(self, promql: str) -> float | None:
+        """The query's one value now; None for no data (empty, NaN). MeasurementError when the
+        server cannot be read, QueryError when it answers with an error or several series."""
+        q = urllib.parse.urlencode({"query": promql})
+        return single_value(_get_json(f"{self.url}/api/v1/query?{q}", self.timeout))
+
+
+def query_variables(spec: RolloutSpec) -> dict[str, str]:
+    """What a gate query's `{{ name }}`s stand for (xds_server.promql.VARIABLES)."""
+    from xds_server.resources.names import outbound_cluster
+
+    return {
+        "interval": duration(spec.interval),
+        "service": spec.service,
+        "version": spec.canary,
+        "stable": spec.stable,
+        "cluster": outbound_cluster(spec.service, spec.canary),
+        "stable_cluster": outbound_cluster(spec.service, spec.stable),
+    }
+
+
+def metrics_problem(spec: RolloutSpec, source: PrometheusSource) -> str | None:
+    """Why the provider's gates could never be judged (checked before a rollout starts), or
+    None. No data is fine here: the canary has had no calls yet."""
+    variables = query_variables(spec)
+    for g in spec.gates.metrics:
+        try:
+            source.query(render(g.query, variables))
+        except MeasurementError as e:
+            return f"Prometheus cannot be read: {e}"
+        except QueryError as e:
+            return f"gates.metrics.{g.name}: {e}"
+    return None
+
+
+def evaluate_metrics(spec: RolloutSpec, source: PrometheusSource) -> Verdict:
+    """One interval's verdict from the provider's queries: FAIL when a value is outside its
+    [min, max]; else HALT when one has no data (an empty result or NaN: neither promotes nor
+    fails, as with too little traffic), Prometheus answers an error or cannot be read; else
+    PASS."""
+    values: dict[str, float | None] = {}
+    m: dict[str, Any] = {"metrics": values, "provider": source.url}
+    failed: list[str] = []
+    held: list[str] = []
+    variables = query_variables(spec)
+    for g in spec.gates.metrics:
+        try:
+            v = values[g.name] = source.query(render(g.query, variables))
+        except MeasurementError as e:
+            return Verdict(HALT, f"halted: Prometheus unavailable ({e})", m)
+        except QueryError as e:
+            values[g.name] = None
+            held.append(f"{g.name}: {e}")
+            continue
+        if v is None:
+            held.append(f"{g.name}: no data")
+        elif g.min is not None and v < g.min:
+            failed.append(f"{g.name} {v:g} < min {g.min:g}")
+        elif g.max is not None and v > g.max:
+            failed.append(f"{g.name} {v:g} > max {g.max:g}")
+    if failed:
+        return Verdict(FAIL, "; ".join(failed), m)
+    if held:
+        return Verdict(HALT, f"halted: {'; '.join(held)}", m)
+    shown = ", ".join(f"{k} {v:g}" for k, v in values.items() if v is not None)
+    return Verdict(PASS, f"gates passed: {shown}", m)
+
+
 @dataclass(frozen=True)
 class Sources:
     """What the controller reads for one rollout: caller-side gRPC counts for the canary
@@ -412,6 +495,7 @@ class Sources:
     latency: LatencySource | None = None
     stable: GrpcCountsSource | None = None  # only to report the traffic split per step
     live: GrpcHealthSource | None = None  # the canary's endpoints, probed by the control plane
+    quality: Any = None  # xds_server.quality.ReplaySource, when the spec has a quality gate
 
 
 PASS, FAIL, HALT = "pass", "fail", "halt"

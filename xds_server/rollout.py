@@ -27,10 +27,13 @@ from xds_server.gates import (
     GrpcCounts,
     LatencySnapshot,
     MeasurementError,
+    PrometheusSource,
     Sources,
     Verdict,
     delta,
     evaluate,
+    evaluate_metrics,
+    metrics_problem,
 )
 from xds_server.liveness import not_live_reason
 from xds_server.rollout_spec import RolloutSpec, RolloutSpecError, parse_rollout
@@ -401,6 +404,8 @@ class RolloutController:
             if down:
                 return f"canary {down}; start it (and its sidecar) first"
         g = spec.gates
+        if g.provider is not None:  # the gates are the provider's queries (issue 16)
+            return metrics_problem(spec, PrometheusSource(g.provider))
         reads: list[tuple[str, Callable[[], object]]] = [("gRPC counts", src.grpc.read)]
         if src.latency is not None and (g.ttft_p99_max is not None or g.tpot_p99_max is not None):
             reads.append(("canary runtime metrics", src.latency.snapshot))
@@ -445,9 +450,13 @@ class RolloutController:
                 stable_n = None
         else:
             stable_n = None
-        v = evaluate(
-            r.spec.gates, counts, latency, counts_error=counts_error, latency_error=latency_error
-        )
+        if r.spec.gates.provider is not None:  # the gates are the provider's queries
+            v = evaluate_metrics(r.spec, PrometheusSource(r.spec.gates.provider))
+            if counts is not None:  # the traffic split per step, where the sidecars answer
+                v.measurements["requests"] = counts.total
+        else:
+            errors = {"counts_error": counts_error, "latency_error": latency_error}
+            v = evaluate(r.spec.gates, counts, latency, **errors)
         down = not_live_reason(r.spec.canary, src.live.read()) if src.live is not None else None
         if down:  # calls routed to it are lost: a failed interval, whatever the counters say
             v = Verdict(FAIL, f"canary {down}", v.measurements)

@@ -11,6 +11,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from xds_server.promql import VARIABLES, unknown_variables
+from xds_server.source_url import url_problem
+
 # The control plane waits at most this long for ACKs (control_plane.MAX_TIMEOUT).
 MAX_ACK_TIMEOUT = 600.0
 
@@ -40,13 +43,48 @@ def parse_duration(value: Any, field_name: str) -> float:
 
 
 @dataclass(frozen=True)
+class PrometheusProvider:
+    """A Prometheus server the gates' queries go to (Flagger's metric template provider)."""
+
+    url: str
+    timeout: float = 5.0  # seconds for one query, answer included
+
+
+@dataclass(frozen=True)
+class MetricGate:
+    """One gate read from the provider: the query's value must lie within [min, max]."""
+
+    name: str
+    query: str  # PromQL with {{ interval }}, {{ version }}, ... (xds_server.promql.VARIABLES)
+    min: float | None = None
+    max: float | None = None
+
+
+@dataclass(frozen=True)
 class Gates:
-    """SLO gates checked on the canary every interval."""
+    """SLO gates checked on the canary every interval: the built-in gates read from the
+    sidecars and runtimes directly (the zero-setup default), or, when `provider` is set, the
+    `metrics` queries read from that Prometheus instead."""
 
     grpc_success_rate_min: float = 99.0  # percent of gRPC calls with grpc-status 0
     min_requests: int = 20  # fewer calls than this in an interval halts (never passes/fails)
     ttft_p99_max: float | None = None  # seconds
     tpot_p99_max: float | None = None  # seconds
+    provider: PrometheusProvider | None = None
+    metrics: tuple[MetricGate, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mesh file's form (parse_rollout reads it back)."""
+        if self.provider is None:
+            return {k: getattr(self, k) for k in _KNOWN_GATES}
+        limits = ("query", "min", "max")
+        return {
+            "provider": {"prometheus": asdict(self.provider)},
+            "metrics": {
+                m.name: {k: getattr(m, k) for k in limits if getattr(m, k) is not None}
+                for m in self.metrics
+            },
+        }
 
 
 @dataclass(frozen=True)
@@ -59,10 +97,12 @@ class RolloutSpec:
     threshold: int = 2  # consecutive failed intervals before rollback
     gates: Gates = field(default_factory=Gates)
     ack_timeout: float = 10.0  # how long a weight change may wait for every sidecar's ACK
+    quality: Any = None  # xds_server.quality.QualityGate: the canary's answers vs the stable's
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["steps"] = list(self.steps)
+        d["gates"] = self.gates.to_dict()
         return d
 
     @classmethod
@@ -70,8 +110,10 @@ class RolloutSpec:
         return parse_rollout(service or d.get("service", ""), d)
 
 
-_KNOWN = {"service", "stable", "canary", "steps", "interval", "threshold", "gates", "ack_timeout"}
+_KNOWN = {"service", "stable", "canary", "steps", "interval", "threshold", "gates", "ack_timeout",
+          "quality"}  # fmt: skip
 _KNOWN_GATES = {"grpc_success_rate_min", "min_requests", "ttft_p99_max", "tpot_p99_max"}
+_PROVIDER_GATES = {"provider", "metrics"}
 
 
 def _only(d: dict[str, Any], where: str, known: set[str], what: str = "field") -> None:
@@ -129,26 +171,11 @@ def parse_rollout(service: str, d: dict[str, Any]) -> RolloutSpec:
     g = d.get("gates", {}) or {}
     if not isinstance(g, dict):
         raise RolloutSpecError(f"{where}.gates: expected a mapping, got {g!r}")
-    _only(g, f"{where}.gates", _KNOWN_GATES, what="gate")
-    rate = g.get("grpc_success_rate_min", 99.0)
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 100:
-        raise RolloutSpecError(
-            f"{where}.gates.grpc_success_rate_min: expected a percentage 0..100, got {rate!r}"
-        )
-    gates = Gates(
-        grpc_success_rate_min=float(rate),
-        min_requests=_int(g.get("min_requests", 20), f"{where}.gates.min_requests", 0),
-        ttft_p99_max=(
-            parse_duration(g["ttft_p99_max"], f"{where}.gates.ttft_p99_max")
-            if g.get("ttft_p99_max") is not None
-            else None
-        ),
-        tpot_p99_max=(
-            parse_duration(g["tpot_p99_max"], f"{where}.gates.tpot_p99_max")
-            if g.get("tpot_p99_max") is not None
-            else None
-        ),
-    )
+    if "provider" in g or "metrics" in g:
+        gates = _provider_gates(g, f"{where}.gates")
+    else:
+        _only(g, f"{where}.gates", _KNOWN_GATES | _PROVIDER_GATES, what="gate")
+        gates = _direct_gates(g, f"{where}.gates")
     return RolloutSpec(
         service=service,
         stable=stable,
@@ -158,7 +185,104 @@ def parse_rollout(service: str, d: dict[str, Any]) -> RolloutSpec:
         threshold=threshold,
         gates=gates,
         ack_timeout=ack_timeout,
+        quality=_quality(d.get("quality"), f"{where}.quality"),
     )
+
+
+def _quality(d: Any, where: str) -> Any:
+    from xds_server.quality import parse_quality  # it imports this module
+
+    return parse_quality(d, where)
+
+
+def _direct_gates(g: dict[str, Any], where: str) -> Gates:
+    rate = g.get("grpc_success_rate_min", 99.0)
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 100:
+        raise RolloutSpecError(
+            f"{where}.grpc_success_rate_min: expected a percentage 0..100, got {rate!r}"
+        )
+    return Gates(
+        grpc_success_rate_min=float(rate),
+        min_requests=_int(g.get("min_requests", 20), f"{where}.min_requests", 0),
+        ttft_p99_max=(
+            parse_duration(g["ttft_p99_max"], f"{where}.ttft_p99_max")
+            if g.get("ttft_p99_max") is not None
+            else None
+        ),
+        tpot_p99_max=(
+            parse_duration(g["tpot_p99_max"], f"{where}.tpot_p99_max")
+            if g.get("tpot_p99_max") is not None
+            else None
+        ),
+    )
+
+
+def _provider_gates(g: dict[str, Any], where: str) -> Gates:
+    """`provider: {prometheus: {url, timeout}}` and `metrics: {name: {query, min, max}}`."""
+    for k in g:
+        if k not in _PROVIDER_GATES:
+            raise RolloutSpecError(
+                f"{where}.{k}: not read when gates.provider is set (the gates are the "
+                f"provider's queries, in gates.metrics; known: metrics, provider)"
+            )
+    p = g.get("provider")
+    if not isinstance(p, dict) or set(p) != {"prometheus"}:
+        raise RolloutSpecError(
+            f"{where}.provider: expected {{prometheus: {{url: http://HOST:9090}}}}, got {p!r}"
+        )
+    prom = p["prometheus"]
+    if not isinstance(prom, dict):
+        raise RolloutSpecError(f"{where}.provider.prometheus: expected a mapping, got {prom!r}")
+    _only(prom, f"{where}.provider.prometheus", {"url", "timeout"})
+    problem = url_problem(prom.get("url"))
+    if problem:
+        raise RolloutSpecError(f"{where}.provider.prometheus.url: {problem}")
+    timeout = parse_duration(prom.get("timeout", "5s"), f"{where}.provider.prometheus.timeout")
+    if not 0 < timeout <= 60:
+        raise RolloutSpecError(f"{where}.provider.prometheus.timeout: expected 0 < timeout <= 60s")
+    raw = g.get("metrics")
+    if not isinstance(raw, dict) or not raw:
+        raise RolloutSpecError(
+            f"{where}.metrics: expected a mapping of gate name -> {{query, min and/or max}}, "
+            f"got {raw!r}"
+        )
+    return Gates(
+        provider=PrometheusProvider(prom["url"], timeout),
+        metrics=tuple(_metric(name, m, f"{where}.metrics.{name}") for name, m in raw.items()),
+    )
+
+
+def _metric(name: Any, m: Any, where: str) -> MetricGate:
+    if not isinstance(m, dict):
+        raise RolloutSpecError(f"{where}: expected {{query, min and/or max}}, got {m!r}")
+    _only(m, where, {"query", "min", "max"})
+    query = m.get("query")
+    if not isinstance(query, str) or not query.strip():
+        raise RolloutSpecError(f"{where}.query: expected a PromQL query, got {query!r}")
+    unknown = unknown_variables(query)
+    if unknown:
+        raise RolloutSpecError(
+            f"{where}.query: unknown variable {{{{ {unknown[0]} }}}} "
+            f"(known: {', '.join(VARIABLES)})"
+        )
+    lo, hi = (_limit(m.get(k), f"{where}.{k}") for k in ("min", "max"))
+    if lo is None and hi is None:
+        raise RolloutSpecError(f"{where}: needs min, max or both")
+    if lo is not None and hi is not None and lo > hi:
+        raise RolloutSpecError(f"{where}.min: {lo:g} is above max {hi:g}")
+    return MetricGate(str(name), query, lo, hi)
+
+
+def _limit(v: Any, where: str) -> float | None:
+    """A number, or a duration ('500ms' -> 0.5: queries answer in seconds)."""
+    if v is None:
+        return None
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return float(v)
+    m = _DURATION.match(v) if isinstance(v, str) else None
+    if m and m.group(2):
+        return parse_duration(v, where)
+    raise RolloutSpecError(f"{where}: expected a number or a duration like '500ms', got {v!r}")
 
 
 def parse_rollouts(section: dict[str, Any] | None) -> dict[str, RolloutSpec]:
