@@ -28,6 +28,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", help="GGUF file, sealed file or safetensors folder (default: SmolLM2)"
     )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="the model id(s) GET /v1/models lists and a call's `model` may name, as vLLM's "
+        "flag (e.g. the mesh service's name); the model's own name and version stay accepted "
+        "(default: the model's own name)",
+    )
     p.add_argument("--weight-key-file", type=Path, help="key for a sealed weight file")
     p.add_argument("--device", default="cpu", help="torch device")
     p.add_argument("--max-batch", type=int, default=8, help="most requests decoded at once")
@@ -181,6 +190,9 @@ def run(args: argparse.Namespace) -> int:
     if args.speculate_lookup < 0:
         log.error("--speculate-lookup must be at least 0 (0 = off), not %d", args.speculate_lookup)
         return 2
+    if any(not n.strip() or n != n.strip() for n in args.served_model_name):
+        log.error("--served-model-name: a name must be non-empty, without surrounding spaces")
+        return 2
     if not args.metrics_window > 0:  # NaN too
         log.error("--metrics-window must be above 0 seconds, not %s", args.metrics_window)
         return 2
@@ -214,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
             max_workers=args.max_batch + args.max_queue + 16,
             faults=faults,
             replica_id=args.replica_id,
+            served_model_names=args.served_model_name,
         ).start()
     except (OSError, RuntimeError) as e:  # taken since the check; gRPC raises RuntimeError
         print(f"meshlm serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)

@@ -222,7 +222,7 @@ class _Handler(BaseHTTPRequestHandler):
             if service is None:
                 self._reply_error(_not_ready())
                 return
-            ids = [service.model_info.name]
+            ids = service.served_names
             if path == "/v1/models":
                 self._reply_json(200, api.model_list(ids, self.api.created))
                 return

@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -91,6 +91,7 @@ class InferenceService:
         faults: Faults | None = None,
         limits: Limits | None = None,
         replica_id: str = "",
+        served_model_names: Sequence[str] = (),
         records: Records | None = None,
     ) -> None:
         self.loaded, self.engine = loaded, engine
@@ -105,6 +106,10 @@ class InferenceService:
             info.name, info.precision, info.version, info.context_length, vocab or 0
         )
         self._info_bytes = codec.encode_model_info(self.model_info)
+        # The names GET /v1/models lists (vLLM's --served-model-name), e.g. the mesh service's:
+        # a call's `model` may be one of them, the model's own name or its version.
+        self.served_names = list(served_model_names) or [info.name]
+        self._accepted = {n.lower() for n in [*self.served_names, info.name, info.version]}
 
     # --- Info ------------------------------------------------------------------------------
 
@@ -193,14 +198,11 @@ class InferenceService:
                 f"avoid_replica: this is replica {self.replica_id!r}, which the call asks to "
                 "avoid; try another replica",
             )
-        if req.model and req.model.lower() not in (
-            self.model_info.name.lower(),
-            self.model_info.version.lower(),
-        ):
+        if req.model and req.model.lower() not in self._accepted:
             raise _Abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"model: {req.model!r} is not served here (this runtime serves "
-                f"{self.model_info.name!r})",
+                f"{', '.join(map(repr, self.served_names))})",
             )
         self._poison_fault(req, context)
         tenant = md.get(TENANT_HEADER, "")
@@ -386,9 +388,11 @@ class Runtime:
         faults: Faults | None = None,
         limits: Limits | None = None,
         replica_id: str | None = None,
+        served_model_names: Sequence[str] = (),
     ) -> None:
         self.telemetry = telemetry or Telemetry()
         self.records = Records()  # served on the metrics port (records.py)
+        self.served_model_names = tuple(served_model_names)
         self.faults = faults
         self.limits = limits
         self.service: InferenceService | None = None
@@ -447,6 +451,7 @@ class Runtime:
             faults=self.faults,
             limits=self.limits,
             replica_id=self.replica_id,
+            served_model_names=self.served_model_names,
             records=self.records,
         )
         self.records.model = loaded.model

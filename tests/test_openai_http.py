@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from model_runtime.client import Client
 from model_runtime.faults import Faults
 from model_runtime.openai_http import OpenAIServer
 from model_runtime.service import PROMPT_TOKENS_HEADER, REPLICA_HEADER, TENANT_HEADER, Runtime
@@ -314,6 +315,21 @@ def private(smollm_int4) -> Iterator:
         rt.shutdown(grace=0)
 
 
+def test_a_served_model_name_is_listed_and_accepted_on_both_apis(private) -> None:
+    """vLLM's --served-model-name: the service's name as the body's `model` (issue 17)."""
+    rt, _, c = private(served_model_names=("llm", "chat"))
+    assert [m.id for m in c.models.list().data] == ["llm", "chat"]
+    assert c.models.retrieve("chat").id == "chat"
+    r = c.chat.completions.create(model="llm", messages=QUESTION, temperature=0, max_tokens=20)
+    assert r.model == "llm" and r.choices[0].message.content == ANSWER
+    with pytest.raises(openai.NotFoundError) as e:  # only the served names are listed
+        c.models.retrieve(rt.service.model_info.name)
+    assert e.value.code == "model_not_found"
+    with Client(rt.target) as grpc_client:
+        chunks = list(grpc_client.generate(messages=QUESTION, model="chat", max_new_tokens=2))
+    assert sum(len(ch.token_ids) for ch in chunks) == 2
+
+
 def test_a_full_queue_is_429(private) -> None:
     rt, _, c = private(max_queue=0)  # every call finds the queue full
     model = rt.service.model_info.name
@@ -385,8 +401,10 @@ def test_not_ready_is_503() -> None:
 
 
 def test_meshlm_serve_http_port(tmp_path) -> None:
-    """`meshlm serve --http-port 0` prints the port it bound and answers there; SIGTERM drains."""
+    """`meshlm serve --http-port 0 --served-model-name llm` prints the port it bound and answers
+    there under that name; SIGTERM drains."""
     cmd = [sys.executable, "-m", "meshlm.cli", "serve", "--port", "0", "--http-port", "0"]
+    cmd += ["--served-model-name", "llm"]
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(
         [*cmd, "--max-batch", "1"], stdout=subprocess.PIPE, stderr=log, text=True
@@ -402,9 +420,9 @@ def test_meshlm_serve_http_port(tmp_path) -> None:
         assert port and proc.poll() is None, (tmp_path / "serve.log").read_text()
         url = f"http://127.0.0.1:{port}/v1"
         with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120) as c:
-            model = c.models.list().data[0].id
+            assert [m.id for m in c.models.list().data] == ["llm"]
             r = c.chat.completions.create(
-                model=model, messages=QUESTION, temperature=0, max_tokens=20
+                model="llm", messages=QUESTION, temperature=0, max_tokens=20
             )
         assert r.choices[0].message.content == ANSWER
         proc.send_signal(signal.SIGTERM)
