@@ -10,6 +10,7 @@
   GET  /isolation                                 quarantined request classes per service
   POST /isolation/{s}/{class}/release|pin         end a quarantine / hold one until released
   GET  /identity, POST /identity/tokens           the mesh CA; join tokens (xds_server/identity.py)
+  GET  /dashboard/, /dashboard/state|events       the live dashboard (xds_server/dashboard/)
 
 Mutations need `Authorization: Bearer <token>` and answer once every affected sidecar ACKed
 (200), or a sidecar NACKed (409), or the timeout passed (504, naming the sidecars still behind);
@@ -29,6 +30,7 @@ checked before any body is read (401); a body needs a Content-Length of at most 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -45,6 +47,7 @@ import yaml
 from xds_server import health
 from xds_server.admin_tls import AdminTLS, drop_ca
 from xds_server.control_plane import ApplyResult, ControlPlane
+from xds_server.dashboard import Busy, Dashboard
 from xds_server.mesh import load_yaml, parse_mesh
 from xds_server.metrics import ControlPlaneMetrics, Exposition
 from xds_server.store.base import Conflict, StoreError
@@ -78,6 +81,7 @@ class AdminServer:
         # Without a token, as every GET: scrapers hold no secret, and nothing in it is one.
         self.metrics = ControlPlaneMetrics(cp)
         self.status: Callable[[], dict[str, Any]] | None = None  # GET /
+        self.dashboard = Dashboard(cp, lambda: (self.metrics.rollouts, self.metrics.slo))
         # GET /isolation, POST /isolation/{service}/{class}/release|pin (issue 11)
         self.mounts.setdefault("/isolation", cp.isolation.handle)
         if cp.identity:  # GET /identity, POST /identity/tokens|rotate-root (issue 14)
@@ -115,6 +119,7 @@ class AdminServer:
         return self
 
     def stop(self) -> None:
+        self.dashboard.close()  # ends the event streams, which no shutdown() waits for
         if self._thread is not None:  # shutdown() waits for a serve_forever() that never ran
             self.httpd.shutdown()
         self.httpd.server_close()
@@ -136,6 +141,8 @@ class AdminServer:
             return 200, self.metrics.exposition()
         if method == "GET" and parts == ["debug", "config_dump"]:
             return 200, self.cp.config_dump()
+        if method == "GET" and parts[:1] == ["dashboard"]:
+            return self._dashboard(parts[1:])
         for prefix, mount in self.mounts.items():
             if url.path == prefix or url.path.startswith(prefix.rstrip("/") + "/"):
                 return mount(method, target, body)
@@ -170,6 +177,14 @@ class AdminServer:
         except StoreError as e:  # replicas: the store refused or did not answer
             return _store_error(e)
         return 404, {"error": f"no such endpoint: {method} {url.path}"}
+
+    def _dashboard(self, rest: list[str]) -> tuple[int, Any]:
+        if rest == ["state"]:
+            return 200, self.dashboard.snapshot()
+        page = self.dashboard.file("/".join(rest))
+        if page is None:
+            return 404, {"error": f"no such endpoint: GET /dashboard/{'/'.join(rest)}"}
+        return 200, Exposition(*page)
 
     def _apply_mesh(self, body: bytes, query: dict[str, list[str]]) -> tuple[int, Any]:
         """`POST /v1/mesh` with a mesh file (YAML or JSON): `meshlm apply`."""
@@ -329,6 +344,7 @@ class _Handler(BaseHTTPRequestHandler):
         status, error = self._refuse(method)
         if status:
             self.close_connection = True  # an unread body must not be taken for a request
+            self._audit(method, status, {"error": error})
             return self._reply(status, {"error": error})
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
@@ -336,6 +352,8 @@ class _Handler(BaseHTTPRequestHandler):
         if len(body) < length:
             self.close_connection = True
             return
+        if method == "GET" and urlsplit(self.path).path == "/dashboard/events":
+            return self._events()
         try:
             status, reply = self.admin.handle(method, self.path, body)
         except RecursionError:  # a mounted API's JSON parser
@@ -343,7 +361,55 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as e:  # never kill the admin thread; say what went wrong
             log.exception("admin %s %s", method, self.path)
             status, reply = 500, {"error": f"{type(e).__name__}: {e}"}
+        self._audit(method, status, reply)
         self._reply(status, reply)
+
+    def _audit(self, method: str, status: int, reply: Any) -> None:
+        """One line per admin change, refused ones too (issue 16): who (the peer, and a
+        fingerprint of the token, never the token), what (method and path), the result."""
+        if method in ("GET", "HEAD", "OPTIONS"):
+            return
+        auth = self.headers.get("Authorization")
+        if self.admin.authorized(auth):
+            digest = hashlib.sha256(self.admin.token.encode()).hexdigest()[:8]
+            who = f"token sha256:{digest}"
+        else:
+            who = "bad token" if auth else "no token"
+        peer = f"{self.client_address[0]}:{self.client_address[1]}"
+        result = str(status)
+        if isinstance(reply, dict) and reply.get("version"):
+            result += f" version {reply['version']} ok={reply.get('ok')}"
+        level = logging.INFO if status < 400 else logging.WARNING
+        what = f"{method} {urlsplit(self.path).path}"
+        extra = {"event": "admin", "peer": peer, "who": who, "what": what, "status": status}
+        log.log(level, "admin %s by %s (%s): %s", what, peer, who, result, extra=extra)
+
+    def _events(self) -> None:
+        """Server-sent events until the page or the admin server goes (one thread each)."""
+        self.close_connection = True
+
+        def send(chunk: bytes) -> None:
+            self.wfile.write(chunk)
+            self.wfile.flush()
+
+        try:
+            self.admin.dashboard.stream(lambda chunk: self._start_events(send, chunk))
+        except Busy as e:
+            if not self._events_started:
+                self._reply(503, {"error": str(e)})
+        except OSError:  # the page went away
+            pass
+
+    _events_started = False
+
+    def _start_events(self, send: Callable[[bytes], None], chunk: bytes) -> None:
+        if not self._events_started:
+            self._events_started = True
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+        send(chunk)
 
     def _refuse(self, method: str) -> tuple[int, str]:
         """(status, error) when the request must be refused before its body is read."""
@@ -372,6 +438,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data) if body else 0))
+        # The dashboard's page: its own scripts and styles only, never inside another page.
+        self.send_header("Content-Security-Policy", "default-src 'self'; frame-ancestors 'none'")
+        self.send_header("X-Content-Type-Options", "nosniff")
         self.end_headers()
         if body:
             self.wfile.write(data)
