@@ -55,6 +55,12 @@ test-tools: $(STAMP)
 	  && cp root/usr/bin/promtool root/usr/bin/prometheus $(abspath $(BIN))/ && rm -rf $$d; } \
 	  || { echo "make test-tools: could not get promtool; install Debian's prometheus" \
 	    "(apt-get install prometheus) and rerun" >&2; exit 1; }
+	@# The dashboard test's browser (issue 16): Debian's chromium and its WebDriver.
+	@{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 \
+	  || $(APT) install -y -q --no-install-recommends chromium chromium-driver \
+	  || { $(APT) update -q && $(APT) install -y -q --no-install-recommends chromium chromium-driver; } \
+	  || { echo "make test-tools: could not install chromium; install Debian's chromium and" \
+	    "chromium-driver (apt-get install chromium chromium-driver) and rerun" >&2; exit 1; }
 
 # The runtime benchmark's peer: llama.cpp, built from source (~10 min on 2 cores) for this kind
 # of machine (AVX-512), AMX off: the native build dies with SIGILL where a VM hides AMX state.
