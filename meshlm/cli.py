@@ -9,6 +9,8 @@ import importlib.metadata
 import os
 import sys
 
+from meshlm import logs
+
 DESCRIPTION = """\
 meshlm serves a language model as a service mesh: runtimes serve SmolLM2 over gRPC, each behind
 an Envoy sidecar that authorizes API keys, rate-limits tenants and routes between model
@@ -68,6 +70,7 @@ def command_parser(name: str) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     importlib.import_module(module_name).add_arguments(cmd)
+    logs.add_arguments(cmd)  # --log-level, --log-format on every command (issue 16)
     # Subcommands' parsers (policy compile|test...) inherit nothing from their parent.
     for action in cmd._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -94,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
     args = command_parser(argv[0]).parse_args(argv[1:])
+    logs.setup(args.log_level, args.log_format)
     try:
         code = int(module.run(args) or 0)
         sys.stdout.flush()  # here, so that a closed pipe is caught below, not at exit

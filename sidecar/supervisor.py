@@ -19,6 +19,7 @@ over mTLS, taking only the control plane's SPIFFE ID in the sidecar's trust doma
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import socket
 import ssl
@@ -230,6 +231,21 @@ class Supervisor:
             self.on_event("config from the control plane arrived: envoy ready (ads)")
         else:
             self.on_event(f"envoy ready ({mode})")
+        self.on_event(self._where())
+
+    def _where(self) -> str:
+        """What a user looks for once a sidecar is up (issue 16): its listeners, Envoy's admin
+        URL and the log file."""
+        try:
+            doc = json.loads(self.envoy.admin_get("/listeners?format=json"))
+            found = []
+            for ls in doc.get("listener_statuses", []):
+                sa = ls.get("local_address", {}).get("socket_address", {})
+                found.append(f"{ls.get('name')} {sa.get('address')}:{sa.get('port_value')}")
+            listeners = ", ".join(found) or "none yet"
+        except (OSError, ValueError) as e:
+            listeners = f"unknown ({e})"
+        return f"listeners: {listeners}; admin {self.envoy.admin_url}; log {self.envoy.log_path}"
 
     def _keys(self) -> Keys | None:
         return self.keys() if self.keys else None

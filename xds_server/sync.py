@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import collections
 import copy
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,22 @@ from typing import Any
 
 from xds_server import types as t
 from xds_server.node import NodeInfo
+
+# One line per connect, disconnect, push, ACK and NACK (issue 16), with its fields as `extra`
+# for --log-format json; logged after the lock is released.
+log = logging.getLogger(__name__)
+
+
+def _event(level: int, event: str, node_id: str, text: str, **fields: Any) -> None:
+    if log.isEnabledFor(level):
+        log.log(
+            level,
+            "%s %s: %s",
+            event,
+            node_id,
+            text,
+            extra={"event": event, "node": node_id, **fields},
+        )
 
 
 @dataclass(frozen=True)
@@ -207,17 +224,23 @@ class SyncStatus:
             self.changes += 1
             self._membership_changed()
             self.cond.notify_all()
-            return ns.stream
+        who = f" as {spiffe_id}" if spiffe_id else ""
+        _event(logging.INFO, "connect", node_id, f"{api} stream {ns.stream}, {group.label()}{who}",
+               api=api, stream=ns.stream, spiffe_id=spiffe_id)  # fmt: skip
+        return ns.stream
 
     def disconnect(self, node_id: str, stream: int) -> None:
         with self.cond:
             ns = self.nodes.get(node_id)
-            if ns is not None and ns.stream == stream:
+            mine = ns is not None and ns.stream == stream
+            if mine:
                 ns.connected = False
                 ns.disconnected_at = time.time()
                 self._progress(node_id, ns.disconnected_at)
                 self._membership_changed()
             self.cond.notify_all()
+        if mine:
+            _event(logging.INFO, "disconnect", node_id, f"stream {stream} ended", stream=stream)
 
     def set_error(self, node_id: str, error: str) -> None:
         with self.cond:
@@ -235,6 +258,8 @@ class SyncStatus:
             ts.pending_since = ts.pending_since or ts.sent_at
             ts.pushes += 1
             self.pushes[type_url] += 1
+        _event(logging.INFO, "push", node_id, f"{t.SHORT[type_url]} {version}",
+               type=t.SHORT[type_url], version=version)  # fmt: skip
 
     def stale(self, node_id: str, type_url: str) -> None:
         with self.cond:
@@ -264,6 +289,8 @@ class SyncStatus:
                 ts.nack_version, ts.nack_error, ts.nack_at = "", "", 0.0
             self._progress(node_id, now)
             self.cond.notify_all()
+        _event(logging.INFO, "ack", node_id, f"{t.SHORT[type_url]} {version}",
+               type=t.SHORT[type_url], version=version)  # fmt: skip
 
     def nack(self, node_id: str, type_url: str, version: str, error: str) -> None:
         with self.cond:
@@ -277,6 +304,8 @@ class SyncStatus:
                 ts.pending_since = 0.0
             self._progress(node_id, ts.nack_at)
             self.cond.notify_all()
+        _event(logging.WARNING, "nack", node_id, f"{t.SHORT[type_url]} {version}: {error}",
+               type=t.SHORT[type_url], version=version, error=error)  # fmt: skip
 
     # -- convergence ----------------------------------------------------------------------------
     def track(self, generation: int, nodes: list[str]) -> None:
