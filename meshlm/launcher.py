@@ -177,6 +177,7 @@ class LocalMesh:
         cp = self._spawn("xds-server", args, env=env)
         wait_until(lambda: self.admin("GET", "/debug/syncz"), 60, "the control plane", cp)
         say(f"control plane up: ADS 127.0.0.1:{self.grpc_port}, admin {self.admin_url}")
+        say(f"dashboard: {self.admin_url}/dashboard/ (live until the demo ends)")
         for name in self.runtimes:
             self._spawn_runtime(name)
         for name, rt in self.runtimes.items():
