@@ -12,6 +12,7 @@ from xds_server.ca import spiffe_id
 from xds_server.control_plane import ControlPlane
 from xds_server.gates import EnvoyStatsSource, MeasurementError, RuntimeMetricsSource, Sources
 from xds_server.liveness import GrpcHealthSource, MtlsProbe, client_context
+from xds_server.quality import ReplaySource
 from xds_server.resources.names import outbound_cluster
 from xds_server.rollout_spec import RolloutSpec
 
@@ -77,6 +78,14 @@ def configured_sources(cp: ControlPlane):
             live=GrpcHealthSource(
                 functools.partial(endpoints, cp, spec.service, spec.canary),
                 mtls=functools.partial(mtls_probe, cp, spec.service),
+            ),
+            quality=None
+            if spec.quality is None
+            else ReplaySource(
+                spec.quality,
+                spec.service,
+                functools.partial(runtime_metrics_urls, cp, spec.service, spec.stable),
+                functools.partial(runtime_metrics_urls, cp, spec.service, spec.canary),
             ),
         )
 

@@ -496,6 +496,7 @@ class Sources:
     stable: GrpcCountsSource | None = None  # only to report the traffic split per step
     live: GrpcHealthSource | None = None  # the canary's endpoints, probed by the control plane
     quality: Any = None  # xds_server.quality.ReplaySource, when the spec has a quality gate
+    quality: Any = None  # xds_server.quality.ReplaySource, when the spec has a quality gate
 
 
 PASS, FAIL, HALT = "pass", "fail", "halt"

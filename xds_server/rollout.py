@@ -36,6 +36,7 @@ from xds_server.gates import (
     metrics_problem,
 )
 from xds_server.liveness import not_live_reason
+from xds_server.quality import with_quality
 from xds_server.rollout_spec import RolloutSpec, RolloutSpecError, parse_rollout
 from xds_server.rollout_store import RolloutStore
 
@@ -197,6 +198,10 @@ class RolloutController:
                 raise RolloutError(
                     f"{spec.service}: latency gates need the canary runtime's metrics source",
                     status=400,
+                )
+            if spec.quality is not None and src.quality is None:
+                raise RolloutError(
+                    f"{spec.service}: the quality gate needs a replay source", status=400
                 )
             refused = self._preflight(spec, src)
             if refused:
@@ -462,6 +467,8 @@ class RolloutController:
             v = Verdict(FAIL, f"canary {down}", v.measurements)
         if stable_n is not None:
             v.measurements["stable_requests"] = stable_n
+        if src.quality is not None:  # last: its replay falls between two intervals' counters
+            v = with_quality(v, src.quality.verdict())
         return v
 
     def _analyse(self, r: Rollout, iv: _Interval) -> None:

@@ -1,0 +1,306 @@
+"""The quality gate of a canary rollout (issue 18): does the canary say what the stable says?
+
+Replay mode: each analysis interval, after the traffic gates' counters were read, the control
+plane sends a golden prompt set through a caller sidecar (`replay_via`, authority = the service)
+twice, greedy: once pinned to the stable (`x-canary: never`), once to the canary (`always`). Each
+call carries a request id in its body; the runtimes keep what greedy calls produced under it
+(model_runtime/records.py), so the control plane finds the record on whichever replica served it
+and asks that runtime to score the stable's tokens (teacher-forced, one prefill). Per interval:
+
+- exact_match_rate: the share of prompts whose two answers are identical;
+- first_divergence: the mean position of the first differing token, over answers that differ;
+- token_disagreement: the share of the stable's tokens the canary would not have chosen itself
+  at that position, given the stable's prefix (teacher-forced argmax; one early divergence does
+  not count every later token);
+- logprob_drift: mean over the stable's tokens of log p_stable - log p_canary (nats per token).
+
+Replay calls are excluded from the traffic gates by timing: they run after the interval's counts
+and latency were read and before the next interval's baseline, so neither interval sees them.
+They go through the sidecar like any call, so the replay tenant's key (`api_key_env`) meets that
+tenant's rate limits and quotas: give replay a tenant of its own, so it never spends a customer's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.parse
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from schemas import codec
+from schemas.codec import ChatMessage, GenerateRequest
+from xds_server.gates import FAIL, HALT, PASS, MeasurementError, Verdict, _get_json
+from xds_server.rollout_spec import RolloutSpecError, parse_duration
+
+GENERATE = "/meshlm.inference.v1.Inference/Generate"
+MAX_PROMPTS = 256
+
+
+@dataclass(frozen=True)
+class QualityGate:
+    replay_via: str  # host:port of a caller sidecar's outbound listener
+    prompts: tuple[str, ...]  # the golden set (from `prompts`, or `prompts_file` read at parse)
+    api_key_env: str = ""  # the environment variable holding the replay tenant's API key
+    max_new_tokens: int = 16
+    min_samples: int = 8  # fewer answered prompts than this halts the interval
+    max_token_disagreement: float = 0.05  # fraction of the stable's tokens
+    max_logprob_drift: float | None = None  # nats per token
+    timeout: float = 60.0  # per replayed call
+
+
+_KNOWN = {"replay_via", "prompts", "prompts_file", "api_key_env", "max_new_tokens",
+          "min_samples", "max_token_disagreement", "max_logprob_drift", "timeout"}  # fmt: skip
+
+
+def _fraction(v: Any, where: str) -> float:
+    """0.05 or '5%' -> 0.05."""
+    raw = v
+    if isinstance(v, str) and v.strip().endswith("%"):
+        try:
+            v = float(v.strip()[:-1]) / 100
+        except ValueError:
+            v = None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
+        raise RolloutSpecError(f"{where}: expected a fraction 0..1 or a percentage, got {raw!r}")
+    return float(v)
+
+
+def _count(v: Any, where: str, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise RolloutSpecError(f"{where}: expected an integer {lo}..{hi}, got {v!r}")
+    return v
+
+
+def _prompts(d: dict[str, Any], where: str) -> tuple[str, ...]:
+    if ("prompts" in d) == ("prompts_file" in d):
+        raise RolloutSpecError(f"{where}: give either prompts (a list) or prompts_file (a path)")
+    if "prompts_file" in d:
+        path = d["prompts_file"]
+        try:  # one prompt a line; blank lines skipped
+            text = Path(str(path)).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise RolloutSpecError(f"{where}.prompts_file: cannot read {path!r}: {e}") from None
+        prompts: Any = [line.strip() for line in text.splitlines() if line.strip()]
+        field = "prompts_file"
+    else:
+        prompts, field = d["prompts"], "prompts"
+    if not isinstance(prompts, list | tuple) or not prompts or len(prompts) > MAX_PROMPTS:
+        raise RolloutSpecError(f"{where}.{field}: expected 1..{MAX_PROMPTS} prompts")
+    if not all(isinstance(p, str) and p.strip() for p in prompts):
+        raise RolloutSpecError(f"{where}.{field}: every prompt must be a non-empty string")
+    return tuple(prompts)
+
+
+def parse_quality(d: Any, where: str) -> QualityGate | None:
+    """The rollout's `quality:` block -> a QualityGate (None when absent)."""
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise RolloutSpecError(f"{where}: expected a mapping, got {type(d).__name__}")
+    for k in d:
+        if k not in _KNOWN:
+            raise RolloutSpecError(
+                f"{where}.{k}: unknown field (known: {', '.join(sorted(_KNOWN))})"
+            )
+    via = d.get("replay_via")
+    host, _, port = str(via or "").rpartition(":")
+    if not isinstance(via, str) or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RolloutSpecError(
+            f"{where}.replay_via: expected a caller sidecar's HOST:PORT, got {via!r}"
+        )
+    prompts = _prompts(d, where)
+    env = d.get("api_key_env", "")
+    if not isinstance(env, str):
+        raise RolloutSpecError(f"{where}.api_key_env: expected an environment variable's name")
+    drift = d.get("max_logprob_drift")
+    if drift is not None and (
+        isinstance(drift, bool) or not isinstance(drift, int | float) or drift < 0
+    ):
+        raise RolloutSpecError(
+            f"{where}.max_logprob_drift: expected nats per token >= 0, got {drift!r}"
+        )
+    min_samples = _count(
+        d.get("min_samples", min(8, len(prompts))), f"{where}.min_samples", 1, MAX_PROMPTS
+    )
+    if min_samples > len(prompts):
+        raise RolloutSpecError(
+            f"{where}.min_samples: {min_samples} is more than the {len(prompts)} prompts replayed"
+        )
+    timeout = parse_duration(d.get("timeout", "60s"), f"{where}.timeout")
+    if timeout <= 0:
+        raise RolloutSpecError(f"{where}.timeout: must be positive")
+    return QualityGate(
+        replay_via=via,
+        prompts=prompts,
+        api_key_env=env,
+        max_new_tokens=_count(d.get("max_new_tokens", 16), f"{where}.max_new_tokens", 1, 512),
+        min_samples=min_samples,
+        max_token_disagreement=_fraction(
+            d.get("max_token_disagreement", 0.05), f"{where}.max_token_disagreement"
+        ),
+        max_logprob_drift=None if drift is None else float(drift),
+        timeout=timeout,
+    )
+
+
+# --- the comparison ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt answered by both: the generated ids, and the stable's tokens scored by each."""
+
+    stable: list[int]
+    canary: list[int]
+    canary_argmax: list[int]  # the canary's choice at each of the stable's positions
+    stable_logprobs: list[float]
+    canary_logprobs: list[float]
+
+
+def agreement(samples: list[Sample]) -> dict[str, Any]:
+    """The interval's figures (module doc); None where there is nothing to average."""
+    n_tokens = sum(len(s.stable) for s in samples)
+    firsts = [
+        next((i for i, (a, b) in enumerate(zip(s.stable, s.canary, strict=False)) if a != b),
+             min(len(s.stable), len(s.canary)))
+        for s in samples
+        if s.stable != s.canary
+    ]  # fmt: skip
+    disagree = sum(a != b for s in samples for a, b in zip(s.stable, s.canary_argmax, strict=True))
+    drift = sum(
+        ls - lc
+        for s in samples
+        for ls, lc in zip(s.stable_logprobs, s.canary_logprobs, strict=True)
+    )
+    return {
+        "samples": len(samples),
+        "exact_match_rate": sum(s.stable == s.canary for s in samples) / len(samples)
+        if samples
+        else None,
+        "first_divergence": sum(firsts) / len(firsts) if firsts else None,
+        "token_disagreement": disagree / n_tokens if n_tokens else None,
+        "logprob_drift": drift / n_tokens if n_tokens else None,
+    }
+
+
+def judge(gate: QualityGate, figures: dict[str, Any], errors: list[str]) -> Verdict:
+    m = {"quality": {**figures, "errors": len(errors)}}
+    if figures["samples"] < gate.min_samples:
+        why = f"; first error: {errors[0]}" if errors else ""
+        return Verdict(
+            HALT, f"halted: quality replay answered {figures['samples']} of the "
+            f"{gate.min_samples} prompts it needs{why}", m,
+        )  # fmt: skip
+    failed = []
+    td, drift = figures["token_disagreement"], figures["logprob_drift"]
+    if td is not None and td > gate.max_token_disagreement:
+        failed.append(f"token disagreement {td:.1%} > max {gate.max_token_disagreement:.1%}")
+    if gate.max_logprob_drift is not None and drift is not None and drift > gate.max_logprob_drift:
+        failed.append(f"logprob drift {drift:.3f} > max {gate.max_logprob_drift:g} nats/token")
+    if failed:
+        return Verdict(FAIL, "quality: " + "; ".join(failed), m)
+    return Verdict(PASS, f"quality passed: token disagreement {td:.1%}", m)
+
+
+# --- the replay -------------------------------------------------------------------------------
+
+
+class ReplaySource:
+    """Replays the golden set through `gate.replay_via` and joins the runtimes' records.
+    `stable_urls` / `canary_urls`: each version's runtime metrics base URLs (one per replica)."""
+
+    def __init__(
+        self,
+        gate: QualityGate,
+        service: str,
+        stable_urls: Callable[[], list[str]],
+        canary_urls: Callable[[], list[str]],
+        timeout: float = 10.0,
+    ) -> None:
+        self.gate, self.service = gate, service
+        self.urls = {"never": stable_urls, "always": canary_urls}
+        self.http_timeout = timeout
+
+    def verdict(self) -> Verdict:
+        samples, errors = self.replay()
+        return judge(self.gate, agreement(samples), errors)
+
+    def replay(self) -> tuple[list[Sample], list[str]]:
+        nonce = uuid.uuid4().hex[:12]
+        key = os.environ.get(self.gate.api_key_env, "") if self.gate.api_key_env else ""
+        md = [("x-api-key", key)] if key else []
+        channel = grpc.insecure_channel(
+            self.gate.replay_via, options=[("grpc.default_authority", self.service)]
+        )
+        call = channel.unary_stream(GENERATE)
+        try:
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                jobs = [pool.submit(self._one, call, md, f"replay-{nonce}-{i}", p)
+                        for i, p in enumerate(self.gate.prompts)]  # fmt: skip
+                results = [j.result() for j in jobs]
+        finally:
+            channel.close()
+        samples = [r for r in results if isinstance(r, Sample)]
+        return samples, [r for r in results if isinstance(r, str)]
+
+    def _one(self, call: Any, md: list, rid: str, prompt: str) -> Sample | str:
+        """Both answers and both scores of one prompt; a string says why not."""
+        try:
+            out = {}
+            for pin in ("never", "always"):
+                req = GenerateRequest(
+                    request_id=f"{rid}-{pin}",
+                    messages=[ChatMessage("user", prompt)],
+                    max_new_tokens=self.gate.max_new_tokens,
+                    temperature=0.0,
+                )
+                stream = call(codec.encode_generate_request(req), timeout=self.gate.timeout,
+                              metadata=[*md, ("x-canary", pin)])  # fmt: skip
+                out[pin] = [t for buf in stream for t in codec.decode_token_chunk(buf).token_ids]
+            stable = out["never"]
+            if not stable:
+                return f"{rid}: the stable answered no token"
+            s_score = self._score("never", f"{rid}-never", stable)
+            c_score = self._score("always", f"{rid}-always", stable)
+        except grpc.RpcError as e:
+            return f"{rid}: {e.code().name}: {e.details()}"
+        except MeasurementError as e:
+            return f"{rid}: {e}"
+        return Sample(stable, out["always"], c_score["argmax"], s_score["logprobs"],
+                      c_score["logprobs"])  # fmt: skip
+
+    def _score(self, pin: str, rid: str, token_ids: list[int]) -> dict[str, list]:
+        """Score on the replica that holds `rid` (the join by request id)."""
+        urls = self.urls[pin]()
+        for base in urls:
+            base = base.rstrip("/")
+            if base.endswith("/metrics.json"):
+                base = base[: -len("/metrics.json")]
+            found = _get_json(f"{base}/records?ids={urllib.parse.quote(rid)}", self.http_timeout)
+            if rid in found.get("records", {}):
+                q = urllib.parse.urlencode(
+                    {"request_id": rid, "token_ids": ",".join(map(str, token_ids))}
+                )
+                got = _get_json(f"{base}/score?{q}", self.http_timeout)
+                if len(got.get("logprobs", ())) != len(token_ids):
+                    raise MeasurementError(f"{base}/score: answered {json.dumps(got)[:200]}")
+                return got
+        raise MeasurementError(f"no runtime of {len(urls)} holds a record of {rid}")
+
+
+def with_quality(traffic: Verdict, quality: Verdict) -> Verdict:
+    """The interval's verdict from the traffic gates' and the quality gate's: the worse wins
+    (FAIL over HALT over PASS); the quality figures join the measurements either way."""
+    m = {**traffic.measurements, **quality.measurements}
+    rank = {PASS: 0, HALT: 1, FAIL: 2}
+    worst = max((traffic, quality), key=lambda v: rank[v.outcome])
+    if worst.outcome == PASS:
+        return Verdict(PASS, f"{traffic.reason}; {quality.reason}", m)
+    return Verdict(worst.outcome, worst.reason, m)
