@@ -1,5 +1,6 @@
 """Security review, as tests: admin endpoints bind to loopback by default; plaintext API keys
-never show up in the control plane's dumps, sync status, Envoy's config dump, stats or logs;
+never show up in the control plane's dumps, sync status, CSDS, Envoy's config dump, stats or
+logs (the control plane's at debug level, admin audit lines included);
 the sealed-weights key is never written to disk. (Mutations need the admin token: see
 tests/test_fuzz_admin.py; client identity headers are stripped: tests/test_authz_envoy.py.)"""
 
@@ -7,14 +8,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
 
 import grpc
+from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
 
-from meshlm import cmd_serve, cmd_sidecar, cmd_xds
+from meshlm import cmd_serve, cmd_sidecar, cmd_xds, logs
 from model_runtime import sealed
 from model_runtime.telemetry import MetricsServer, Telemetry
 from sidecar.bootstrap import ads_bootstrap
@@ -87,6 +91,13 @@ def test_plaintext_keys_never_in_dumps_stats_or_logs(tmp_path) -> None:
             {"services": {"llm": {"versions": {"v1": {"endpoints": [runtime]}}}},
              "tenants": tenants}
         )  # fmt: skip
+        # The control plane's log at its most verbose, as --log-format json writes it.
+        logged = io.StringIO()
+        handler = logging.StreamHandler(logged)
+        handler.setFormatter(logs.JsonFormatter())
+        root, level = logging.getLogger(), logging.getLogger().level
+        root.addHandler(handler)
+        root.setLevel(logging.DEBUG)
         cp = ControlPlane(mesh, debounce=0.01).start()
         admin = AdminServer(cp, token="t" * 20).start()
         port = free_port()
@@ -112,9 +123,23 @@ def test_plaintext_keys_never_in_dumps_stats_or_logs(tmp_path) -> None:
                 for path in ("/debug/config_dump", "/debug/syncz"):
                     with urllib.request.urlopen(admin.url + path, timeout=10) as r:
                         texts[f"admin GET {path}"] = r.read().decode()
+                with grpc.insecure_channel(f"127.0.0.1:{cp.grpc_port}") as ads:
+                    csds = csds_pb2_grpc.ClientStatusDiscoveryServiceStub(ads)
+                    texts["CSDS"] = str(csds.FetchClientStatus(csds_pb2.ClientStatusRequest()))
+                change = urllib.request.Request(
+                    admin.url + "/v1/services/llm/weights", data=b'{"v1": 100}', method="POST",
+                    headers={"Authorization": "Bearer " + "t" * 20},
+                )  # fmt: skip
+                with urllib.request.urlopen(change, timeout=30) as r:
+                    assert r.status == 200
         finally:
             admin.stop()
             cp.stop()
+            root.removeHandler(handler)
+            root.setLevel(level)
+        texts["control plane log"] = logged.getvalue()
+        assert '"event": "admin"' in texts["control plane log"]  # the audit line is there
+        assert "t" * 20 not in texts["control plane log"]  # nor the admin token
     for where, text in texts.items():
         for secret in (KEY, WRONG):
             assert secret not in text, f"{secret} leaked into {where}"
