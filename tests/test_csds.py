@@ -14,6 +14,8 @@ from envoy.admin.v3 import config_dump_shared_pb2 as cd
 from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
 from envoy.type.matcher.v3 import node_pb2, string_pb2, struct_pb2
 
+from sidecar.envoy_process import EnvoyProcess
+from tests.test_xds_authz import TENANTS, _inbound
 from tests.test_xds_support import (
     eventually,
     llm_mesh,
@@ -23,6 +25,7 @@ from tests.test_xds_support import (
 )
 from xds_server import types as t
 from xds_server.control_plane import ControlPlane
+from xds_server.mesh import parse_mesh
 
 SYNCED, ERROR = csds_pb2.ConfigStatus.SYNCED, csds_pb2.ConfigStatus.ERROR
 
@@ -144,3 +147,28 @@ def test_meshlm_status_reads_csds(mesh_env: dict) -> None:
         timeout=30,
     )
     assert down.returncode == 1 and "meshlm status: CSDS 127.0.0.1:1:" in down.stderr
+
+
+def test_csds_never_shows_native_authz_keys(tmp_path) -> None:
+    """Native authz pushes plaintext keys to Envoy; CSDS (any mesh certificate reads it) shows
+    them redacted, as the admin API's config dump does."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("acme: demo-acme-key\nfree: demo-free-key\n")
+    keys.chmod(0o600)
+    with upstreams("runtime") as ups:
+        raw = {
+            "services": {"llm": {"versions": {"v1": {"endpoints": [ups["runtime"].address]}}}},
+            "tenants": TENANTS,
+            "authz": {"mode": "native", "keys_file": str(keys)},
+        }
+        cp = ControlPlane(parse_mesh(raw), debounce=0.02).start()
+        boot, _ = _inbound(cp, "native-1", ups["runtime"].address)
+        try:
+            with EnvoyProcess(boot), grpc.insecure_channel(f"127.0.0.1:{cp.grpc_port}") as ch:
+                stub = csds_pb2_grpc.ClientStatusDiscoveryServiceStub(ch)
+                _synced(stub)
+                text = str(stub.FetchClientStatus(csds_pb2.ClientStatusRequest(), timeout=5))
+        finally:
+            cp.stop()
+    assert "demo-acme-key" not in text and "demo-free-key" not in text
+    assert "[redacted]" in text
