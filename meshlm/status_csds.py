@@ -15,6 +15,7 @@ from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
 from google.protobuf import json_format
 
 from xds_server import types as t
+from xds_server.ca import CA_SERVER_NAME
 
 ORDER = ("CDS", "EDS", "LDS", "ECDS", "RDS")
 
@@ -34,7 +35,9 @@ def _channel(target: str, args: argparse.Namespace) -> grpc.Channel:
         raise ValueError("--cert, --key and --cacert go together (mTLS to the ADS port)")
     with open(args.cert, "rb") as c, open(args.key, "rb") as k, open(args.cacert, "rb") as r:
         creds = grpc.ssl_channel_credentials(r.read(), k.read(), c.read())
-    return grpc.secure_channel(target, creds)
+    # The ADS port's certificate names the CA's server name, not an address (xds_server/ca.py).
+    override = [("grpc.ssl_target_name_override", CA_SERVER_NAME)]
+    return grpc.secure_channel(target, creds, options=override)
 
 
 def show(args: argparse.Namespace) -> int:

@@ -10,19 +10,27 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
 from envoy.admin.v3 import config_dump_shared_pb2 as cd
 from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
 from envoy.type.matcher.v3 import node_pb2, string_pb2, struct_pb2
 
 from sidecar.envoy_process import EnvoyProcess
+from tests import test_ads_mtls as mtls
+from tests.test_ads_mtls import _channel as mtls_channel
+from tests.test_ads_mtls import _mesh as mtls_mesh
 from tests.test_xds_authz import TENANTS, _inbound
 from tests.test_xds_support import (
+    AdsClient,
     eventually,
     llm_mesh,
     sidecar,
+    sotw,
     upstreams,
     with_unvalidated_endpoint,
 )
+from xds_server import ca as ca_mod
 from xds_server import types as t
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
@@ -172,3 +180,42 @@ def test_csds_never_shows_native_authz_keys(tmp_path) -> None:
             cp.stop()
     assert "demo-acme-key" not in text and "demo-free-key" not in text
     assert "[redacted]" in text
+
+
+def test_meshlm_status_reads_csds_over_mtls_with_a_mesh_certificate(tmp_path) -> None:
+    """With identity the ADS port (and CSDS on it) takes mesh certificates only: `meshlm status
+    --csds` presents one (--cert/--key, --cacert the mesh roots); without it, a clear error."""
+    with upstreams("v1") as ups:
+        cp = ControlPlane(mtls_mesh(ups["v1"].address), debounce=0.02).start()
+        try:
+            sidecar_ch = mtls_channel(cp, mtls.CALLER)
+            client = AdsClient(cp.grpc_port, "caller-m", channel=sidecar_ch, auto_ack=True)
+            client.send(sotw(t.CLUSTER))
+            eventually(lambda: cp.syncz()["nodes"]["caller-m"]["types"]["CDS"]["acked_version"])
+            key = ca_mod.new_key()
+            csr = (
+                x509.CertificateSigningRequestBuilder()
+                .subject_name(x509.Name([]))
+                .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(
+                    mtls.CALLER)]), True)
+                .sign(key, hashes.SHA256())
+            )  # fmt: skip
+            (tmp_path / "cert.pem").write_text("".join(cp.identity.ca.sign(csr, mtls.CALLER, 600)))
+            (tmp_path / "key.pem").write_bytes(ca_mod.key_pem(key))
+            (tmp_path / "ca.pem").write_bytes(cp.identity.ca.bundle_pem())
+            target = f"127.0.0.1:{cp.grpc_port}"
+            files = ["--cert", str(tmp_path / "cert.pem"), "--key", str(tmp_path / "key.pem"),
+                     "--cacert", str(tmp_path / "ca.pem")]  # fmt: skip
+            base = [sys.executable, "-m", "meshlm.cli", "status", "--csds", target]
+            run = dict(capture_output=True, text=True, timeout=30)
+            ok = subprocess.run([*base, *files], **run)
+            assert ok.returncode == 0, ok.stderr
+            assert any(line.split()[:2] == ["caller-m", "CDS"] for line in ok.stdout.splitlines())
+            assert "SYNCED/ACKED" in ok.stdout
+            plain = subprocess.run(base, **run)
+            assert plain.returncode == 1 and f"CSDS {target}: UNAVAILABLE" in plain.stderr
+            half = subprocess.run([*base, "--cert", str(tmp_path / "cert.pem")], **run)
+            assert half.returncode == 1 and "--cert, --key and --cacert go together" in half.stderr
+            client.close()
+        finally:
+            cp.stop()
