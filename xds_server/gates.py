@@ -40,6 +40,15 @@ class MeasurementError(RuntimeError):
     """A source could not be read (unreachable sidecar, bad JSON)."""
 
 
+class HttpStatusError(MeasurementError):
+    """A source answered an HTTP error status; `body` is the start of its answer."""
+
+    def __init__(self, message: str, status: int, body: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
 # UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS: the codes a
 # server answers for its own faults (grpc/doc/statuscodes.md lists which codes are server-side).
 SERVER_FAULT_CODES = frozenset({"2", "4", "12", "13", "14", "15"})
@@ -257,7 +266,7 @@ def _get_json(url: str, timeout: float) -> Any:
         return json.loads(body)
     except urllib.error.HTTPError as e:  # its body says why (Prometheus: a JSON error)
         why = e.read(1000).decode("utf-8", "replace").strip() if e.fp else ""
-        raise MeasurementError(f"{url}: {e}{': ' + why if why else ''}") from e
+        raise HttpStatusError(f"{url}: {e}{': ' + why if why else ''}", e.code, why) from e
     except (OSError, urllib.error.URLError, ValueError) as e:
         raise MeasurementError(f"{url}: {e}") from e
 
@@ -422,7 +431,16 @@ class PrometheusSource:
         """The query's one value now; None for no data (empty, NaN). MeasurementError when the
         server cannot be read, QueryError when it answers with an error or several series."""
         q = urllib.parse.urlencode({"query": promql})
-        return single_value(_get_json(f"{self.url}/api/v1/query?{q}", self.timeout))
+        try:
+            return single_value(_get_json(f"{self.url}/api/v1/query?{q}", self.timeout))
+        except HttpStatusError as e:
+            if e.status not in (400, 422):  # bad_data, execution: the query's fault
+                raise
+            try:
+                answer = json.loads(e.body)
+            except ValueError:
+                raise QueryError(f"Prometheus answered {e.status}: {e.body}") from e
+            return single_value(answer)
 
 
 def query_variables(spec: RolloutSpec) -> dict[str, str]:
@@ -495,7 +513,6 @@ class Sources:
     latency: LatencySource | None = None
     stable: GrpcCountsSource | None = None  # only to report the traffic split per step
     live: GrpcHealthSource | None = None  # the canary's endpoints, probed by the control plane
-    quality: Any = None  # xds_server.quality.ReplaySource, when the spec has a quality gate
     quality: Any = None  # xds_server.quality.ReplaySource, when the spec has a quality gate
 
 
