@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import grpc
 import openai
 import pytest
 
+from model_runtime.client import Client
 from model_runtime.faults import Faults
 from model_runtime.openai_http import OpenAIServer
 from sidecar.bootstrap import ads_bootstrap
@@ -80,7 +82,9 @@ def mesh(smollm_int4) -> Iterator[Mesh]:
                 "route": {"weights": {"v1": 100, "v2": 0}},
                 # Far below any completion's time: it must not reach the HTTP API's calls.
                 "retry_policy": {"retry_on": "connect-failure", "per_try_timeout": "50ms"},
-            }
+            },
+            # A service whose only replica is down: the caller sidecar's own 503.
+            "down": {"versions": {"v1": {"endpoints": [f"127.0.0.1:{free_port()}"]}}},
         },
         "tenants": tenants,
     }
@@ -190,6 +194,26 @@ def test_a_canary_step_and_x_canary_pins_move_http_calls(mesh: Mesh, acme) -> No
         assert {one(acme) for _ in range(3)} == {"v2"}
     finally:
         assert mesh.cp.set_weights("llm", {"v1": 100, "v2": 0}).ok
+
+
+def test_envoys_own_refusals_are_openai_errors_and_grpc_keeps_its_status(mesh: Mesh) -> None:
+    """A 503 (no replica answers) and a 404 (the Host is no service of the mesh) that the
+    caller sidecar itself answers come in OpenAI's error shape on /v1/ paths (issue 17); a gRPC
+    call meeting the same refusals still gets a trailers-only gRPC status."""
+    with mesh.client(KEYS["acme"], Host="down") as c, pytest.raises(openai.APIStatusError) as e:
+        c.chat.completions.create(model=mesh.model, messages=QUESTION, max_tokens=2)
+    assert e.value.status_code == 503 and e.value.code == "service_unavailable", e.value.body
+    assert e.value.type == "server_error" and "upstream connect error" in e.value.message
+    with mesh.client(KEYS["acme"], Host="nosuch") as c, pytest.raises(openai.NotFoundError) as e:
+        c.models.list()
+    assert e.value.code == "no_route" and e.value.type == "invalid_request_error", e.value.body
+    assert "nosuch" in e.value.message
+    target = f"127.0.0.1:{mesh.outbound_port}"
+    for authority, status in (("down", "UNAVAILABLE"), ("nosuch", "UNIMPLEMENTED")):
+        client = Client(target, api_key=KEYS["acme"], authority=authority)
+        with client, pytest.raises(grpc.RpcError) as g:
+            client.info(timeout=30)
+        assert g.value.code().name == status, g.value.details()
 
 
 def test_gates_count_an_http_5xx(mesh: Mesh, acme: openai.OpenAI) -> None:

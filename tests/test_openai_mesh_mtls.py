@@ -106,9 +106,13 @@ def test_a_listed_workload_chats_over_the_mtls_hop(mesh: Mesh) -> None:
 
 
 def test_callers_rules_decide_on_openai_paths_by_method(mesh: Mesh) -> None:
-    with mesh.client("apps/chat") as c, pytest.raises(openai.PermissionDeniedError):
+    with mesh.client("apps/chat") as c, pytest.raises(openai.PermissionDeniedError) as e:
         c.models.list()  # Info: apps/chat may call Generate only
-    with mesh.client("apps/mail") as c, pytest.raises(openai.PermissionDeniedError):
+    with mesh.client("apps/mail") as c, pytest.raises(openai.PermissionDeniedError) as e2:
         c.completions.create(model=mesh.model, prompt="Hi", max_tokens=1)  # not a caller
     denied = "http.inbound_llm_v1.rbac.meshlm_callers.denied"
     assert mesh.inbound.stat(denied) >= 2
+    # Envoy's own RBAC refusal in OpenAI's error shape, as the SDK reads it (issue 17).
+    for err in (e.value, e2.value):
+        assert err.code == "access_denied" and err.type == "permission_error", err.body
+        assert err.body["message"] == "RBAC: access denied"

@@ -7,9 +7,16 @@ from collections.abc import Sequence
 
 from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
-from envoy.config.core.v3 import base_pb2, config_source_pb2, extension_pb2, protocol_pb2
+from envoy.config.core.v3 import (
+    base_pb2,
+    config_source_pb2,
+    extension_pb2,
+    protocol_pb2,
+    substitution_format_string_pb2,
+)
 from envoy.config.listener.v3 import listener_components_pb2 as lc
 from envoy.config.listener.v3 import listener_pb2
+from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
 from envoy.extensions.filters.http.grpc_stats.v3 import config_pb2 as grpc_stats_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
@@ -18,7 +25,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
     header_mutation_pb2 as early_pb2,
 )
-from google.protobuf import wrappers_pb2
+from google.protobuf import struct_pb2, wrappers_pb2
 
 from xds_server.resources.common import ads, duration, pack, socket_address
 
@@ -80,6 +87,107 @@ def died_holding_the_call_reply() -> hcm_pb2.LocalReplyConfig:
     return hcm_pb2.LocalReplyConfig(mappers=[mapper])
 
 
+# Envoy's own refusals of an OpenAI HTTP call (issue 17): the callers RBAC's 403, a 503 when no
+# replica answers, a 404 when no route matches, a timeout's 504... Their plain-text bodies become
+# OpenAI's error JSON, which the SDKs read `code` and `type` from. Only on /v1/ paths (gRPC keeps
+# its trailers-only answer) and only when the reply is not JSON already: the Wasm authz filter's
+# denials are OpenAI-shaped and carry `content-type: application/json` (wasm_filters/authz.zig).
+# The filter runs for local replies only (https://www.envoyproxy.io/docs/envoy/latest/
+# configuration/http/http_conn_man/local_reply): a CEL expression, as no AccessLogFilter of
+# Envoy's own reads a response header.
+OPENAI_LOCAL_REPLY = (
+    "request.path.startsWith('/v1/') && !('content-type' in response.headers && "
+    "response.headers['content-type'].startsWith('application/json'))"
+)
+# HTTP status -> OpenAI error type and code (as model_runtime/openai_api.py's for the runtime's).
+OPENAI_REFUSALS = {
+    403: ("permission_error", "access_denied"),
+    404: ("invalid_request_error", "no_route"),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
+    503: ("server_error", "service_unavailable"),
+    504: ("server_error", "timeout"),
+}
+# Envoy's 404 for no route has an empty body: say what found none.
+NO_ROUTE_MESSAGE = "no route for %REQ(:METHOD)% %REQ(:PATH)% at %REQ(:AUTHORITY)%"
+
+
+def _openai_error_format(status: int) -> substitution_format_string_pb2.SubstitutionFormatString:
+    """The body of an OpenAI error for `status`; one not in OPENAI_REFUSALS is typed by its
+    class and coded by Envoy's response code details."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    type_, code = OPENAI_REFUSALS.get(status, (kind, "%RESPONSE_CODE_DETAILS%"))
+    error = struct_pb2.Struct()
+    error.update({
+        "message": NO_ROUTE_MESSAGE if status == 404 else "%LOCAL_REPLY_BODY%",
+        "type": type_,
+        "code": code,
+    })  # fmt: skip
+    error.fields["param"].null_value = struct_pb2.NULL_VALUE
+    body = struct_pb2.Struct()
+    body.fields["error"].struct_value.CopyFrom(error)
+    return substitution_format_string_pb2.SubstitutionFormatString(json_format=body)
+
+
+def _openai_call() -> accesslog_pb2.AccessLogFilter:
+    cel = cel_pb2.ExpressionFilter(expression=OPENAI_LOCAL_REPLY)
+    return accesslog_pb2.AccessLogFilter(
+        extension_filter=accesslog_pb2.ExtensionFilter(
+            name="envoy.access_loggers.extension_filters.cel", typed_config=pack(cel)
+        )
+    )
+
+
+def _status_is(
+    code: int, op: int = accesslog_pb2.ComparisonFilter.EQ
+) -> accesslog_pb2.AccessLogFilter:
+    cmp = accesslog_pb2.ComparisonFilter(
+        op=op,
+        value=base_pb2.RuntimeUInt32(
+            default_value=code, runtime_key=f"meshlm.openai_reply.status_{code}"
+        ),
+    )
+    return accesslog_pb2.AccessLogFilter(
+        status_code_filter=accesslog_pb2.StatusCodeFilter(comparison=cmp)
+    )
+
+
+def _both(*filters: accesslog_pb2.AccessLogFilter) -> accesslog_pb2.AccessLogFilter:
+    return accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(filters=filters))
+
+
+def openai_local_reply(base: hcm_pb2.LocalReplyConfig | None) -> hcm_pb2.LocalReplyConfig:
+    """`base`'s mappers, each with an OpenAI-shaped twin for /v1/ calls first (a status it sets
+    gets that status's error), then one mapper per status of Envoy's own refusals there, then
+    any other status. The first mapper whose filter matches decides."""
+    mappers = list(base.mappers) if base else []
+    twins = []
+    for mapper in mappers:
+        twin = hcm_pb2.ResponseMapper()
+        twin.CopyFrom(mapper)
+        twin.filter.CopyFrom(_both(_openai_call(), mapper.filter))
+        # A mapper that keeps Envoy's status: server_error, coded by the response details.
+        status = mapper.status_code.value if mapper.HasField("status_code") else 500
+        twin.body_format_override.CopyFrom(_openai_error_format(status))
+        twins.append(twin)
+    by_status = [
+        hcm_pb2.ResponseMapper(
+            filter=_both(_openai_call(), _status_is(status)),
+            body_format_override=_openai_error_format(status),
+        )
+        for status in OPENAI_REFUSALS
+    ]
+    rest = [
+        hcm_pb2.ResponseMapper(
+            filter=_both(_openai_call(), _status_is(500, accesslog_pb2.ComparisonFilter.GE)),
+            body_format_override=_openai_error_format(500),
+        ),
+        hcm_pb2.ResponseMapper(
+            filter=_openai_call(), body_format_override=_openai_error_format(400)
+        ),
+    ]
+    return hcm_pb2.LocalReplyConfig(mappers=[*twins, *by_status, *rest, *mappers])
+
+
 def forward_client_cert() -> dict[str, object]:
     """The HCM fields that hand the runtime its verified caller, as Istio does: Envoy replaces
     any client-sent `x-forwarded-client-cert` with `By=<this sidecar's SPIFFE ID>;Hash=<the
@@ -123,7 +231,7 @@ def http_listener(
         early_header_mutation_extensions=(
             [remove_request_headers(strip_request_headers)] if strip_request_headers else []
         ),
-        local_reply_config=local_reply,
+        local_reply_config=openai_local_reply(local_reply),
         **(forward_client_cert() if transport_socket else {}),
         # No `tracing` block: W3C `traceparent`/`tracestate` are ordinary headers that Envoy
         # forwards unchanged hop to hop, so the runtime continues the client's trace.
