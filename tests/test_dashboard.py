@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ from selenium.webdriver.common.by import By
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.ports import free_port
-from tests.test_xds_support import Caller, eventually, upstreams
+from tests.test_xds_support import Caller, CallLoop, eventually, upstreams
 
 TOKEN = "dashboard-test-token"
 SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "dashboard.png"
@@ -34,7 +35,7 @@ SCREENSHOT = Path(__file__).resolve().parents[1] / "docs" / "dashboard.png"
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    with upstreams("v1", "v2") as ups:
+    with upstreams("v1", "v2", health=True) as ups:
         envoy_admin = free_port()
         doc = {
             "services": {
@@ -103,8 +104,15 @@ def _post(url: str, doc: dict) -> int:
     req = urllib.request.Request(
         url, json.dumps(doc).encode(), headers={"Authorization": f"Bearer {TOKEN}"}
     )
-    with urllib.request.urlopen(req, timeout=15) as r:
-        return r.status
+    try:
+        with urllib.request.urlopen(req, timeout=15) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _text(driver: webdriver.Chrome, element_id: str) -> str:
+    return driver.find_element(By.ID, element_id).text
 
 
 def _split(driver: webdriver.Chrome) -> str:
@@ -132,10 +140,25 @@ def test_the_page_follows_a_weight_change_live(mesh: dict, browser: webdriver.Ch
         v2_calls = re.compile(r"^v2 30% [1-9]", re.M)  # counted at the caller sidecar
         eventually(lambda: v2_calls.search(browser.find_element(By.ID, "services").text), 10,
                    "v2's calls")  # fmt: skip
-        SCREENSHOT.parent.mkdir(exist_ok=True)
-        assert browser.save_screenshot(str(SCREENSHOT))
     finally:
         caller.close()
+
+    # A rollout: its state and each interval's gate readings appear as they are taken.
+    spec = {"stable": "v1", "canary": "v2", "steps": [10, 50, 100], "interval": "1s",
+            "gates": {"min_requests": 1}}  # fmt: skip
+    with CallLoop(mesh["port"]):
+        assert _post(mesh["admin"] + "/rollouts/llm", spec) == 201
+        try:
+            eventually(lambda: "pass" in _text(browser, "rollout-llm"), 15, "a passed interval")
+            assert re.search(r"^(Progressing|Succeeded) v1 → v2", _text(browser, "rollout-llm"))
+            # The per-version counts follow the rollout's traffic (read every 2 s).
+            v2_many = re.compile(r"^v2 \d+% [1-9]\d+ ", re.M)
+            eventually(lambda: v2_many.search(_text(browser, "services")), 10, "v2's calls")
+            SCREENSHOT.parent.mkdir(exist_ok=True)
+            assert browser.save_screenshot(str(SCREENSHOT))
+        finally:
+            # Back to v1 alone (409 once the rollout succeeded: nothing to abort).
+            assert _post(mesh["admin"] + "/rollouts/llm/abort", {}) in (200, 409)
 
 
 def _stream(port: int, host: str) -> tuple[bytes, socket.socket]:
@@ -167,7 +190,7 @@ def test_events_push_a_change_and_refuse_a_foreign_host(mesh: dict) -> None:
             line, _, buf = buf.partition(b"\n\n")
             return json.loads(line.removeprefix(b"data: "))
 
-        assert event()["services"]["llm"]["weights"]["v2"] in (0, 30)
+        assert set(event()["services"]["llm"]["weights"]) == {"v1", "v2"}
         assert _post(mesh["admin"] + "/v1/services/llm/weights", {"v1": 20, "v2": 80}) == 200
         eventually(lambda: event()["services"]["llm"]["weights"] == {"v1": 20, "v2": 80}, 5,
                    "an event with the new weights")  # fmt: skip

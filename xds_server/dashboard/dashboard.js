@@ -81,10 +81,10 @@ function service(name, svc, now) {
     el("div", { class: "muted" }, `traffic split (0–100 %) since ${since}`));
   const m = svc.measured || {};
   card.append(el("h3", {}, "Per version (what the gates read)"),
-    table(["version", "weight", "calls", "success", "TTFT p99", "TPOT p99"],
+    table(["version", "weight", "calls (all time)", "success", "TTFT p99", "TPOT p99"],
       svc.versions.map((v) => [v, `${svc.weights[v] ?? 0}%`, m[v]?.requests ?? "–",
         pct(m[v]?.success_rate), ms(m[v]?.ttft_p99), ms(m[v]?.tpot_p99)])));
-  card.append(el("h3", {}, "Rollout"), rollout(svc.rollout));
+  card.append(el("h3", {}, "Rollout"), el("div", { id: `rollout-${name}` }, rollout(svc.rollout)));
   const side = el("div", { class: "grid" });
   side.append(el("p", {}, "Quarantined classes: ",
     svc.quarantined == null ? el("span", { class: "muted" }, "isolation off")

@@ -73,7 +73,7 @@ def _rollout(r: dict[str, Any]) -> dict[str, Any]:
     return {
         "state": r["state"],
         "step": r["step"],
-        "steps": [s.get("weight") for s in spec.get("steps", [])],
+        "steps": list(spec.get("steps", [])),
         "canary": spec.get("canary"),
         "stable": r["stable"],
         "canary_weight": r["canary_weight"],
