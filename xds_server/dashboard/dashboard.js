@@ -123,7 +123,7 @@ function render(doc) {
   const tenants = Object.entries(doc.tenants).sort();
   document.getElementById("tenants").replaceWith(Object.assign(tenants.length
     ? table(["tenant", "allowed", "denied"], tenants.map(([t, c]) => [t, c.allowed, c.denied]))
-    : el("p", { class: "muted" }, "no tenant counters (they need caller_sidecars and an authz block in the mesh file)"), { id: "tenants" }));
+    : el("p", { class: "muted" }, "no tenant counters at the sidecars in caller_sidecars (the authz filter counts on inbound listeners)"), { id: "tenants" }));
   document.getElementById("errors").replaceChildren(...(doc.errors.length
     ? [el("h2", {}, "Sources not read"), ...doc.errors.map((e) => el("p", { class: "bad" }, e))] : []));
   document.body.dataset.generation = doc.generation;
