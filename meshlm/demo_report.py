@@ -128,7 +128,14 @@ def render(report: dict[str, Any]) -> str:
             f"p99 {b['ttft_ms']['p99']} ms; in its runtime: TTFT p99 "
             f"{b['server_ttft_ms']['p99']} ms, queue wait p99 {b['queue_wait_ms']['p99']} ms"
         )
-    lines.append("outcomes by tenant (gRPC status):")
+    for api, a in t.get("by_api", {}).items():
+        name = "OpenAI HTTP (openai SDK)" if api == "openai" else "gRPC"
+        per_version = "; ".join(
+            f"{v} {b['count']} calls, TTFT p50 {b['ttft_ms']['p50']} / p99 {b['ttft_ms']['p99']} ms"
+            for v, b in a["by_version"].items()
+        )
+        lines.append(f"  {name}: {a['ok']}/{a['requests']} OK; {per_version or 'none answered'}")
+    lines.append("outcomes by tenant (gRPC status; an OpenAI call's HTTP status as its gRPC one):")
     for tenant, counts in t["by_tenant"].items():
         lines.append(f"  {tenant:<9} " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     lines.append("authz filter counters (inbound sidecars):")

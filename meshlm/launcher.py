@@ -62,6 +62,7 @@ class Runtime:
     precision: str
     name: str = ""
     port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)  # its OpenAI HTTP API (issue 17)
     metrics_port: int = field(default_factory=free_port)
     inbound_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
@@ -149,8 +150,10 @@ class LocalMesh:
         return {f"127.0.0.1:{rt.port}": rt.version for rt in self.runtimes.values()}
 
     def serve_args(self, rt: Runtime) -> list[str]:
-        """The `meshlm serve` command line of one replica (its faults included)."""
+        """The `meshlm serve` command line of one replica (its faults included): gRPC, and the
+        OpenAI HTTP API serving the model as the service's name (a call's `model` is `llm`)."""
         args = ["serve", "--precision", rt.precision, "--port", str(rt.port)]
+        args += ["--http-port", str(rt.http_port), "--served-model-name", SERVICE]
         args += ["--metrics-port", str(rt.metrics_port)]
         return args + self.faults.get(rt.name, self.faults.get(rt.version, []))
 
@@ -276,6 +279,7 @@ class LocalMesh:
             "sidecar", "--xds", f"127.0.0.1:{self.grpc_port}",
             "--node-id", f"{SERVICE}-{rt.name}", "--service", SERVICE, "--version", rt.version,
             "--inbound-port", str(rt.inbound_port), "--local-endpoint", f"127.0.0.1:{rt.port}",
+            "--local-http-endpoint", f"127.0.0.1:{rt.http_port}",
             "--admin-port", str(rt.admin_port),
             "--lkg-file", str(self.workdir / f"lkg-{rt.name}.json"),
         ]  # fmt: skip

@@ -1,23 +1,29 @@
 """Tenants' traffic for the demo: real gRPC Generate (or Info) calls through a caller-side
 sidecar, open loop at a fixed rate per tenant, every outcome recorded by gRPC status. Generate
 goes through the caller library (meshlm/caller.py: stalled streams resume on another replica);
-`resume=False` uses the bare client instead (what plain Envoy retries give)."""
+`resume=False` uses the bare client instead (what plain Envoy retries give). A load with
+`api="openai"` streams chat completions with the `openai` SDK through the same sidecar (the
+OpenAI HTTP API, issue 17); its failures are recorded by the gRPC status their HTTP status
+stands for (model_runtime/openai_api.py's mapping), so a tenant's outcomes read alike."""
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from meshlm.caller import Caller
 from meshlm.sla import percentile
 from model_runtime.client import Client
+from model_runtime.service import REPLICA_HEADER
 
 PROMPTS = (
     "What is the capital of France? Answer with one word.",
@@ -28,6 +34,13 @@ PROMPTS = (
 )
 
 
+# HTTP status of an OpenAI call -> the gRPC status it stands for (openai_api.py answers these).
+HTTP_AS_GRPC = {
+    400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+    429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class TenantLoad:
     name: str
@@ -35,6 +48,7 @@ class TenantLoad:
     rate: float  # requests per second, open loop
     method: str = "Generate"
     prompts: tuple[str, ...] = PROMPTS  # sent in turn
+    api: str = "grpc"  # or "openai": streamed chat completions with the openai SDK
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,7 @@ class Outcome:
     replica: str = ""  # x-meshlm-replica of the replica that sent the first token
     queue_wait_ms: float | None = None  # as the runtime reported it with the first token
     server_ttft_ms: float | None = None  # the runtime's own TTFT (from the call's arrival)
+    api: str = "grpc"
 
 
 class Traffic:
@@ -66,7 +81,13 @@ class Traffic:
         self.loads = loads
         self.max_new_tokens = max_new_tokens
         kind = Caller if resume else Client
-        self.clients = {t.name: kind(target, api_key=t.api_key, authority=authority) for t in loads}
+        grpc_loads = [t for t in loads if t.api == "grpc"]
+        self.clients = {
+            t.name: kind(target, api_key=t.api_key, authority=authority) for t in grpc_loads
+        }
+        self.openai = {t.name: _openai_client(target, t.api_key, authority) for t in loads
+                       if t.api == "openai"}  # fmt: skip
+        self.model = authority  # LocalMesh serves the model as the service's name
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -86,7 +107,7 @@ class Traffic:
         for t in self._threads:
             t.join()
         self._pool.shutdown(wait=True)
-        for c in self.clients.values():
+        for c in [*self.clients.values(), *self.openai.values()]:
             c.close()
 
     def _pace(self, load: TenantLoad) -> None:
@@ -99,6 +120,9 @@ class Traffic:
             self._stop.wait(max(0.0, start + n / load.rate - time.monotonic()))
 
     def _call(self, load: TenantLoad, prompt: str, due: float) -> None:
+        if load.api == "openai":
+            self._openai_call(load, prompt, due)
+            return
         client = self.clients[load.name]
         # Timed from when the open loop meant to send it: a call that waited for a free worker
         # counts that wait (else a slow mesh would slow the offered load and hide its latency).
@@ -134,6 +158,38 @@ class Traffic:
         with self._lock:
             self.outcomes.append(outcome)
 
+    def _openai_call(self, load: TenantLoad, prompt: str, due: float) -> None:
+        """One streamed chat completion with the openai SDK; the serving replica from the
+        response's x-meshlm-replica header."""
+        import openai
+
+        t0, ttft, status, detail, replica = due, None, "OK", "", ""
+        try:
+            raw = self.openai[load.name].chat.completions.with_raw_response.create(
+                model=self.model,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=self.max_new_tokens,
+                stream=True,
+            )
+            replica = raw.headers.get(REPLICA_HEADER, "")
+            for event in raw.parse():
+                if ttft is None and event.choices and event.choices[0].delta.content:
+                    ttft = (time.monotonic() - t0) * 1000
+        except openai.APIStatusError as e:
+            status = HTTP_AS_GRPC.get(e.status_code, f"HTTP {e.status_code}")
+            detail = str(e.code or "")
+        except openai.APITimeoutError:
+            status = "DEADLINE_EXCEEDED"
+        except openai.APIError as e:  # the connection failed, or an error event mid-stream
+            status, detail = "UNAVAILABLE", type(e).__name__
+        latency = (time.monotonic() - t0) * 1000
+        outcome = Outcome(
+            t0, load.name, status, ttft, latency, prompt, detail=detail, replica=replica,
+            api="openai",
+        )  # fmt: skip
+        with self._lock:
+            self.outcomes.append(outcome)
+
     def since(self, t: float) -> list[Outcome]:
         with self._lock:
             return [o for o in self.outcomes if o.at >= t]
@@ -154,19 +210,47 @@ def summarize(outcomes: list[Outcome], versions: dict[str, str] | None = None) -
         "ttft_ms": _p50_p99([o.ttft_ms for o in ok]),
     }
     if versions is not None:
-        by_version: dict[str, list[Outcome]] = {}
-        for o in ok:
-            by_version.setdefault(versions.get(o.replica, "?"), []).append(o)
-        out["by_version"] = {
-            v: {
-                "count": len(calls),
-                "ttft_ms": _p50_p99([o.ttft_ms for o in calls]),
-                "server_ttft_ms": _p50_p99([o.server_ttft_ms for o in calls]),
-                "queue_wait_ms": _p50_p99([o.queue_wait_ms for o in calls]),
+        out["by_version"] = _by_version(ok, versions)
+        # The same per API: gRPC (FlatBuffers) and the OpenAI HTTP API through the same mesh.
+        out["by_api"] = {
+            api: {
+                "requests": sum(o.api == api for o in outcomes),
+                "ok": sum(o.api == api and o.status == "OK" for o in outcomes),
+                "by_version": _by_version([o for o in ok if o.api == api], versions),
             }
-            for v, calls in sorted(by_version.items())
+            for api in sorted({o.api for o in outcomes})
         }
     return out
+
+
+def _by_version(ok: list[Outcome], versions: dict[str, str]) -> dict[str, dict]:
+    by_version: dict[str, list[Outcome]] = {}
+    for o in ok:
+        by_version.setdefault(versions.get(o.replica, "?"), []).append(o)
+    return {
+        v: {
+            "count": len(calls),
+            "ttft_ms": _p50_p99([o.ttft_ms for o in calls]),
+            "server_ttft_ms": _p50_p99([o.server_ttft_ms for o in calls]),
+            "queue_wait_ms": _p50_p99([o.queue_wait_ms for o in calls]),
+        }
+        for v, calls in sorted(by_version.items())
+    }
+
+
+def _openai_client(target: str, api_key: str, authority: str) -> Any:  # openai.OpenAI
+    import openai  # the demo's OpenAI share only (in requirements.lock, which `make demo` installs)
+
+    for name in ("httpx", "httpx2"):  # its HTTP client logs every request at INFO
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    return openai.OpenAI(
+        base_url=f"http://{target}/v1",
+        api_key=api_key,  # sent as Authorization: Bearer, which the sidecar's authz accepts
+        max_retries=0,
+        timeout=60,
+        default_headers={"Host": authority},  # the caller sidecar routes by Host, as by :authority
+    )
 
 
 def write_calls(path: Path, outcomes: list[Outcome], versions: dict[str, str]) -> None:
@@ -177,7 +261,7 @@ def write_calls(path: Path, outcomes: list[Outcome], versions: dict[str, str]) -
     with path.open("w") as f:
         for o in rows:
             row = {
-                "t_s": round(o.at - t0, 3), "tenant": o.tenant, "status": o.status,
+                "t_s": round(o.at - t0, 3), "tenant": o.tenant, "api": o.api, "status": o.status,
                 "version": versions.get(o.replica), "replica": o.replica,
                 "ttft_ms": _ms(o.ttft_ms), "server_ttft_ms": _ms(o.server_ttft_ms),
                 "queue_wait_ms": _ms(o.queue_wait_ms), "latency_ms": _ms(o.latency_ms),

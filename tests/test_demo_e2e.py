@@ -1,6 +1,7 @@
 """The product's main job, end to end on real processes: `meshlm demo` starts the control plane,
 two runtimes of the real model (bf16 stable, int4 canary), three sidecar Envoys with the Wasm
-authz filter, and tenants' gRPC traffic, then rolls the canary out gated on measured SLOs."""
+authz filter, and tenants' traffic (gRPC, and OpenAI HTTP calls with the openai SDK), then rolls
+the canary out gated on measured SLOs."""
 
 from __future__ import annotations
 
@@ -85,7 +86,21 @@ def test_demo_promotes_a_healthy_canary(tmp_path: Path, no_leftover_processes: N
         assert s["gate_over"] == "interval" and s["gate_samples"] > 0, s
         assert s["client_ttft_ms"]["v2"]["count"] > 0, s
     assert (tmp_path / "calls.jsonl").read_text().count("\n") == traffic["requests"]
+    _assert_openai(traffic, out)
     _assert_identity(report, out, tmp_path)
+
+
+def _assert_openai(traffic: dict, out: str) -> None:
+    """A share of acme's calls went with the openai SDK through the caller sidecar (issue 17):
+    all succeeded (acme's OK count above covers them too), both versions answered some (the
+    canary took its steps' share), and the report shows them beside the gRPC calls."""
+    by_api = traffic["by_api"]
+    assert set(by_api) == {"grpc", "openai"}, by_api
+    openai_calls = by_api["openai"]
+    assert openai_calls["requests"] >= 20 and openai_calls["ok"] == openai_calls["requests"]
+    assert set(openai_calls["by_version"]) == {"v1", "v2"}, openai_calls
+    assert openai_calls["by_version"]["v2"]["count"] > 0
+    assert "  OpenAI HTTP (openai SDK): " in out and "  gRPC: " in out
 
 
 def _assert_identity(report: dict, out: str, workdir: Path) -> None:

@@ -29,7 +29,9 @@ def run(args: argparse.Namespace, name: str) -> int:
     mesh = LocalMesh(workdir=args.workdir, faults=faults if faulty else None)
     print(f"meshlm demo: logs and report in {mesh.workdir}", flush=True)
     loads = [
-        TenantLoad("acme", "demo-acme-key", rate=3.0),
+        TenantLoad("acme", "demo-acme-key", rate=2.0),
+        # A third of acme's calls: the OpenAI HTTP API with the openai SDK (issue 17).
+        TenantLoad("acme", "demo-acme-key", rate=1.0, api="openai"),
         TenantLoad("free", "demo-free-key", rate=1.0),  # over its 1 per 2 s bucket: 429s
         TenantLoad("free", "demo-free-key", rate=0.2, method="Info"),  # not allowed: 403
         TenantLoad("intruder", "not-a-key", rate=0.3),  # unknown key: 401
@@ -38,7 +40,10 @@ def run(args: argparse.Namespace, name: str) -> int:
     try:
         mesh.start(say=lambda m: print(f"  {m}", flush=True))
         traffic = Traffic(mesh.caller_target, loads, authority=SERVICE).start()
-        print("traffic: acme 3/s, free 1.2/s (rate-limited), intruder 0.3/s (bad key)")
+        print(
+            "traffic: acme 3/s (1/s of it with the openai SDK), free 1.2/s (rate-limited), "
+            "intruder 0.3/s (bad key)"
+        )
         time.sleep(5)
         status = mesh.admin("POST", f"/rollouts/{SERVICE}", {})
         print(
