@@ -25,7 +25,7 @@ from urllib.parse import parse_qs
 
 DEFAULT_CAPACITY = 1024
 MAX_IDS = 256  # ids per /records query
-MAX_SCORE_TOKENS = 2048
+MAX_SCORE_TOKENS = 8192  # a GET line of ~16 KB at most
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,9 @@ class Records:
             raise KeyError(request_id)
         if self.model is None:
             raise RuntimeError("no model is serving yet")
+        room = self.model.args.context_length - len(rec.prompt_ids)
+        if len(token_ids) > room:
+            raise ValueError(f"token_ids: {len(token_ids)} ids overrun the context ({room} left)")
         return teacher_forced(self.model, list(rec.prompt_ids), token_ids)
 
     # --- the HTTP pages (GET only, loopback) ------------------------------------------------
@@ -109,6 +112,8 @@ class Records:
                 return 200, json.dumps(self.score(rid, tokens)).encode()
             except KeyError:
                 return _err(404, f"request_id: no record of {rid!r} (greedy calls only; LRU)")
+            except RuntimeError as e:  # no model yet
+                return _err(503, str(e))
         except ValueError as e:
             return _err(400, str(e))
 

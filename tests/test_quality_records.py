@@ -70,6 +70,7 @@ def test_bad_queries_answer_400_naming_the_field(served) -> None:
         ("/score?token_ids=1", "request_id"),
         ("/score?request_id=greedy-2&token_ids=a,b", "token_ids"),
         ("/score?request_id=greedy-2&token_ids=99999999", "token_ids"),
+        ("/score?request_id=greedy-2&token_ids=" + ",".join(["1"] * 8192), "token_ids"),
     ]:
         status, body = _get(url + query)
         assert status == 400, query

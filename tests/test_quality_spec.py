@@ -62,19 +62,16 @@ def test_percentages_and_fractions_mean_the_same() -> None:
     assert spec(max_token_disagreement="5%").quality == spec(max_token_disagreement=0.05).quality
 
 
-def _sample(stable, canary, argmax, lp_s, lp_c) -> Sample:
-    return Sample(stable, canary, argmax, lp_s, lp_c)
-
-
 def test_agreement_figures() -> None:
-    same = _sample([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [-1.0] * 4, [-1.0] * 4)
-    off = _sample([1, 2, 3, 4], [1, 9, 9, 9], [1, 9, 3, 4], [-1.0] * 4, [-2.0] * 4)
+    # the stable's own teacher-forced choice differs from its answer at position 3 (a near-tie)
+    same = Sample([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 7, 4], [1, 2, 7, 4], [-1.0] * 4, [-1.0] * 4)
+    off = Sample([1, 2, 3, 4], [1, 9, 9, 9], [1, 2, 3, 4], [1, 9, 3, 4], [-1.0] * 4, [-2.0] * 4)
     fig = agreement([same, off])
     assert fig == {
         "samples": 2,
         "exact_match_rate": 0.5,
         "first_divergence": 1.0,
-        "token_disagreement": 1 / 8,  # one position, not the three after the divergence
+        "token_disagreement": 1 / 8,  # one choice, not the three tokens after the divergence
         "logprob_drift": 0.5,
     }
     gate = spec(max_token_disagreement="10%", max_logprob_drift=1.0).quality

@@ -9,9 +9,11 @@ and asks that runtime to score the stable's tokens (teacher-forced, one prefill)
 
 - exact_match_rate: the share of prompts whose two answers are identical;
 - first_divergence: the mean position of the first differing token, over answers that differ;
-- token_disagreement: the share of the stable's tokens the canary would not have chosen itself
-  at that position, given the stable's prefix (teacher-forced argmax; one early divergence does
-  not count every later token);
+- token_disagreement: the share of positions of the stable's answer where the canary's choice
+  differs from the stable's, both teacher-forced on the stable's prefix (one early divergence
+  does not count every later token; both choices come from the same kind of forward pass, so a
+  canary with the stable's weights scores 0 even where a near-tie made the stable's own
+  incremental decode pick another token);
 - logprob_drift: mean over the stable's tokens of log p_stable - log p_canary (nats per token).
 
 Replay calls are excluded from the traffic gates by timing: they run after the interval's counts
@@ -159,7 +161,8 @@ class Sample:
 
     stable: list[int]
     canary: list[int]
-    canary_argmax: list[int]  # the canary's choice at each of the stable's positions
+    stable_argmax: list[int]  # the stable's choice at each position, teacher-forced
+    canary_argmax: list[int]  # the canary's choice there
     stable_logprobs: list[float]
     canary_logprobs: list[float]
 
@@ -173,7 +176,9 @@ def agreement(samples: list[Sample]) -> dict[str, Any]:
         for s in samples
         if s.stable != s.canary
     ]  # fmt: skip
-    disagree = sum(a != b for s in samples for a, b in zip(s.stable, s.canary_argmax, strict=True))
+    disagree = sum(
+        a != b for s in samples for a, b in zip(s.stable_argmax, s.canary_argmax, strict=True)
+    )
     drift = sum(
         ls - lc
         for s in samples
@@ -263,7 +268,8 @@ class ReplaySource:
                 )
                 stream = call(codec.encode_generate_request(req), timeout=self.gate.timeout,
                               metadata=[*md, ("x-canary", pin)])  # fmt: skip
-                out[pin] = [t for buf in stream for t in codec.decode_token_chunk(buf).token_ids]
+                chunks = (codec.decode_token_chunk(buf).token_ids for buf in stream)
+                out[pin] = [int(t) for ids in chunks for t in ids]
             stable = out["never"]
             if not stable:
                 return f"{rid}: the stable answered no token"
@@ -273,8 +279,8 @@ class ReplaySource:
             return f"{rid}: {e.code().name}: {e.details()}"
         except MeasurementError as e:
             return f"{rid}: {e}"
-        return Sample(stable, out["always"], c_score["argmax"], s_score["logprobs"],
-                      c_score["logprobs"])  # fmt: skip
+        return Sample(stable, out["always"], s_score["argmax"], c_score["argmax"],
+                      s_score["logprobs"], c_score["logprobs"])  # fmt: skip
 
     def _score(self, pin: str, rid: str, token_ids: list[int]) -> dict[str, list]:
         """Score on the replica that holds `rid` (the join by request id)."""
