@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from xds_server.gates import FAIL, HALT, PASS, Verdict
+from xds_server.mesh import MeshError, parse_mesh
 from xds_server.quality import Sample, agreement, judge, with_quality
 from xds_server.rollout import Rollout
+from xds_server.rollout_api import spec_from_mesh
 from xds_server.rollout_spec import RolloutSpecError, parse_rollout
 
 BASE = {"stable": "v1", "canary": "v2"}
@@ -91,3 +93,32 @@ def test_the_worse_verdict_wins_and_keeps_both_figures() -> None:
     assert with_quality(traffic_low, good).outcome == HALT
     both = with_quality(traffic_ok, good)
     assert both.outcome == PASS and both.measurements == {"requests": 9, "quality": {"samples": 3}}
+
+
+def _mesh(quality: dict):
+    return parse_mesh(
+        {
+            "services": {
+                "llm": {
+                    "versions": {
+                        "v1": {"endpoints": ["127.0.0.1:1"]},
+                        "v2": {"endpoints": ["127.0.0.1:2"]},
+                    },
+                    "route": {"weights": {"v1": 100, "v2": 0}},
+                }
+            },
+            "rollouts": {"llm": {**BASE, "steps": [50, 100], "quality": quality}},
+        }
+    )
+
+
+def test_the_mesh_files_rollout_carries_its_quality_block(tmp_path: Path) -> None:
+    golden = tmp_path / "golden.txt"
+    golden.write_text("one\ntwo\n")
+    q = {"replay_via": "127.0.0.1:15001", "prompts_file": str(golden), "min_samples": 2}
+    spec_dict = spec_from_mesh(_mesh(q), "llm")
+    golden.unlink()  # read once, when the mesh file loaded
+    s = parse_rollout("llm", spec_dict)
+    assert s.quality.prompts == ("one", "two") and s.quality.min_samples == 2
+    with pytest.raises(MeshError, match=r"^rollouts\.llm\.quality\.min_samples: 3 is more"):
+        _mesh({"replay_via": "127.0.0.1:15001", "prompts": ["a", "b"], "min_samples": 3})

@@ -99,4 +99,5 @@ def spec_from_mesh(mesh: Any, service: str) -> dict[str, Any] | None:
         "threshold": r.threshold,
         "gates": dict(r.gates),
         "ack_timeout": r.ack_timeout,
+        **({"quality": r.quality} if r.quality is not None else {}),
     }

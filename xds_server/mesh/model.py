@@ -289,6 +289,7 @@ class Rollout:
     threshold: int
     gates: dict[str, Any]
     ack_timeout: float = 10.0
+    quality: dict[str, Any] | None = None  # xds_server.quality.QualityGate's fields
 
 
 @dataclass(frozen=True)

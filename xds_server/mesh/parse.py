@@ -5,6 +5,7 @@ Every error is a `MeshError` whose message starts with the field path, e.g.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import importlib
 import re
@@ -406,7 +407,8 @@ def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Ro
     if name not in services:
         raise MeshError(f"{path}: unknown service (known: {', '.join(services)})")
     d = _mapping(raw, path)
-    _only(d, path, {"stable", "canary", "steps", "interval", "threshold", "gates", "ack_timeout"})
+    _only(d, path, {"stable", "canary", "steps", "interval", "threshold", "gates", "ack_timeout",
+                    "quality"})  # fmt: skip
     versions = services[name].versions
     for key in ("stable", "canary"):
         if not isinstance(d.get(key), str) or d[key] not in versions:
@@ -424,7 +426,7 @@ def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Ro
             raise MeshError(f"{path}.steps[{i}]: steps must be ascending")
     gates = _mapping(d.get("gates", {}), f"{path}.gates")
     try:
-        parse_rollout(name, d)  # the controller's own validator: gate names and values
+        spec = parse_rollout(name, d)  # the controller's own validator: gate names and values
     except RolloutSpecError as e:
         raise MeshError(str(e)) from None
     return Rollout(
@@ -436,4 +438,6 @@ def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Ro
         threshold=_int(d.get("threshold", 2), f"{path}.threshold", 1),
         gates=dict(gates),
         ack_timeout=parse_duration(d.get("ack_timeout", "10s"), f"{path}.ack_timeout"),
+        # as validated: a prompts_file is read once, at load (issue 18)
+        quality=None if spec.quality is None else dataclasses.asdict(spec.quality),
     )
