@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from xds_server.control_plane import ControlPlane
+from xds_server.discovery import configured_sources
 from xds_server.gates import FAIL, HALT, PASS, Verdict
 from xds_server.mesh import MeshError, parse_mesh
 from xds_server.quality import Sample, agreement, judge, with_quality
@@ -122,3 +124,22 @@ def test_the_mesh_files_rollout_carries_its_quality_block(tmp_path: Path) -> Non
     assert s.quality.prompts == ("one", "two") and s.quality.min_samples == 2
     with pytest.raises(MeshError, match=r"^rollouts\.llm\.quality\.min_samples: 3 is more"):
         _mesh({"replay_via": "127.0.0.1:15001", "prompts": ["a", "b"], "min_samples": 3})
+
+
+def test_the_mesh_replays_with_its_routes_canary_header() -> None:
+    mesh = parse_mesh(
+        {
+            "services": {
+                "llm": {
+                    "versions": {
+                        "v1": {"endpoints": ["127.0.0.1:1"]},
+                        "v2": {"endpoints": ["127.0.0.1:2"]},
+                    },
+                    "route": {"weights": {"v1": 100, "v2": 0}, "canary_header": "x-pick"},
+                }
+            },
+        }
+    )
+    src = configured_sources(ControlPlane(mesh))(spec())
+    assert src.quality.canary_header == "x-pick"
+    assert src.quality.gate.prompts == ("a", "b", "c")

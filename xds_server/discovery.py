@@ -64,6 +64,11 @@ def mtls_probe(cp: ControlPlane, service: str) -> MtlsProbe | None:
     return MtlsProbe(ctx, spiffe_id(ident.ca.trust_domain, svc.service_account))
 
 
+def _canary_header(cp: ControlPlane, service: str) -> str:
+    svc = cp.mesh.services.get(service)
+    return svc.route.canary_header if svc is not None else "x-canary"
+
+
 def configured_sources(cp: ControlPlane):
     """A `sources_factory` for `RolloutController` reading the control plane's current mesh."""
 
@@ -86,6 +91,7 @@ def configured_sources(cp: ControlPlane):
                 spec.service,
                 functools.partial(runtime_metrics_urls, cp, spec.service, spec.stable),
                 functools.partial(runtime_metrics_urls, cp, spec.service, spec.canary),
+                canary_header=_canary_header(cp, spec.service),
             ),
         )
 

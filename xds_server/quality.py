@@ -228,8 +228,10 @@ class ReplaySource:
         stable_urls: Callable[[], list[str]],
         canary_urls: Callable[[], list[str]],
         timeout: float = 10.0,
+        canary_header: str = "x-canary",  # the service's route.canary_header
     ) -> None:
         self.gate, self.service = gate, service
+        self.canary_header = canary_header
         self.urls = {"never": stable_urls, "always": canary_urls}
         self.http_timeout = timeout
 
@@ -267,7 +269,7 @@ class ReplaySource:
                     temperature=0.0,
                 )
                 stream = call(codec.encode_generate_request(req), timeout=self.gate.timeout,
-                              metadata=[*md, ("x-canary", pin)])  # fmt: skip
+                              metadata=[*md, (self.canary_header, pin)])  # fmt: skip
                 chunks = (codec.decode_token_chunk(buf).token_ids for buf in stream)
                 out[pin] = [int(t) for ids in chunks for t in ids]
             stable = out["never"]
