@@ -19,8 +19,5 @@ def test_stall_scenario_resumes_every_broken_stream(tmp_path: Path) -> None:
     assert report["resumed_unlike_any_uninterrupted"] == 0, report["streams_by_prompt"]
     assert report["streams_lost"] == 0, report["lost_details"]
     assert report["sla"]["availability"] == 100.0
-    assert report["exiting_replica"] == {
-        "exited": True,
-        "exit_code": 70,
-        "restarted_by_launcher": False,
-    }
+    exiting = {k: v for k, v in report["exiting_replica"].items() if k != "phase_2_s"}
+    assert exiting == {"exited": True, "exit_code": 70, "restarted_by_launcher": False}

@@ -99,7 +99,15 @@ def _run(*, mechanism: bool, phase_s: float, workdir: Any, say: Any) -> dict[str
         to_stalled = _host_requests(mesh, mesh.runtimes[FAULTY].inbound_port)
         say(f"phase 2: {FAULTY} restarted to exit hard after {STALL_AFTER} tokens of a stream")
         proc = mesh.restart_runtime(FAULTY, ["--fault-exit-after", str(STALL_AFTER)], say=say)
-        time.sleep(phase_s)
+        # Phase 2 lasts until the replica has died holding a stream (up to 2 x phase_s): it can
+        # still be ejected from phase 1 (the ejection time grows with each ejection), so a
+        # fixed window sometimes ended before any stream reached it. Then a few seconds for the
+        # streams it broke to finish elsewhere.
+        t2 = time.monotonic()
+        while proc.alive() and time.monotonic() - t2 < 2 * phase_s:
+            time.sleep(0.2)
+        time.sleep(min(5.0, phase_s / 3))
+        phase_2_s = round(time.monotonic() - t2, 1)
         traffic.stop()
         outcomes = traffic.outcomes
         gen = [o for o in outcomes if o.prompt]
@@ -133,6 +141,7 @@ def _run(*, mechanism: bool, phase_s: float, workdir: Any, say: Any) -> dict[str
                 "ejected_after_s": ejected_at,
             },
             "exiting_replica": {
+                "phase_2_s": phase_2_s,
                 "exited": not proc.alive(),
                 "exit_code": proc.popen.poll() if proc.popen else None,
                 "restarted_by_launcher": False,
