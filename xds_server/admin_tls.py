@@ -19,7 +19,6 @@ import contextlib
 import ipaddress
 import json
 import logging
-import os
 import socket
 import ssl
 import threading
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from sidecar.private_files import read_private, write_private
 from xds_server.admin_token import run_dir
-from xds_server.ca import SERVING_LIFETIME, MeshCA
+from xds_server.ca import SERVING_LIFETIME, MeshCA, load_chain_in_memory
 
 log = logging.getLogger(__name__)
 
@@ -183,11 +182,5 @@ def _refuse_plaintext(sock: socket.socket, admin_url: str) -> None:
 def _server_context(key_pem: bytes, chain_pem: bytes) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    # load_cert_chain reads files only: an anonymous memory file keeps the key off every disk.
-    fd = os.memfd_create("meshlm-admin-tls", os.MFD_CLOEXEC)
-    try:
-        os.write(fd, chain_pem + key_pem)
-        context.load_cert_chain(f"/proc/self/fd/{fd}")
-    finally:
-        os.close(fd)
+    load_chain_in_memory(context, chain_pem, key_pem)
     return context

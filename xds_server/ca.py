@@ -18,7 +18,9 @@ import datetime as dt
 import hashlib
 import ipaddress
 import json
+import os
 import re
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -102,6 +104,17 @@ def key_pem(key: Any) -> bytes:
     return key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
+
+
+def load_chain_in_memory(context: ssl.SSLContext, chain_pem: bytes, key_pem: bytes) -> None:
+    """`context.load_cert_chain` from PEM bytes. It reads files only: an anonymous memory file
+    keeps the key off every disk."""
+    fd = os.memfd_create("meshlm-tls-key", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, chain_pem + key_pem)
+        context.load_cert_chain(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
 
 
 def new_key() -> ec.EllipticCurvePrivateKey:

@@ -15,7 +15,6 @@ authz denial shows for a plaintext probe; the runtime behind it is judged by the
 
 from __future__ import annotations
 
-import os
 import socket
 import ssl
 from collections.abc import Callable
@@ -25,7 +24,7 @@ import grpc
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from xds_server.ca import uri_sans
+from xds_server.ca import load_chain_in_memory, uri_sans
 
 AUTHZ_DENIALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
@@ -68,13 +67,7 @@ def client_context(key_pem: bytes, chain_pem: bytes, bundle_pem: bytes) -> ssl.S
     ctx.check_hostname = False
     ctx.load_verify_locations(cadata=bundle_pem.decode())
     ctx.set_alpn_protocols(["h2"])
-    # load_cert_chain reads files only: an anonymous memory file keeps the key off every disk.
-    fd = os.memfd_create("meshlm-probe-tls", os.MFD_CLOEXEC)
-    try:
-        os.write(fd, chain_pem + key_pem)
-        ctx.load_cert_chain(f"/proc/self/fd/{fd}")
-    finally:
-        os.close(fd)
+    load_chain_in_memory(ctx, chain_pem, key_pem)
     return ctx
 
 
