@@ -39,7 +39,7 @@ import grpc
 from opentelemetry import trace
 
 from meshlm.errors import DeadlineExceeded, InvalidArgument, StreamLost, from_rpc_error
-from model_runtime.client import Client, Metadata
+from model_runtime.client import Client, Metadata, generate_request
 from schemas import codec
 from schemas.codec import ChatMessage, GenerateRequest, ModelInfo, TokenChunk
 from xds_server.mesh import STALL_HEADER, VERSION_HEADER, Stall
@@ -96,21 +96,11 @@ def build_request(
 ) -> GenerateRequest:
     """A validated GenerateRequest; InvalidArgument naming the field, before anything is sent."""
     try:
-        msgs = None
-        if messages is not None:
-            msgs = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
-        req = GenerateRequest(
-            prompt=prompt,
-            messages=msgs,
-            prompt_token_ids=None if prompt_token_ids is None else list(prompt_token_ids),
-            **params,
-        )
-        codec.validate_generate_request(req)
+        return generate_request(prompt, messages, prompt_token_ids, params)
     except TypeError as e:  # an unknown parameter or message field
         raise InvalidArgument(str(e)) from None
     except ValueError as e:  # codec.WireError: names the field
         raise InvalidArgument(str(e)) from e
-    return req
 
 
 class CallerBase:

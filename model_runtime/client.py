@@ -25,6 +25,27 @@ INFO = "/meshlm.inference.v1.Inference/Info"
 Metadata = Sequence[tuple[str, str]]
 
 
+def generate_request(
+    prompt: str | None,
+    messages: Sequence[ChatMessage | dict[str, str]] | None,
+    prompt_token_ids: Sequence[int] | None,
+    params: dict[str, Any],
+) -> GenerateRequest:
+    """A GenerateRequest validated as the server will (codec.WireError, a ValueError naming the
+    field; TypeError for an unknown parameter or message field), before anything is sent."""
+    msgs = None
+    if messages is not None:
+        msgs = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
+    req = GenerateRequest(
+        prompt=prompt,
+        messages=msgs,
+        prompt_token_ids=None if prompt_token_ids is None else list(prompt_token_ids),
+        **params,
+    )
+    codec.validate_generate_request(req)
+    return req
+
+
 class Client:
     """One channel to a runtime or sidecar; reuse it for many calls."""
 
@@ -70,16 +91,7 @@ class Client:
         """Stream decoded chunks. `params`: GenerateRequest fields (max_new_tokens, temperature,
         top_p, top_k, seed, stop, priority, request_id, model). Raises grpc.RpcError on a non-OK
         status, after yielding whatever arrived before it."""
-        msgs = None
-        if messages is not None:
-            msgs = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
-        req = GenerateRequest(
-            prompt=prompt,
-            messages=msgs,
-            prompt_token_ids=None if prompt_token_ids is None else list(prompt_token_ids),
-            **params,
-        )
-        codec.validate_generate_request(req)  # fail fast, with the same field names
+        req = generate_request(prompt, messages, prompt_token_ids, params)
         call = self.generate_raw(
             codec.encode_generate_request(req), timeout=timeout, metadata=metadata
         )
