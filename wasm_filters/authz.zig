@@ -8,6 +8,9 @@
 //! path is denied) -> per-tenant token bucket in
 //! shared data (compare-and-swap) -> verified `x-meshlm-tenant` / `x-meshlm-priority` headers,
 //! and `x-meshlm-principal` (the caller's SPIFFE ID) when `peer_identity` is on.
+//! A mirrored copy (issue 18: `:authority` suffixed `-shadow` by Envoy's request mirroring) is
+//! checked exactly the same but takes no token: the tenant's call was charged once where it was
+//! served, and the route's mirror percent bounds the copies.
 //! Host calls are most of the cost (issue 19): one header read, one bucket write, three header
 //! changes and a counter per allowed request.
 //! The configuration is JSON compiled by `wasm_filters/policy.py`; it holds key hashes only.
@@ -89,6 +92,7 @@ const Tenant = struct {
     m_allowed: u32 = 0,
     m_forbidden: u32 = 0,
     m_limited: u32 = 0,
+    m_shadow: u32 = 0,
     /// The bucket this VM last wrote (see takeToken); per policy, so a new one starts empty.
     written: ?Written = null,
 };
@@ -263,6 +267,7 @@ fn parsePolicy(a: std.mem.Allocator, raw: []const u8) !Policy {
         t.m_allowed = metric(try std.fmt.bufPrint(&buf, "meshlm_authz.allowed.{s}", .{tj.name}));
         t.m_forbidden = metric(try std.fmt.bufPrint(&buf, "meshlm_authz.denied.forbidden.{s}", .{tj.name}));
         t.m_limited = metric(try std.fmt.bufPrint(&buf, "meshlm_authz.denied.rate_limited.{s}", .{tj.name}));
+        t.m_shadow = metric(try std.fmt.bufPrint(&buf, "meshlm_authz.shadow.{s}", .{tj.name}));
     }
     const known = try a.create(KnownKeys);
     known.* = .{};
@@ -393,6 +398,7 @@ const RequestHeaders = struct {
     authorization: ?[]const u8 = null,
     path: ?[]const u8 = null,
     content_type: ?[]const u8 = null,
+    authority: ?[]const u8 = null,
 };
 
 /// Header map serialization of ABI 0.2.1: count, (key len, value len)*, then "key\0value\0"*.
@@ -427,6 +433,8 @@ fn parsePairs(raw: []const u8) ?RequestHeaders {
             &h.path
         else if (std.mem.eql(u8, k, "content-type"))
             &h.content_type
+        else if (std.mem.eql(u8, k, ":authority"))
+            &h.authority
         else
             continue;
         if (slot.* == null) slot.* = v;
@@ -448,6 +456,17 @@ fn removeHeader(name: []const u8) void {
 }
 
 const ows = " \t";
+
+/// Whether `authority` names a mirrored copy: Envoy suffixes the host with `-shadow`, before any
+/// port (`llm:80` -> `llm-shadow:80`; request_mirror_policies in Envoy's route API).
+fn isShadow(authority: []const u8) bool {
+    var host = authority;
+    if (std.mem.lastIndexOfScalar(u8, host, ':')) |i| {
+        const port = host[i + 1 ..];
+        if (port.len > 0 and std.mem.indexOfNone(u8, port, "0123456789") == null) host = host[0..i];
+    }
+    return std.mem.endsWith(u8, host, "-shadow");
+}
 
 /// The presented key: `x-api-key`, else `authorization: Bearer <key>` (scheme case-insensitive,
 /// RFC 7235). Empty means missing. An empty first value counts as no header.
@@ -667,7 +686,8 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
         log(LOG_DEBUG, "tenant {s} denied method (forbidden)", .{t.json.name});
         return deny(FORBIDDEN, is_grpc, 0);
     }
-    const wait_s = takeToken(t);
+    const shadow = isShadow(nonEmpty(h.authority) orelse "");
+    const wait_s = if (shadow) 0 else takeToken(t);
     if (wait_s > 0) {
         bump(t.m_limited);
         return deny(LIMITED, is_grpc, wait_s);
@@ -680,5 +700,6 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
     setHeader("x-meshlm-priority", t.json.priority);
     if (principal) |who| setHeader("x-meshlm-principal", who);
     bump(t.m_allowed);
+    if (shadow) bump(t.m_shadow); // allowed, uncharged
     return CONTINUE;
 }
