@@ -316,6 +316,18 @@ class ControlPlane:
 
         return self._change(pinned, timeout)
 
+    def set_mirror(
+        self, service: str, mirror: m.Mirror | None, *, timeout: float = 10.0
+    ) -> ApplyResult | None:
+        """The quality gate's mirror (issue 18) on the callers' routes; None when already so."""
+
+        def edit(live: m.Mesh) -> m.Mesh | None:
+            if live.services[service].route.mirror == mirror:
+                return None
+            return live.with_mirror(service, mirror)
+
+        return self._change(edit, timeout)
+
     def set_slo_state(
         self, service: str, state: m.SloState, *, timeout: float = 10.0
     ) -> ApplyResult | None:
@@ -343,6 +355,8 @@ class ControlPlane:
                 new = new.with_weights(name, dict(cur.route.weights))
                 if cur.route.pins:
                     new = new.with_pins(name, *cur.route.pins)
+                if cur.route.mirror:
+                    new = new.with_mirror(name, cur.route.mirror)
             return new
 
         return self._change(keep_split, timeout, self._source(source))

@@ -12,7 +12,7 @@ from xds_server.ca import spiffe_id
 from xds_server.control_plane import ControlPlane
 from xds_server.gates import EnvoyStatsSource, MeasurementError, RuntimeMetricsSource, Sources
 from xds_server.liveness import GrpcHealthSource, MtlsProbe, client_context
-from xds_server.quality import ReplaySource
+from xds_server.quality import MirrorSource, ReplaySource
 from xds_server.resources.names import outbound_cluster
 from xds_server.rollout_spec import RolloutSpec
 
@@ -84,15 +84,20 @@ def configured_sources(cp: ControlPlane):
                 functools.partial(endpoints, cp, spec.service, spec.canary),
                 mtls=functools.partial(mtls_probe, cp, spec.service),
             ),
-            quality=None
-            if spec.quality is None
-            else ReplaySource(
-                spec.quality,
-                spec.service,
-                functools.partial(runtime_metrics_urls, cp, spec.service, spec.stable),
-                functools.partial(runtime_metrics_urls, cp, spec.service, spec.canary),
-                canary_header=_canary_header(cp, spec.service),
-            ),
+            quality=_quality_source(cp, spec),
         )
 
     return factory
+
+
+def _quality_source(cp: ControlPlane, spec: RolloutSpec) -> ReplaySource | MirrorSource | None:
+    q = spec.quality
+    if q is None:
+        return None
+    stable = functools.partial(runtime_metrics_urls, cp, spec.service, spec.stable)
+    canary = functools.partial(runtime_metrics_urls, cp, spec.service, spec.canary)
+    if q.mode == "mirror":
+        return MirrorSource(q, stable, canary)
+    return ReplaySource(
+        q, spec.service, stable, canary, canary_header=_canary_header(cp, spec.service)
+    )

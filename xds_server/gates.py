@@ -513,7 +513,7 @@ class Sources:
     latency: LatencySource | None = None
     stable: GrpcCountsSource | None = None  # only to report the traffic split per step
     live: GrpcHealthSource | None = None  # the canary's endpoints, probed by the control plane
-    quality: Any = None  # xds_server.quality.ReplaySource, when the spec has a quality gate
+    quality: Any = None  # xds_server.quality.ReplaySource or MirrorSource (spec.quality)
 
 
 PASS, FAIL, HALT = "pass", "fail", "halt"

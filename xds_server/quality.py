@@ -43,22 +43,39 @@ from xds_server.rollout_spec import RolloutSpecError, parse_duration
 
 GENERATE = "/meshlm.inference.v1.Inference/Generate"
 MAX_PROMPTS = 256
+MAX_MIRRORED = 1024  # the runtime keeps its newest 1024 records (model_runtime/records.py)
+
+
+MODES = ("replay", "mirror")
 
 
 @dataclass(frozen=True)
 class QualityGate:
-    replay_via: str  # host:port of a caller sidecar's outbound listener
-    prompts: tuple[str, ...]  # the golden set (from `prompts`, or `prompts_file` read at parse)
-    api_key_env: str = ""  # the environment variable holding the replay tenant's API key
-    max_new_tokens: int = 16
-    min_samples: int = 8  # fewer answered prompts than this halts the interval
+    replay_via: str = ""  # replay: host:port of a caller sidecar's outbound listener
+    prompts: tuple[str, ...] = ()  # replay: the golden set (`prompts`, or `prompts_file`)
+    api_key_env: str = ""  # replay: the environment variable holding the replay tenant's key
+    max_new_tokens: int = 16  # replay
+    min_samples: int = 8  # fewer joined answers than this halts the interval
     max_token_disagreement: float = 0.05  # fraction of the stable's tokens
     max_logprob_drift: float | None = None  # nats per token
-    timeout: float = 60.0  # per replayed call
+    timeout: float = 60.0  # replay: per replayed call
+    mode: str = "replay"
+    mirror_percent: float = 10.0  # mirror: share of the safe-marked calls copied to the canary
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mesh file's form (parse_quality reads it back): the mode's own fields."""
+        d = {k: getattr(self, k) for k in _COMMON if k != "prompts_file"}
+        d.update({k: getattr(self, k) for k in _ONLY[self.mode] if k != "prompts_file"})
+        d["prompts"] = list(self.prompts) if self.mode == "replay" else None
+        return {k: v for k, v in d.items() if v is not None}
 
 
-_KNOWN = {"replay_via", "prompts", "prompts_file", "api_key_env", "max_new_tokens",
-          "min_samples", "max_token_disagreement", "max_logprob_drift", "timeout"}  # fmt: skip
+_COMMON = {"mode", "min_samples", "max_token_disagreement", "max_logprob_drift"}
+_ONLY = {
+    "replay": {"replay_via", "prompts", "prompts_file", "api_key_env", "max_new_tokens", "timeout"},
+    "mirror": {"mirror_percent"},
+}
+_KNOWN = _COMMON | _ONLY["replay"] | _ONLY["mirror"]
 
 
 def _fraction(v: Any, where: str) -> float:
@@ -111,6 +128,15 @@ def parse_quality(d: Any, where: str) -> QualityGate | None:
             raise RolloutSpecError(
                 f"{where}.{k}: unknown field (known: {', '.join(sorted(_KNOWN))})"
             )
+    mode = d.get("mode", "replay")
+    if mode not in MODES:
+        raise RolloutSpecError(f"{where}.mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    other = next(m for m in MODES if m != mode)
+    for k in d:
+        if k in _ONLY[other]:
+            raise RolloutSpecError(f"{where}.{k}: a field of mode {other}, not of mode {mode}")
+    if mode == "mirror":
+        return _mirror_gate(d, where)
     via = d.get("replay_via")
     host, _, port = str(via or "").rpartition(":")
     if not isinstance(via, str) or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -121,16 +147,10 @@ def parse_quality(d: Any, where: str) -> QualityGate | None:
     env = d.get("api_key_env", "")
     if not isinstance(env, str):
         raise RolloutSpecError(f"{where}.api_key_env: expected an environment variable's name")
-    drift = d.get("max_logprob_drift")
-    if drift is not None and (
-        isinstance(drift, bool) or not isinstance(drift, int | float) or drift < 0
-    ):
-        raise RolloutSpecError(
-            f"{where}.max_logprob_drift: expected nats per token >= 0, got {drift!r}"
-        )
     min_samples = _count(
         d.get("min_samples", min(8, len(prompts))), f"{where}.min_samples", 1, MAX_PROMPTS
     )
+    limits = _limits(d, where)
     if min_samples > len(prompts):
         raise RolloutSpecError(
             f"{where}.min_samples: {min_samples} is more than the {len(prompts)} prompts replayed"
@@ -144,11 +164,41 @@ def parse_quality(d: Any, where: str) -> QualityGate | None:
         api_key_env=env,
         max_new_tokens=_count(d.get("max_new_tokens", 16), f"{where}.max_new_tokens", 1, 512),
         min_samples=min_samples,
-        max_token_disagreement=_fraction(
+        timeout=timeout,
+        **limits,
+    )
+
+
+def _limits(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """Both modes' bounds on disagreement."""
+    drift = d.get("max_logprob_drift")
+    if drift is not None and (
+        isinstance(drift, bool) or not isinstance(drift, int | float) or drift < 0
+    ):
+        raise RolloutSpecError(
+            f"{where}.max_logprob_drift: expected nats per token >= 0, got {drift!r}"
+        )
+    return {
+        "max_token_disagreement": _fraction(
             d.get("max_token_disagreement", 0.05), f"{where}.max_token_disagreement"
         ),
-        max_logprob_drift=None if drift is None else float(drift),
-        timeout=timeout,
+        "max_logprob_drift": None if drift is None else float(drift),
+    }
+
+
+def _mirror_gate(d: dict[str, Any], where: str) -> QualityGate:
+    """Mirror mode: no prompts and no replay tenant; the samples are live calls' copies."""
+    pct = d.get("mirror_percent", 10)
+    if isinstance(pct, bool) or not isinstance(pct, int | float) or not 0 < pct <= 100:
+        raise RolloutSpecError(
+            f"{where}.mirror_percent: expected a percentage of the safe-marked calls, "
+            f"0 < p <= 100, got {pct!r}"
+        )
+    return QualityGate(
+        mode="mirror",
+        mirror_percent=float(pct),
+        min_samples=_count(d.get("min_samples", 8), f"{where}.min_samples", 1, MAX_MIRRORED),
+        **_limits(d, where),
     )
 
 
@@ -196,12 +246,14 @@ def agreement(samples: list[Sample]) -> dict[str, Any]:
 
 
 def judge(gate: QualityGate, figures: dict[str, Any], errors: list[str]) -> Verdict:
-    m = {"quality": {**figures, "errors": len(errors)}}
+    m = {"quality": {"mode": gate.mode, **figures, "errors": len(errors)}}
     if figures["samples"] < gate.min_samples:
         why = f"; first error: {errors[0]}" if errors else ""
+        what = "replay answered" if gate.mode == "replay" else "mirror joined"
+        unit = "prompts" if gate.mode == "replay" else "calls (min_samples)"
         return Verdict(
-            HALT, f"halted: quality replay answered {figures['samples']} of the "
-            f"{gate.min_samples} prompts it needs{why}", m,
+            HALT, f"halted: quality {what} {figures['samples']} of the "
+            f"{gate.min_samples} {unit} it needs{why}", m,
         )  # fmt: skip
     failed = []
     td, drift = figures["token_disagreement"], figures["logprob_drift"]
@@ -286,21 +338,128 @@ class ReplaySource:
 
     def _score(self, pin: str, rid: str, token_ids: list[int]) -> dict[str, list]:
         """Score on the replica that holds `rid` (the join by request id)."""
-        urls = self.urls[pin]()
-        for base in urls:
-            base = base.rstrip("/")
-            if base.endswith("/metrics.json"):
-                base = base[: -len("/metrics.json")]
-            found = _get_json(f"{base}/records?ids={urllib.parse.quote(rid)}", self.http_timeout)
-            if rid in found.get("records", {}):
-                q = urllib.parse.urlencode(
-                    {"request_id": rid, "token_ids": ",".join(map(str, token_ids))}
-                )
-                got = _get_json(f"{base}/score?{q}", self.http_timeout)
-                if len(got.get("logprobs", ())) != len(token_ids):
-                    raise MeasurementError(f"{base}/score: answered {json.dumps(got)[:200]}")
-                return got
-        raise MeasurementError(f"no runtime of {len(urls)} holds a record of {rid}")
+        bases = runtime_bases(self.urls[pin]())
+        for base in bases:
+            if find_records(base, [rid], self.http_timeout):
+                return score_at(base, rid, token_ids, self.http_timeout)
+        raise MeasurementError(f"no runtime of {len(bases)} holds a record of {rid}")
+
+
+# --- the runtimes' records (model_runtime/records.py, on each runtime's metrics port) ---------
+
+MAX_IDS = 256  # ids per GET /records?ids= (the runtime's limit)
+
+
+def runtime_bases(metrics_urls: list[str]) -> list[str]:
+    """`http://h:p/metrics.json` (a version's metrics_urls) -> `http://h:p`."""
+    return [u.rstrip("/").removesuffix("/metrics.json") for u in metrics_urls]
+
+
+def find_records(base: str, ids: list[str], timeout: float) -> dict[str, dict[str, Any]]:
+    """The records among `ids` that the runtime at `base` holds."""
+    out: dict[str, dict[str, Any]] = {}
+    for i in range(0, len(ids), MAX_IDS):
+        q = urllib.parse.quote(",".join(ids[i : i + MAX_IDS]))
+        out.update(_get_json(f"{base}/records?ids={q}", timeout).get("records", {}))
+    return out
+
+
+def score_at(base: str, rid: str, token_ids: list[int], timeout: float) -> dict[str, list]:
+    """`token_ids` teacher-forced after the prompt recorded under `rid` at `base`."""
+    q = urllib.parse.urlencode({"request_id": rid, "token_ids": ",".join(map(str, token_ids))})
+    got = _get_json(f"{base}/score?{q}", timeout)
+    if len(got.get("logprobs", ())) != len(token_ids):
+        raise MeasurementError(f"{base}/score: answered {json.dumps(got)[:200]}")
+    return got
+
+
+# --- the mirror -------------------------------------------------------------------------------
+
+
+class MirrorSource:
+    """Mirror mode: while a step runs, the callers' sidecars copy `mirror_percent` of the calls
+    marked `x-meshlm-mirror: safe` to the canary (Envoy's request_mirror_policies to the shadow
+    cluster, xds_server/resources/routes.py); the canary's runtime records each copy with
+    `shadow: true` under the call's request id (the body's, else the x-request-id Envoy copied).
+    Each interval: the canary runtimes' new shadow records (`GET /records?shadow=1&since=SEQ`),
+    the stable's record of the same call (`GET /records?ids=`), the stable's tokens scored on
+    both, judged as the replay is. A copy of a call the split sent to the canary has no stable
+    record: unmatched, not a sample. `begin()` at each interval's start skips older copies."""
+
+    def __init__(
+        self,
+        gate: QualityGate,
+        stable_urls: Callable[[], list[str]],
+        canary_urls: Callable[[], list[str]],
+        timeout: float = 10.0,
+        max_samples: int = 64,  # joined calls scored per interval (two forwards each)
+    ) -> None:
+        self.gate = gate
+        self.stable_urls, self.canary_urls = stable_urls, canary_urls
+        self.http_timeout = timeout
+        self.max_samples = max(max_samples, gate.min_samples)
+        self._cursors: dict[str, tuple[str, int]] = {}  # canary base -> (instance, next since)
+
+    def begin(self) -> None:
+        for base in runtime_bases(self.canary_urls()):
+            self._shadows(base)
+
+    def verdict(self) -> Verdict:
+        samples, errors, counts = self.collect()
+        return judge(self.gate, {**agreement(samples), **counts}, errors)
+
+    def collect(self) -> tuple[list[Sample], list[str], dict[str, int]]:
+        """(the joined samples, why others failed, {mirrored: the shadow copies seen, unmatched:
+        those without the stable's record}) since the last call."""
+        shadows: dict[str, tuple[str, list[int]]] = {}  # request id -> (canary base, its ids)
+        errors: list[str] = []
+        for base in runtime_bases(self.canary_urls()):
+            try:
+                for rid, rec in self._shadows(base).items():
+                    shadows[rid] = (base, [int(t) for t in rec.get("token_ids", ())])
+            except MeasurementError as e:
+                errors.append(str(e))
+        stable: dict[str, tuple[str, list[int]]] = {}
+        for base in runtime_bases(self.stable_urls()):
+            try:
+                for rid, rec in find_records(base, list(shadows), self.http_timeout).items():
+                    if not rec.get("shadow"):
+                        stable[rid] = (base, [int(t) for t in rec.get("token_ids", ())])
+            except MeasurementError as e:
+                errors.append(str(e))
+        samples = []
+        for rid in [r for r in shadows if r in stable][: self.max_samples]:
+            (c_base, canary), (s_base, tokens) = shadows[rid], stable[rid]
+            try:
+                if not tokens:
+                    raise MeasurementError(f"{rid}: the stable answered no token")
+                s = score_at(s_base, rid, tokens, self.http_timeout)
+                c = score_at(c_base, rid, tokens, self.http_timeout)
+            except MeasurementError as e:
+                errors.append(str(e))
+                continue
+            samples.append(Sample(tokens, canary, s["argmax"], c["argmax"], s["logprobs"],
+                                  c["logprobs"]))  # fmt: skip
+        counts = {"mirrored": len(shadows), "unmatched": len(set(shadows) - set(stable))}
+        return samples, errors, counts
+
+    def _shadows(self, base: str) -> dict[str, dict[str, Any]]:
+        """The shadow records `base` added since this source last asked (all, the first time);
+        a runtime that restarted (a new `instance`) is read from its start."""
+        instance, since = self._cursors.get(base, ("", 0))
+        out: dict[str, dict[str, Any]] = {}
+        for _ in range(64):  # the runtime keeps 1024 records, 256 a page
+            doc = _get_json(f"{base}/records?shadow=1&since={since}", self.http_timeout)
+            if instance and doc.get("instance") != instance:
+                instance, since, out = str(doc.get("instance", "")), 0, {}
+                continue
+            instance = str(doc.get("instance", ""))
+            out.update(doc.get("records", {}))
+            since = int(doc.get("next_since", since))
+            if not doc.get("more"):
+                break
+        self._cursors[base] = (instance, since)
+        return out
 
 
 def with_quality(traffic: Verdict, quality: Verdict) -> Verdict:

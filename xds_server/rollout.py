@@ -36,6 +36,7 @@ from xds_server.gates import (
     metrics_problem,
 )
 from xds_server.liveness import not_live_reason
+from xds_server.mesh import Mirror
 from xds_server.quality import with_quality
 from xds_server.rollout_spec import RolloutSpec, RolloutSpecError, parse_rollout
 from xds_server.rollout_store import RolloutStore
@@ -171,6 +172,7 @@ class RolloutController:
         self._rollouts: dict[str, Rollout] = {}
         self._sources: dict[str, Sources] = {}
         self._intervals: dict[str, _Interval] = {}
+        self._measuring: set[str] = set()  # services whose interval is being measured
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         for service, rec in self.store.load().items():
@@ -201,7 +203,9 @@ class RolloutController:
                 )
             if spec.quality is not None and src.quality is None:
                 raise RolloutError(
-                    f"{spec.service}: the quality gate needs a replay source", status=400
+                    f"{spec.service}: the quality gate needs a source for its "
+                    f"{spec.quality.mode} mode",
+                    status=400,
                 )
             refused = self._preflight(spec, src)
             if refused:
@@ -256,16 +260,34 @@ class RolloutController:
             return r.to_dict()
 
     def tick(self, service: str | None = None, *, force: bool = False) -> None:
-        """Analyse every rollout whose interval has elapsed (`force`: now, elapsed or not)."""
+        """Analyse every rollout whose interval has elapsed (`force`: now, elapsed or not).
+        The measurements (HTTP to sidecars and runtimes; the quality gate's replay or joins
+        take seconds) run without the lock, so status, pause and abort answer meanwhile; the
+        verdict is applied under it only if the rollout is still in that same interval."""
         with self._lock:
             names = [service] if service else list(self._rollouts)
+            due = []
             for name in names:
                 r = self._get(name)
                 iv = self._intervals.get(name)
-                if r.state != PROGRESSING or iv is None:
+                if r.state != PROGRESSING or iv is None or name in self._measuring:
                     continue
                 if force or self.clock() - iv.started >= r.spec.interval:
-                    self._analyse(r, iv)
+                    self._measuring.add(name)
+                    due.append((r, iv))
+        for r, iv in due:
+            try:
+                v = self._measure(r, iv)
+                with self._lock:
+                    if self._rollouts.get(r.spec.service) is r and self._current(r, iv):
+                        self._analyse(r, v)
+            finally:
+                with self._lock:
+                    self._measuring.discard(r.spec.service)
+
+    def _current(self, r: Rollout, iv: _Interval) -> bool:
+        """Still progressing in interval `iv`: no pause, abort, promotion or resume since."""
+        return r.state == PROGRESSING and self._intervals.get(r.spec.service) is iv
 
     def close(self) -> None:
         self._stop.set()
@@ -341,6 +363,7 @@ class RolloutController:
             return
         if promoting:
             r.stable = r.spec.canary
+            self._mirror(r, on=False)
             self._pin(r)
             self._intervals.pop(r.spec.service, None)
             self._transition(
@@ -348,6 +371,7 @@ class RolloutController:
                 f"{r.spec.canary} is now stable"
             )  # fmt: skip
             return
+        self._mirror(r, on=True)
         self._new_interval(r)
         self._transition(
             r, PROGRESSING, (reason + ": " if reason else "") + f"step {weight} % ACKed by every "
@@ -368,11 +392,30 @@ class RolloutController:
         except Exception as e:  # the pins are a tester's aid: never fail a rollout over them
             log.warning("rollout %s: x-canary pins not updated: %s", s.service, e)
 
+    def _mirror(self, r: Rollout, *, on: bool) -> None:
+        """The quality gate's mirror mode: callers' sidecars copy safe-marked calls to the
+        canary's shadow while a step runs (on), never after promotion or rollback (off). A
+        mirror that some sidecar lacks yields fewer samples: the interval halts, never passes."""
+        q, set_mirror = r.spec.quality, getattr(self.cp, "set_mirror", None)
+        if q is None or q.mode != "mirror" or set_mirror is None:
+            return
+        mirror = Mirror(r.spec.canary, q.mirror_percent) if on else None
+        try:
+            result = set_mirror(r.spec.service, mirror, timeout=r.spec.ack_timeout)
+            ok, lagging = ack_outcome(result) if result is not None else (True, [])
+            if not ok:
+                log.warning("rollout %s: mirror %s not ACKed by: %s", r.spec.service,
+                            "on" if on else "off", ", ".join(lagging))  # fmt: skip
+        except Exception as e:
+            log.warning("rollout %s: mirror not %s: %s", r.spec.service,
+                        "set" if on else "removed", e)  # fmt: skip
+
     def _rollback(self, r: Rollout, reason: str, final_state: str = ROLLED_BACK) -> None:
         """0 % canary. Old endpoints were never removed, so stable takes all traffic at once."""
         r.canary_weight = 0
         self._intervals.pop(r.spec.service, None)
         ok, lagging, error = self._set_weights(r, 0)
+        self._mirror(r, on=False)
         r.lagging = lagging
         if error or not ok:
             why = error or f"not ACKed within {r.spec.ack_timeout:g}s by: {', '.join(lagging)}"
@@ -396,6 +439,12 @@ class RolloutController:
                 latency_baseline = src.latency.snapshot()
             except MeasurementError as e:
                 log.warning("rollout %s: no latency baseline: %s", r.spec.service, e)
+        begin = getattr(src.quality, "begin", None)  # the mirror: only this interval's copies
+        if begin is not None:
+            try:
+                begin()
+            except MeasurementError as e:
+                log.warning("rollout %s: mirrored records not read: %s", r.spec.service, e)
         self._intervals[r.spec.service] = _Interval(
             self.clock(), baseline, stable_baseline, latency_baseline
         )
@@ -428,7 +477,9 @@ class RolloutController:
         return src
 
     def _measure(self, r: Rollout, iv: _Interval) -> Verdict:
-        src = self._sources_for(r)
+        """Runs without the lock: reads only the spec and `iv`, both unchanged by transitions."""
+        with self._lock:
+            src = self._sources_for(r)
         counts = latency = None
         counts_error = latency_error = None
         try:
@@ -471,8 +522,7 @@ class RolloutController:
             v = with_quality(v, src.quality.verdict())
         return v
 
-    def _analyse(self, r: Rollout, iv: _Interval) -> None:
-        v = self._measure(r, iv)
+    def _analyse(self, r: Rollout, v: Verdict) -> None:
         rec = {"time": time.time(), "step": r.step, "canary_weight": r.canary_weight,
                "outcome": v.outcome, "reason": v.reason, **v.measurements}  # fmt: skip
         r.analyses = [*r.analyses, rec][-MAX_ANALYSES:]
@@ -516,6 +566,7 @@ class RolloutController:
         for r in self._rollouts.values():
             self._pin(r)
             if r.state in TERMINAL:
+                self._mirror(r, on=False)
                 _, _, error = self._set_weights(r, 100 if r.stable == r.spec.canary else 0)
                 if error:
                     log.warning("rollout %s: final weights not kept: %s", r.spec.service, error)

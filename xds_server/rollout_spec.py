@@ -103,6 +103,7 @@ class RolloutSpec:
         d = asdict(self)
         d["steps"] = list(self.steps)
         d["gates"] = self.gates.to_dict()
+        d["quality"] = self.quality.to_dict() if self.quality is not None else None
         return d
 
     @classmethod

@@ -93,6 +93,17 @@ class Route:
     # (stable, canary) for the `x-canary` pins, set by the rollout controller (a succeeded
     # rollout swaps them). None: the mesh file's rollout pair, else file order.
     pins: tuple[str, str] | None = None
+    # The quality gate's mirror mode (issue 18), set by the rollout controller while a step
+    # runs: safe-marked calls are copied to this version's shadow cluster. Never in a mesh file.
+    mirror: Mirror | None = None
+
+
+@dataclass(frozen=True)
+class Mirror:
+    """Copy `percent` of the calls marked `x-meshlm-mirror: safe` to `version` (its shadow)."""
+
+    version: str
+    percent: float  # 0..100
 
 
 @dataclass(frozen=True)
@@ -401,6 +412,20 @@ class Mesh:
         return self._replace_service(
             svc, route=dataclasses.replace(svc.route, pins=(stable, canary))
         )
+
+    def with_mirror(self, service: str, mirror: Mirror | None) -> Mesh:
+        """Mirror safe-marked calls to `mirror.version` (None: mirror nothing)."""
+        svc = self._service(service)
+        path = f"services.{service}.route.mirror"
+        if mirror is not None:
+            if mirror.version not in svc.versions:
+                raise MeshError(
+                    f"{path}.version: unknown version {mirror.version!r} "
+                    f"(known: {', '.join(svc.versions)})"
+                )
+            if not 0 <= mirror.percent <= 100:
+                raise MeshError(f"{path}.percent: expected 0..100, got {mirror.percent!r}")
+        return self._replace_service(svc, route=dataclasses.replace(svc.route, mirror=mirror))
 
     def with_endpoint(self, service: str, version: str, endpoint: str, *, add: bool) -> Mesh:
         svc = self._service(service)

@@ -5,7 +5,6 @@ Every error is a `MeshError` whose message starts with the field path, e.g.
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import importlib
 import re
@@ -439,5 +438,5 @@ def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Ro
         gates=dict(gates),
         ack_timeout=parse_duration(d.get("ack_timeout", "10s"), f"{path}.ack_timeout"),
         # as validated: a prompts_file is read once, at load (issue 18)
-        quality=None if spec.quality is None else dataclasses.asdict(spec.quality),
+        quality=None if spec.quality is None else spec.quality.to_dict(),
     )

@@ -55,6 +55,15 @@ def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) 
                 transport_socket=tls.caller_transport_socket(mesh, svc),
             )
             out[t.ENDPOINT][name] = endpoints.load_assignment(name, ver.endpoints)
+        mirror = svc.route.mirror
+        if mirror is not None:  # the quality gate's shadow copies (routes._mirrored)
+            name = names.shadow_cluster(svc.name, mirror.version)
+            out[t.CLUSTER][name] = clusters.shadow_cluster(
+                name, svc, transport_socket=tls.caller_transport_socket(mesh, svc)
+            )
+            out[t.ENDPOINT][name] = endpoints.load_assignment(
+                name, svc.versions[mirror.version].endpoints
+            )
     rc = routes.outbound_route_config(mesh)
     out[t.ROUTE][rc.name] = rc
     idle = max((s.route.stream_idle_timeout for s in mesh.services.values()), default=300.0)
@@ -150,7 +159,11 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
             mesh.access_log, lname, inbound=True, tenant=bool(authz), peer=tls.mtls(mesh)
         ),
         # A denied request must not carry (or log) a client-sent tenant either.
-        strip_request_headers=names.IDENTITY_HEADERS if authz or mesh.identity else (),
+        # Only the shadow route sets x-meshlm-shadow (routes._shadow_twin): a caller's goes.
+        strip_request_headers=(
+            *(names.IDENTITY_HEADERS if authz or mesh.identity else ()),
+            names.SHADOW_HEADER,
+        ),
         local_reply=listeners.died_holding_the_call_reply(),
         grpc_stats=False,  # the gates read the callers' counters (issue 19: ~6 us a call)
         transport_socket=tls.inbound_transport_socket(mesh),

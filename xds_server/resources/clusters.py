@@ -86,6 +86,33 @@ def cluster(
     return c
 
 
+# The shadow cluster's circuit breaker (issue 18): mirroring never holds more than this many
+# copies open on the canary; Envoy drops a shadow that overflows it (upstream_rq_pending_overflow
+# on the shadow cluster), the caller's own call is untouched.
+SHADOW_MAX_REQUESTS = 8
+SHADOW_MAX_PENDING = 4
+
+
+def shadow_cluster(
+    name: str, svc: m.Service, *, transport_socket: base_pb2.TransportSocket | None = None
+) -> cluster_pb2.Cluster:
+    """The mirror's copy of a version's outbound cluster: the same hosts (EDS) and TLS, its own
+    name (so its stats are its own), no health checks or outlier detection of its own (the
+    version's real cluster has them), and a tight circuit breaker."""
+    c = cluster(name, svc, active_health=False, caller_side=True, transport_socket=transport_socket)
+    c.ClearField("outlier_detection")
+    c.circuit_breakers.CopyFrom(
+        circuit_breakers(
+            m.CircuitBreakers(
+                max_requests=SHADOW_MAX_REQUESTS,
+                max_pending_requests=SHADOW_MAX_PENDING,
+                max_retries=0,
+            )
+        )
+    )
+    return c
+
+
 def least_loaded() -> cluster_pb2.LoadBalancingPolicy:
     """Envoy's client_side_weighted_round_robin on ORCA out-of-band reports: weight = qps /
     utilization, so a host that reports more utilization per request gets fewer."""

@@ -10,10 +10,23 @@ PRINCIPAL_HEADER = "x-meshlm-principal"
 IDENTITY_HEADERS = (TENANT_HEADER, "x-meshlm-priority", PRINCIPAL_HEADER)
 # The request class (a hash), set by the caller-side sidecar; isolation routes match it.
 CLASS_HEADER = "x-meshlm-class"
+# The quality gate's mirroring (issue 18): a caller marks a call safe to copy to the canary
+# (greedy, no side effects); Envoy appends SHADOW_SUFFIX to a copy's :authority, and only then
+# does the canary's inbound sidecar set SHADOW_HEADER toward its runtime.
+MIRROR_HEADER = "x-meshlm-mirror"
+MIRROR_SAFE = "safe"
+SHADOW_SUFFIX = "-shadow"
+SHADOW_HEADER = "x-meshlm-shadow"
 
 
 def outbound_cluster(service: str, version: str) -> str:
     return f"outbound|{service}|{version}"
+
+
+def shadow_cluster(service: str, version: str) -> str:
+    """The mirror's copy of a version's outbound cluster: same hosts, its own stats, so the
+    traffic gates' counters of `outbound_cluster` never count a shadow."""
+    return f"outbound|{service}|{version}|shadow"
 
 
 def inbound_cluster(service: str, version: str) -> str:

@@ -36,11 +36,49 @@ def stable_and_canary(mesh: m.Mesh, svc: m.Service) -> tuple[str, str | None]:
     return names[0], (names[1] if len(names) > 1 else None)
 
 
+# A shadow's :authority is Envoy's mirror's own (`llm-shadow`, `llm-shadow:8080`).
+SHADOW_AUTHORITY = r"^.+-shadow(:[0-9]+)?$"
+FORGED_SHADOW_MESSAGE = (
+    "a :authority ending in -shadow is reserved for the quality gate's mirrored copies; "
+    "a caller cannot send one"
+)
+
+
 def outbound_route_config(mesh: m.Mesh) -> route_pb2.RouteConfiguration:
     return route_pb2.RouteConfiguration(
         name=names.OUTBOUND_ROUTE,
-        virtual_hosts=[_service_vhost(mesh, s) for s in mesh.services.values()],
+        virtual_hosts=[
+            *(_service_vhost(mesh, s) for s in mesh.services.values()),
+            _forged_shadow_vhost(),
+        ],
     )
+
+
+def _forged_shadow_vhost() -> rc.VirtualHost:
+    """A caller's call to `<service>-shadow` is refused (403: gRPC PERMISSION_DENIED) before it
+    could reach a runtime as a shadow (uncharged by the rate limits, out of the gates' figures).
+    Any other unknown authority still finds no route (404), as before."""
+    return rc.VirtualHost(
+        name="forged-shadow",
+        domains=["*"],
+        routes=[
+            rc.Route(
+                name="forged-shadow",
+                match=rc.RouteMatch(prefix="/", headers=[_shadow_authority()]),
+                direct_response=rc.DirectResponseAction(
+                    status=403, body=base_pb2.DataSource(inline_string=FORGED_SHADOW_MESSAGE)
+                ),
+            )
+        ],
+    )
+
+
+def _shadow_authority() -> rc.HeaderMatcher:
+    from envoy.type.matcher.v3 import regex_pb2, string_pb2
+
+    regex = regex_pb2.RegexMatcher(regex=SHADOW_AUTHORITY)
+    match = string_pb2.StringMatcher(safe_regex=regex)
+    return rc.HeaderMatcher(name=":authority", string_match=match)
 
 
 def _service_vhost(mesh: m.Mesh, svc: m.Service) -> rc.VirtualHost:
@@ -66,24 +104,25 @@ def _split_routes(svc: m.Service, stable: str, canary: str | None, prefix: str) 
     if canary is not None:
         # Header pins before the weighted split: `x-canary: always|never`.
         for value, version in (("always", canary), ("never", stable)):
-            routes.append(
-                rc.Route(
-                    name=f"{svc.name}-canary-{value}{suffix}",
-                    match=rc.RouteMatch(
-                        prefix=prefix,
-                        headers=[
-                            rc.HeaderMatcher(
-                                name=svc.route.canary_header,
-                                string_match=_exact(value),
-                            )
-                        ],
-                    ),
-                    route=_action(
-                        svc, cluster=names.outbound_cluster(svc.name, version), per_try=per_try
-                    ),
-                    response_headers_to_add=_served_by(svc, version),
-                )
+            pin = rc.Route(
+                name=f"{svc.name}-canary-{value}{suffix}",
+                match=rc.RouteMatch(
+                    prefix=prefix,
+                    headers=[
+                        rc.HeaderMatcher(
+                            name=svc.route.canary_header,
+                            string_match=_exact(value),
+                        )
+                    ],
+                ),
+                route=_action(
+                    svc, cluster=names.outbound_cluster(svc.name, version), per_try=per_try
+                ),
+                response_headers_to_add=_served_by(svc, version),
             )
+            if svc.route.mirror is None or svc.route.mirror.version != version:
+                routes += _mirrored(svc, pin)
+            routes.append(pin)
     weighted = rc.WeightedCluster(
         clusters=[
             rc.WeightedCluster.ClusterWeight(
@@ -97,14 +136,43 @@ def _split_routes(svc: m.Service, stable: str, canary: str | None, prefix: str) 
         # number, picks the version; a request without the header still gets a random pick.
         use_hash_policy=wrappers_pb2.BoolValue(value=svc.route.use_hash_policy),
     )
-    routes.append(
-        rc.Route(
-            name=f"{svc.name}-weighted{suffix}",
-            match=rc.RouteMatch(prefix=prefix),
-            route=_action(svc, weighted=weighted, per_try=per_try),
+    split = rc.Route(
+        name=f"{svc.name}-weighted{suffix}",
+        match=rc.RouteMatch(prefix=prefix),
+        route=_action(svc, weighted=weighted, per_try=per_try),
+    )
+    return [*routes, *_mirrored(svc, split), split]
+
+
+def _mirrored(svc: m.Service, route: rc.Route) -> list[rc.Route]:
+    """While a rollout's quality gate mirrors (issue 18): `route`'s twin for the calls marked
+    `x-meshlm-mirror: safe`, whose action also copies `percent` of them to the canary's shadow
+    cluster (Envoy appends -shadow to the copy's :authority and drops its answer; the caller
+    gets the primary's only). An unmarked call matches `route` itself: never mirrored. A call
+    the split sends to the canary is copied too; the stable holds no record of it, so the
+    join finds no pair and it is not a sample."""
+    mirror = svc.route.mirror
+    if mirror is None or mirror.percent <= 0:
+        return []
+    twin = rc.Route()
+    twin.CopyFrom(route)
+    twin.name = f"{route.name}-mirror"
+    twin.match.headers.append(
+        rc.HeaderMatcher(name=names.MIRROR_HEADER, string_match=_exact(names.MIRROR_SAFE))
+    )
+    twin.route.request_mirror_policies.append(
+        rc.RouteAction.RequestMirrorPolicy(
+            cluster=names.shadow_cluster(svc.name, mirror.version),
+            runtime_fraction=base_pb2.RuntimeFractionalPercent(
+                default_value=percent_pb2.FractionalPercent(
+                    numerator=round(mirror.percent * 10_000),
+                    denominator=percent_pb2.FractionalPercent.MILLION,
+                ),
+                runtime_key=f"meshlm.mirror.{svc.name}",
+            ),
         )
     )
-    return routes
+    return [twin]
 
 
 def _vhost(svc: m.Service, routes: list[rc.Route]) -> rc.VirtualHost:
@@ -212,12 +280,26 @@ def inbound_route_config(
                 route=_action(svc, cluster=http_cluster, retries=False),
             )
         )
+    routes = [r for x in (*openai, route) for r in (_shadow_twin(x), x)]
     return route_pb2.RouteConfiguration(
         name=names.inbound_route(svc.name, version),
         virtual_hosts=[
-            rc.VirtualHost(name=f"{svc.name}-local", domains=["*"], routes=[orca, *openai, route])
+            rc.VirtualHost(name=f"{svc.name}-local", domains=["*"], routes=[orca, *routes])
         ],
     )
+
+
+def _shadow_twin(route: rc.Route) -> rc.Route:
+    """`route` for a mirrored copy (its :authority ends in -shadow, issue 18): the runtime is
+    told with `x-meshlm-shadow: 1`, which keeps it out of the gates' metrics. The listener
+    strips a caller's own `x-meshlm-shadow` before any route (http_listener's early header
+    mutation), so only this route can set it."""
+    twin = rc.Route()
+    twin.CopyFrom(route)
+    twin.name = f"{route.name}-shadow"
+    twin.match.headers.append(_shadow_authority())
+    twin.request_headers_to_add.append(_header(names.SHADOW_HEADER, "1"))
+    return twin
 
 
 def _action(

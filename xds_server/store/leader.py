@@ -27,7 +27,14 @@ from xds_server.store.election import Election
 
 log = logging.getLogger("meshlm.leader")
 # ControlPlane methods that change desired state: fenced when the leader's work calls them.
-CHANGES = ("set_weights", "set_pins", "add_endpoint", "remove_endpoint", "set_slo_state")
+CHANGES = (
+    "set_weights",
+    "set_pins",
+    "set_mirror",
+    "add_endpoint",
+    "remove_endpoint",
+    "set_slo_state",
+)
 
 
 class FencedChanges:

@@ -57,6 +57,7 @@ def live_doc(svc: m.Service) -> dict[str, Any]:
     return {
         "weights": dict(svc.route.weights),
         "pins": list(svc.route.pins) if svc.route.pins else None,
+        "mirror": dataclasses.asdict(svc.route.mirror) if svc.route.mirror else None,
         "endpoints": {v: [str(e) for e in ver.endpoints] for v, ver in svc.versions.items()},
         "slo_state": {
             "shed_tenants": list(svc.slo_state.shed_tenants),
@@ -86,6 +87,8 @@ def desired_mesh(source: Any, lives: dict[str, dict[str, Any]]) -> m.Mesh:
             mesh = dataclasses.replace(mesh, services=services).with_weights(name, doc["weights"])
             if doc.get("pins"):
                 mesh = mesh.with_pins(name, *doc["pins"])
+            if doc.get("mirror"):
+                mesh = mesh.with_mirror(name, m.Mirror(**doc["mirror"]))
             slo = doc.get("slo_state") or {}
             state = m.SloState(
                 tuple(slo.get("shed_tenants") or ()), bool(slo.get("outlier_tightened"))
