@@ -25,7 +25,9 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -144,6 +146,7 @@ class Engine:
         self._lock = threading.Condition()
         self._waiting = FairQueue(fair=tenant_isolation)
         self._cancels: set[str] = set()
+        self._tasks: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
         self._known: dict[str, _Request] = {}
         self._prefilling: list[_Request] = []
         self._running: list[_Request] = []
@@ -207,6 +210,50 @@ class Engine:
             self._lock.notify_all()
         if victim is not None:
             self._shed(victim[0].request, victim[1])
+
+    def run(self, fn: Callable[[], Any], timeout: float | None = 120.0) -> Any:
+        """`fn()` on the engine's thread between two steps, its result or its exception: a
+        forward outside the batch (a /score, model_runtime/records.py) never runs on the model
+        beside a prefill or decode step. Inline where no engine thread runs. RuntimeError once
+        the engine stops; TimeoutError if it has not started `fn` within `timeout` seconds."""
+        fut: Future = Future()
+        with self._lock:
+            if self._stop:
+                raise RuntimeError("the engine has stopped")
+            if self._thread is None:
+                inline = True
+            else:
+                inline = False
+                self._tasks.append((fn, fut))
+                self._lock.notify_all()
+        if inline:
+            with torch.inference_mode():
+                return fn()
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()  # not started yet: the engine skips it
+            raise
+
+    def _run_tasks(self) -> None:
+        while True:
+            with self._lock:
+                if not self._tasks:
+                    return
+                fn, fut = self._tasks.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # the caller gets it; the engine goes on
+                fut.set_exception(e)
+
+    def _fail_tasks(self) -> None:
+        with self._lock:
+            tasks, self._tasks = list(self._tasks), collections.deque()
+        for _, fut in tasks:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("the engine has stopped"))
 
     def _check_tenant(self, params: GenerateParams, cost: int) -> None:
         queued = self._waiting.queued_tokens(params.tenant)
@@ -347,10 +394,13 @@ class Engine:
                             or self._running
                             or self._prefilling
                             or self._waiting
+                            or self._tasks
                         )
                     )
-                    if self._stop and not self._cancels:
-                        return
+                    stopped = self._stop and not self._cancels
+                if stopped:
+                    self._fail_tasks()
+                    return
                 try:
                     self._iteration()
                 except Exception as e:  # a scheduler bug fails the requests, not the thread
@@ -363,6 +413,7 @@ class Engine:
                         self._lock.wait(timeout=0.01)
 
     def _iteration(self) -> None:
+        self._run_tasks()
         self._apply_cancels()
         self._admit()
         t0 = time.monotonic()

@@ -94,6 +94,10 @@ class RuntimeMetrics:
                                buckets=QUEUE_BUCKETS, registry=r)  # fmt: skip
         self.requests = Counter("meshlm_requests", "Calls by method, gRPC status and tenant.",
                                 ["method", "code", "tenant"], registry=r)  # fmt: skip
+        self.shadow_requests = Counter("meshlm_shadow_requests",
+                                       "Mirrored (shadow) Generate calls by gRPC status; they "
+                                       "count in no other series.",
+                                       ["code"], registry=r)  # fmt: skip
         self.resumes = Counter("meshlm_request_resumes",
                                "Generate calls that resumed another replica's stream.",
                                registry=r)  # fmt: skip

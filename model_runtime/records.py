@@ -2,21 +2,30 @@
 
 A bounded LRU: request id -> the prompt's token ids (kept in memory only, never served) and the
 generated token ids. The control plane joins the stable's and the canary's records by id and asks
-the canary to score the stable's tokens (teacher-forced log-probabilities: one prefill), so the
-prompt never leaves the runtime. Only greedy (temperature 0), complete, non-resumed calls are
-recorded: a sampled or partial answer says nothing about agreement.
+the canary to score the stable's tokens (teacher-forced, one prefill), so the prompt never leaves
+the runtime. Only greedy (temperature 0), complete, non-resumed calls are recorded: a sampled or
+partial answer says nothing about agreement. A mirrored copy (`x-meshlm-shadow: 1`, set by the
+canary's sidecar) is recorded with `shadow: true`. Each record gets a sequence number, monotonic
+in this process (`instance` names the process: a new one restarts the sequence), so the control
+plane polls only what is new.
 
 The key is the call's body `request_id` (a mirrored call carries the same body, and a replay sets
 it), else the `x-request-id` header Envoy sends (and copies to a mirror's shadow).
 
 Served on the runtime's loopback metrics port (model_runtime/telemetry.py MetricsServer):
-    GET /records?ids=a,b        {"records": {id: {"token_ids": [...], "finish_reason": ...}}}
+    GET /records?ids=a,b[&shadow=1|0]     {"instance": ..., "records": {id: RECORD}}
+    GET /records?since=SEQ[&shadow=1|0]   {"instance": ..., "records": {id: RECORD} (seq > SEQ,
+                                           ascending, at most MAX_IDS), "next_since": the SEQ to
+                                           ask next, "more": whether more matched than were sent}
+        RECORD = {"seq": n, "shadow": bool, "token_ids": [...], "finish_reason": "stop"|"length"}
     GET /score?request_id=a&token_ids=1,2,3   {"logprobs": [...], "argmax": [...]}
+/score's forward runs on the engine's thread between two steps (Engine.run), never beside one.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -33,26 +42,48 @@ class Record:
     prompt_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     finish_reason: str
+    seq: int = 0
+    shadow: bool = False
+
+    def view(self) -> dict[str, Any]:
+        """What /records serves (never the prompt)."""
+        return {
+            "seq": self.seq,
+            "shadow": self.shadow,
+            "token_ids": list(self.token_ids),
+            "finish_reason": self.finish_reason,
+        }
 
 
 class Records:
-    """Thread-safe; `model` (set once a model serves) scores continuations."""
+    """Thread-safe; `model` (set once a model serves) scores continuations, on the thread of
+    `engine` (its `run(fn)`) when one is set."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         if capacity < 1:
             raise ValueError(f"records capacity: expected >= 1, got {capacity}")
         self.capacity = capacity
         self.model: Any = None
+        self.engine: Any = None
+        self.instance = secrets.token_hex(8)
         self._lock = threading.Lock()
-        self._items: OrderedDict[str, Record] = OrderedDict()
+        self._items: OrderedDict[str, Record] = OrderedDict()  # ascending seq
+        self._seq = 0
 
     def add(
-        self, request_id: str, prompt_ids: list[int], token_ids: list[int], finish: str
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        token_ids: list[int],
+        finish: str,
+        *,
+        shadow: bool = False,
     ) -> None:
         if not request_id:
             return
-        rec = Record(tuple(prompt_ids), tuple(token_ids), finish)
         with self._lock:
+            self._seq += 1
+            rec = Record(tuple(prompt_ids), tuple(token_ids), finish, self._seq, shadow)
             self._items[request_id] = rec
             self._items.move_to_end(request_id)
             while len(self._items) > self.capacity:
@@ -66,6 +97,21 @@ class Records:
         with self._lock:
             return len(self._items)
 
+    def since(
+        self, seq: int, shadow: bool | None = None, limit: int = MAX_IDS
+    ) -> tuple[list[tuple[str, Record]], int, bool]:
+        """Records with a seq above `seq` (ascending, at most `limit`), the seq to ask from
+        next time, and whether more matched than were returned."""
+        out: list[tuple[str, Record]] = []
+        with self._lock:
+            for rid, rec in self._items.items():
+                if rec.seq <= seq or (shadow is not None and rec.shadow != shadow):
+                    continue
+                if len(out) == limit:
+                    return out, out[-1][1].seq, True
+                out.append((rid, rec))
+            return out, max(seq, self._seq), False
+
     def score(self, request_id: str, token_ids: list[int]) -> dict[str, list]:
         """Log-probabilities of `token_ids` after the prompt recorded under `request_id`, and the
         model's own greedy choice at each position (both teacher-forced, one forward pass)."""
@@ -77,7 +123,10 @@ class Records:
         room = self.model.args.context_length - len(rec.prompt_ids)
         if len(token_ids) > room:
             raise ValueError(f"token_ids: {len(token_ids)} ids overrun the context ({room} left)")
-        return teacher_forced(self.model, list(rec.prompt_ids), token_ids)
+        model, prompt = self.model, list(rec.prompt_ids)
+        if self.engine is None:
+            return teacher_forced(model, prompt, token_ids)
+        return self.engine.run(lambda: teacher_forced(model, prompt, token_ids))
 
     # --- the HTTP pages (GET only, loopback) ------------------------------------------------
 
@@ -86,20 +135,7 @@ class Records:
         q = parse_qs(query)
         try:
             if path == "/records":
-                ids = [i for v in q.get("ids", []) for i in v.split(",") if i]
-                if not ids:
-                    return _err(400, "ids: expected ?ids=ID[,ID...]")
-                if len(ids) > MAX_IDS:
-                    return _err(400, f"ids: at most {MAX_IDS} per query, got {len(ids)}")
-                out = {}
-                for i in ids:
-                    rec = self.get(i)
-                    if rec is not None:
-                        out[i] = {
-                            "token_ids": list(rec.token_ids),
-                            "finish_reason": rec.finish_reason,
-                        }
-                return 200, json.dumps({"records": out}).encode()
+                return self._records_page(q)
             # /score
             rid = (q.get("request_id") or [""])[0]
             if not rid:
@@ -112,10 +148,40 @@ class Records:
                 return 200, json.dumps(self.score(rid, tokens)).encode()
             except KeyError:
                 return _err(404, f"request_id: no record of {rid!r} (greedy calls only; LRU)")
-            except RuntimeError as e:  # no model yet
+            except (RuntimeError, TimeoutError) as e:  # no model yet; the engine stopped
                 return _err(503, str(e))
         except ValueError as e:
             return _err(400, str(e))
+
+    def _records_page(self, q: dict[str, list[str]]) -> tuple[int, bytes]:
+        shadow = _flag(q, "shadow")
+        ids = [i for v in q.get("ids", []) for i in v.split(",") if i]
+        body: dict[str, Any] = {"instance": self.instance}
+        if "since" in q:
+            if ids:
+                return _err(400, "ids: give either ?ids= or ?since=, not both")
+            raw = q["since"][0]
+            if not raw.isdigit():
+                return _err(400, f"since: expected a record seq >= 0, got {raw[:40]!r}")
+            found, body["next_since"], body["more"] = self.since(int(raw), shadow)
+        elif ids:
+            if len(ids) > MAX_IDS:
+                return _err(400, f"ids: at most {MAX_IDS} per query, got {len(ids)}")
+            got = ((i, self.get(i)) for i in ids)
+            found = [(i, r) for i, r in got if r and (shadow is None or r.shadow == shadow)]
+        else:
+            return _err(400, "ids: expected ?ids=ID[,ID...] or ?since=SEQ")
+        body["records"] = {i: r.view() for i, r in found}
+        return 200, json.dumps(body).encode()
+
+
+def _flag(q: dict[str, list[str]], name: str) -> bool | None:
+    raw = (q.get(name) or [""])[0].lower()
+    if raw == "":
+        return None
+    if raw not in ("0", "1", "true", "false"):
+        raise ValueError(f"{name}: expected 1 or 0, got {raw[:40]!r}")
+    return raw in ("1", "true")
 
 
 def _token_ids(raw: str) -> list[int]:

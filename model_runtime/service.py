@@ -5,6 +5,12 @@
     /grpc.health.v1.Health/{Check,Watch}      NOT_SERVING until a model serves, and on drain
     /xds.service.orca.v3.OpenRcaService/StreamCoreMetrics   ORCA load reports (orca.py)
 
+A mirrored copy of a call (issue 18) arrives with `x-meshlm-shadow: 1`, which only the canary's
+sidecar sets (for authorities suffixed `-shadow`). It must be greedy (else it is refused before
+any generation: a mis-marked call costs nothing), it runs at the lowest priority, it is recorded
+with `shadow: true` (model_runtime/records.py) and it counts only in the shadow counter, never in
+the series the rollout's traffic gates read (model_runtime/telemetry.py).
+
 The engine schedules by the tenant in `x-meshlm-tenant` (fair share, per-tenant limits). Behind
 the mesh only the sidecar's authz filter sets it (it drops client copies); a runtime reached
 directly believes whatever a caller sends, so it listens on loopback (`--host 127.0.0.1`) for
@@ -46,6 +52,8 @@ TENANT_HEADER = "x-meshlm-tenant"  # set by the sidecar's authz filter after it 
 PRIORITY_HEADER = "x-meshlm-priority"
 REPLICA_HEADER = "x-meshlm-replica"  # the replica serving a stream; a resume avoids it (issue 10)
 PROMPT_TOKENS_HEADER = "x-meshlm-prompt-tokens"  # with the first chunk: the prompt's length
+SHADOW_HEADER = "x-meshlm-shadow"  # "1": a mirrored copy, set by the canary's sidecar (issue 18)
+REQUEST_ID_HEADER = "x-request-id"  # Envoy's; copied to a mirror's shadow
 PRIORITY_NAMES = {"low": -1, "normal": 0, "default": 0, "high": 1}
 _POLL_S = 0.25  # how often a waiting stream re-checks deadline and liveness
 _CANCELLED = object()  # wakes a stream whose RPC ended (client cancel, deadline, drain)
@@ -55,6 +63,11 @@ class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code, self.message = code, message
+
+
+def _is_shadow(metadata: dict[str, Any]) -> bool:
+    """Any value but empty or "0" counts: a marked copy is never taken for a caller's call."""
+    return str(metadata.get(SHADOW_HEADER, "")).strip() not in ("", "0")
 
 
 def _priority(req_priority: int | None, metadata: dict[str, Any]) -> int:
@@ -77,6 +90,28 @@ def _priority(req_priority: int | None, metadata: dict[str, Any]) -> int:
         except ValueError:
             ceiling = -1000
     return ceiling if req_priority is None else min(req_priority, ceiling)
+
+
+def _record_key(req: codec.GenerateRequest, md: dict[str, Any]) -> str:
+    return req.request_id or str(md.get(REQUEST_ID_HEADER, ""))
+
+
+def _check_shadow(req: codec.GenerateRequest, md: dict[str, Any]) -> None:
+    """A mirrored copy is refused before any generation unless it is greedy and can be joined:
+    only its record is of use, and only a greedy answer compares (issue 18)."""
+    why = None
+    if req.temperature > 0:
+        why = f"temperature {req.temperature:g}"
+    elif req.resume_token_ids is not None and len(req.resume_token_ids):
+        why = "resume_token_ids (a resumed stream)"
+    elif not _record_key(req, md):
+        why = f"no request_id in the body nor {REQUEST_ID_HEADER} header to record it under"
+    if why is not None:
+        raise _Abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{SHADOW_HEADER}: a mirrored call must be greedy (temperature 0, no resume) and "
+            f"carry a request id; this one has {why}: refused before generation",
+        )
 
 
 class InferenceService:
@@ -131,25 +166,33 @@ class InferenceService:
         if self.replica_id:  # also on refusals, which answer with trailers only
             context.set_trailing_metadata(((REPLICA_HEADER, self.replica_id),))
         md = dict(context.invocation_metadata())
-        stats: dict[str, Any] = {"code": "OK", "ttft": None, "tpot": None}
+        shadow = _is_shadow(md)
+        stats: dict[str, Any] = {"code": "OK", "ttft": None, "tpot": None, "shadow": shadow}
         tenant = str(md.get(TENANT_HEADER, ""))
         with self.telemetry.span("Generate", md) as span:
+            if shadow:
+                span.set_attribute("meshlm.shadow", True)
             try:
                 yield from self._generate(request, context, md, span, started, stats)
             except _Abort as a:
                 stats["code"] = a.code.name
                 span.set_attribute("rpc.grpc.status_code", a.code.value[0])
                 e2e = time.monotonic() - started
-                self.telemetry.record("Generate", stats["code"], e2e_s=e2e, tenant=tenant)
+                self.telemetry.record(
+                    "Generate", stats["code"], e2e_s=e2e, tenant=tenant, shadow=shadow
+                )
                 context.abort(a.code, a.message)
             except Exception:
                 # grpcio would answer UNKNOWN; say INTERNAL and keep the reason out of the reply.
                 log.exception("Generate failed")
                 e2e = time.monotonic() - started
-                self.telemetry.record("Generate", "INTERNAL", e2e_s=e2e, tenant=tenant)
+                self.telemetry.record(
+                    "Generate", "INTERNAL", e2e_s=e2e, tenant=tenant, shadow=shadow
+                )
                 context.abort(grpc.StatusCode.INTERNAL, "internal error in the runtime")
             self.telemetry.record("Generate", stats["code"], stats["ttft"], stats["tpot"],
-                                  e2e_s=time.monotonic() - started, tenant=tenant)  # fmt: skip
+                                  e2e_s=time.monotonic() - started, tenant=tenant,
+                                  shadow=shadow)  # fmt: skip
 
     def _prompt_ids(self, req: codec.GenerateRequest) -> list[int]:
         tok = self.loaded.tokenizer
@@ -190,6 +233,8 @@ class InferenceService:
             req = codec.decode_generate_request(request, self.limits)
         except WireError as e:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if stats["shadow"]:
+            _check_shadow(req, md)
         if req.avoid_replica and req.avoid_replica == self.replica_id:
             # Before any response header, so the sidecar's retry (previous_hosts) may move the
             # call to another host; after headers nothing in Envoy can (issue 10).
@@ -228,7 +273,8 @@ class InferenceService:
             seed=req.seed,
             stop=list(req.stop),
             resume_ids=[] if req.resume_token_ids is None else req.resume_token_ids.tolist(),
-            priority=_priority(req.priority, md),
+            # a shadow never delays a caller's call (and is shed first under overload)
+            priority=PRIORITY_NAMES["low"] if stats["shadow"] else _priority(req.priority, md),
             tenant=str(tenant),  # the verified header only: no body field can choose it
         )
         events: queue.SimpleQueue = queue.SimpleQueue()
@@ -271,8 +317,13 @@ class InferenceService:
             return
         if stats.get("finish") not in ("stop", "length"):
             return
-        key = req.request_id or str(md.get("x-request-id", ""))
-        self.records.add(key, params.prompt_ids, stats["token_ids"], stats["finish"])
+        self.records.add(
+            _record_key(req, md),
+            params.prompt_ids,
+            stats["token_ids"],
+            stats["finish"],
+            shadow=stats["shadow"],
+        )
 
     def _stream(
         self,
@@ -310,8 +361,9 @@ class InferenceService:
                 if first_at is None:
                     first_at = now
                     stats["ttft"] = now - started
-                    self.telemetry.first_token(stats["ttft"], ev.queue_wait_s)
-                elif last_at is not None:
+                    if not stats["shadow"]:
+                        self.telemetry.first_token(stats["ttft"], ev.queue_wait_s)
+                elif last_at is not None and not stats["shadow"]:
                     self.telemetry.tokens(now - last_at, len(ev.token_ids))
                 last_at = now
             error = None
@@ -455,6 +507,7 @@ class Runtime:
             records=self.records,
         )
         self.records.model = loaded.model
+        self.records.engine = engine  # /score's forward on the engine's thread
         self.telemetry.engine_stats = engine.stats
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on %s", loaded.info.version, self.target)

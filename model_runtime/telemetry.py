@@ -12,6 +12,11 @@ span per RPC that continues the W3C `traceparent` arriving in gRPC metadata (set
 cumulative TTFT/TPOT histograms since the runtime started (`histograms`: a rollout gate takes
 one read at the start of its analysis interval and one at the end and reads the percentile of
 the difference, as Prometheus' histogram_quantile over a rate does), plus the gauges.
+
+Mirrored copies (`shadow=True`, issue 18) count only in their own counter
+(`meshlm_shadow_requests_total{code}` in /metrics, `shadow_requests` in /metrics.json,
+`meshlm.shadow.requests` over OTLP): never in the requests, TTFT, TPOT, ITL, e2e or queue series
+that a canary's traffic gates read, so the canary is judged on its callers' calls alone.
 """
 
 from __future__ import annotations
@@ -104,6 +109,9 @@ class Telemetry:
             explicit_bucket_boundaries_advisory=E2E_BUCKETS,
         )  # fmt: skip
         self.requests = meter.create_counter("meshlm.rpc.requests", description="RPCs by status")
+        self.shadow_requests = meter.create_counter(
+            "meshlm.shadow.requests", description="mirrored (shadow) Generate calls by status"
+        )
         self.prom = RuntimeMetrics(self._stats)
         for name, key in _GAUGES.items():
             meter.create_observable_gauge(name, callbacks=[self._gauge(key)])
@@ -113,6 +121,7 @@ class Telemetry:
         self._lock = threading.Lock()
         self._window: deque[tuple[float, str, str, float | None, float | None]] = deque()
         self._totals: dict[str, dict[str, int]] = {}
+        self._shadow_totals: dict[str, int] = {}
         # Generate calls since start, per bucket of BOUNDS_MS (the last: above them).
         self._hist = {"ttft": [0] * (len(BOUNDS_MS) + 1), "tpot": [0] * (len(BOUNDS_MS) + 1)}
         self.instance = secrets.token_hex(8)  # a reader's baseline from before a restart is void
@@ -156,8 +165,16 @@ class Telemetry:
         *,
         e2e_s: float | None = None,
         tenant: str = "",
+        shadow: bool = False,
     ) -> None:
-        """One call ended. `tenant`: the verified tenant header (a label; never a key)."""
+        """One call ended. `tenant`: the verified tenant header (a label; never a key).
+        `shadow`: a mirrored copy, counted in the shadow counter alone (module doc)."""
+        if shadow:
+            self.shadow_requests.add(1, {"rpc.grpc.status": code})
+            self.prom.shadow_requests.labels(code).inc()
+            with self._lock:
+                self._shadow_totals[code] = self._shadow_totals.get(code, 0) + 1
+            return
         tenant = self.prom.tenant(tenant)
         attrs = {"rpc.method": method, "rpc.grpc.status": code}
         self.requests.add(1, {**attrs, "meshlm.tenant": tenant})
@@ -217,6 +234,7 @@ class Telemetry:
             rows = list(self._window)
             totals = {m: dict(c) for m, c in self._totals.items()}
             hist = {name: list(counts) for name, counts in self._hist.items()}
+            shadow = dict(self._shadow_totals)
         methods: dict[str, dict] = {}
         for _, method, code, _, _ in rows:
             m = methods.setdefault(method, {"requests": 0, "ok": 0, "by_status": {}})
@@ -231,6 +249,7 @@ class Telemetry:
             **_latency(rows, "Generate"),
             "methods": methods,
             "totals": totals,
+            "shadow_requests": shadow,
             "histograms": {"instance": self.instance, "bounds_ms": list(BOUNDS_MS), **hist},
             "engine": self._stats(),
         }

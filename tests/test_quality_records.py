@@ -47,7 +47,9 @@ def test_a_greedy_call_is_recorded_by_request_id_and_scored(served) -> None:
     got = _tokens(c, "greedy-1")
     status, body = _get(f"{url}/records?ids=greedy-1,unknown")
     assert status == 200
-    assert body["records"] == {"greedy-1": {"token_ids": got, "finish_reason": "length"}}
+    rec = body["records"]["greedy-1"]
+    assert list(body["records"]) == ["greedy-1"]
+    assert (rec["token_ids"], rec["finish_reason"], rec["shadow"]) == (got, "length", False)
     ids = ",".join(map(str, got))
     status, score = _get(f"{url}/score?request_id=greedy-1&token_ids={ids}")
     assert status == 200
@@ -59,7 +61,8 @@ def test_a_greedy_call_is_recorded_by_request_id_and_scored(served) -> None:
 def test_a_sampled_call_is_not_recorded(served) -> None:
     url, c = served
     _tokens(c, "sampled-1", temperature=0.8, seed=3)
-    assert _get(f"{url}/records?ids=sampled-1") == (200, {"records": {}})
+    status, body = _get(f"{url}/records?ids=sampled-1")
+    assert (status, body["records"]) == (200, {})
 
 
 def test_bad_queries_answer_400_naming_the_field(served) -> None:
