@@ -21,7 +21,7 @@ import grpc.aio
 
 from meshlm.caller import CallerBase, Completion, Progress, build_request
 from meshlm.errors import from_rpc_error
-from model_runtime.client import GENERATE, INFO, Metadata
+from model_runtime.client import GENERATE, INFO, Metadata, mirror_safe
 from schemas import codec
 from schemas.codec import ChatMessage, GenerateRequest, ModelInfo, TokenChunk
 from xds_server.mesh import Stall
@@ -78,11 +78,14 @@ class AsyncCaller(CallerBase):
         prompt_token_ids: Sequence[int] | None = None,
         timeout: float | None = None,
         metadata: Metadata = (),
+        mirror: bool = True,
         **params: Any,
     ) -> AsyncStream:
-        """Caller.generate as an async iterator (`async for chunk in ...`)."""
+        """Caller.generate as an async iterator (`async for chunk in ...`); a greedy call is
+        marked `x-meshlm-mirror: safe` unless `mirror=False` (meshlm.caller's doc)."""
         req = build_request(prompt, messages, prompt_token_ids, params)
-        return AsyncStream(self, req, timeout, self.metadata + list(metadata))
+        md = self.metadata + list(metadata)
+        return AsyncStream(self, req, timeout, md, mirror=mirror_safe(req, mirror, md))
 
     async def complete(
         self,
@@ -91,11 +94,12 @@ class AsyncCaller(CallerBase):
         messages: Sequence[ChatMessage | dict[str, str]] | None = None,
         timeout: float | None = None,
         metadata: Metadata = (),
+        mirror: bool = True,
         **params: Any,
     ) -> Completion:
         """The whole answer at once: await generate(...).result()."""
         stream = self.generate(
-            prompt, messages=messages, timeout=timeout, metadata=metadata, **params
+            prompt, messages=messages, timeout=timeout, metadata=metadata, mirror=mirror, **params
         )
         return await stream.result()
 
@@ -105,20 +109,28 @@ class AsyncCaller(CallerBase):
         *,
         timeout: float | None = None,
         metadata: Metadata = (),
+        mirror: bool = True,
         **params: Any,
     ) -> Completion:
         """The assistant's whole reply to `messages`."""
-        return await self.complete(messages=messages, timeout=timeout, metadata=metadata, **params)
+        return await self.complete(
+            messages=messages, timeout=timeout, metadata=metadata, mirror=mirror, **params
+        )
 
 
 class AsyncStream:
     """An async iterator of TokenChunk with Stream's `token_ids`, `resumes` and `replicas`."""
 
     def __init__(
-        self, caller: AsyncCaller, request: GenerateRequest, timeout: float | None, md: list
+        self,
+        caller: AsyncCaller,
+        request: GenerateRequest,
+        timeout: float | None,
+        md: list,
+        mirror: bool = False,
     ) -> None:
         self.caller, self.request = caller, request
-        self.progress = Progress(caller, request, timeout, md)
+        self.progress = Progress(caller, request, timeout, md, mirror)
         self.token_ids = self.progress.token_ids
         self.resumes = self.progress.resumes
         self.replicas = self.progress.replicas

@@ -22,6 +22,13 @@ deadline passed, is never resumed.
 The thresholds come from the mesh file's `services.<name>.stall` block, which the caller-side
 route sends as the `x-meshlm-stall` response header; `stall=Stall(...)` overrides it. Without a
 mesh (a runtime called directly) the defaults apply.
+
+A greedy call (temperature 0) is marked safe to mirror (`x-meshlm-mirror: safe`): during a
+canary rollout with a quality gate the caller-side route may send a copy to the canary, whose
+answer the runtimes record for comparison and Envoy drops; the caller sees only its own answer
+and is not delayed (issue 18). `mirror=False` leaves a call unmarked (a call that must not run
+twice); sampled calls and resumed attempts are never marked. The OpenAI HTTP API's calls are
+never marked (the mesh mirrors gRPC calls only).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import grpc
 from opentelemetry import trace
 
 from meshlm.errors import DeadlineExceeded, InvalidArgument, StreamLost, from_rpc_error
-from model_runtime.client import Client, Metadata, generate_request
+from model_runtime.client import MIRROR_HEADER, Client, Metadata, generate_request, mirror_safe
 from schemas import codec
 from schemas.codec import ChatMessage, GenerateRequest, ModelInfo, TokenChunk
 from xds_server.mesh import STALL_HEADER, VERSION_HEADER, Stall
@@ -174,6 +181,7 @@ class Caller(CallerBase):
         prompt_token_ids: Sequence[int] | None = None,
         timeout: float | None = None,
         metadata: Metadata = (),
+        mirror: bool = True,
         **params: Any,
     ) -> Stream:
         """Stream decoded chunks (TokenChunk: text_delta, token_ids, finish_reason...), resuming
@@ -181,11 +189,14 @@ class Caller(CallerBase):
         `messages` (chat: [{"role": "user", "content": ...}]) or `prompt_token_ids`.
         `params`: GenerateRequest fields (max_new_tokens, temperature, top_p, top_k, seed,
         stop, priority, request_id, model). `timeout` bounds the whole stream, resumes
-        included. Raises InvalidArgument at once for a bad request; while iterating, a
-        MeshlmError for a failure a resume cannot fix (Unauthenticated, PermissionDenied,
-        RateLimited, DeadlineExceeded...), StreamLost once the resumes are spent."""
+        included. A greedy call is sent with `x-meshlm-mirror: safe` (its first attempt;
+        resumes never) unless `mirror=False` (module doc). Raises InvalidArgument at once for
+        a bad request; while iterating, a MeshlmError for a failure a resume cannot fix
+        (Unauthenticated, PermissionDenied, RateLimited, DeadlineExceeded...), StreamLost once
+        the resumes are spent."""
         req = build_request(prompt, messages, prompt_token_ids, params)
-        return Stream(self, req, timeout, list(metadata))
+        mark = mirror_safe(req, mirror, self.client.metadata, metadata)
+        return Stream(self, req, timeout, list(metadata), mirror=mark)
 
     def complete(
         self,
@@ -194,11 +205,12 @@ class Caller(CallerBase):
         messages: Sequence[ChatMessage | dict[str, str]] | None = None,
         timeout: float | None = None,
         metadata: Metadata = (),
+        mirror: bool = True,
         **params: Any,
     ) -> Completion:
-        """The whole answer at once: generate(...).result()."""
+        """The whole answer at once: generate(...).result() (`mirror` as generate's)."""
         stream = self.generate(
-            prompt, messages=messages, timeout=timeout, metadata=metadata, **params
+            prompt, messages=messages, timeout=timeout, metadata=metadata, mirror=mirror, **params
         )
         return stream.result()
 
@@ -208,11 +220,15 @@ class Caller(CallerBase):
         *,
         timeout: float | None = None,
         metadata: Metadata = (),
+        mirror: bool = True,
         **params: Any,
     ) -> Completion:
         """The assistant's whole reply to `messages` ([{"role": ..., "content": ...}]); append
-        {"role": "assistant", "content": reply.text} and the next user message to go on."""
-        return self.complete(messages=messages, timeout=timeout, metadata=metadata, **params)
+        {"role": "assistant", "content": reply.text} and the next user message to go on.
+        `mirror` as generate's."""
+        return self.complete(
+            messages=messages, timeout=timeout, metadata=metadata, mirror=mirror, **params
+        )
 
 
 class Progress:
@@ -220,9 +236,15 @@ class Progress:
     only move the bytes."""
 
     def __init__(
-        self, caller: CallerBase, request: GenerateRequest, timeout: float | None, md: list
+        self,
+        caller: CallerBase,
+        request: GenerateRequest,
+        timeout: float | None,
+        md: list,
+        mirror: bool = False,
     ) -> None:
         self.caller, self.request, self.metadata = caller, request, md
+        self.mirror = mirror  # x-meshlm-mirror: safe on the first attempt (a resume is not)
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.token_ids: list[int] = []
         self.resumes: list[Resume] = []
@@ -247,6 +269,8 @@ class Progress:
                 avoid_replica=self._avoid,
             )
         md = self.metadata + ([(VERSION_HEADER, self._version)] if self._version else [])
+        if self.mirror and not self.resumes:
+            md.append((MIRROR_HEADER, "safe"))
         self._last, self._slow, self._first = time.monotonic(), 0, True
         return codec.encode_generate_request(req), remaining, md
 
@@ -349,10 +373,15 @@ class Stream:
     `replicas` (each replica that served part of it) are readable during and after it."""
 
     def __init__(
-        self, caller: Caller, request: GenerateRequest, timeout: float | None, md: list
+        self,
+        caller: Caller,
+        request: GenerateRequest,
+        timeout: float | None,
+        md: list,
+        mirror: bool = False,
     ) -> None:
         self.caller, self.request = caller, request
-        self.progress = Progress(caller, request, timeout, md)
+        self.progress = Progress(caller, request, timeout, md, mirror)
         self.token_ids = self.progress.token_ids
         self.resumes = self.progress.resumes
         self.replicas = self.progress.replicas

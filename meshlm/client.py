@@ -26,7 +26,11 @@ travels as `x-api-key`; headers for routing go in `metadata`, e.g. [("x-canary",
 
 Parameters of generate/complete/chat: max_new_tokens, temperature (0: greedy), top_p, top_k,
 seed, stop (a list of strings), priority, request_id, model; `timeout` in seconds bounds the
-whole call, resumes included.
+whole call, resumes included; `mirror` (default True): a greedy call (temperature 0) is sent
+with `x-meshlm-mirror: safe`, so that during a canary rollout with a quality gate the mesh may
+send a copy to the canary, to compare its answer with yours (you get only your own answer, not
+delayed). Pass mirror=False for a call that must not run twice. Sampled calls and resumed
+attempts are never marked; calls through the OpenAI HTTP API are never mirrored.
 
 Errors are grpc.RpcError subclasses, one per status a caller handles differently (see
 meshlm.errors): Unauthenticated (no or unknown key), PermissionDenied (the tenant may not call

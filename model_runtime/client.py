@@ -5,8 +5,12 @@ service name and `api_key`).
         print(chunk.text_delta, end="")
 
 Closing the iterator early (break, `.close()`) cancels the call, which frees the request's KV
-blocks on the runtime. Callers of the mesh want `meshlm.caller.Caller` instead: the same calls,
-plus resuming a stream on another replica when its replica stalls or dies (issue 10).
+blocks on the runtime. A greedy call (temperature 0) is marked safe to mirror
+(`x-meshlm-mirror: safe`): during a canary rollout with a quality gate the caller's sidecar may
+send a copy to the canary, whose answer is only compared, never returned (issue 18); pass
+`mirror=False` for a call that must not run twice. Callers of the mesh want
+`meshlm.caller.Caller` instead: the same calls, plus resuming a stream on another replica when
+its replica stalls or dies (issue 10).
 """
 
 from __future__ import annotations
@@ -23,6 +27,16 @@ GENERATE = "/meshlm.inference.v1.Inference/Generate"
 INFO = "/meshlm.inference.v1.Inference/Info"
 
 Metadata = Sequence[tuple[str, str]]
+MIRROR_HEADER = "x-meshlm-mirror"  # "safe": Envoy may mirror the call to a canary (issue 18)
+
+
+def mirror_safe(req: GenerateRequest, mirror: bool, *metadata: Metadata) -> bool:
+    """Whether a call gets `x-meshlm-mirror: safe`: the caller allows it (`mirror`), it is
+    greedy (temperature 0, not a resume: only such answers compare) and no metadata of the
+    call sets the header already (the caller's own value wins)."""
+    if not mirror or req.temperature > 0 or req.resume_token_ids is not None:
+        return False
+    return not any(k.lower() == MIRROR_HEADER for md in metadata for k, _ in md)
 
 
 def generate_request(
@@ -86,15 +100,18 @@ class Client:
         prompt_token_ids: Sequence[int] | None = None,
         timeout: float | None = None,
         metadata: Metadata = (),
+        mirror: bool = True,
         **params: Any,
     ) -> Iterator[TokenChunk]:
         """Stream decoded chunks. `params`: GenerateRequest fields (max_new_tokens, temperature,
-        top_p, top_k, seed, stop, priority, request_id, model). Raises grpc.RpcError on a non-OK
-        status, after yielding whatever arrived before it."""
+        top_p, top_k, seed, stop, priority, request_id, model). A greedy call is sent with
+        `x-meshlm-mirror: safe` unless `mirror=False` (module doc). Raises grpc.RpcError on a
+        non-OK status, after yielding whatever arrived before it."""
         req = generate_request(prompt, messages, prompt_token_ids, params)
-        call = self.generate_raw(
-            codec.encode_generate_request(req), timeout=timeout, metadata=metadata
-        )
+        md = list(metadata)
+        if mirror_safe(req, mirror, self.metadata, md):
+            md.append((MIRROR_HEADER, "safe"))
+        call = self.generate_raw(codec.encode_generate_request(req), timeout=timeout, metadata=md)
         try:
             for buf in call:
                 yield codec.decode_token_chunk(buf)
@@ -116,11 +133,13 @@ def generate(
     authority: str | None = None,
     metadata: Metadata = (),
     timeout: float | None = None,
+    mirror: bool = True,
     **params: Any,
 ) -> Iterator[TokenChunk]:
-    """One-shot streaming call on a fresh channel (closed when the iterator ends)."""
+    """One-shot streaming call on a fresh channel (closed when the iterator ends); `mirror`
+    as Client.generate's."""
     with Client(target, api_key=api_key, authority=authority, metadata=metadata) as c:
-        yield from c.generate(prompt, timeout=timeout, **params)
+        yield from c.generate(prompt, timeout=timeout, mirror=mirror, **params)
 
 
 def info(
