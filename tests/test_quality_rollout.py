@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,6 +59,13 @@ def serve(loaded) -> Iterator[Served]:
             yield Served(rt.port, f"http://127.0.0.1:{m.port}/metrics.json")
     finally:
         rt.shutdown(grace=2)
+
+
+@functools.cache
+def degraded():
+    """The int4 model re-quantized at group 64 (fast, healthy, answers wrong), loaded once per
+    test run (~20 s) for this module and tests/test_quality_mirror.py. Not to be modified."""
+    return load(precision="int4", group_size=64)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +150,7 @@ def test_a_canary_that_answers_like_the_stable_is_promoted_and_replay_is_not_tra
 def test_a_fast_healthy_canary_that_answers_differently_is_rolled_back_on_quality(
     stable, tmp_path: Path
 ) -> None:
-    broken = load(precision="int4", group_size=64)  # the degraded re-quantization
+    broken = degraded()
     with (
         serve(broken) as canary,
         caller_mesh(stable, canary) as (cp, envoy, target),
