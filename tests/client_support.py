@@ -1,6 +1,6 @@
 """A real runtime (SmolLM2 int4) behind a real Envoy with the Wasm authz filter, for the client
 tests (tests/test_client_*.py): tenants with a key, one allowed only Generate, one limited to
-two calls an hour."""
+two calls an hour, one to one call an hour."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ TENANTS = {
         "key_sha256": hash_key("k-lim"),
         "allow": ["llm/*"],
         "rate_limit": {"max_tokens": 2, "tokens_per_fill": 1, "fill_interval": "1h"},
+    },
+    "mirrored": {  # one call an hour; a mirrored copy takes none (issue 18)
+        "key_sha256": hash_key("k-mirrored"),
+        "allow": ["llm/*"],
+        "rate_limit": {"max_tokens": 1, "tokens_per_fill": 1, "fill_interval": "1h"},
     },
 }
 

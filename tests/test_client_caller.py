@@ -57,6 +57,22 @@ def test_refusals_are_typed_errors(guarded: Guarded) -> None:
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def test_a_shadow_copy_is_authorized_but_not_charged(guarded: Guarded) -> None:
+    """Through real Envoy and the Wasm filter: `:authority` suffixed -shadow (as Envoy's request
+    mirroring sends the copy) passes authz without taking the tenant's token; the tenant's own
+    calls still spend it, and an unknown key is refused on a copy too (issue 18)."""
+    with Caller(guarded.target, api_key="k-mirrored", authority="llm-shadow") as copy:
+        for _ in range(3):
+            assert copy.chat(CHAT, max_new_tokens=1, timeout=60).token_ids
+    bad = Caller(guarded.target, api_key="nope", authority="llm-shadow")
+    with bad, pytest.raises(Unauthenticated):
+        bad.chat(CHAT, max_new_tokens=1, timeout=30)
+    with Caller(guarded.target, api_key="k-mirrored", authority="llm") as own:
+        assert own.chat(CHAT, max_new_tokens=1, timeout=60).token_ids
+        with pytest.raises(RateLimited):
+            own.chat(CHAT, max_new_tokens=1, timeout=60)
+
+
 def test_bad_input_and_no_server_are_typed_errors(guarded: Guarded) -> None:
     with Caller(guarded.target, api_key="k-acme", authority="llm") as llm:
         with pytest.raises(InvalidArgument, match="seed") as e:
