@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from model_runtime.client import Client
+from model_runtime.records import Records
 from model_runtime.service import Runtime
 from model_runtime.telemetry import MetricsServer
 from tests.runtime_fixtures import serving_runtime
@@ -160,3 +161,19 @@ def test_records_queries_name_their_bad_field(served) -> None:
         status, body = _get(url + query)
         assert status == 400, query
         assert body["error"].startswith(field + ":"), body
+
+
+def test_since_pages_through_new_records_in_seq_order() -> None:
+    r = Records(capacity=4)
+    for i in range(6):  # the LRU keeps the last 4: seq 3..6
+        r.add(f"id{i}", [1], [i], "stop", shadow=i % 2 == 1)
+    page, nxt, more = r.since(0, limit=3)
+    assert ([k for k, _ in page], nxt, more) == (["id2", "id3", "id4"], 5, True)
+    page, nxt, more = r.since(nxt, limit=3)
+    assert ([k for k, _ in page], nxt, more) == (["id5"], 6, False)
+    page, nxt, more = r.since(0, shadow=True, limit=1)
+    assert ([k for k, _ in page], nxt, more) == (["id3"], 4, True)
+    page, nxt, more = r.since(nxt, shadow=True, limit=1)
+    assert ([k for k, _ in page], nxt, more) == (["id5"], 6, False)
+    r.add("id3", [1], [9], "stop")  # a key answered again moves to the newest seq
+    assert [(k, rec.seq) for k, rec in r.since(6)[0]] == [("id3", 7)]
