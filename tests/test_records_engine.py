@@ -101,3 +101,18 @@ def test_a_score_during_live_generation_runs_between_steps_and_changes_nothing(s
         assert got["argmax"] == alone["argmax"]
         assert got["logprobs"] == pytest.approx(alone["logprobs"], abs=1e-4)
     assert live == reference  # the generation's tokens are those it makes alone
+
+
+def test_engine_run_returns_raises_and_refuses_once_stopped(smollm_int4) -> None:
+    from model_runtime.engine import Engine
+
+    engine = Engine(smollm_int4, max_batch=1, kv_blocks=8)
+    assert engine.run(lambda: threading.current_thread().name) != "meshlm-engine"  # inline
+    engine.start()
+    assert engine.run(lambda: threading.current_thread().name) == "meshlm-engine"
+    with pytest.raises(ZeroDivisionError):
+        engine.run(lambda: 1 / 0)
+    assert engine.run(lambda: 42) == 42  # a failing task leaves the engine serving
+    engine.shutdown(drain_timeout=1)
+    with pytest.raises(RuntimeError, match="stopped"):
+        engine.run(lambda: 42)
