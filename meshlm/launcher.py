@@ -108,8 +108,9 @@ class LocalMesh:
             ]
         self.mesh["caller_sidecars"] = [{"admin_url": self.caller_admin_url()}]
         for ro in self.mesh.get("rollouts", {}).values():
-            if "quality" in ro:  # the quality gate replays through this mesh's caller sidecar
-                ro["quality"]["replay_via"] = self.caller_target
+            q = ro.get("quality")
+            if q and q.get("mode", "replay") == "replay":  # replays through this caller sidecar
+                q["replay_via"] = self.caller_target
         self.control_plane_env: dict[str, str] = {}  # e.g. the quality replay's key
         self.mesh["control_plane"] = {
             **self.mesh.get("control_plane", {}),

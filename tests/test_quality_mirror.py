@@ -143,11 +143,33 @@ def test_a_marked_call_is_mirrored_to_the_canary_and_joined_by_request_id(mesh: 
         assert mesh.canary_calls() == canary_calls
         assert mesh.ttft_count("v2") == ttft
         samples, errors, counts = src.collect()
-        assert errors == [] and counts == {"mirrored": 2, "unmatched": 0}
+        assert errors == [] and counts == {"mirrored": 2, "unmatched": 0, "waiting": 0}
         assert len(samples) == 2 and all(s.stable and s.stable == s.canary for s in samples)
         assert [s.stable_argmax == s.canary_argmax for s in samples] == [True, True]
     finally:
         mesh.mirror(None)
+
+
+def test_a_copy_waits_for_the_stables_answer_that_comes_later(mesh: Mesh) -> None:
+    """The canary answered a copy before the stable recorded its own (a slower stable): the
+    join waits a few verdicts, then gives up (model_runtime records a call whose metadata says
+    shadow as a shadow: the inbound sidecar's header, sent here to the runtimes directly)."""
+    src = MirrorSource(parse_quality({"mode": "mirror", "min_samples": 1}, "q"),
+                       lambda: [mesh.runtimes["v1"].metrics_url],
+                       lambda: [mesh.runtimes["v2"].metrics_url])  # fmt: skip
+    src.begin()
+    with Client(f"127.0.0.1:{mesh.runtimes['v2'].port}") as c:
+        for rid in ("late", "never"):
+            answer(c, PROMPTS[1], request_id=rid, metadata=[("x-meshlm-shadow", "1")])
+    samples, errors, counts = src.collect()
+    assert (samples, errors, counts) == ([], [], {"mirrored": 2, "unmatched": 0, "waiting": 2})
+    with Client(f"127.0.0.1:{mesh.runtimes['v1'].port}") as c:
+        answer(c, PROMPTS[1], request_id="late")
+    samples, _, counts = src.collect()
+    assert len(samples) == 1 and counts == {"mirrored": 0, "unmatched": 0, "waiting": 1}
+    assert MirrorSource.WAIT_ROUNDS == 3  # verdicts, the one that saw the copy first included
+    samples, _, counts = src.collect()
+    assert samples == [] and counts == {"mirrored": 0, "unmatched": 1, "waiting": 0}
 
 
 def test_an_unmarked_call_is_never_mirrored(mesh: Mesh) -> None:

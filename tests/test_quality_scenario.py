@@ -1,27 +1,24 @@
-"""`meshlm demo --scenario bad-model` (issue 18) is wired: its mesh is valid, the quality replay
-goes through the demo's caller sidecar as the `replay` tenant whose key the control plane gets,
-and the scenario is registered. (The scenario itself runs in minutes: `meshlm demo`.)"""
+"""The demo's quality gate (issue 18) is wired: `meshlm demo` and `--scenario bad-model` roll out
+with a mirror-mode quality gate from the demo mesh (no golden prompts, no replay tenant), the
+bad-model canary serves int4 at group 64, and the scenario is registered. (The scenarios
+themselves run in minutes: `meshlm demo`, tests/test_demo_e2e.py.)"""
 
 from __future__ import annotations
 
-import hashlib
-
-from meshlm.launcher import LocalMesh, demo_mesh
+from meshlm.launcher import LocalMesh
 from meshlm.scenarios import SCENARIOS, bad_model
 from xds_server.mesh import parse_mesh
 from xds_server.rollout_api import spec_from_mesh
 from xds_server.rollout_spec import parse_rollout
 
 
-def test_the_bad_model_mesh_replays_through_the_caller_sidecar_as_the_replay_tenant(
-    tmp_path,
-) -> None:
-    mesh = LocalMesh(bad_model.mesh(demo_mesh()), workdir=tmp_path, faults=bad_model.SERVE_ARGS)
-    spec = parse_rollout("llm", spec_from_mesh(parse_mesh(mesh.mesh), "llm"))
-    assert spec.quality.replay_via == mesh.caller_target
-    assert spec.quality.prompts == tuple(bad_model.GOLDEN)
-    key_hash = hashlib.sha256(bad_model.REPLAY_KEY.encode()).hexdigest()
-    assert mesh.mesh["tenants"]["replay"]["key_sha256"] == key_hash
+def test_the_demo_and_the_bad_model_roll_out_with_a_mirror_mode_quality_gate(tmp_path) -> None:
+    for faults in (None, bad_model.SERVE_ARGS):
+        mesh = LocalMesh(workdir=tmp_path, faults=faults)
+        spec = parse_rollout("llm", spec_from_mesh(parse_mesh(mesh.mesh), "llm"))
+        q = spec.quality
+        assert (q.mode, q.prompts, q.replay_via) == ("mirror", (), "")
+        assert 0 < q.mirror_percent <= 100 and q.min_samples >= 1
+        assert "replay" not in mesh.mesh["tenants"]
     assert mesh.serve_args(mesh.runtimes["v2"])[-2:] == ["--group-size", "64"]
-    assert "quality" not in demo_mesh()["rollouts"]["llm"]  # the normal demo is unchanged
     assert SCENARIOS["bad-model"] == "meshlm.scenarios.canary"

@@ -92,6 +92,9 @@ def test_the_worse_verdict_wins_and_keeps_both_figures() -> None:
     bad = Verdict(FAIL, "quality: token disagreement", {"quality": {"samples": 3}})
     good = Verdict(PASS, "quality passed", {"quality": {"samples": 3}})
     assert with_quality(traffic_low, bad).outcome == FAIL
+    slow = Verdict(FAIL, "TTFT p99 4200ms > 1500ms", {"requests": 9})
+    both_bad = with_quality(slow, bad)  # a rollback names every gate that failed
+    assert both_bad.reason == "TTFT p99 4200ms > 1500ms; quality: token disagreement"
     assert with_quality(traffic_low, good).outcome == HALT
     both = with_quality(traffic_ok, good)
     assert both.outcome == PASS and both.measurements == {"requests": 9, "quality": {"samples": 3}}

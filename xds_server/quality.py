@@ -383,8 +383,13 @@ class MirrorSource:
     `shadow: true` under the call's request id (the body's, else the x-request-id Envoy copied).
     Each interval: the canary runtimes' new shadow records (`GET /records?shadow=1&since=SEQ`),
     the stable's record of the same call (`GET /records?ids=`), the stable's tokens scored on
-    both, judged as the replay is. A copy of a call the split sent to the canary has no stable
-    record: unmatched, not a sample. `begin()` at each interval's start skips older copies."""
+    both, judged as the replay is. A copy whose stable answer is not recorded yet (the canary
+    was faster) waits for up to WAIT_ROUNDS verdicts; one that never finds it (the split sent
+    the call to the canary, or the stable refused it) is unmatched, not a sample. `begin()`
+    skips the copies made before the rollout started."""
+
+    WAIT_ROUNDS = 3
+    MAX_WAITING = 1024
 
     def __init__(
         self,
@@ -399,26 +404,31 @@ class MirrorSource:
         self.http_timeout = timeout
         self.max_samples = max(max_samples, gate.min_samples)
         self._cursors: dict[str, tuple[str, int]] = {}  # canary base -> (instance, next since)
+        # request id -> (canary base, its token ids, verdicts left to find the stable's record)
+        self._waiting: dict[str, tuple[str, list[int], int]] = {}
 
     def begin(self) -> None:
         for base in runtime_bases(self.canary_urls()):
-            self._shadows(base)
+            if base not in self._cursors:  # once per canary runtime
+                self._shadows(base)
 
     def verdict(self) -> Verdict:
         samples, errors, counts = self.collect()
         return judge(self.gate, {**agreement(samples), **counts}, errors)
 
     def collect(self) -> tuple[list[Sample], list[str], dict[str, int]]:
-        """(the joined samples, why others failed, {mirrored: the shadow copies seen, unmatched:
-        those without the stable's record}) since the last call."""
-        shadows: dict[str, tuple[str, list[int]]] = {}  # request id -> (canary base, its ids)
+        """(the joined samples, why others failed, {mirrored: the new shadow copies, unmatched:
+        copies given up on, waiting: copies still waiting for the stable's record})."""
+        new: dict[str, tuple[str, list[int], int]] = {}
         errors: list[str] = []
         for base in runtime_bases(self.canary_urls()):
             try:
                 for rid, rec in self._shadows(base).items():
-                    shadows[rid] = (base, [int(t) for t in rec.get("token_ids", ())])
+                    ids = [int(t) for t in rec.get("token_ids", ())]
+                    new[rid] = (base, ids, self.WAIT_ROUNDS)
             except MeasurementError as e:
                 errors.append(str(e))
+        shadows = {**self._waiting, **new}
         stable: dict[str, tuple[str, list[int]]] = {}
         for base in runtime_bases(self.stable_urls()):
             try:
@@ -427,22 +437,30 @@ class MirrorSource:
                         stable[rid] = (base, [int(t) for t in rec.get("token_ids", ())])
             except MeasurementError as e:
                 errors.append(str(e))
-        samples = []
-        for rid in [r for r in shadows if r in stable][: self.max_samples]:
-            (c_base, canary), (s_base, tokens) = shadows[rid], stable[rid]
-            if not tokens:  # nothing to score: an answer of its own, as the canary's is
-                samples.append(Sample([], canary, [], [], [], []))
-                continue
-            try:
-                s = score_at(s_base, rid, tokens, self.http_timeout)
-                c = score_at(c_base, rid, tokens, self.http_timeout)
-            except MeasurementError as e:
-                errors.append(str(e))
-                continue
-            samples.append(Sample(tokens, canary, s["argmax"], c["argmax"], s["logprobs"],
-                                  c["logprobs"]))  # fmt: skip
-        counts = {"mirrored": len(shadows), "unmatched": len(set(shadows) - set(stable))}
+        joined = [r for r in shadows if r in stable][: self.max_samples]
+        # Scored side by side: each runtime scores on its engine thread, between decode steps.
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            results = list(pool.map(lambda r: self._sample(r, shadows[r], stable[r]), joined))
+        samples = [r for r in results if isinstance(r, Sample)]
+        errors += [r for r in results if isinstance(r, str)]
+        alone = {r: (b, ids, n - 1) for r, (b, ids, n) in shadows.items() if r not in stable}
+        waiting = {r: w for r, w in alone.items() if w[2] > 0}
+        self._waiting = dict(list(waiting.items())[-self.MAX_WAITING :])
+        counts = {"mirrored": len(new), "unmatched": len(alone) - len(self._waiting),
+                  "waiting": len(self._waiting)}  # fmt: skip
         return samples, errors, counts
+
+    def _sample(self, rid: str, copy: tuple, primary: tuple) -> Sample | str:
+        """One joined call: the stable's tokens scored on both; a string says why not."""
+        (c_base, canary, _), (s_base, tokens) = copy, primary
+        if not tokens:  # nothing to score: an answer of its own, as the canary's is
+            return Sample([], canary, [], [], [], [])
+        try:
+            s = score_at(s_base, rid, tokens, self.http_timeout)
+            c = score_at(c_base, rid, tokens, self.http_timeout)
+        except MeasurementError as e:
+            return str(e)
+        return Sample(tokens, canary, s["argmax"], c["argmax"], s["logprobs"], c["logprobs"])
 
     def _shadows(self, base: str) -> dict[str, dict[str, Any]]:
         """The shadow records `base` added since this source last asked (all, the first time);
@@ -465,10 +483,11 @@ class MirrorSource:
 
 def with_quality(traffic: Verdict, quality: Verdict) -> Verdict:
     """The interval's verdict from the traffic gates' and the quality gate's: the worse wins
-    (FAIL over HALT over PASS); the quality figures join the measurements either way."""
+    (FAIL over HALT over PASS), and when both have that outcome both reasons are given; the
+    quality figures join the measurements either way."""
     m = {**traffic.measurements, **quality.measurements}
     rank = {PASS: 0, HALT: 1, FAIL: 2}
     worst = max((traffic, quality), key=lambda v: rank[v.outcome])
-    if worst.outcome == PASS:
-        return Verdict(PASS, f"{traffic.reason}; {quality.reason}", m)
+    if traffic.outcome == quality.outcome:
+        return Verdict(worst.outcome, f"{traffic.reason}; {quality.reason}", m)
     return Verdict(worst.outcome, worst.reason, m)

@@ -439,7 +439,7 @@ class RolloutController:
                 latency_baseline = src.latency.snapshot()
             except MeasurementError as e:
                 log.warning("rollout %s: no latency baseline: %s", r.spec.service, e)
-        begin = getattr(src.quality, "begin", None)  # the mirror: only this interval's copies
+        begin = getattr(src.quality, "begin", None)  # the mirror: no copy from before the start
         if begin is not None:
             try:
                 begin()

@@ -19,7 +19,7 @@ from typing import Any
 SCENARIOS: dict[str, str] = {
     "canary": "meshlm.scenarios.canary",
     "faulty-canary": "meshlm.scenarios.canary",
-    "bad-model": "meshlm.scenarios.canary",  # bad_model.py holds its mesh and golden set
+    "bad-model": "meshlm.scenarios.canary",  # bad_model.py: its canary and report
     "noisy-tenant": "meshlm.scenarios.noisy_tenant",
     "hot-replica": "meshlm.scenarios.hot_replica",
     "poison": "meshlm.scenarios.poison",

@@ -22,20 +22,14 @@ def run(args: argparse.Namespace, name: str) -> int:
         sidecar_denials,
     )
     from meshlm.launcher import SERVICE, LocalMesh
+    from meshlm.scenarios.bad_model import SERVE_ARGS, quality_per_step
     from meshlm.traffic import TenantLoad, Traffic, summarize, write_calls
 
     faulty, bad = name == "faulty-canary", name == "bad-model"
     faults = {"v2": ["--fault-error-percent", "10", "--fault-delay-ms", "1500"]}
     if bad:  # fast and healthy, answers wrong: the quality gate's case (issue 18)
-        from meshlm.launcher import demo_mesh
-        from meshlm.scenarios import bad_model
-
-        mesh = LocalMesh(
-            bad_model.mesh(demo_mesh()), workdir=args.workdir, faults=bad_model.SERVE_ARGS
-        )
-        mesh.control_plane_env[bad_model.REPLAY_KEY_ENV] = bad_model.REPLAY_KEY
-    else:
-        mesh = LocalMesh(workdir=args.workdir, faults=faults if faulty else None)
+        faults = SERVE_ARGS
+    mesh = LocalMesh(workdir=args.workdir, faults=faults if faulty or bad else None)
     print(f"meshlm demo: logs and report in {mesh.workdir}", flush=True)
     loads = [
         TenantLoad("acme", "demo-acme-key", rate=2.0),
@@ -71,9 +65,7 @@ def run(args: argparse.Namespace, name: str) -> int:
             "identity": identity_report(mesh),
             "faulty_canary": faulty,
         }
-        if bad:
-            from meshlm.scenarios.bad_model import quality_per_step
-
+        if status["spec"].get("quality"):  # the demo mesh's mirror-mode quality gate
             report["quality_per_step"] = quality_per_step(status)
         (mesh.workdir / "report.json").write_text(json.dumps(report, indent=2))
         write_calls(mesh.workdir / "calls.jsonl", traffic.outcomes, versions)
@@ -120,9 +112,17 @@ def _analysis_line(a: dict[str, Any]) -> str:
     ttft_s = "n/a" if ttft is None else f"{ttft * 1000:.0f}ms"
     rate = a.get("success_rate")
     rate_s = "n/a" if rate is None else f"{rate:.1f}%"
+    q = a.get("quality") or {}
+    td = q.get("token_disagreement")
+    quality = (
+        f", quality {q.get('samples', 0)} mirrored calls joined"
+        + ("" if td is None else f", token disagreement {td:.1%}")
+        if q
+        else ""
+    )
     return (
         f"     step {a['step'] + 1} @ {a['canary_weight']:>3}%: {a.get('requests', 0)} canary "
-        f"calls, success {rate_s}, TTFT p99 {ttft_s} -> {a['outcome']}"
+        f"calls, success {rate_s}, TTFT p99 {ttft_s}{quality} -> {a['outcome']}"
     )
 
 
