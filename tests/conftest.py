@@ -7,6 +7,31 @@ from collections.abc import Iterator
 import pytest
 
 from sidecar import envoy_process
+from tests.alone_support import RunLock
+
+_RUN_LOCK = pytest.StashKey[RunLock]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Only an xdist worker (`pytest -n 2`) has workerinput; a plain run has nothing to share.
+    if workerinput := getattr(config, "workerinput", None):
+        config.stash[_RUN_LOCK] = RunLock(workerinput["testrunuid"])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if lock := config.stash.get(_RUN_LOCK, None):
+        lock.close()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Around setup, call and teardown, so module fixtures a test starts or stops count as its
+    own: an `alone` test runs while the other worker runs nothing (tests/alone_support.py)."""
+    lock = item.config.stash.get(_RUN_LOCK, None)
+    if lock is None:
+        return (yield)
+    with lock.hold(alone=item.get_closest_marker("alone") is not None):
+        return (yield)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -19,6 +19,9 @@ from model_runtime.faults import Faults
 from model_runtime.orca import UTILIZATION_FLOOR, UTILIZATION_SCALE, Sample, load
 from model_runtime.service import Runtime
 
+# Times real processes against its own baseline or a deadline: not beside another test (-n 2).
+pytestmark = pytest.mark.alone
+
 METHOD = "/xds.service.orca.v3.OpenRcaService/StreamCoreMetrics"
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 

@@ -17,6 +17,9 @@ from xds_server.mesh import parse_mesh
 from xds_server.store import EtcdStore
 from xds_server.store.replica import Replication
 
+# Times real processes against its own baseline or a deadline: not beside another test (-n 2).
+pytestmark = pytest.mark.alone
+
 POISON = "00000000deadbeef"
 DOC = {
     "services": {

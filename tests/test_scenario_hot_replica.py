@@ -10,7 +10,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from meshlm.scenarios import SCENARIOS, hot_replica
+
+# Times real processes against its own baseline or a deadline: not beside another test (-n 2).
+pytestmark = pytest.mark.alone
 
 
 def test_hot_replica_reports_shares_and_the_sla(tmp_path: Path) -> None:

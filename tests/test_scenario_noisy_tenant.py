@@ -7,7 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from meshlm.scenarios import SCENARIOS, noisy_tenant
+
+# Times real processes against its own baseline or a deadline: not beside another test (-n 2).
+pytestmark = pytest.mark.alone
 
 
 def test_noisy_tenant_scenario_isolates_the_quiet_tenant(tmp_path: Path) -> None:

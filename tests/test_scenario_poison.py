@@ -4,8 +4,13 @@ the main pool never sees it again, and every process is stopped."""
 
 from __future__ import annotations
 
+import pytest
+
 from meshlm.scenarios import SCENARIOS, load
 from tests.test_demo_e2e import _processes_of
+
+# Times real processes against its own baseline or a deadline: not beside another test (-n 2).
+pytestmark = pytest.mark.alone
 
 
 def test_poison_scenario_quarantines_the_query_of_death(tmp_path) -> None:

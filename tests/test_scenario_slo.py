@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from meshlm.scenarios import slo
+
+# Times real processes against its own baseline or a deadline: not beside another test (-n 2).
+pytestmark = pytest.mark.alone
 
 
 def test_slo_loop_restores_a_breached_ttft_slo_and_undoes_after_the_step(tmp_path) -> None:

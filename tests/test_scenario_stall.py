@@ -7,7 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from meshlm.scenarios import stall
+
+# Times real processes against its own baseline or a deadline: not beside another test (-n 2).
+pytestmark = pytest.mark.alone
 
 
 def test_stall_scenario_resumes_every_broken_stream(tmp_path: Path) -> None:
