@@ -25,13 +25,14 @@ from xds_server import types as t
 from xds_server.control_plane import ControlPlane
 from xds_server.discovery import configured_sources
 from xds_server.gates import FAIL, PASS, Sources, Verdict
-from xds_server.mesh import Mirror, parse_mesh
+from xds_server.mesh import MeshError, Mirror, parse_mesh
 from xds_server.node import NodeInfo
 from xds_server.quality import MirrorSource
 from xds_server.resources import build_resources
 from xds_server.rollout import RolloutController
 from xds_server.rollout_api import spec_from_mesh
 from xds_server.rollout_spec import RolloutSpecError, parse_rollout
+from xds_server.store.replica import desired_mesh, live_doc
 
 BASE = {"stable": "v1", "canary": "v2"}
 MIRROR = {"mode": "mirror", "mirror_percent": 25, "min_samples": 3, "max_logprob_drift": 0.1}
@@ -230,3 +231,19 @@ def test_a_slow_quality_verdict_holds_no_lock_and_a_pause_meanwhile_discards_it(
     counts.add(ok=5)
     c.tick("llm", force=True)
     assert c.status("llm")["state"] == "RolledBack"
+
+
+def test_the_mirror_is_live_state_kept_by_a_new_mesh_file_and_by_replicas() -> None:
+    doc = mesh_doc()
+    cp = ControlPlane(parse_mesh(doc))
+    cp.set_mirror("llm", Mirror("v2", 10), timeout=1)
+    cp.apply_mesh(parse_mesh(doc), timeout=1)  # the operator's file does not say: kept
+    svc = cp.mesh.services["llm"]
+    assert svc.route.mirror == Mirror("v2", 10.0)
+    # replicas keep it in live/<service> (xds_server/store/replica.py)
+    again = desired_mesh(doc, {"llm": json.loads(json.dumps(live_doc(svc)))})
+    assert again.services["llm"].route.mirror == Mirror("v2", 10.0)
+    with pytest.raises(MeshError, match=r"route\.mirror\.version: unknown version 'v9'"):
+        cp.mesh.with_mirror("llm", Mirror("v9", 10))
+    cp.set_mirror("llm", None, timeout=1)
+    assert cp.mesh.services["llm"].route.mirror is None
