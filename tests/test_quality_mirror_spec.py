@@ -247,3 +247,10 @@ def test_the_mirror_is_live_state_kept_by_a_new_mesh_file_and_by_replicas() -> N
         cp.mesh.with_mirror("llm", Mirror("v9", 10))
     cp.set_mirror("llm", None, timeout=1)
     assert cp.mesh.services["llm"].route.mirror is None
+
+
+def test_a_service_named_like_a_shadow_is_refused() -> None:
+    doc = mesh_doc()
+    doc["services"]["llm-shadow"] = doc["services"].pop("llm")
+    with pytest.raises(MeshError, match=r"^services\.llm-shadow: a service name must not end"):
+        parse_mesh(doc)

@@ -270,6 +270,10 @@ def _control_plane(raw: Any) -> ControlPlaneConfig:
 
 def _service(name: str, raw: Any, path: str) -> Service:
     _name(name, path)
+    if name.endswith("-shadow"):
+        # Envoy's request mirroring names a copy `<service>-shadow` (issue 18): the inbound
+        # sidecars treat such an authority as a mirrored copy, never a service's own calls.
+        raise MeshError(f"{path}: a service name must not end in -shadow (mirrored copies' own)")
     d = _mapping(raw, path)
     _only(
         d,
