@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from model_runtime import sealed
+from model_runtime import kernels, sealed
 from model_runtime.gguf_loader import Q4_1, default_gguf_path, read_gguf
 from model_runtime.model import ModelArgs, Transformer, rope_table
 from model_runtime.quant import Int4Linear, Int8Linear, NonFiniteGuard, TiedInt8Embedding
 from model_runtime.tokenizer import Tokenizer
 
 PRECISIONS = ("int4", "bf16", "fp16", "fp32")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -26,6 +28,7 @@ class ModelInfo:
     context_length: int
     group_size: int | None = None
     weight_bytes: int = 0
+    compute: str = ""  # what it computes in on this CPU (kernels.choose), e.g. for a bf16 model
 
 
 @dataclass
@@ -73,9 +76,11 @@ def build_model(
     group_size: int = 32,
     keep_dense: bool = False,
     head_bits: int = 8,
+    dtype: torch.dtype | None = None,
 ) -> Transformer:
-    """Assemble a Transformer from GGUF-named tensors (q/k already in the interleaved layout)."""
-    dtype = _dtype(precision, device)
+    """Assemble a Transformer from GGUF-named tensors (q/k already in the interleaved layout).
+    dtype: of the dense weights and activations (default: the precision's own)."""
+    dtype = dtype or _dtype(precision, device)
     int4 = precision == "int4"
     with torch.device("meta"):
         model = Transformer(args)
@@ -181,7 +186,10 @@ def load(
         digest = _digest(path)
     if head_bits not in (4, 8):
         raise ValueError(f"head_bits must be 4 or 8, got {head_bits}")
-    model = build_model(args, tensors, precision, device, group_size, keep_dense, head_bits)
+    compute = kernels.choose(precision, device)
+    model = build_model(
+        args, tensors, precision, device, group_size, keep_dense, head_bits, compute.dtype
+    )
     guard = None
     if nonfinite_guard:
         guard = NonFiniteGuard()
@@ -196,5 +204,7 @@ def load(
         context_length=args.context_length,
         group_size=g_size,
         weight_bytes=weight_bytes(model),
+        compute=compute.description,
     )
+    log.info("%s: %s", info.version, compute.description)
     return LoadedModel(model, tok, info, guard)

@@ -4,7 +4,11 @@
 loads them. They compute the same fp32 arithmetic as torch's AVX-512 int4pack and int8pack
 kernels (bit-identical results), so they are used only on x86-64 Linux CPUs with AVX-512 (F and
 BW) where torch dispatches its AVX-512 kernels. MESHLM_INT4_KERNEL=torch turns them off for the
-layers loaded while it is set (benchmarks compare the two in one process).
+layers loaded while it is set (benchmarks compare the two in one process). They need no bf16
+instructions (bf16 is widened by shifts), so the int4 model keeps bf16 activations everywhere.
+
+`choose()` picks a model's compute dtype for this CPU at load (issue 13): a bf16 model computes
+in fp32 where the CPU has no native bf16 matmuls.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import ctypes
 import functools
 import os
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -76,3 +81,60 @@ def library() -> ctypes.CDLL:
             ctypes.cast(gomp.omp_get_thread_num, ctypes.c_void_p),
         )
     return lib
+
+
+# oneDNN's ISA caps (ONEDNN_MAX_CPU_ISA) below avx512_core_bf16: with one set, oneDNN emulates bf16
+# matmuls even where the CPU has the instructions (how the bench measures such a CPU here)
+_NO_BF16_ISAS = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE"}
+_NO_BF16_ISAS |= {"AVX512_CORE_VNNI"}
+COMPUTE_ENV = "MESHLM_COMPUTE_DTYPE"
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def bf16_matmul_why_not() -> str | None:
+    """None when this CPU multiplies bf16 natively (avx512_bf16 or AMX-BF16, as oneDNN uses
+    them), else why not."""
+    flags = _cpu_flags()
+    if not {"avx512_bf16", "amx_bf16"} & flags:
+        return "the CPU has neither avx512_bf16 nor amx_bf16"
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if isa in _NO_BF16_ISAS:
+        return f"ONEDNN_MAX_CPU_ISA={isa}"
+    return None
+
+
+@dataclass(frozen=True)
+class Compute:
+    """What a model of a given precision computes in on this CPU, chosen once at load."""
+
+    dtype: torch.dtype  # of the dense weights and of the activations
+    description: str  # one line for the log, `meshlm serve` and the bench
+
+
+def choose(precision: str, device: str = "cpu") -> Compute:
+    """The compute dtype for `precision` here. bf16 on a CPU without native bf16 matmuls runs
+    as fp32 (the bf16 weights widened exactly, twice the memory): oneDNN emulates bf16 there,
+    a 256-token prefill ~3.7x slower than fp32 (decode alike; `python -m bench runtime`
+    measures both). MESHLM_COMPUTE_DTYPE=bf16|fp32 overrides the choice for bf16 models."""
+    if precision == "fp16":
+        return Compute(torch.float16, "fp16 weights and activations")
+    if precision == "fp32":
+        return Compute(torch.float32, "fp32 weights and activations")
+    if precision == "int4":
+        kernel = "native kernels" if applies() else f"torch's kernels ({why_not()})"
+        return Compute(torch.bfloat16, f"int4 weights on {kernel}, bf16 activations")
+    if device != "cpu":
+        return Compute(torch.bfloat16, "bf16 weights and activations")
+    forced = os.environ.get(COMPUTE_ENV)
+    if forced is not None:
+        if forced not in _COMPUTE_DTYPES:
+            raise ValueError(
+                f"{COMPUTE_ENV} must be one of {sorted(_COMPUTE_DTYPES)}, got {forced!r}"
+            )
+        return Compute(
+            _COMPUTE_DTYPES[forced], f"bf16 weights computed in {forced} ({COMPUTE_ENV})"
+        )
+    why = bf16_matmul_why_not()
+    if why is None:
+        return Compute(torch.bfloat16, "bf16 weights and activations (native bf16 matmuls)")
+    return Compute(torch.float32, f"bf16 weights computed in fp32 ({why}: bf16 would be emulated)")
