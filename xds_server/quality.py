@@ -397,12 +397,12 @@ class MirrorSource:
         stable_urls: Callable[[], list[str]],
         canary_urls: Callable[[], list[str]],
         timeout: float = 10.0,
-        max_samples: int = 64,  # joined calls scored per interval (two forwards each)
+        max_samples: int | None = None,  # joined calls scored per interval: 2 x min_samples
     ) -> None:
         self.gate = gate
         self.stable_urls, self.canary_urls = stable_urls, canary_urls
         self.http_timeout = timeout
-        self.max_samples = max(max_samples, gate.min_samples)
+        self.max_samples = max_samples or 2 * gate.min_samples
         self._cursors: dict[str, tuple[str, int]] = {}  # canary base -> (instance, next since)
         # request id -> (canary base, its token ids, verdicts left to find the stable's record)
         self._waiting: dict[str, tuple[str, list[int], int]] = {}
@@ -438,9 +438,11 @@ class MirrorSource:
             except MeasurementError as e:
                 errors.append(str(e))
         joined = [r for r in shadows if r in stable][: self.max_samples]
-        # Scored side by side: each runtime scores on its engine thread, between decode steps.
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            results = list(pool.map(lambda r: self._sample(r, shadows[r], stable[r]), joined))
+        # One call at a time, its two scores side by side: a score is a forward on the runtime's
+        # engine thread, between decode steps, so a burst of them would delay the canary's live
+        # calls, whose TTFT the next interval's gate reads.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            results = [self._sample(r, shadows[r], stable[r], pool) for r in joined]
         samples = [r for r in results if isinstance(r, Sample)]
         errors += [r for r in results if isinstance(r, str)]
         alone = {r: (b, ids, n - 1) for r, (b, ids, n) in shadows.items() if r not in stable}
@@ -450,14 +452,14 @@ class MirrorSource:
                   "waiting": len(self._waiting)}  # fmt: skip
         return samples, errors, counts
 
-    def _sample(self, rid: str, copy: tuple, primary: tuple) -> Sample | str:
+    def _sample(self, rid: str, copy: tuple, primary: tuple, pool: Any) -> Sample | str:
         """One joined call: the stable's tokens scored on both; a string says why not."""
         (c_base, canary, _), (s_base, tokens) = copy, primary
         if not tokens:  # nothing to score: an answer of its own, as the canary's is
             return Sample([], canary, [], [], [], [])
+        jobs = [pool.submit(score_at, b, rid, tokens, self.http_timeout) for b in (s_base, c_base)]
         try:
-            s = score_at(s_base, rid, tokens, self.http_timeout)
-            c = score_at(c_base, rid, tokens, self.http_timeout)
+            s, c = (j.result() for j in jobs)
         except MeasurementError as e:
             return str(e)
         return Sample(tokens, canary, s["argmax"], c["argmax"], s["logprobs"], c["logprobs"])
