@@ -27,7 +27,7 @@ import torch
 
 from bench.llama_peer import LlamaPeer, PeerError, installed
 from bench.machine import describe, describe_flags
-from model_runtime import generate, kernels
+from model_runtime import generate, kernels, native_step
 from model_runtime.engine import Engine, GenerateParams
 from model_runtime.gguf_loader import default_gguf_path
 from model_runtime.loader import load
@@ -137,6 +137,24 @@ def _poisson_load(lm, rate: float, n_req: int, static: bool, max_new: int) -> di
     }
 
 
+def _step_rounds(int4, ids: list[int], n: int, add) -> None:
+    """The native decode step (native_step.py) and torch's ops in turn on the same model, each
+    b1 (tokens/s and CPU seconds of this process per token) and b8."""
+    if native_step.why_not(int4.model) is not None:
+        return
+    for name, on in (("native step", True), ("torch step", False)):
+        native_step.use(int4.model, on)
+        try:
+            cpu0 = time.process_time()
+            tps, toks = _bare_decode(int4, ids, n, 1)
+            add(f"cpu ms/token int4 {name}", 1000 * (time.process_time() - cpu0) / n)
+            add(f"int4 {name} b1", tps)
+            add(f"tokens int4 {name}", toks)
+            add(f"int4 {name} b8", _bare_decode(int4, ids, n, 8)[0])
+        finally:
+            native_step.use(int4.model, True)
+
+
 def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: int):
     """Every variant once per round, in a fixed interleaved order. Returns name -> figures."""
     int4, bf16 = models["int4"], models["bf16"]
@@ -175,6 +193,7 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
             add("int4 Engine+lookup b1", e["decode_tps"])
             add("tokens int4 Engine+lookup", e["tokens"])
             add("int4 bare b8", _bare_decode(int4, ids, n, 8)[0])
+            _step_rounds(int4, ids, n, add)
             add("int4 guard-off b1", _bare_decode(models["int4 guard-off"], ids, n, 1)[0])
             if "int4 torch-kernel" in models:
                 tk = models["int4 torch-kernel"]
@@ -232,6 +251,10 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         ),
         ("ours", "bare, non-finite guard off", "int4", 1, "int4 guard-off b1", None),
         ("ours", "bare forward", "int4", 8, "int4 bare b8", None),
+        ("ours", "bare, native decode step", "int4", 1, "int4 native step b1", None),
+        ("ours", "bare, decode step in torch ops", "int4", 1, "int4 torch step b1", None),
+        ("ours", "bare, native decode step", "int4", 8, "int4 native step b8", None),
+        ("ours", "bare, decode step in torch ops", "int4", 8, "int4 torch step b8", None),
         (
             "ours",
             "bare, torch's int4/int8 kernels",
@@ -274,6 +297,15 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         "int4 prefill, native / torch's kernels": _ratio(
             r, "prefill int4 bare", "prefill int4 torch-kernel"
         ),
+        "int4 decode b1, native step / torch ops": _ratio(
+            r, "int4 native step b1", "int4 torch step b1"
+        ),
+        "int4 decode b8, native step / torch ops": _ratio(
+            r, "int4 native step b8", "int4 torch step b8"
+        ),
+        "int4 CPU s per token b1, native step / torch ops": _ratio(
+            r, "cpu ms/token int4 native step", "cpu ms/token int4 torch step"
+        ),
         "int4 decode, b8 / b1 aggregate, torch's kernels": _ratio(
             r, "int4 torch-kernel b8", "int4 torch-kernel b1"
         ),
@@ -300,6 +332,11 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
     if "tokens int4 torch-kernel" in r:
         tk = _first_difference(r["tokens int4 bare"][0], r["tokens int4 torch-kernel"][0])
         lines[-1] += f"; native vs torch's kernels {tk}"
+    if "tokens int4 torch step" in r:
+        ts = _first_difference(r["tokens int4 native step"][0], r["tokens int4 torch step"][0])
+        lines[-1] += f"; native decode step vs torch ops {ts}"
+        cpu = [_cell(r[f"cpu ms/token int4 {k} step"]) for k in ("native", "torch")]
+        lines[-1] += f" (CPU ms per token, b1, prefill included: {cpu[0]} vs {cpu[1]})"
     if peer is not None:
         peer_cmp = _first_difference(r["tokens int4 bare"][0], r["tokens llama.cpp"][0])
         lines[-1] += f"; ours vs llama.cpp {peer_cmp} (its kernels round activations to 8 bits)"

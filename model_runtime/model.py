@@ -179,6 +179,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("freqs", rope_table(args), persistent=False)
         self.guard: LayerGuard | None = None
+        # decode steps in one native call (native_step.py): "auto" until the first decode step
+        # decides (the linears are swapped for quantized ones after construction)
+        self.native_step: Callable | str | None = "auto"
         self.requires_grad_(False)
 
     @property
@@ -198,6 +201,18 @@ class Transformer(nn.Module):
             h = out
         return h
 
+    def _native_decode(self, tokens, cache: KVCache, lay: BatchLayout) -> torch.Tensor | None:
+        if self.native_step == "auto":
+            from model_runtime import native_step
+
+            native_step.use(self, True)
+        if self.native_step is None or lay.last_idx is not None:
+            return None
+        logits = self.native_step(tokens, cache, lay)
+        if logits is not None and self.guard is not None and not bool(torch.isfinite(logits).all()):
+            return None  # the torch path redoes the step (same KV slots) and the guard repairs it
+        return logits
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -207,6 +222,10 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """tokens [B, T] -> logits float32 [B, T, V] (all_logits) or [B, V] (last position)."""
         B, T = tokens.shape
+        if T == 1 and lay is not None and cache is not None and not all_logits:
+            logits = self._native_decode(tokens, cache, lay)
+            if logits is not None:
+                return logits
         rope = (
             self.freqs[:T].unsqueeze(0) if lay is None else self.freqs[lay.input_pos]
         ).unsqueeze(2)

@@ -1,9 +1,10 @@
-"""Build the native quantized matmuls: `python -m model_runtime.kernels.build [--check]`.
+"""Build the native kernels: `python -m model_runtime.kernels.build [--check]`.
 
-qmm.c builds with the pinned zig (PyPI `ziglang`, its clang) to libqmm.so, committed and
-shipped as package data like the Wasm filters, so an install needs no compiler. `--check`
-rebuilds it into a temporary folder and fails if it differs from the committed file (CI runs
-it): the shipped library is the one its source and the pinned zig produce.
+qmm.c (the quantized matmuls) and step.c (the decode step, which includes qmm.c) build with the
+pinned zig (PyPI `ziglang`, its clang) to libqmm.so and libstep.so, committed and shipped as
+package data like the Wasm filters, so an install needs no compiler. `--check` rebuilds them
+into a temporary folder and fails if one differs from the committed file (CI runs it): the
+shipped libraries are the ones their sources and the pinned zig produce.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "qmm.c"
 LIBRARY = HERE / "libqmm.so"
+# source -> library
+TARGETS = {SOURCE: LIBRARY, HERE / "step.c": HERE / "libstep.so"}
 
-# x86-64 Linux against glibc (the only symbols used are malloc, free, memcpy); AVX-512 F/BW code
-# throughout, loaded only where the CPU has it (kernels/__init__.py). No debug info (-g0, -s):
-# no source paths in the output, so builds are byte-identical.
+# x86-64 Linux against glibc (the only symbols used are malloc, free, memcpy, memset and libm's
+# expf, sqrtf); AVX-512 F/BW code throughout, loaded only where the CPU has it
+# (kernels/__init__.py). No debug info (-g0, -s): no source paths in the output, so builds are
+# byte-identical.
 CC_FLAGS = [
     "-target", "x86_64-linux-gnu", "-O3", "-mavx512f", "-mavx512bw",
     "-shared", "-fPIC", "-g0", "-s",
@@ -40,24 +44,32 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m model_runtime.kernels.build", description=__doc__)
     p.add_argument("--check", action="store_true", help="rebuild and fail if bytes differ")
     args = p.parse_args(argv)
+    for source, library in TARGETS.items():
+        rc = _one(source, library, args.check)
+        if rc:
+            return rc
+    return 0
+
+
+def _one(source: Path, library: Path, check: bool) -> int:
     try:
-        if not args.check:
-            build(LIBRARY)
-            print(f"wrote {LIBRARY} ({LIBRARY.stat().st_size} bytes)")
+        if not check:
+            build(library, source)
+            print(f"wrote {library} ({library.stat().st_size} bytes)")
             return 0
         with tempfile.TemporaryDirectory(prefix="meshlm-kernel-") as tmp:
-            fresh = build(Path(tmp) / LIBRARY.name).read_bytes()
+            fresh = build(Path(tmp) / library.name, source).read_bytes()
     except subprocess.CalledProcessError as e:
-        print(f"zig cc of {SOURCE.name} failed:\n{e.stderr}", file=sys.stderr)
+        print(f"zig cc of {source.name} failed:\n{e.stderr}", file=sys.stderr)
         return 1
-    if not LIBRARY.exists() or LIBRARY.read_bytes() != fresh:
+    if not library.exists() or library.read_bytes() != fresh:
         print(
-            f"{LIBRARY} is stale: rebuild with `python -m model_runtime.kernels.build` and "
+            f"{library} is stale: rebuild with `python -m model_runtime.kernels.build` and "
             "commit it",
             file=sys.stderr,
         )
         return 1
-    print(f"{LIBRARY.name} is up to date ({len(fresh)} bytes)")
+    print(f"{library.name} is up to date ({len(fresh)} bytes)")
     return 0
 
 

@@ -1,0 +1,323 @@
+// One decode step of the int4 model in one native call (issue 13): every row is one new token
+// (T = 1), all layers and the final norm and head run inside one OpenMP region of torch's own team
+// (GOMP_parallel once per step, GOMP_barrier between phases) instead of ~2,500 torch ops.
+//
+// The arithmetic follows model.py's rounding points: bf16 after rms_norm (fp32 normalize times the
+// weight), RoPE as torch's complex multiply of fp32 pairs (ac - bd, ad + bc: products
+// rounded, no FMA), K/V written to the paged cache, silu and mul and the residual adds each
+// rounded to bf16, and the matmuls are qmm.c's (bit-identical to torch's). Attention follows
+// torch's CPU flash kernel (fp32 scores, softmax probabilities rounded to bf16 before they weigh
+// V, blocks of 512 keys) but its exp and dot-product order are not torch's, so its output may
+// differ from SDPA's in the last bit.
+
+#include "qmm.c"
+
+#include <math.h>
+
+#pragma clang fp contract(off)
+
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *sz;
+} q4_t;
+
+typedef struct {
+    q4_t wqkv, wo, w13, w2;
+    const uint16_t *attn_norm, *ffn_norm;
+} layer_t;
+
+typedef struct {
+    int n_layers, dim, n_heads, n_kv, head_dim, hidden, vocab, ctx;
+    float eps;
+    const layer_t *layers;
+    const uint16_t *norm;
+    const int8_t *head_q;
+    const uint16_t *head_scales;
+    const float *rope;  // [ctx, head_dim / 2, (cos, sin)]
+} model_t;
+
+typedef struct {
+    int B, L;
+    const uint16_t *x;           // [B, dim] bf16 embeddings
+    const int64_t *pos;          // [B] positions
+    const int64_t *write_slots;  // [B]
+    const int64_t *gather;       // [B, L] slots each row attends
+    const uint8_t *mask;         // bool [B, L], NULL: every slot attended
+    uint16_t *kv;                // [n_layers, n_slots, 2, n_kv, head_dim] bf16
+    int64_t n_slots;
+    uint16_t *logits;  // [B, vocab] bf16
+} step_t;
+
+typedef void (*gomp_barrier_fn)(void);
+static gomp_barrier_fn gomp_barrier;
+
+void step_set_gomp(void *parallel, void *thread_num, void *barrier) {
+    qmm_set_gomp(parallel, thread_num);
+    gomp_barrier = (gomp_barrier_fn)barrier;
+}
+
+#define KV_SPLIT 512  // keys per block of torch's flash attention (kv_seq_len >= 512)
+
+typedef struct {
+    const model_t *m;
+    const step_t *s;
+    int n;         // threads
+    float *h;      // [B, dim] residual stream (bf16 values)
+    float *xin;    // [B, max(dim, hidden)] matmul input (bf16 values)
+    uint16_t *qkv; // [B, (n_heads + 2 n_kv) head_dim]
+    uint16_t *o;   // [B, dim]
+    uint16_t *gu;  // [B, 2 hidden]
+    float *scratch;  // [n, L + head_dim] per thread
+} team_arg_t;
+
+static inline float bf(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float rnd(float f) { return bf(f32_to_bf16(f)); }
+
+static void barrier(int n) {
+    if (n > 1) gomp_barrier();
+}
+
+// y = bf16(x * rsqrt(mean(x^2) + eps) * w) in fp32, as torch's rms_norm on bf16
+static void rms_norm(const float *x, const uint16_t *w, int d, float eps, float *y) {
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= d; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    float ss = reduce16(acc);
+    for (; i < d; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)d + eps);
+    for (i = 0; i < d; i++) y[i] = rnd(x[i] * r * bf(w[i]));
+}
+
+static void matmul(const team_arg_t *t, int tid, const float *x, int K, int N, const q4_t *w,
+                   uint16_t *y) {
+    call_t c = {x, t->s->B, K, N, w->codes, w->sz, y, int4_columns};
+    thread_share(&c, tid, t->n);
+}
+
+// rows [r0, r1) of thread tid of n
+static void rows_of(int B, int tid, int n, int *r0, int *r1) {
+    *r0 = B * tid / n;
+    *r1 = B * (tid + 1) / n;
+}
+
+// RoPE on q and k, rounded back to bf16, and K/V of every row into its cache slot
+static void rope_and_store(const team_arg_t *t, int layer, int b) {
+    const model_t *m = t->m;
+    const step_t *s = t->s;
+    const int hd = m->head_dim, nq = m->n_heads + m->n_kv, width = (nq + m->n_kv) * hd;
+    uint16_t *row = t->qkv + (size_t)b * width;
+    const float *f = m->rope + (size_t)s->pos[b] * hd;
+    for (int h = 0; h < nq; h++) {
+        uint16_t *p = row + h * hd;
+        for (int i = 0; i < hd / 2; i++) {
+            float a = bf(p[2 * i]), bb = bf(p[2 * i + 1]), c = f[2 * i], d = f[2 * i + 1];
+            float ac = a * c, bd = bb * d, ad = a * d, bc = bb * c;
+            p[2 * i] = f32_to_bf16(ac - bd);
+            p[2 * i + 1] = f32_to_bf16(ad + bc);
+        }
+    }
+    size_t kvw = (size_t)2 * m->n_kv * hd;
+    uint16_t *dst = s->kv + ((size_t)layer * s->n_slots + (size_t)s->write_slots[b]) * kvw;
+    memcpy(dst, row + (size_t)m->n_heads * hd, kvw * sizeof(uint16_t));
+}
+
+static inline float dot_bf16(const float *q, const uint16_t *k, int hd) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < hd; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), bf16x16_to_f32(k + i), acc);
+    return reduce16(acc);
+}
+
+// torch's Vectorized<float>::exp_u20 (AVX-512), which its flash attention uses for the softmax
+static inline __m512 exp_u20(__m512 x) {
+    const __m512 log2e = _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b));
+    const __m512 ln2 = _mm512_castsi512_ps(_mm512_set1_epi32(0x3f317218));
+    const __m512 lo = _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218));
+    const __m512 one = _mm512_set1_ps(1.f);
+    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OS);
+    __m512 v = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+    __m512 fx = _mm512_fmadd_ps(v, log2e, _mm512_set1_ps(0.5f));
+    fx = _mm512_cvtepi32_ps(_mm512_cvt_roundps_epi32(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+    __m512 r = _mm512_fnmadd_ps(fx, ln2, v);
+    __m512 y = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
+    y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.166676521f));
+    y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.499991506f));
+    y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.999999701f));
+    y = _mm512_fmadd_ps(r, y, one);
+    __m512i n = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_sub_ps(fx, one)), _mm512_set1_epi32(127));
+    __m512 p2 = _mm512_castsi512_ps(_mm512_slli_epi32(n, 23));
+    p2 = _mm512_mask_blend_ps(tiny, p2, _mm512_setzero_ps());
+    return _mm512_mul_ps(_mm512_mul_ps(y, p2), _mm512_set1_ps(2.f));
+}
+
+// torch's vec_reduce_all on 16 lanes: lane i with i ^ 8, then ^ 4, ^ 2, ^ 1
+static inline float reduce_all16(__m512 v) {
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0x4E));
+    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
+    return _mm512_cvtss_f32(v);
+}
+
+// one (row, head): out = softmax(q k^T / sqrt(hd) + mask) v over the row's attended slots
+static void attend(const team_arg_t *t, int layer, int b, int h, float *scratch) {
+    const model_t *m = t->m;
+    const step_t *s = t->s;
+    const int hd = m->head_dim, L = s->L, g = h / (m->n_heads / m->n_kv);
+    const int width = (m->n_heads + 2 * m->n_kv) * hd;
+    const size_t kvw = (size_t)2 * m->n_kv * hd;
+    const uint16_t *base = s->kv + (size_t)layer * s->n_slots * kvw;
+    const int64_t *slots = s->gather + (size_t)b * L;
+    const uint8_t *mask = s->mask ? s->mask + (size_t)b * L : NULL;
+    float *sc = scratch, *q = scratch + L;
+    for (int i = 0; i < hd; i++) q[i] = bf(t->qkv[(size_t)b * width + h * hd + i]);
+    const float scale = 1.0f / sqrtf((float)hd);
+    __m512 acc[8];  // head_dim <= 128
+    for (int i = 0; i < hd / 16; i++) acc[i] = _mm512_setzero_ps();
+    float mx = -INFINITY, sum = 0.0f;
+    int nan = 0;  // a NaN score makes the output NaN, as in torch (the guard must see it)
+    for (int j0 = 0; j0 < L; j0 += KV_SPLIT) {
+        int j1 = j0 + KV_SPLIT < L ? j0 + KV_SPLIT : L;
+        float bm = -INFINITY;
+        for (int j = j0; j < j1; j++) {
+            if (mask && !mask[j]) {
+                sc[j] = -INFINITY;
+                continue;
+            }
+            sc[j] = dot_bf16(q, base + (size_t)slots[j] * kvw + (size_t)g * hd, hd) * scale;
+            if (sc[j] > bm) bm = sc[j];
+            if (sc[j] != sc[j]) nan = 1, sc[j] = -INFINITY;
+        }
+        float nm = bm > mx ? bm : mx;
+        if (nm == -INFINITY) continue;
+        float corr = mx == -INFINITY ? 0.0f : expf(mx - nm);
+        for (int i = 0; i < hd / 16; i++) acc[i] = _mm512_mul_ps(acc[i], _mm512_set1_ps(corr));
+        // p = exp(s - max) 16 at a time (the scores' tail padded with -inf), summed per lane
+        __m512 lanes = _mm512_setzero_ps();
+        for (int j = j0; j < j1; j += 16) {
+            __m512 sv = _mm512_set1_ps(-INFINITY);
+            int cnt = j1 - j < 16 ? j1 - j : 16;
+            sv = _mm512_mask_loadu_ps(sv, (__mmask16)((1u << cnt) - 1), sc + j);
+            __m512 p = exp_u20(_mm512_sub_ps(sv, _mm512_set1_ps(nm)));
+            lanes = _mm512_add_ps(lanes, p);
+            _mm512_mask_storeu_ps(sc + j, (__mmask16)((1u << cnt) - 1), p);
+        }
+        float bs = reduce_all16(lanes);
+        for (int j = j0; j < j1; j++) {
+            if (mask && !mask[j]) continue;
+            __m512 pv = _mm512_set1_ps(rnd(sc[j]));
+            const uint16_t *v = base + (size_t)slots[j] * kvw + (size_t)(m->n_kv + g) * hd;
+            for (int i = 0; i < hd / 16; i++)
+                acc[i] = _mm512_fmadd_ps(pv, bf16x16_to_f32(v + 16 * i), acc[i]);
+        }
+        sum = sum * corr + bs;
+        mx = nm;
+    }
+    float inv = nan ? NAN : sum > 0.0f ? 1.0f / sum : 0.0f;
+    float *out = t->xin + (size_t)b * m->n_heads * hd + h * hd;
+    for (int i = 0; i < hd / 16; i++) {
+        __m512 v = _mm512_mul_ps(acc[i], _mm512_set1_ps(inv));
+        _mm256_storeu_si256((__m256i *)(q + 16 * i), f32x16_to_bf16(v));  // q is free now
+        for (int e = 0; e < 16; e++) out[16 * i + e] = bf(((uint16_t *)(q + 16 * i))[e]);
+    }
+}
+
+static void team(void *arg) {
+    const team_arg_t *t = (const team_arg_t *)arg;
+    const model_t *m = t->m;
+    const step_t *s = t->s;
+    const int n = t->n, tid = n > 1 ? omp_thread_num() : 0, B = s->B, D = m->dim;
+    const int hd = m->head_dim, F = m->hidden, width = (m->n_heads + 2 * m->n_kv) * hd;
+    float *scratch = t->scratch + (size_t)tid * (s->L + hd);
+    int r0, r1;
+    rows_of(B, tid, n, &r0, &r1);
+    for (int b = r0; b < r1; b++) {
+        for (int i = 0; i < D; i++) t->h[(size_t)b * D + i] = bf(s->x[(size_t)b * D + i]);
+        rms_norm(t->h + (size_t)b * D, m->layers[0].attn_norm, D, m->eps, t->xin + (size_t)b * D);
+    }
+    barrier(n);
+    for (int l = 0; l < m->n_layers; l++) {
+        const layer_t *ly = &m->layers[l];
+        matmul(t, tid, t->xin, D, width, &ly->wqkv, t->qkv);
+        barrier(n);
+        for (int b = r0; b < r1; b++) rope_and_store(t, l, b);
+        barrier(n);
+        int tasks = B * m->n_heads;
+        for (int k = tasks * tid / n; k < tasks * (tid + 1) / n; k++)
+            attend(t, l, k / m->n_heads, k % m->n_heads, scratch);
+        barrier(n);
+        matmul(t, tid, t->xin, m->n_heads * hd, D, &ly->wo, t->o);
+        barrier(n);
+        for (int b = r0; b < r1; b++) {
+            float *h = t->h + (size_t)b * D;
+            for (int i = 0; i < D; i++) h[i] = rnd(h[i] + bf(t->o[(size_t)b * D + i]));
+            rms_norm(h, ly->ffn_norm, D, m->eps, t->xin + (size_t)b * D);
+        }
+        barrier(n);
+        matmul(t, tid, t->xin, D, 2 * F, &ly->w13, t->gu);
+        barrier(n);
+        for (int b = r0; b < r1; b++) {
+            const uint16_t *gu = t->gu + (size_t)b * 2 * F;
+            float *x = t->xin + (size_t)b * F;
+            for (int i = 0; i < F; i++) {
+                float g = bf(gu[i]);
+                x[i] = rnd(rnd(g / (1.0f + expf(-g))) * bf(gu[F + i]));
+            }
+        }
+        barrier(n);
+        matmul(t, tid, t->xin, F, D, &ly->w2, t->o);
+        barrier(n);
+        const uint16_t *next = l + 1 < m->n_layers ? m->layers[l + 1].attn_norm : m->norm;
+        for (int b = r0; b < r1; b++) {
+            float *h = t->h + (size_t)b * D;
+            for (int i = 0; i < D; i++) h[i] = rnd(h[i] + bf(t->o[(size_t)b * D + i]));
+            rms_norm(h, next, D, m->eps, t->xin + (size_t)b * D);
+        }
+        barrier(n);
+    }
+    call_t c = {t->xin, B, D, m->vocab, (const uint8_t *)m->head_q, m->head_scales, s->logits,
+                int8_columns};
+    thread_share(&c, tid, n);
+}
+
+// 0, or -1 when the shapes are not supported (the caller falls back to torch), -2 out of memory
+int native_step(const model_t *m, const step_t *s, int threads) {
+    const int hd = m->head_dim;
+    if (s->B <= 0 || s->L <= 0 || threads < 1 || hd % 16 || hd > 128 || m->n_heads % m->n_kv ||
+        m->dim % GROUP || m->hidden % GROUP || (m->n_heads * hd) % GROUP ||
+        ((m->n_heads + 2 * m->n_kv) * hd) % BLOCK || m->dim % BLOCK || (2 * m->hidden) % BLOCK ||
+        m->vocab % BLOCK)
+        return -1;
+    for (int b = 0; b < s->B; b++)
+        if (s->pos[b] < 0 || s->pos[b] >= m->ctx) return -1;
+    const int B = s->B, D = m->dim, F = m->hidden;
+    const int width = (m->n_heads + 2 * m->n_kv) * hd;
+    int in_w = D > F ? D : F;
+    if (m->n_heads * hd > in_w) in_w = m->n_heads * hd;
+    if (!gomp_parallel || !gomp_barrier) threads = 1;
+    size_t floats = (size_t)B * D + (size_t)B * in_w + (size_t)threads * (s->L + hd);
+    size_t halves = (size_t)B * width + (size_t)B * D + (size_t)B * 2 * F;
+    float *mem = (float *)malloc(floats * sizeof(float) + halves * sizeof(uint16_t));
+    if (!mem) return -2;
+    team_arg_t t = {m, s, threads, mem, mem + (size_t)B * D, 0, 0, 0, 0};
+    t.scratch = t.xin + (size_t)B * in_w;
+    t.qkv = (uint16_t *)(t.scratch + (size_t)threads * (s->L + hd));
+    t.o = t.qkv + (size_t)B * width;
+    t.gu = t.o + (size_t)B * D;
+    if (threads == 1)
+        team(&t);
+    else
+        gomp_parallel(team, &t, (unsigned)threads, 0);
+    free(mem);
+    return 0;
+}

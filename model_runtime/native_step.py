@@ -1,0 +1,156 @@
+"""The int4 model's decode step as one native call (kernels/step.c, issue 13).
+
+A decode forward (every row one new token, over the paged cache) runs all layers, the final norm
+and the int8 head in C on torch's OpenMP team instead of ~2,500 torch ops. It applies to models
+whose every linear layer uses the native int4 kernels (int4 at group 32 on AVX-512) with the
+tied int8 head; anything else, and prefill (T > 1), stays on torch. MESHLM_NATIVE_STEP=0 turns
+it off for models loaded while it is set; `use(model, False)` turns it off for one model.
+Attention's softmax is not bit-identical to torch's SDPA (see step.c); the bench compares the
+greedy ids of both paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from model_runtime import kernels
+from model_runtime.kernels import HERE
+from model_runtime.quant import Int4Linear, Int8Linear, TiedInt8Embedding
+
+LIBRARY = HERE / "libstep.so"
+_P = ctypes.c_void_p
+
+
+class _Q4(ctypes.Structure):
+    _fields_ = [("codes", _P), ("sz", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("wqkv", _Q4), ("wo", _Q4), ("w13", _Q4), ("w2", _Q4)]
+    _fields_ += [("attn_norm", _P), ("ffn_norm", _P)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_int)
+        for name in ("n_layers", "dim", "n_heads", "n_kv", "head_dim", "hidden", "vocab", "ctx")
+    ]
+    _fields_ += [("eps", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)), ("norm", _P)]
+    _fields_ += [("head_q", _P), ("head_scales", _P), ("rope", _P)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("B", ctypes.c_int), ("L", ctypes.c_int), ("x", _P), ("pos", _P)]
+    _fields_ += [("write_slots", _P), ("gather", _P), ("mask", _P), ("kv", _P)]
+    _fields_ += [("n_slots", ctypes.c_int64), ("logits", _P)]
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(LIBRARY))
+    lib.native_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step), ctypes.c_int]
+    lib.native_step.restype = ctypes.c_int
+    lib.step_set_gomp.argtypes = [_P, _P, _P]
+    gomp = kernels._gomp()
+    if gomp is not None:  # else one thread
+        lib.step_set_gomp(
+            ctypes.cast(gomp.GOMP_parallel, _P),
+            ctypes.cast(gomp.omp_get_thread_num, _P),
+            ctypes.cast(gomp.GOMP_barrier, _P),
+        )
+    return lib
+
+
+def why_not(model: torch.nn.Module) -> str | None:
+    """None when the native step applies to `model`, else the reason it does not."""
+    if os.environ.get("MESHLM_NATIVE_STEP", "1") == "0":
+        return "MESHLM_NATIVE_STEP=0"
+    if not LIBRARY.exists():
+        return f"{LIBRARY.name} is not built (python -m model_runtime.kernels.build)"
+    if kernels.why_not() is not None:
+        return kernels.why_not()
+    if model.device.type != "cpu":
+        return f"the model is on {model.device}"
+    if not isinstance(model.tok_embeddings, TiedInt8Embedding) or not (
+        isinstance(model.output, Int8Linear) and model.output.native
+    ):
+        return "the head is not the native int8 one"
+    for layer in model.layers:
+        lins = (layer.attention.wqkv, layer.attention.wo)
+        lins += (layer.feed_forward.w13, layer.feed_forward.w2)
+        if not all(isinstance(q, Int4Linear) and q.native for q in lins):
+            return "not every linear layer is a native int4 one"
+    return None
+
+
+class NativeStep:
+    """The model's weights as step.c reads them: pointers into the model's tensors as they were
+    when it was built (it holds them, so a layer swapped later is not freed under it; call
+    `use(model, True)` again after swapping layers). A deep copy of the model gets "auto" in its
+    place, so the copy builds its own from its own tensors."""
+
+    def __init__(self, model: torch.nn.Module):
+        a = model.args
+        self.model = model
+        self.rope = torch.view_as_real(model.freqs).contiguous()
+        self.held: list[torch.Tensor] = []
+        layers = (_Layer * a.n_layers)()
+        for i, blk in enumerate(model.layers):
+            att, ff = blk.attention, blk.feed_forward
+            for name, lin in (("wqkv", att.wqkv), ("wo", att.wo), ("w13", ff.w13), ("w2", ff.w2)):
+                setattr(layers[i], name, _Q4(lin.packed.data_ptr(), lin.scales_zeros.data_ptr()))
+                self.held += [lin.packed, lin.scales_zeros]
+            layers[i].attn_norm = blk.attention_norm.data_ptr()
+            layers[i].ffn_norm = blk.ffn_norm.data_ptr()
+            self.held += [blk.attention_norm, blk.ffn_norm]
+        self.layers = layers
+        head = model.output
+        self.held += [head.q, head.scales, model.norm]
+        self.m = _Model(
+            a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim, a.vocab_size,
+            self.rope.shape[0], a.norm_eps, layers, model.norm.data_ptr(), head.q.data_ptr(),
+            head.scales.data_ptr(), self.rope.data_ptr(),
+        )  # fmt: skip
+
+    def __deepcopy__(self, memo) -> str:
+        return "auto"
+
+    def __call__(self, tokens: torch.Tensor, cache, lay) -> torch.Tensor | None:
+        """Logits float32 [B, V] of one decode step, or None where step.c does not apply."""
+        B = tokens.shape[0]
+        kv = cache.kv
+        if kv.dtype != torch.bfloat16 or not kv.is_contiguous():
+            return None
+        x = self.model.tok_embeddings(tokens.view(-1)).contiguous()
+        pos = lay.input_pos.view(-1).contiguous()
+        writes = lay.write_slots.contiguous()
+        gather = lay.gather_slots.contiguous()
+        mask = lay.mask
+        if mask is not None:
+            mask = mask.reshape(B, -1).contiguous()
+            if mask.shape[1] != gather.shape[1]:
+                return None
+        logits = torch.empty(B, self.m.vocab, dtype=torch.bfloat16)
+        s = _Step(
+            B, gather.shape[1], x.data_ptr(), pos.data_ptr(), writes.data_ptr(),
+            gather.data_ptr(), 0 if mask is None else mask.data_ptr(), kv.data_ptr(),
+            kv.shape[1], logits.data_ptr(),
+        )  # fmt: skip
+        rc = library().native_step(ctypes.byref(self.m), ctypes.byref(s), torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("native decode step: out of memory")
+        return logits.float() if rc == 0 else None
+
+
+def attach(model: torch.nn.Module) -> NativeStep | None:
+    """The model's native step, or None where it does not apply."""
+    return NativeStep(model) if why_not(model) is None else None
+
+
+def use(model: torch.nn.Module, on: bool) -> None:
+    """Turn the native step on (where it applies) or off for `model` (benchmarks compare)."""
+    model.native_step = attach(model) if on else None

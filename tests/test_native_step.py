@@ -1,0 +1,123 @@
+"""The int4 decode step as one native call (model_runtime/native_step.py, kernels/step.c).
+
+Its attention's softmax is not torch's to the last bit, so these tests compare it with torch's
+ops within a tolerance and assert exactly only what holds on every CPU: the K/V it writes to the
+first layer (bit-identical matmuls and RoPE), and that a row decodes the same alone or batched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from model_runtime import generate, native_step
+from model_runtime.kvcache import SeqCache, layout_decode, layout_prefill
+from model_runtime.model import KVCache
+
+STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def int4(smollm_int4):
+    why = native_step.why_not(smollm_int4.model)
+    if why is not None and why.startswith("MESHLM_NATIVE_STEP"):
+        pytest.fail(f"unset {why} to run these tests")
+    return smollm_int4
+
+
+@contextlib.contextmanager
+def torch_ops(model):
+    """The model's own decode path for a while (restored after)."""
+    saved, model.native_step = model.native_step, None
+    try:
+        yield
+    finally:
+        model.native_step = saved
+
+
+def _prefilled(lm, prompts: list[list[int]], per_seq: int = 16):
+    m = lm.model
+    kv = KVCache(m.args, per_seq * BS * len(prompts), m.dtype)
+    seqs = [SeqCache(list(range(i * per_seq, (i + 1) * per_seq))) for i in range(len(prompts))]
+    nxt = []
+    with torch_ops(m):
+        for s, p in zip(seqs, prompts, strict=True):
+            logits = m(torch.tensor([p]), kv, layout_prefill(s, 0, len(p), BS))
+            s.written = len(p)
+            nxt.append(int(logits[0].argmax()))
+    return kv, seqs, nxt
+
+
+@torch.inference_mode()
+def test_int4_decodes_natively_by_default_and_the_switch_turns_it_off(int4, monkeypatch):
+    ids = int4.tokenizer.encode_chat(STORY)
+    lm = copy.deepcopy(int4)  # a private copy decides for itself at its first decode step
+    assert lm.model.native_step == "auto"
+    generate.greedy(lm, [ids], 3)
+    if native_step.why_not(lm.model) is None:
+        assert isinstance(lm.model.native_step, native_step.NativeStep)
+    else:  # another CPU: torch's ops, and the reason is given
+        assert lm.model.native_step is None
+    monkeypatch.setenv("MESHLM_NATIVE_STEP", "0")
+    off = copy.deepcopy(int4)
+    generate.greedy(off, [ids], 3)
+    assert off.model.native_step is None
+    assert native_step.why_not(off.model) == "MESHLM_NATIVE_STEP=0"
+
+
+@torch.inference_mode()
+def test_bf16_model_keeps_torchs_ops(smollm_bf16):
+    assert native_step.why_not(smollm_bf16.model) is not None
+    assert native_step.attach(smollm_bf16.model) is None
+
+
+@torch.inference_mode()
+def test_native_step_matches_torchs_ops(int4):
+    """Teacher-forced over 24 steps: layer 0's K/V bit-identical, logits within bf16 noise,
+    the same greedy choice on nearly every step."""
+    m = int4.model
+    nat = native_step.attach(m)
+    if nat is None:
+        assert native_step.why_not(m)  # the reason is said, torch's ops serve instead
+        return
+    kv, seqs, nxt = _prefilled(int4, [int4.tokenizer.encode_chat(STORY)])
+    agree, worst = 0, 0.0
+    for _ in range(24):
+        lay = layout_decode(seqs, BS)
+        tokens = torch.tensor([nxt])
+        ours = nat(tokens, kv, lay)
+        slot = int(lay.write_slots[0])
+        ours_kv0 = kv.kv[0, slot].clone()
+        with torch_ops(m):
+            ref = m(tokens, kv, lay)  # rewrites the same slots
+        assert torch.equal(ours_kv0, kv.kv[0, slot])
+        worst = max(worst, float((ours - ref).abs().max()))
+        agree += int(ours.argmax() == ref.argmax())
+        nxt = [int(ref.argmax())]
+        seqs[0].written += 1
+    assert worst < 2.0, worst  # logits span ~40; bf16 steps there are 0.125-0.25
+    assert agree >= 22
+
+
+@torch.inference_mode()
+def test_a_row_decodes_the_same_alone_or_batched(int4):
+    """Rows never mix: beside a longer prompt and its padding, a row's logits are bit-identical
+    to its logits alone (what keeps batching and speculation token-identical)."""
+    m = int4.model
+    nat = native_step.attach(m)
+    if nat is None:
+        assert native_step.why_not(m)  # the reason is said, torch's ops serve instead
+        return
+    short = int4.tokenizer.encode_chat(STORY)
+    long = int4.tokenizer.encode("The history of the city goes back to the Romans. " * 12)
+    kv, seqs, nxt = _prefilled(int4, [short, long])
+    lay2 = layout_decode(seqs, BS)
+    both = nat(torch.tensor([[t] for t in nxt]), kv, lay2)
+    alone = nat(torch.tensor([[nxt[0]]]), kv, layout_decode(seqs[:1], BS))
+    assert lay2.gather_slots.shape[1] > layout_decode(seqs[:1], BS).gather_slots.shape[1]
+    assert torch.equal(both[0], alone[0])
+    assert torch.isfinite(both).all()
