@@ -195,6 +195,10 @@ def test_a_forged_shadow_is_refused_or_stripped(mesh: Mesh) -> None:
         answer(c, PROMPTS[0])
     assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "-shadow" in e.value.details()
+    # straight to the canary's inbound sidecar, around the caller's: no mirror runs, refused
+    with Client(mesh.inbound["v2"], authority="llm-shadow") as c, pytest.raises(grpc.RpcError) as e:
+        answer(c, PROMPTS[0])
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     ttft = mesh.ttft_count("v1")
     # x-meshlm-shadow sent by a caller, through the mesh and straight to an inbound sidecar
     for target in (mesh.target, mesh.inbound["v1"]):

@@ -127,10 +127,22 @@ def test_a_callers_shadow_authority_is_refused_and_only_a_shadow_is_marked_inbou
     (route,) = forged.routes
     assert route.direct_response.status == 403
     assert "-shadow" in route.direct_response.body.inline_string
-    m = parse_mesh(mesh_doc())
-    res = build_resources(
-        m, NodeInfo(service="llm", version="v2", inbound_port=9000, local_endpoint="127.0.0.1:5")
-    )
+    mirrored = parse_mesh(mesh_doc()).with_mirror("llm", Mirror("v2", 10))
+
+    def inbound(mesh, version: str):
+        node = NodeInfo(
+            service="llm", version=version, inbound_port=9, local_endpoint="127.0.0.1:5"
+        )
+        return build_resources(mesh, node)
+
+    # no copy due (no mirror, or one to another version): a -shadow authority is refused
+    for mesh, version in ((parse_mesh(mesh_doc()), "v2"), (mirrored, "v1")):
+        routes = inbound(mesh, version)[t.ROUTE][f"inbound|llm|{version}"].virtual_hosts[0].routes
+        refusal = [r for r in routes if r.name.endswith("-shadow")]
+        assert [r.name for r in refusal] == [f"llm-{version}-forged-shadow"]
+        assert refusal[0].direct_response.status == 403
+        assert all(not r.request_headers_to_add for r in routes)
+    res = inbound(mirrored, "v2")
     routes = res[t.ROUTE]["inbound|llm|v2"].virtual_hosts[0].routes
     shadows = [r for r in routes if r.name.endswith("-shadow")]
     assert [r.name for r in shadows] == ["llm-v2-local-shadow"]

@@ -142,8 +142,13 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         )
         out[t.ENDPOINT][http_cluster] = endpoints.load_assignment(http_cluster, http)
     authz = _authz_filters(mesh, svc.name, out)
+    mirror = svc.route.mirror
     rc = routes.inbound_route_config(
-        svc, ver.name, tuple(f.name for f in authz), http_cluster=http_cluster
+        svc,
+        ver.name,
+        tuple(f.name for f in authz),
+        http_cluster=http_cluster,
+        mirrored=mirror is not None and mirror.version == ver.name,
     )
     out[t.ROUTE][rc.name] = rc
     lname = names.inbound_listener(svc.name, ver.name)

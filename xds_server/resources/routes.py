@@ -59,17 +59,7 @@ def _forged_shadow_vhost() -> rc.VirtualHost:
     could reach a runtime as a shadow (uncharged by the rate limits, out of the gates' figures).
     Any other unknown authority still finds no route (404), as before."""
     return rc.VirtualHost(
-        name="forged-shadow",
-        domains=["*"],
-        routes=[
-            rc.Route(
-                name="forged-shadow",
-                match=rc.RouteMatch(prefix="/", headers=[_shadow_authority()]),
-                direct_response=rc.DirectResponseAction(
-                    status=403, body=base_pb2.DataSource(inline_string=FORGED_SHADOW_MESSAGE)
-                ),
-            )
-        ],
+        name="forged-shadow", domains=["*"], routes=[_refuse_shadow("forged-shadow")]
     )
 
 
@@ -251,6 +241,7 @@ def inbound_route_config(
     authz_filters: tuple[str, ...] = (),
     *,
     http_cluster: str | None = None,
+    mirrored: bool = False,
 ) -> route_pb2.RouteConfiguration:
     """`authz_filters`: the listener's tenant filters (authz, rate limits), turned off on the
     ORCA route only. That route carries read-only load figures (utilization, rps, queue and KV
@@ -280,12 +271,27 @@ def inbound_route_config(
                 route=_action(svc, cluster=http_cluster, retries=False),
             )
         )
-    routes = [r for x in (*openai, route) for r in (_shadow_twin(x), x)]
+    if mirrored:  # a rollout's quality gate copies calls to this version now (issue 18)
+        routes = [r for x in (*openai, route) for r in (_shadow_twin(x), x)]
+    else:  # no copy is due here: whoever sends one forges it
+        routes = [_refuse_shadow(f"{svc.name}-{version}-forged-shadow"), *openai, route]
     return route_pb2.RouteConfiguration(
         name=names.inbound_route(svc.name, version),
         virtual_hosts=[
             rc.VirtualHost(name=f"{svc.name}-local", domains=["*"], routes=[orca, *routes])
         ],
+    )
+
+
+def _refuse_shadow(name: str) -> rc.Route:
+    """403 (gRPC PERMISSION_DENIED) for a -shadow :authority: outside a mirror to this version
+    only a forger sends one, e.g. straight to this sidecar, around the caller's."""
+    return rc.Route(
+        name=name,
+        match=rc.RouteMatch(prefix="/", headers=[_shadow_authority()]),
+        direct_response=rc.DirectResponseAction(
+            status=403, body=base_pb2.DataSource(inline_string=FORGED_SHADOW_MESSAGE)
+        ),
     )
 
 
