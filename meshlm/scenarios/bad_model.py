@@ -8,8 +8,9 @@ report.json shows the agreement per step (`quality_per_step`). The canary scenar
 (meshlm/scenarios/canary.py) runs it.
 
 Thresholds, from `python -m bench quality` (bf16 stable, 16 prompts x 16 tokens): int4 g32
-disagrees on ~3 % of positions with a drift of ~0.01 nats/token, g64 on ~25 % with ~0.4; the
-demo's gate (15 %, 0.1) sits between them (the demo's five prompts put int4 at ~8 %).
+disagrees on ~3 % of positions with a drift of ~0.01 nats/token, g64 on ~25 % with ~0.4. The
+demo's gate bounds the drift at 0.1, between them; over a few mirrored calls of the demo's five
+prompts the token share is noisy (int4 0-22 % an interval here), so its bound (40 %) is loose.
 """
 
 from __future__ import annotations
