@@ -143,7 +143,8 @@ static void int4_columns(const call_t *c, int a, int b) {
 // torch's AVX-512 `_weight_int8pack_mm`: 16 fp32 lanes per output, lane l an FMA chain over
 // k = l, l + 16, ... of x * (float(q) * scale), the lanes summed as a tree (256-bit halves,
 // 128-bit halves, then pairs: GCC's _mm512_reduce_add_ps, which torch is built with), rounded to
-// bf16. Up to 8 rows share each widened weight vector.
+// bf16. Up to 8 rows share each widened weight vector. The trees of 16 outputs of a row run side
+// by side (reduce16x16): the same additions of the same pairs, 45 instructions instead of ~200.
 static inline float reduce16(__m512 v) {
     __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -159,8 +160,27 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
+// lane j = the tree sum of v[j]'s 16 lanes. The network leaves the sum of its input i in lane
+// 4 (i % 4) + i / 4, so the inputs go in transposed.
+static inline __m512 reduce16x16(const __m512 *v) {
+    __m512 t[8], u[4], w[2];
+    for (int p = 0; p < 8; p++) {  // 256-bit halves: lane i + lane i + 8
+        const int i = 2 * p, j = 2 * p + 1;
+        __m512 a = v[(i % 4) * 4 + i / 4], b = v[(j % 4) * 4 + j / 4];
+        t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+    }
+    for (int k = 0; k < 4; k++)  // 128-bit halves
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0xdd));
+    for (int m = 0; m < 2; m++)  // (q0 + q2, q1 + q3)
+        w[m] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xdd));
+}
+
+// R rows x C outputs from n0: the 16-lane accumulators into acc[r * 16 + n0 % 16 + i]
 #define DEFINE_INT8(R, C)                                                                         \
-    static void int8_##R##_##C(const call_t *c, int m0, int n0) {                                 \
+    static void int8_##R##_##C(const call_t *c, int m0, int n0, __m512 *out) {                    \
         const int K = c->K;                                                                       \
         const float *x = c->x + (size_t)m0 * K;                                                   \
         const int8_t *q = (const int8_t *)c->codes + (size_t)n0 * K;                              \
@@ -183,8 +203,7 @@ static inline uint16_t f32_to_bf16(float f) {
             }                                                                                     \
         }                                                                                         \
         for (int r = 0; r < R; r++)                                                               \
-            for (int i = 0; i < C; i++)                                                           \
-                c->y[(size_t)(m0 + r) * c->N + n0 + i] = f32_to_bf16(reduce16(acc[r][i]));        \
+            for (int i = 0; i < C; i++) out[r * 16 + n0 % 16 + i] = acc[r][i];                    \
     }
 
 DEFINE_INT8(1, 4)
@@ -196,14 +215,27 @@ DEFINE_INT8(6, 2)
 DEFINE_INT8(7, 2)
 DEFINE_INT8(8, 2)
 
-typedef void (*int8_fn)(const call_t *, int, int);
+typedef void (*int8_fn)(const call_t *, int, int, __m512 *);
 static const int8_fn INT8[MAX_ROWS + 1] = {0, int8_1_4, int8_2_4, int8_3_4, int8_4_4,
                                            int8_5_2, int8_6_2, int8_7_2, int8_8_2};
 
 static void int8_columns(const call_t *c, int a, int b) {
+    __m512 acc[MAX_ROWS * 16];
     for (int m0 = 0; m0 < c->M; m0 += MAX_ROWS) {
         int rows = c->M - m0 < MAX_ROWS ? c->M - m0 : MAX_ROWS;
-        for (int n = a; n < b; n += WIDTH[rows]) INT8[rows](c, m0, n);
+        for (int n16 = a; n16 < b; n16 += 16) {
+            for (int n = n16; n < n16 + 16; n += WIDTH[rows]) INT8[rows](c, m0, n, acc);
+            for (int r = 0; r < rows; r++) {
+                __m512 sum = reduce16x16(acc + r * 16);
+                __m512i u = _mm512_castps_si512(sum);
+                __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+                u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+                __mmask16 nan = _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q);
+                u = _mm512_mask_mov_epi32(u, nan, _mm512_set1_epi32(0x7fc00000));  // as f32_to_bf16
+                _mm256_storeu_si256((__m256i *)(c->y + (size_t)(m0 + r) * c->N + n16),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+            }
+        }
     }
 }
 
