@@ -391,6 +391,11 @@ def main(quick: bool) -> str:
         if kernels.applies()
         else f"int4 and int8 layers: torch's kernels ({kernels.why_not()})."
     )
+    kernel_line += (
+        f" Compute chosen at load for this CPU: {models['int4'].info.compute}; bf16 model: "
+        f"{models['bf16'].info.compute} (`python -m bench compute`: both choices with and "
+        "without native bf16 matmuls)."
+    )
     if kernels.applies():  # the same model on torch's kernels, for the A/B in one run
         os.environ["MESHLM_INT4_KERNEL"] = "torch"
         try:
