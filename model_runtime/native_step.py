@@ -54,12 +54,13 @@ def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(LIBRARY))
     lib.native_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step), ctypes.c_int]
     lib.native_step.restype = ctypes.c_int
-    lib.step_set_gomp.argtypes = [_P, _P, _P]
+    lib.step_set_gomp.argtypes = [_P, _P, _P, _P]
     gomp = kernels._gomp()
     if gomp is not None:  # else one thread
         lib.step_set_gomp(
             ctypes.cast(gomp.GOMP_parallel, _P),
             ctypes.cast(gomp.omp_get_thread_num, _P),
+            ctypes.cast(gomp.omp_get_num_threads, _P),
             ctypes.cast(gomp.GOMP_barrier, _P),
         )
     return lib

@@ -50,9 +50,11 @@ typedef struct {
 
 typedef void (*gomp_barrier_fn)(void);
 static gomp_barrier_fn gomp_barrier;
+static omp_int_fn omp_num_threads;
 
-void step_set_gomp(void *parallel, void *thread_num, void *barrier) {
+void step_set_gomp(void *parallel, void *thread_num, void *num_threads, void *barrier) {
     qmm_set_gomp(parallel, thread_num);
+    omp_num_threads = (omp_int_fn)num_threads;
     gomp_barrier = (gomp_barrier_fn)barrier;
 }
 
@@ -61,7 +63,7 @@ void step_set_gomp(void *parallel, void *thread_num, void *barrier) {
 typedef struct {
     const model_t *m;
     const step_t *s;
-    int n;         // threads
+    int n;         // threads asked for (the team may have fewer: nested in another region)
     float *h;      // [B, dim] residual stream (bf16 values)
     float *xin;    // [B, max(dim, hidden)] matmul input (bf16 values)
     uint16_t *qkv; // [B, (n_heads + 2 n_kv) head_dim]
@@ -97,10 +99,10 @@ static void rms_norm(const float *x, const uint16_t *w, int d, float eps, float 
     for (i = 0; i < d; i++) y[i] = rnd(x[i] * r * bf(w[i]));
 }
 
-static void matmul(const team_arg_t *t, int tid, const float *x, int K, int N, const q4_t *w,
-                   uint16_t *y) {
+static void matmul(const team_arg_t *t, int tid, int n, const float *x, int K, int N,
+                   const q4_t *w, uint16_t *y) {
     call_t c = {x, t->s->B, K, N, w->codes, w->sz, y, int4_columns};
-    thread_share(&c, tid, t->n);
+    thread_share(&c, tid, n);
 }
 
 // rows [r0, r1) of thread tid of n
@@ -236,7 +238,8 @@ static void team(void *arg) {
     const team_arg_t *t = (const team_arg_t *)arg;
     const model_t *m = t->m;
     const step_t *s = t->s;
-    const int n = t->n, tid = n > 1 ? omp_thread_num() : 0, B = s->B, D = m->dim;
+    const int n = t->n > 1 ? omp_num_threads() : 1, tid = n > 1 ? omp_thread_num() : 0;
+    const int B = s->B, D = m->dim;
     const int hd = m->head_dim, F = m->hidden, width = (m->n_heads + 2 * m->n_kv) * hd;
     float *scratch = t->scratch + (size_t)tid * (s->L + hd);
     int r0, r1;
@@ -248,7 +251,7 @@ static void team(void *arg) {
     barrier(n);
     for (int l = 0; l < m->n_layers; l++) {
         const layer_t *ly = &m->layers[l];
-        matmul(t, tid, t->xin, D, width, &ly->wqkv, t->qkv);
+        matmul(t, tid, n, t->xin, D, width, &ly->wqkv, t->qkv);
         barrier(n);
         for (int b = r0; b < r1; b++) rope_and_store(t, l, b);
         barrier(n);
@@ -256,7 +259,7 @@ static void team(void *arg) {
         for (int k = tasks * tid / n; k < tasks * (tid + 1) / n; k++)
             attend(t, l, k / m->n_heads, k % m->n_heads, scratch);
         barrier(n);
-        matmul(t, tid, t->xin, m->n_heads * hd, D, &ly->wo, t->o);
+        matmul(t, tid, n, t->xin, m->n_heads * hd, D, &ly->wo, t->o);
         barrier(n);
         for (int b = r0; b < r1; b++) {
             float *h = t->h + (size_t)b * D;
@@ -264,7 +267,7 @@ static void team(void *arg) {
             rms_norm(h, ly->ffn_norm, D, m->eps, t->xin + (size_t)b * D);
         }
         barrier(n);
-        matmul(t, tid, t->xin, D, 2 * F, &ly->w13, t->gu);
+        matmul(t, tid, n, t->xin, D, 2 * F, &ly->w13, t->gu);
         barrier(n);
         for (int b = r0; b < r1; b++) {
             const uint16_t *gu = t->gu + (size_t)b * 2 * F;
@@ -275,7 +278,7 @@ static void team(void *arg) {
             }
         }
         barrier(n);
-        matmul(t, tid, t->xin, F, D, &ly->w2, t->o);
+        matmul(t, tid, n, t->xin, F, D, &ly->w2, t->o);
         barrier(n);
         const uint16_t *next = l + 1 < m->n_layers ? m->layers[l + 1].attn_norm : m->norm;
         for (int b = r0; b < r1; b++) {
@@ -304,7 +307,7 @@ int native_step(const model_t *m, const step_t *s, int threads) {
     const int width = (m->n_heads + 2 * m->n_kv) * hd;
     int in_w = D > F ? D : F;
     if (m->n_heads * hd > in_w) in_w = m->n_heads * hd;
-    if (!gomp_parallel || !gomp_barrier) threads = 1;
+    if (!gomp_parallel || !gomp_barrier || !omp_num_threads) threads = 1;
     size_t floats = (size_t)B * D + (size_t)B * in_w + (size_t)threads * (s->L + hd);
     size_t halves = (size_t)B * width + (size_t)B * D + (size_t)B * 2 * F;
     float *mem = (float *)malloc(floats * sizeof(float) + halves * sizeof(uint16_t));
