@@ -1,6 +1,7 @@
 """The real authz.wasm on a mirrored copy (issue 18): `:authority` suffixed `-shadow` is
-authenticated and authorized like any call (fails closed) but takes no token from the tenant's
-bucket (the tenant's call was charged where it was served). In the wasmtime proxy-wasm host."""
+authenticated and authorized like any call (fails closed), is counted apart when denied
+(`meshlm_authz.shadow_denied.<reason>`), and passes only while the tenant's bucket has a token,
+taking none (the tenant's call was charged where it was served). In the wasmtime proxy-wasm host."""
 
 from __future__ import annotations
 
@@ -42,15 +43,50 @@ def test_any_other_authority_is_charged(host: WasmHost, authority: str) -> None:
     assert host.metrics["meshlm_authz.shadow.acme"] == 0
 
 
+def counted(host: WasmHost, prefix: str) -> dict[str, int]:
+    return {k: v for k, v in host.metrics.items() if k.startswith(prefix) and v}
+
+
 def test_a_shadow_is_authenticated_and_authorized_like_any_call(host: WasmHost) -> None:
     assert denied(host.request([(":authority", "llm-shadow")]), 401, 16)
     assert denied(host.request(shadow("nope")), 401, 16)
     assert denied(host.request(shadow("free-key"), path=TOK), 403, 7)  # free: Generate only
     assert denied(host.request(shadow("other-key")), 403, 7)  # allowed on another service
-    assert all(v == 0 for k, v in host.metrics.items() if k.startswith("meshlm_authz.shadow."))
+    assert counted(host, "meshlm_authz.shadow.") == {}
+    # a denied copy is counted as a copy, never as a denial of a client's call (the demo and the
+    # dashboard compare the denial counters with what clients were answered)
+    assert counted(host, "meshlm_authz.denied.") == {}
+    assert counted(host, "meshlm_authz.shadow_denied.") == {
+        "meshlm_authz.shadow_denied.missing_key": 1,
+        "meshlm_authz.shadow_denied.unknown_key": 1,
+        "meshlm_authz.shadow_denied.forbidden": 2,
+    }
+
+
+def test_a_copy_of_a_tenant_out_of_budget_is_refused_and_takes_no_token(host: WasmHost) -> None:
+    assert [host.request({"x-api-key": "acme-new"}).allowed for _ in range(3)] == [True] * 3
+    copy = host.request(shadow("acme-new"))
+    assert denied(copy, 429, 8)
+    assert copy.response_headers["retry-after"] == "1"
+    assert host.metrics["meshlm_authz.shadow_denied.rate_limited"] == 1
+    assert host.metrics["meshlm_authz.denied.rate_limited.acme"] == 0
+    assert host.metrics["meshlm_authz.shadow.acme"] == 0
+    host.advance(1)  # a fill of 2 tokens: copies pass and leave both to the tenant's calls
+    assert all(host.request(shadow("acme-new")).allowed for _ in range(5))
+    assert [host.request({"x-api-key": "acme-new"}).allowed for _ in range(3)] == [
+        True,
+        True,
+        False,
+    ]
+    assert denied(host.request(shadow("acme-new")), 429, 8)
+    assert host.metrics["meshlm_authz.shadow.acme"] == 5
+    assert host.metrics["meshlm_authz.shadow_denied.rate_limited"] == 2
+    assert host.metrics["meshlm_authz.denied.rate_limited.acme"] == 1
 
 
 def test_a_shadow_without_a_policy_is_denied() -> None:
     h = WasmHost()
     assert not h.configure(b"{not json")
     assert denied(h.request(shadow("acme-new")), 503, 14)
+    assert h.metrics["meshlm_authz.shadow_denied.no_policy"] == 1
+    assert h.metrics["meshlm_authz.denied.no_policy"] == 0

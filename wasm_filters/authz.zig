@@ -148,7 +148,16 @@ var m_missing: u32 = 0;
 var m_unknown: u32 = 0;
 var m_no_policy: u32 = 0;
 var m_unknown_caller: u32 = 0;
+/// A mirrored copy's denials (issue 18), `meshlm_authz.shadow_denied.<reason>`: counted apart so
+/// the denial and tenant counters (the dashboard's, the demo's) count each client call once.
+const ShadowDenied = enum { no_policy, unknown_caller, caller_forbidden, missing_key, unknown_key, forbidden, rate_limited };
+var m_shadow_denied: [@typeInfo(ShadowDenied).@"enum".field_names.len]u32 = @splat(0);
 var globals_defined = false;
+
+/// Counts a denial in `m`, or, for a mirrored copy, in its shadow_denied counter.
+fn countDenial(m: u32, shadow: bool, reason: ShadowDenied) void {
+    bump(if (shadow) m_shadow_denied[@intFromEnum(reason)] else m);
+}
 
 fn log(level: u32, comptime fmt: []const u8, args: anytype) void {
     var buf: [512]u8 = undefined;
@@ -204,6 +213,9 @@ export fn proxy_on_configure(root_id: u32, size: usize) u32 {
         m_unknown = metric("meshlm_authz.denied.unknown_key");
         m_no_policy = metric("meshlm_authz.denied.no_policy");
         m_unknown_caller = metric("meshlm_authz.denied.unknown_caller");
+        inline for (@typeInfo(ShadowDenied).@"enum".field_names, 0..) |name, i| {
+            m_shadow_denied[i] = metric("meshlm_authz.shadow_denied." ++ name);
+        }
         globals_defined = true;
     }
     var ptr: ?[*]u8 = null;
@@ -387,6 +399,20 @@ fn takeToken(t: *Tenant) u64 {
     return 1;
 }
 
+/// Whether the tenant's bucket holds a token now: 0 if so (none taken, nothing written), else
+/// the seconds until the next fill. Read fresh from shared data, as a denial is (takeToken).
+fn peekToken(t: *Tenant) u64 {
+    const rl = t.json.rate_limit orelse return 0;
+    const interval = rl.fill_interval_ms * std.time.ns_per_ms;
+    const now = now_ns();
+    var cas: u32 = 0;
+    const b = readBucket(t.bucket_key, &cas) orelse return 0; // missing: a full bucket
+    if (b.tokens > 0) return 0;
+    if (now > b.last_ns and (now - b.last_ns) / interval > 0) return 0; // a fill is due
+    const wait = (b.last_ns +| interval) -| now;
+    return @max(1, (wait + std.time.ns_per_s - 1) / std.time.ns_per_s);
+}
+
 // ---- per request ----
 
 /// The request headers the filter reads, from one proxy_get_header_map_pairs call: a get per
@@ -562,9 +588,9 @@ fn principalMatches(rule: []const u8, principal: []const u8) bool {
 
 /// The workload check: null when a rule naming the caller allows this path, else the denial.
 /// Every rule naming the caller is tried; a denial is counted against the first.
-fn checkCaller(callers: []Caller, principal: ?[]const u8, raw_path: []const u8) ?Deny {
+fn checkCaller(callers: []Caller, principal: ?[]const u8, raw_path: []const u8, shadow: bool) ?Deny {
     const who = principal orelse {
-        bump(m_unknown_caller);
+        countDenial(m_unknown_caller, shadow, .unknown_caller);
         return UNKNOWN_CALLER;
     };
     const q = std.mem.indexOfScalar(u8, raw_path, '?') orelse raw_path.len;
@@ -582,10 +608,10 @@ fn checkCaller(callers: []Caller, principal: ?[]const u8, raw_path: []const u8) 
         }
     }
     if (named) |c| {
-        bump(c.m_forbidden);
+        countDenial(c.m_forbidden, shadow, .caller_forbidden);
         return CALLER_FORBIDDEN;
     }
-    bump(m_unknown_caller);
+    countDenial(m_unknown_caller, shadow, .unknown_caller);
     return UNKNOWN_CALLER;
 }
 
@@ -647,14 +673,16 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
     defer _ = scratch.reset(.{ .retain_with_limit = 256 * 1024 });
     const h = requestHeaders();
     const is_grpc = std.mem.startsWith(u8, nonEmpty(h.content_type) orelse "", "application/grpc");
+    // Decided first, so a denied copy is counted as one (issue 18); it is denied all the same.
+    const shadow = isShadow(nonEmpty(h.authority) orelse "");
     const root_id = stream_root.get(ctx) orelse 0;
     const root = roots.get(root_id) orelse {
-        bump(m_no_policy);
+        countDenial(m_no_policy, shadow, .no_policy);
         log(LOG_ERROR, "no root context for stream; denying", .{});
         return deny(NO_POLICY, is_grpc, 0);
     };
     const p = if (root.policy) |*pp| pp else {
-        bump(m_no_policy);
+        countDenial(m_no_policy, shadow, .no_policy);
         log(LOG_ERROR, "no valid policy loaded; denying", .{});
         return deny(NO_POLICY, is_grpc, 0);
     };
@@ -664,15 +692,15 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
     // Workload first: an unlisted caller reaches no key check (issue 14).
     const principal = if (p.cfg.peer_identity) peerPrincipal() else null;
     if (p.callers) |cs| {
-        if (checkCaller(cs, principal, path)) |d| return deny(d, is_grpc, 0);
+        if (checkCaller(cs, principal, path, shadow)) |d| return deny(d, is_grpc, 0);
     }
     const key = presentedKey(&h);
     if (key.len == 0) {
-        bump(m_missing);
+        countDenial(m_missing, shadow, .missing_key);
         return deny(MISSING, is_grpc, 0);
     }
     const t = findTenant(p, key) orelse {
-        bump(m_unknown);
+        countDenial(m_unknown, shadow, .unknown_key);
         return deny(UNKNOWN, is_grpc, 0);
     };
     var allowed = false;
@@ -682,14 +710,15 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
         }
     }
     if (!allowed) {
-        bump(t.m_forbidden);
+        countDenial(t.m_forbidden, shadow, .forbidden);
         log(LOG_DEBUG, "tenant {s} denied method (forbidden)", .{t.json.name});
         return deny(FORBIDDEN, is_grpc, 0);
     }
-    const shadow = isShadow(nonEmpty(h.authority) orelse "");
-    const wait_s = if (shadow) 0 else takeToken(t);
+    // A copy passes only while the tenant's bucket has a token, and takes none (the tenant's
+    // call was charged where it was served): a tenant out of budget gets no copies served.
+    const wait_s = if (shadow) peekToken(t) else takeToken(t);
     if (wait_s > 0) {
-        bump(t.m_limited);
+        countDenial(t.m_limited, shadow, .rate_limited);
         return deny(LIMITED, is_grpc, wait_s);
     }
     // The credential stays at the edge; identity headers are ours, never the client's. Only
