@@ -30,7 +30,7 @@ generated: $(STAMP)
 	$(BIN)/python -m model_runtime.kernels.build --check
 
 test: $(STAMP) lint generated test-tools
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 bench: $(STAMP) bench-tools
 	$(BIN)/python -m bench
