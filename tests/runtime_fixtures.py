@@ -3,7 +3,11 @@ fixtures in conftest.py use it). Tests must not modify these models (load their 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
+import urllib.error
+import urllib.request
 from typing import Any
 
 from model_runtime.loader import LoadedModel, load
@@ -25,3 +29,26 @@ def serving_runtime(loaded: LoadedModel, *, max_batch: int = 4, max_queue: int =
     rt = Runtime(**kw).start()
     rt.set_model(loaded, engine)
     return rt
+
+
+@contextlib.contextmanager
+def serving_records(loaded: LoadedModel):
+    """(records URL base, Client, Runtime): a serving runtime with its metrics port's /records."""
+    from model_runtime.client import Client
+    from model_runtime.telemetry import MetricsServer
+
+    rt = serving_runtime(loaded)
+    try:
+        with MetricsServer(rt.telemetry, records=rt.records) as m, Client(rt.target) as c:
+            yield f"http://127.0.0.1:{m.port}", c, rt
+    finally:
+        rt.shutdown(grace=5)
+
+
+def get_json(url: str) -> tuple[int, Any]:
+    """(HTTP status, JSON body), errors included."""
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -4,37 +4,21 @@ bound, and bad queries answered 400 naming the field. A real runtime over real g
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
 from model_runtime.client import Client
 from model_runtime.records import Records
-from model_runtime.telemetry import MetricsServer
-from tests.runtime_fixtures import serving_runtime
+from tests.runtime_fixtures import get_json, serving_records
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
 
 
 @pytest.fixture(scope="module")
 def served(smollm_int4) -> Iterator[tuple[str, Client]]:
-    rt = serving_runtime(smollm_int4)
-    try:
-        with MetricsServer(rt.telemetry, records=rt.records) as m, Client(rt.target) as c:
-            yield f"http://127.0.0.1:{m.port}", c
-    finally:
-        rt.shutdown(grace=5)
-
-
-def _get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    with serving_records(smollm_int4) as (url, c, _):
+        yield url, c
 
 
 def _tokens(c: Client, rid: str, **kw) -> list[int]:
@@ -45,13 +29,13 @@ def _tokens(c: Client, rid: str, **kw) -> list[int]:
 def test_a_greedy_call_is_recorded_by_request_id_and_scored(served) -> None:
     url, c = served
     got = _tokens(c, "greedy-1")
-    status, body = _get(f"{url}/records?ids=greedy-1,unknown")
+    status, body = get_json(f"{url}/records?ids=greedy-1,unknown")
     assert status == 200
     rec = body["records"]["greedy-1"]
     assert list(body["records"]) == ["greedy-1"]
     assert (rec["token_ids"], rec["finish_reason"], rec["shadow"]) == (got, "length", False)
     ids = ",".join(map(str, got))
-    status, score = _get(f"{url}/score?request_id=greedy-1&token_ids={ids}")
+    status, score = get_json(f"{url}/score?request_id=greedy-1&token_ids={ids}")
     assert status == 200
     # teacher-forced on its own greedy answer: the model's argmax is that answer
     assert score["argmax"] == got
@@ -61,7 +45,7 @@ def test_a_greedy_call_is_recorded_by_request_id_and_scored(served) -> None:
 def test_a_sampled_call_is_not_recorded(served) -> None:
     url, c = served
     _tokens(c, "sampled-1", temperature=0.8, seed=3)
-    status, body = _get(f"{url}/records?ids=sampled-1")
+    status, body = get_json(f"{url}/records?ids=sampled-1")
     assert (status, body["records"]) == (200, {})
 
 
@@ -75,10 +59,10 @@ def test_bad_queries_answer_400_naming_the_field(served) -> None:
         ("/score?request_id=greedy-2&token_ids=99999999", "token_ids"),
         ("/score?request_id=greedy-2&token_ids=" + ",".join(["1"] * 8192), "token_ids"),
     ]:
-        status, body = _get(url + query)
+        status, body = get_json(url + query)
         assert status == 400, query
         assert body["error"].startswith(field + ":"), body
-    status, body = _get(f"{url}/score?request_id=nobody&token_ids=1")
+    status, body = get_json(f"{url}/score?request_id=nobody&token_ids=1")
     assert status == 404 and body["error"].startswith("request_id:")
 
 

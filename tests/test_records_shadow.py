@@ -5,7 +5,6 @@ read, and refused before any generation when it is not greedy. One real runtime,
 
 from __future__ import annotations
 
-import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -17,8 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from model_runtime.client import Client
 from model_runtime.records import Records
 from model_runtime.service import Runtime
-from model_runtime.telemetry import MetricsServer
-from tests.runtime_fixtures import serving_runtime
+from tests.runtime_fixtures import get_json, serving_records
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 SHADOW = ("x-meshlm-shadow", "1")
@@ -26,25 +24,13 @@ SHADOW = ("x-meshlm-shadow", "1")
 
 @pytest.fixture(scope="module")
 def served(smollm_int4) -> Iterator[tuple[str, Client, Runtime]]:
-    rt = serving_runtime(smollm_int4)
-    try:
-        with MetricsServer(rt.telemetry, records=rt.records) as m, Client(rt.target) as c:
-            yield f"http://127.0.0.1:{m.port}", c, rt
-    finally:
-        rt.shutdown(grace=5)
-
-
-def _get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    with serving_records(smollm_int4) as served:
+        yield served
 
 
 def _counts(url: str) -> dict[str, float]:
     """What a traffic gate reads (both pages), and the shadow counters."""
-    _, snap = _get(url + "/metrics.json")
+    _, snap = get_json(url + "/metrics.json")
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
     out = {
@@ -80,7 +66,7 @@ def _tokens(c: Client, **kw) -> list[int]:
 
 def test_a_shadow_is_recorded_by_x_request_id_and_counted_apart(served) -> None:
     url, c, _ = served
-    _, first = _get(f"{url}/records?since=0")
+    _, first = get_json(f"{url}/records?since=0")
     since = first["next_since"]
     before = _counts(url)
     shadow = _tokens(c, metadata=[SHADOW, ("x-request-id", "envoy-rid-1")])
@@ -97,7 +83,7 @@ def test_a_shadow_is_recorded_by_x_request_id_and_counted_apart(served) -> None:
     assert d["meshlm_time_to_first_token_seconds_count"] == 1
     assert d["json_shadow_ok"] == 0
 
-    status, new = _get(f"{url}/records?shadow=1&since={since}")
+    status, new = get_json(f"{url}/records?shadow=1&since={since}")
     assert status == 200 and new["more"] is False and new["instance"] == first["instance"]
     (rid, rec), = new["records"].items()  # fmt: skip
     assert rid == "envoy-rid-1" and rec["shadow"] is True and rec["token_ids"] == shadow
@@ -105,21 +91,21 @@ def test_a_shadow_is_recorded_by_x_request_id_and_counted_apart(served) -> None:
     assert "prompt_ids" not in rec  # the prompt never leaves the runtime
 
     # nothing new after next_since; both kinds without the filter, in seq order
-    status, again = _get(f"{url}/records?shadow=1&since={new['next_since']}")
+    status, again = get_json(f"{url}/records?shadow=1&since={new['next_since']}")
     assert status == 200 and again["records"] == {} and again["next_since"] == new["next_since"]
-    _, both = _get(f"{url}/records?since={since}")
+    _, both = get_json(f"{url}/records?since={since}")
     assert list(both["records"]) == ["envoy-rid-1", "caller-1"]
     assert both["records"]["caller-1"]["shadow"] is False
     assert both["records"]["caller-1"]["token_ids"] == normal
     assert both["records"]["caller-1"]["seq"] > rec["seq"]
-    _, plain = _get(f"{url}/records?shadow=0&since={since}")
+    _, plain = get_json(f"{url}/records?shadow=0&since={since}")
     assert list(plain["records"]) == ["caller-1"]
-    _, by_id = _get(f"{url}/records?ids=envoy-rid-1,caller-1&shadow=1")
+    _, by_id = get_json(f"{url}/records?ids=envoy-rid-1,caller-1&shadow=1")
     assert list(by_id["records"]) == ["envoy-rid-1"]
 
     # the join's next step: the shadow's record scores a continuation (its own answer here)
     ids = ",".join(map(str, shadow))
-    status, score = _get(f"{url}/score?request_id=envoy-rid-1&token_ids={ids}")
+    status, score = get_json(f"{url}/score?request_id=envoy-rid-1&token_ids={ids}")
     assert status == 200 and score["argmax"] == shadow
 
 
@@ -145,7 +131,7 @@ def test_a_shadow_that_is_not_greedy_is_refused_before_generation(served) -> Non
         "json_shadow_refused": 3,
         "prom_shadow_FAILED_PRECONDITION": 3,
     }
-    _, got = _get(f"{url}/records?ids=s-sampled,s-resumed")
+    _, got = get_json(f"{url}/records?ids=s-sampled,s-resumed")
     assert got["records"] == {}
 
 
@@ -158,7 +144,7 @@ def test_records_queries_name_their_bad_field(served) -> None:
         ("/records?since=0&ids=a", "ids"),
         ("/records?shadow=1", "ids"),
     ]:
-        status, body = _get(url + query)
+        status, body = get_json(url + query)
         assert status == 400, query
         assert body["error"].startswith(field + ":"), body
 
