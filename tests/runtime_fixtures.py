@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from model_runtime.loader import LoadedModel, load
@@ -52,3 +54,29 @@ def get_json(url: str) -> tuple[int, Any]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+@contextlib.contextmanager
+def calls_in_background(target: str, calls: Sequence[Callable[[Any], object]], join_s: float = 60):
+    """Each of `calls(client)` in turn, round and round, on one Client through a sidecar
+    (authority llm) until the block ends; an RPC error is left for the gates to count."""
+    import grpc
+
+    from model_runtime.client import Client
+
+    stop = threading.Event()
+
+    def run() -> None:
+        with Client(target, authority="llm") as c:
+            while not stop.is_set():
+                for call in calls:
+                    with contextlib.suppress(grpc.RpcError):
+                        call(c)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(timeout=join_s)

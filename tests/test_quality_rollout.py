@@ -8,21 +8,17 @@ with `x-canary` pins, the records are joined by request id on the runtimes' metr
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import grpc
 import pytest
 
-from model_runtime.client import Client
 from model_runtime.loader import load
 from model_runtime.telemetry import MetricsServer
-from tests.runtime_fixtures import serving_runtime
+from tests.runtime_fixtures import calls_in_background, serving_runtime
 from tests.test_rollout_envoy import caller_mesh, wait_terminal
 from xds_server.gates import mesh_sources
 from xds_server.quality import ReplaySource
@@ -91,21 +87,9 @@ def replaying(envoy, target: str, stable: Served, canary: Served):
 @contextmanager
 def traffic(target: str) -> Iterator[None]:
     """Short greedy calls through the caller Envoy until the block ends."""
-    stop = threading.Event()
-
-    def run() -> None:
-        with Client(target, authority="llm") as c:
-            while not stop.is_set():
-                with contextlib.suppress(grpc.RpcError):  # counted by the gates
-                    list(c.generate("Say hi.", max_new_tokens=2, timeout=20))
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    try:
+    say_hi = lambda c: list(c.generate("Say hi.", max_new_tokens=2, timeout=20))  # noqa: E731
+    with calls_in_background(target, [say_hi], join_s=30):
         yield
-    finally:
-        stop.set()
-        t.join(timeout=30)
 
 
 def quality(max_token_disagreement: str) -> dict:
