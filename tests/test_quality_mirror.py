@@ -9,7 +9,6 @@ One module-scoped mesh; the rollouts run last (the good one promotes v2)."""
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ from model_runtime.client import Client
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.ports import free_port
+from tests.runtime_fixtures import calls_in_background
 from tests.test_quality_rollout import PROMPTS, Served, degraded, serve
 from tests.test_rollout_envoy import wait_terminal
 from tests.test_xds_support import dynamic_clusters, eventually
@@ -181,6 +181,9 @@ def test_an_unmarked_call_is_never_mirrored(mesh: Mesh) -> None:
             answer(c, PROMPTS[2], request_id="sampled", temperature=0.7, seed=1)
             answer(c, PROMPTS[2], request_id="marked-after")  # the marker of copies that go
         eventually(lambda: mesh.shadows_sent() == sent + 1, what="the marked call's copy")
+        # Envoy counts the copy once sent; the canary records it once it has answered
+        eventually(lambda: "marked-after" in mesh.records("v2", ids="marked-after"),
+                   what="the copy's record")  # fmt: skip
         assert set(mesh.records("v2", ids="not-marked,sampled,marked-after")) == {"marked-after"}
     finally:
         mesh.mirror(None)
@@ -213,22 +216,8 @@ def test_a_forged_shadow_is_refused_or_stripped(mesh: Mesh) -> None:
 @contextlib.contextmanager
 def traffic(target: str) -> Iterator[None]:
     """Greedy (so marked) calls through the caller sidecar until the block ends."""
-    stop = threading.Event()
-
-    def run() -> None:
-        with Client(target, authority="llm") as c:
-            while not stop.is_set():
-                for p in PROMPTS:
-                    with contextlib.suppress(grpc.RpcError):  # counted by the gates
-                        answer(c, p)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    try:
+    with calls_in_background(target, [lambda c, p=p: answer(c, p) for p in PROMPTS]):
         yield
-    finally:
-        stop.set()
-        t.join(timeout=60)
 
 
 def rollout(mesh: Mesh, canary: str, tmp_path) -> dict:
