@@ -59,7 +59,8 @@ class AsyncCaller(CallerBase):
         await self.close()
 
     async def info(self, *, timeout: float | None = 10.0, metadata: Metadata = ()) -> ModelInfo:
-        """The served model's name, precision, version and context length."""
+        """The served model's name, precision, version and context length, and what it computes
+        in there (compute_dtype, compute, kernels: "" from a server older than those fields)."""
         try:
             buf = await self._info(
                 codec.encode_info_request(),

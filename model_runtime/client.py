@@ -119,6 +119,8 @@ class Client:
             call.cancel()  # no-op once the stream ended; frees the server side if we stop early
 
     def info(self, *, timeout: float | None = 10.0, metadata: Metadata = ()) -> ModelInfo:
+        """The served model's name, precision, version and context length, and what it computes
+        in there (compute_dtype, compute, kernels: "" from a server older than those fields)."""
         buf = self._info(
             codec.encode_info_request(), timeout=timeout, metadata=self.metadata + list(metadata)
         )

@@ -29,6 +29,23 @@ class ModelInfo:
     group_size: int | None = None
     weight_bytes: int = 0
     compute: str = ""  # what it computes in on this CPU (kernels.choose), e.g. for a bf16 model
+    compute_dtype: str = ""  # the chosen Compute's dtype: "bf16" | "fp32" | "fp16"
+    kernels: str = ""  # what the built linear layers run on: "native" | "torch" | "native+torch"
+
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
+
+
+def linear_kernels(model: nn.Module) -> str:
+    """What the model's linear layers run on, as built: "native" (model_runtime/kernels) where
+    every quantized layer took the native kernel, "torch" where none did (and for dense layers),
+    "native+torch" for a mix."""
+    kinds = {
+        "native" if getattr(m, "native", False) else "torch"
+        for m in model.modules()
+        if isinstance(m, (Int4Linear, Int8Linear, nn.Linear))
+    }
+    return "+".join(sorted(kinds)) or "torch"
 
 
 @dataclass
@@ -205,6 +222,10 @@ def load(
         group_size=g_size,
         weight_bytes=weight_bytes(model),
         compute=compute.description,
+        compute_dtype=DTYPE_NAMES.get(compute.dtype, str(compute.dtype).removeprefix("torch.")),
+        kernels=linear_kernels(model),
     )
-    log.info("%s: %s", info.version, compute.description)
+    log.info(
+        "%s: %s (linear layers on %s kernels)", info.version, compute.description, info.kernels
+    )
     return LoadedModel(model, tok, info, guard)

@@ -138,7 +138,15 @@ class InferenceService:
         vocab = getattr(loaded.tokenizer, "vocab_size", None)
         self.limits = limits or Limits(context_length=info.context_length, vocab_size=vocab)
         self.model_info = codec.ModelInfo(
-            info.name, info.precision, info.version, info.context_length, vocab or 0
+            info.name,
+            info.precision,
+            info.version,
+            info.context_length,
+            vocab or 0,
+            # what load() chose and built for this machine (kernels.choose), not a fresh guess
+            compute_dtype=info.compute_dtype,
+            compute=info.compute,
+            kernels=info.kernels,
         )
         self._info_bytes = codec.encode_model_info(self.model_info)
         # The names GET /v1/models lists (vLLM's --served-model-name), e.g. the mesh service's:

@@ -95,6 +95,9 @@ MODEL_INFO = Table(
         Field("version", "string"),
         Field("context_length", "scalar", 4),
         Field("vocab_size", "scalar", 4),
+        Field("compute_dtype", "string"),
+        Field("compute", "string"),
+        Field("kernels", "string"),
     ),
 )
 
@@ -173,6 +176,10 @@ class ModelInfo:
     version: str
     context_length: int
     vocab_size: int = 0
+    # what the runtime computes in, chosen at load; "" = unknown (a server older than the fields)
+    compute_dtype: str = ""  # "bf16" | "fp32" | "fp16"
+    compute: str = ""  # one line, e.g. "int4 weights on native kernels, bf16 activations"
+    kernels: str = ""  # what runs the linear layers: "native" | "torch" | "native+torch"
 
 
 _tls = threading.local()
@@ -638,6 +645,8 @@ def decode_info_request(buf: bytes) -> None:
 def encode_model_info(info: ModelInfo) -> bytes:
     b = _builder()
     name, precision, version = _str(b, info.name), _str(b, info.precision), _str(b, info.version)
+    dtype, compute = _str(b, info.compute_dtype), _str(b, info.compute)
+    kernels = _str(b, info.kernels)
     fb.ModelInfoStart(b)
     if name:
         fb.ModelInfoAddName(b, name)
@@ -647,6 +656,12 @@ def encode_model_info(info: ModelInfo) -> bytes:
         fb.ModelInfoAddVersion(b, version)
     fb.ModelInfoAddContextLength(b, info.context_length)
     fb.ModelInfoAddVocabSize(b, info.vocab_size)
+    if dtype:
+        fb.ModelInfoAddComputeDtype(b, dtype)
+    if compute:
+        fb.ModelInfoAddCompute(b, compute)
+    if kernels:
+        fb.ModelInfoAddKernels(b, kernels)
     return _finish(b, fb.ModelInfoEnd(b))
 
 
@@ -655,5 +670,12 @@ def decode_model_info(buf: bytes) -> ModelInfo:
     verify(buf, MODEL_INFO, 1 << 16)
     t = fb.ModelInfo.GetRootAs(buf, 0)
     return ModelInfo(
-        _text(t.Name()), _text(t.Precision()), _text(t.Version()), t.ContextLength(), t.VocabSize()
+        _text(t.Name()),
+        _text(t.Precision()),
+        _text(t.Version()),
+        t.ContextLength(),
+        t.VocabSize(),
+        compute_dtype=_text(t.ComputeDtype()),
+        compute=_text(t.Compute()),
+        kernels=_text(t.Kernels()),
     )

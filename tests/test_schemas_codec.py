@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import struct
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 
 from schemas import codec as c
 from schemas.meshlm import inference_generated as fb
-from schemas.verify import verify
+from schemas.verify import Table, verify
 from tests.fuzz import codec as fuzz
 
 LIMITS = c.Limits(context_length=2048, vocab_size=49152)
@@ -91,7 +92,80 @@ def test_token_chunk_with_error_table() -> None:
 def test_model_info_and_info_request_round_trip() -> None:
     info = c.ModelInfo("SmolLM2-135M-Instruct", "int4", "q4_1", 8192, 49152)
     assert c.decode_model_info(c.encode_model_info(info)) == info
+    assert info.compute_dtype == info.compute == info.kernels == ""  # unknown unless set
+    info = c.ModelInfo(*INFO_BASE, compute_dtype="fp32", compute=COMPUTE, kernels="native+torch")
+    assert c.decode_model_info(c.encode_model_info(info)) == info
     c.decode_info_request(c.encode_info_request())
+
+
+# --- ModelInfo across versions: the compute fields (issue 13) appended to the table ----------
+
+INFO_BASE = ("SmolLM2-135M-Instruct", "bf16", "SmolLM2@ab12:bf16", 8192, 49152)
+COMPUTE = "bf16 weights computed in fp32 (the CPU has neither avx512_bf16 nor amx_bf16: ✓)"
+COMPUTE_FIELDS = ("compute_dtype", "compute", "kernels")
+
+
+@pytest.fixture(scope="module")
+def old_fb(tmp_path_factory):
+    """The generated module of inference.fbs as it was before the compute fields, made by the
+    pinned flatc the way `python -m schemas.build` makes the committed one."""
+    from schemas import build
+
+    text = (Path(c.__file__).parent / "inference.fbs").read_text()
+    old = re.sub(rf"\n\s*({'|'.join(COMPUTE_FIELDS)}): string;[^\n]*", "", text)
+    assert old.count("\n") == text.count("\n") - len(COMPUTE_FIELDS)
+    d = tmp_path_factory.mktemp("old_schema")
+    (d / "inference.fbs").write_text(old)
+    cmd = [build.flatc(), "--python", "--gen-onefile", "--python-gen-numpy", "-o", str(d)]
+    subprocess.run([*cmd, str(d / "inference.fbs")], check=True, capture_output=True)
+    spec = importlib.util.spec_from_file_location("old_inference", d / "inference_generated.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not hasattr(module, "ModelInfoAddCompute") and hasattr(module, "ModelInfoAddVocabSize")
+    return module
+
+
+def test_an_older_client_reads_a_new_servers_model_info(old_fb) -> None:
+    """What the previous decode_model_info did: verify the five fields it knew, read them."""
+    info = c.ModelInfo(*INFO_BASE, compute_dtype="fp32", compute=COMPUTE, kernels="torch")
+    buf = c.encode_model_info(info)
+    verify(buf, Table("ModelInfo", c.MODEL_INFO.fields[:5]), 1 << 16)
+    t = old_fb.ModelInfo.GetRootAs(buf, 0)
+    got = (t.Name(), t.Precision(), t.Version(), t.ContextLength(), t.VocabSize())
+    assert got == (*(s.encode() for s in INFO_BASE[:3]), *INFO_BASE[3:])
+
+
+def test_a_new_client_reads_an_older_servers_model_info(old_fb) -> None:
+    """The previous encode_model_info's buffer (no compute fields): they read as unknown."""
+    import flatbuffers
+
+    b = flatbuffers.Builder(0)
+    name, precision, version = (b.CreateString(s) for s in INFO_BASE[:3])
+    old_fb.ModelInfoStart(b)
+    old_fb.ModelInfoAddName(b, name)
+    old_fb.ModelInfoAddPrecision(b, precision)
+    old_fb.ModelInfoAddVersion(b, version)
+    old_fb.ModelInfoAddContextLength(b, INFO_BASE[3])
+    old_fb.ModelInfoAddVocabSize(b, INFO_BASE[4])
+    b.Finish(old_fb.ModelInfoEnd(b))
+    buf = bytes(b.Output())
+    assert c.decode_model_info(buf) == c.ModelInfo(*INFO_BASE)
+    assert c.encode_model_info(c.ModelInfo(*INFO_BASE)) == buf  # absent fields: the old bytes
+
+
+@pytest.mark.parametrize("name", COMPUTE_FIELDS)
+def test_the_compute_fields_are_verified_as_strings(name) -> None:
+    buf = c.encode_model_info(c.ModelInfo(*INFO_BASE, **{name: "abc"}))
+    at = buf.index(b"abc\0")
+    broken = {
+        "not valid UTF-8": buf[:at] + b"a\xffc" + buf[at + 3 :],
+        "not zero-terminated": buf[: at + 3] + b"\x01" + buf[at + 4 :],
+        "runs past the buffer": buf[: at - 4] + struct.pack("<I", len(buf)) + buf[at:],
+    }
+    for why, bad in broken.items():
+        with pytest.raises(c.WireError, match=why) as e:
+            c.decode_model_info(bad)
+        assert e.value.field == name
 
 
 def test_verifier_spec_matches_the_fbs_slot_order() -> None:

@@ -94,6 +94,33 @@ def test_bit_flips(buf: bytes, data: st.DataObject) -> None:
     _chunk_or_wire_error(bytes(b))
 
 
+MODEL_INFO = c.encode_model_info(
+    c.ModelInfo("m", "int4", "m@1:int4", 2048, 49152, "bf16", "int4 weights on ✓ kernels", "torch")
+)
+
+
+@FUZZ
+@given(st.data())
+def test_model_info_truncated_or_flipped(data: st.DataObject) -> None:
+    # ModelInfo with the compute fields (issue 13): it ends with a string, so every cut before
+    # its NUL is refused; bit flips give a WireError or a ModelInfo of strings.
+    buf = MODEL_INFO
+    cut = data.draw(st.integers(0, len(buf.rstrip(b"\0"))))
+    try:
+        c.decode_model_info(buf[:cut])
+    except c.WireError as e:
+        assert e.field and e.message
+    else:
+        raise AssertionError(f"a ModelInfo truncated to {cut}/{len(buf)} bytes was accepted")
+    b = bytearray(buf)
+    for _ in range(data.draw(st.integers(1, 4))):
+        bit = data.draw(st.integers(0, len(b) * 8 - 1))
+        b[bit // 8] ^= 1 << (bit % 8)
+    with contextlib.suppress(c.WireError):
+        info = c.decode_model_info(bytes(b))
+        assert all(isinstance(s, str) for s in (info.compute_dtype, info.compute, info.kernels))
+
+
 HOSTILE = st.one_of(
     st.sampled_from([0, 1, 2, 3, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0xFFFFFFFC, 0x10000]),
     st.integers(0, 2**32 - 1),

@@ -19,10 +19,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from model_runtime import kernels
 from model_runtime.client import Client
 from model_runtime.engine import Engine
 from model_runtime.faults import Faults
-from model_runtime.service import PRIORITY_HEADER, SERVICE, Runtime, _priority
+from model_runtime.loader import DTYPE_NAMES
+from model_runtime.service import PRIORITY_HEADER, SERVICE, InferenceService, Runtime, _priority
 from model_runtime.telemetry import MetricsServer, Telemetry
 from schemas import codec
 from tests.fuzz import codec as fuzz
@@ -76,6 +78,27 @@ def test_info_returns_model_info(client, loaded) -> None:
     assert info.name == loaded.info.name and info.precision == "int4"
     assert info.version == loaded.info.version
     assert info.context_length == loaded.info.context_length and info.vocab_size == 49152
+    # what load() chose and built for this CPU (issue 13): int4 computes in bf16 everywhere, on
+    # the native kernels where they apply (x86-64 with AVX-512), else on torch's
+    assert info.compute == loaded.info.compute and info.compute.startswith("int4 weights on ")
+    assert info.compute_dtype == "bf16" == DTYPE_NAMES[loaded.model.dtype]
+    assert info.kernels == ("native" if kernels.applies() else "torch") == loaded.info.kernels
+
+
+def test_info_of_a_bf16_model_says_the_dtype_it_computes_in(smollm_bf16) -> None:
+    # fp32 on a CPU without native bf16 matmuls, bf16 on one with them: either way the dtype the
+    # model was built in, and torch's dense kernels (no service started: the Info bytes only)
+    svc = InferenceService(smollm_bf16, None, telemetry=Telemetry())
+    info = codec.decode_model_info(svc.info(codec.encode_info_request(), _Context()))
+    assert info.precision == "bf16" and info.kernels == "torch"
+    assert info.compute_dtype == DTYPE_NAMES[smollm_bf16.model.dtype]
+    assert info.compute_dtype == DTYPE_NAMES[kernels.choose("bf16").dtype]
+    assert info.compute == smollm_bf16.info.compute and info.compute.startswith("bf16 weights")
+
+
+class _Context:
+    def invocation_metadata(self):
+        return ()
 
 
 def test_stream_order_final_chunk_and_answer(client) -> None:

@@ -585,8 +585,29 @@ class ModelInfo(object):
             return self._tab.Get(flatbuffers.number_types.Uint32Flags, o + self._tab.Pos)
         return 0
 
+    # ModelInfo
+    def ComputeDtype(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # ModelInfo
+    def Compute(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
+    # ModelInfo
+    def Kernels(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            return self._tab.String(o + self._tab.Pos)
+        return None
+
 def ModelInfoStart(builder):
-    builder.StartObject(5)
+    builder.StartObject(8)
 
 def ModelInfoAddName(builder, name):
     builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(name), 0)
@@ -602,6 +623,15 @@ def ModelInfoAddContextLength(builder, contextLength):
 
 def ModelInfoAddVocabSize(builder, vocabSize):
     builder.PrependUint32Slot(4, vocabSize, 0)
+
+def ModelInfoAddComputeDtype(builder, computeDtype):
+    builder.PrependUOffsetTRelativeSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(computeDtype), 0)
+
+def ModelInfoAddCompute(builder, compute):
+    builder.PrependUOffsetTRelativeSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(compute), 0)
+
+def ModelInfoAddKernels(builder, kernels):
+    builder.PrependUOffsetTRelativeSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(kernels), 0)
 
 def ModelInfoEnd(builder):
     return builder.EndObject()

@@ -68,6 +68,18 @@ SEEDS = [
     c.encode_generate_request(c.GenerateRequest(prompt_token_ids=list(range(40)), model="m")),
     c.encode_token_chunk("r", 3, [], "", "error", 0, None, c.ErrorInfo(13, "boom", "x")),
     c.encode_info_request(),
+    c.encode_model_info(
+        c.ModelInfo(
+            "SmolLM2-135M-Instruct",
+            "bf16",
+            "SmolLM2@ab12:bf16",
+            8192,
+            49152,
+            compute_dtype="fp32",
+            compute="bf16 weights computed in fp32 (✓)",
+            kernels="torch",
+        )
+    ),
 ]
 # Chunks in the fixed layout the server writes: ttft set or null, text lengths 0-4 mod 4 (every
 # padding), multi-byte UTF-8, no tokens, the largest scalars.
