@@ -3,6 +3,11 @@
 Each `bench/bench_<area>.py` has `main(quick: bool) -> str` returning a Markdown section that
 states the machine, the command and the peer it compares against; the section is also kept in
 `bench/results/<area>.md` so one area can be rerun without losing the others.
+
+An area whose figures depend on the CPU's instruction sets (`BY_CPU_KIND = True` in its module:
+runtime, compute) keeps one section per CPU kind instead, `bench/results/<area>/<kind>.md`
+(bench.machine.cpu_kind: 'AVX2 (AMD EPYC)'); a run replaces only its own kind's section, and
+BENCHMARKS.md shows them all under the area's heading, each as '### <heading>: <kind>'.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import sys
 from pathlib import Path
 
 import bench
+from bench.machine import anchor, cpu_kind
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -26,6 +32,24 @@ def areas() -> list[str]:
         for m in pkgutil.iter_modules(bench.__path__)
         if m.name.startswith("bench_")
     )
+
+
+def _area_text(area: str) -> str | None:
+    """The area's section, or its heading over one section per CPU kind measured so far."""
+    kinds = sorted((RESULTS / area).glob("*.md"))
+    if not kinds:
+        flat = RESULTS / f"{area}.md"
+        return flat.read_text() if flat.exists() else None
+    sections = [k.read_text() for k in kinds]
+    headings = [s.partition("\n")[0].removeprefix("### ") for s in sections]
+    title = headings[0].rpartition(": ")[0]
+    index = "".join(f"- [{h.rpartition(': ')[2]}](#{anchor(h)})\n" for h in headings)
+    intro = (
+        f"## {title}\n\nOne section per kind of CPU (the instruction sets the kernels are chosen "
+        f"by, then the CPU's name): speed does not carry over between them. `python -m bench "
+        f"{area}` replaces only the section of the CPU it runs on.\n\n{index}\n"
+    )
+    return intro + "\n".join(sections)
 
 
 def main() -> None:
@@ -43,10 +67,21 @@ def main() -> None:
             subprocess.run(cmd, check=True)
             continue
         mod = importlib.import_module(f"bench.bench_{area}")
-        section = mod.main(quick=args.quick)
-        (RESULTS / f"{area}.md").write_text(section.rstrip() + "\n")
+        section = mod.main(quick=args.quick).rstrip() + "\n"
+        path = RESULTS / f"{area}.md"
+        if getattr(mod, "BY_CPU_KIND", False):
+            title, _, rest = section.partition("\n")
+            section = f"#{title}: {cpu_kind()}\n{rest}"  # '## T' -> '### T: AVX2 (AMD EPYC)'
+            path = RESULTS / area / f"{anchor(cpu_kind())}.md"
+            path.parent.mkdir(exist_ok=True)
+        path.write_text(section)
         print(section)
-    parts = [(RESULTS / f"{a}.md").read_text() for a in areas() if (RESULTS / f"{a}.md").exists()]
+    write_benchmarks()
+
+
+def write_benchmarks() -> None:
+    """BENCHMARKS.md from bench/results, as they are."""
+    parts = [p for p in map(_area_text, areas()) if p is not None]
     header = (
         "# Benchmarks\n\nWritten by `make bench` (`python -m bench [AREA...]`); each section "
         "names the machine, the exact command and the peer it is compared with.\n\n"

@@ -11,7 +11,8 @@ pydoc_data/topics.py into an empty cache, a new slice of the text each round (th
 cache would otherwise serve it). Rounds interleave every variant (ours, llama.cpp, ours, ...), so
 drift in a shared machine's load hits all alike; figures are medians over the rounds.
 
-`python -m bench runtime` (add --quick for a smoke run: fewer tokens, one round).
+`python -m bench runtime` (add --quick for a smoke run: fewer tokens, one round). The section is
+kept per CPU kind (BY_CPU_KIND): a run on an AVX2 CPU does not replace an AVX-512 one's figures.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from model_runtime.gguf_loader import default_gguf_path
 from model_runtime.loader import load
 from model_runtime.perplexity import perplexity, stdlib_text
 
+BY_CPU_KIND = True  # bench/__main__.py: one section per CPU kind
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 SPECULATE_K = 4  # draft tokens per step when the Engine speculates by prompt lookup
 GOALS = {  # issue 13's goals: ratio -> the least it should be
@@ -385,16 +387,18 @@ def main(quick: bool) -> str:
         "int4 guard-off": load(precision="int4", nonfinite_guard=False),
         "bf16": load(precision="bf16"),
     }
+    # Which build of the native kernels ran (if any) is what kernels.choose says at load: the
+    # bench names no instruction set of its own.
     kernel_line = (
-        "int4 and int8 layers: native kernels (model_runtime/kernels, bit-identical to torch's "
-        "AVX-512 int4pack/int8pack kernels; torch's measured beside them)."
-        if kernels.applies()
-        else f"int4 and int8 layers: torch's kernels ({kernels.why_not()})."
+        f"Compute chosen at load for this CPU (`kernels.choose`): int4 model: "
+        f"{models['int4'].info.compute}; bf16 model: {models['bf16'].info.compute} "
+        "(`python -m bench compute`: both choices with and without native bf16 matmuls)."
     )
     kernel_line += (
-        f" Compute chosen at load for this CPU: {models['int4'].info.compute}; bf16 model: "
-        f"{models['bf16'].info.compute} (`python -m bench compute`: both choices with and "
-        "without native bf16 matmuls)."
+        " The same int4 model on torch's int4/int8 kernels (MESHLM_INT4_KERNEL=torch) is "
+        "measured beside the native ones in every round."
+        if kernels.applies()
+        else f" No native int4/int8 kernels here: {kernels.why_not()}."
     )
     if kernels.applies():  # the same model on torch's kernels, for the A/B in one run
         os.environ["MESHLM_INT4_KERNEL"] = "torch"

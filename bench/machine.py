@@ -45,3 +45,34 @@ def cpu_flags() -> dict[str, bool]:
 def describe_flags() -> str:
     """'avx2 yes, avx512f yes, ..., amx_int8 no' for a benchmark's header."""
     return ", ".join(f"{f} {'yes' if ok else 'no'}" for f, ok in cpu_flags().items())
+
+
+def _cpu_name() -> str:
+    """'Intel Xeon', 'AMD EPYC': the model name's first two words, without (R)/(TM)."""
+    name = _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    for mark in ("(R)", "(r)", "(TM)", "(tm)"):
+        name = name.replace(mark, " ")
+    return " ".join(name.split()[:2])
+
+
+def cpu_kind() -> str:
+    """This CPU's kind as benchmark sections are keyed: the instruction sets the runtime's and
+    llama.cpp's kernels are chosen by, then the CPU's name. 'AVX-512 + AMX (Intel Xeon)',
+    'AVX2 (AMD EPYC)'. A section measured on one kind never replaces another kind's."""
+    have = cpu_flags()
+    if have["avx512f"]:
+        isa = "AVX-512 + AMX" if have["amx_tile"] else "AVX-512"
+        if have["avx512_bf16"] and not have["amx_tile"]:
+            isa += " + BF16"
+    elif have["avx2"]:
+        isa = "AVX2"
+    else:
+        isa = f"{platform.machine()} without AVX2"
+    return f"{isa} ({_cpu_name()})"
+
+
+def anchor(heading: str) -> str:
+    """The fragment GitHub gives a Markdown heading: lower case, punctuation other than '-' and
+    '_' dropped, each space a '-' ('AVX-512 + AMX' -> 'avx-512--amx')."""
+    kept = "".join(c for c in heading.lower() if c.isalnum() or c in "-_ ")
+    return kept.replace(" ", "-")
