@@ -167,7 +167,8 @@ class Caller(CallerBase):
         self.close()
 
     def info(self, *, timeout: float | None = 10.0, metadata: Metadata = ()) -> ModelInfo:
-        """The served model's name, precision, version and context length."""
+        """The served model: name, precision, version, context length, and what it computes in
+        on its CPU (compute_dtype, compute, kernels)."""
         try:
             return self.client.info(timeout=timeout, metadata=metadata)
         except grpc.RpcError as e:
