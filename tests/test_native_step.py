@@ -30,13 +30,23 @@ def int4(smollm_int4):
 
 
 @contextlib.contextmanager
-def torch_ops(model):
-    """The model's own decode path for a while (restored after)."""
-    saved, model.native_step = model.native_step, None
+def decode_path(model, path):
+    """`model.native_step = path` for a while (restored after)."""
+    saved, model.native_step = model.native_step, path
     try:
         yield
     finally:
         model.native_step = saved
+
+
+def torch_ops(model):
+    """The model's own decode path for a while."""
+    return decode_path(model, None)
+
+
+def undecided(model):
+    """As load() leaves a model: the decode path chosen at its first decode step."""
+    return decode_path(model, "auto")
 
 
 def _prefilled(lm, prompts: list[list[int]], per_seq: int = 16):
@@ -55,7 +65,10 @@ def _prefilled(lm, prompts: list[list[int]], per_seq: int = 16):
 @torch.inference_mode()
 def test_int4_decodes_natively_by_default_and_the_switch_turns_it_off(int4, monkeypatch):
     ids = int4.tokenizer.encode_chat(STORY)
-    lm = copy.deepcopy(int4)  # a private copy decides for itself at its first decode step
+    # a private copy, as load() leaves a model: it decides for itself at its first decode step
+    # (the shared model may have decided already, in an earlier test)
+    with undecided(int4.model):
+        lm = copy.deepcopy(int4)
     assert lm.model.native_step == "auto"
     generate.greedy(lm, [ids], 3)
     if native_step.why_not(lm.model) is None:
@@ -63,7 +76,8 @@ def test_int4_decodes_natively_by_default_and_the_switch_turns_it_off(int4, monk
     else:  # another CPU: torch's ops, and the reason is given
         assert lm.model.native_step is None
     monkeypatch.setenv("MESHLM_NATIVE_STEP", "0")
-    off = copy.deepcopy(int4)
+    with undecided(int4.model):
+        off = copy.deepcopy(int4)
     generate.greedy(off, [ids], 3)
     assert off.model.native_step is None
     assert native_step.why_not(off.model) == "MESHLM_NATIVE_STEP=0"
