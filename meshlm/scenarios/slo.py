@@ -4,8 +4,10 @@ after a load step, then undoes what it did once the step is over, without flappi
 One int4 replica behind its sidecar; a high-priority tenant (gold) and a low-priority one (free)
 at a base load. The TTFT p99 SLO is set from the base load's own TTFT p99 on this machine
 (BASE_FACTOR times the median of three intervals' p99, at least BASE_FLOOR_MS) and applied
-with `meshlm apply`'s API after the mesh is up: the loop picks up a block applied later. Then
-free floods (inside its rate limit) for STEP_INTERVALS intervals: the runtime-wide TTFT p99
+with `meshlm apply`'s API after the mesh is up: the loop picks up a block applied later. Free
+asks for stories as long as make its step STEP_LOAD times the replica's decode capacity, which
+`decode_capacity` measures first (CPUs differ 3x). Then free floods (inside its rate limit) for
+STEP_INTERVALS intervals: the runtime-wide TTFT p99
 breaches the SLO; after `intervals` breached intervals the loop sheds free at the sidecars (a
 quarter of its rate), then scales out (`--scaler local`: another `meshlm serve` and its
 sidecar, added by EDS) if that was not enough. The step ends; after `recover_intervals` met
@@ -47,10 +49,17 @@ SERVE_ARGS = ["--precision", "int4", "--max-batch", "4", "--max-queue", "4",
               "--metrics-window", f"{INTERVAL_S:g}"]  # fmt: skip
 KEYS = {"gold": "demo-gold-key-slo", "free": "demo-free-key-slo"}
 GOLD_RATE, GOLD_TOKENS = 1.0, 4
-# Shed, free keeps a quarter of its limit: its base rate, so what remains is the base load.
-# The step asks 3 x 192 tokens/s, well over what 4 slots decode here (native decode step: ~250
-# tokens/s on 2 loaded cores; 48-token answers stopped overloading it once decode got 2x faster)
-FREE_BASE_RATE, FREE_STEP_RATE, FREE_TOKENS = 0.5, 3.0, 192
+# Free asks for stories (answers run to max_new_tokens), as many tokens each as make the step
+# offer STEP_LOAD times what the replica's 4 slots decode on this machine, measured before the
+# traffic starts: a fixed length overloaded one CPU's replica at the base load and left
+# another's unloaded by the step (the same 2 cores decode int4 3x faster with AVX-512 kernels).
+# Shed, free keeps a quarter of its limit (0.75/s): about half the capacity, so shedding
+# restores the SLO, and the base load (0.5/s) uses a third of it.
+FREE_BASE_RATE, FREE_STEP_RATE, STEP_LOAD = 0.5, 3.0, 2.0
+FREE_PROMPTS = tuple(
+    f"Write a long story about {x}." for x in ("a dragon", "the sea", "a robot", "a city")
+)
+FREE_TOKENS_RANGE = (16, 256)
 RATE_LIMITS = {
     "gold": {"max_tokens": 10, "tokens_per_fill": 5, "fill_interval": "1s"},
     # the flood stays inside it: only the loop's shed (a quarter) refuses free's calls
@@ -97,8 +106,12 @@ def scenario(workdir: Path | None, act: bool, say: Any) -> dict[str, Any]:
     watch = Watch(mesh)
     with running(mesh, say) as stops:
         stops.callback(watch.stop)
+        capacity = decode_capacity(mesh)
+        free_tokens = round(STEP_LOAD * capacity / FREE_STEP_RATE)
+        free_tokens = min(max(free_tokens, FREE_TOKENS_RANGE[0]), FREE_TOKENS_RANGE[1])
+        say(f"the replica decodes {capacity:.0f} tokens/s in 4 slots: free asks {free_tokens}")
         gold = _traffic(mesh, "gold", GOLD_RATE, GOLD_TOKENS)
-        free = _traffic(mesh, "free", FREE_BASE_RATE, FREE_TOKENS)
+        free = _traffic(mesh, "free", FREE_BASE_RATE, free_tokens)
         stops.callback(gold.stop)
         stops.callback(free.stop)
         time.sleep(INTERVAL_S)  # warm-up
@@ -118,7 +131,7 @@ def scenario(workdir: Path | None, act: bool, say: Any) -> dict[str, Any]:
         watch.start()
         time.sleep(2 * INTERVAL_S)
         t_step = time.monotonic()
-        flood = _traffic(mesh, "free", FREE_STEP_RATE, FREE_TOKENS)
+        flood = _traffic(mesh, "free", FREE_STEP_RATE, free_tokens)
         stops.callback(flood.stop)
         say(f"load step: free floods at {FREE_STEP_RATE:g}/s for {STEP_INTERVALS} intervals")
         time.sleep(STEP_INTERVALS * INTERVAL_S)
@@ -144,7 +157,8 @@ def scenario(workdir: Path | None, act: bool, say: Any) -> dict[str, Any]:
         "scenario": "slo",
         "workdir": str(mesh.workdir),
         "loop_acts": act,
-        "traffic": _traffic_doc(),
+        "capacity_tokens_per_s": round(capacity, 1),
+        "traffic": _traffic_doc(free_tokens),
         "base_ttft_p99_ms": round(base_p99, 1),
         "slo_ttft_p99_ms": slo_ms,
         "slo": block | {"deviation_fraction": status["slo"]["deviation"]},
@@ -252,11 +266,11 @@ class Watch:
         return rows
 
 
-def _traffic_doc() -> dict[str, Any]:
+def _traffic_doc(free_tokens: int) -> dict[str, Any]:
     return {
         "gold": {"rate_per_s": GOLD_RATE, "max_new_tokens": GOLD_TOKENS, "priority": "high"},
         "free": {"base_rate_per_s": FREE_BASE_RATE, "step_rate_per_s": FREE_STEP_RATE,
-                 "max_new_tokens": FREE_TOKENS, "priority": "low"},
+                 "max_new_tokens": free_tokens, "step_load": STEP_LOAD, "priority": "low"},
         "rate_limits": RATE_LIMITS,
         "serve_args": SERVE_ARGS,
         "step_s": STEP_INTERVALS * INTERVAL_S,
@@ -296,6 +310,28 @@ def _runtime_ttft_p99(mesh: Any) -> float:
     return float(p99)
 
 
+def decode_capacity(mesh: Any, tokens: int = 48) -> float:
+    """Tokens/s the replica decodes with its 4 slots full: 4 stories at once, straight to the
+    runtime (no tenant's rate limit), after one that warms it; wall time of the batch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from model_runtime.client import generate
+
+    rt = next(iter(mesh.runtimes.values()))
+
+    def story(n: int) -> int:
+        chat = [{"role": "user", "content": FREE_PROMPTS[n % len(FREE_PROMPTS)]}]
+        chunks = generate(f"127.0.0.1:{rt.port}", messages=chat, max_new_tokens=tokens,
+                          timeout=120, mirror=False)  # fmt: skip
+        return sum(len(c.token_ids) for c in chunks)
+
+    story(0)
+    with ThreadPoolExecutor(4) as pool:
+        t0 = time.monotonic()
+        n = sum(pool.map(story, range(4)))
+        return n / (time.monotonic() - t0)
+
+
 def _local_mesh(workdir: Path | None) -> Any:
     from meshlm.launcher import SERVICE, LocalMesh, scenario_mesh
     from wasm_filters.policy import hash_key
@@ -316,9 +352,10 @@ def _local_mesh(workdir: Path | None) -> Any:
 
 def _traffic(mesh: Any, tenant: str, rate: float, tokens: int) -> Any:
     from meshlm.launcher import SERVICE
-    from meshlm.traffic import TenantLoad, Traffic
+    from meshlm.traffic import PROMPTS, TenantLoad, Traffic
 
-    load = TenantLoad(tenant, KEYS[tenant], rate=rate)
+    prompts = FREE_PROMPTS if tenant == "free" else PROMPTS
+    load = TenantLoad(tenant, KEYS[tenant], rate=rate, prompts=prompts)
     return Traffic(
         mesh.caller_target, [load], authority=SERVICE, max_new_tokens=tokens, resume=False
     ).start()
