@@ -1,4 +1,6 @@
-// Quantized matmuls for the int4 model on AVX-512 CPUs, bit-identical to torch's kernels.
+// Quantized matmuls for the int4 model, bit-identical to torch's AVX-512 kernels. Written against
+// simd.h's 16-lane vectors: one source, built for AVX-512 (libqmm.so) and for AVX2 + FMA
+// (libqmm_avx2.so) with the same arithmetic, so both builds give the same bits.
 //
 // int4mm_bf16: y[M, N] = x[M, K] @ W.T for int4 weights in groups of 32 along K (w = (q - 8) * scale + zero),
 // x and y bfloat16: the same arithmetic as torch's AVX-512 `_weight_int4pack_mm_for_cpu`, so the
@@ -14,10 +16,11 @@
 // column c's code at k = 2i in the low nibble, k = 2i + 1 in the high one), then scales and
 // zeros [N / 64][K / 32][2][64] bf16.
 
-#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "simd.h"
 
 #define GROUP 32
 #define PANEL 16
@@ -33,29 +36,21 @@ typedef struct {
     uint16_t *y;  // [rows, N] bf16, row stride N
 } job_t;
 
-static inline __m512 bf16x16_to_f32(const uint16_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// fp32 -> bf16, round to nearest even (NaN kept quiet), as torch's cvtfp32_bf16
-static inline __m256i f32x16_to_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xffff0000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+// fp32 -> bf16, round to nearest even (NaN: 0x7fc0)
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
 // One block: R rows x C panels, panels [p0, p0 + C).
-#define DEFINE_BLOCK(R, C)                                                                        \
-    static void block_##R##_##C(const job_t *j, int p0) {                                        \
+#define DEFINE_BLOCK(NAME, R, C)                                                                  \
+    static void NAME(const job_t *j, int p0) {                                                    \
         const int K = j->K, KG = K / GROUP;                                                       \
-        const __m512 lut = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8); \
-        __m512 acc[R][C];                                                                         \
+        vf acc[R][C];                                                                             \
         for (int r = 0; r < R; r++)                                                               \
-            for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                          \
+            for (int c = 0; c < C; c++) acc[r][c] = vf_zero();                                    \
         const uint8_t *cp[C];                                                                     \
         const uint16_t *sp[C];                                                                    \
         for (int c = 0; c < C; c++) {                                                             \
@@ -64,58 +59,75 @@ static inline __m256i f32x16_to_bf16(__m512 v) {
             sp[c] = j->sz + (size_t)blk * KG * 2 * BLOCK + sub * PANEL;                           \
         }                                                                                         \
         for (int g = 0; g < KG; g++) {                                                            \
-            __m512 s[C], z[C];                                                                    \
+            vf s[C], z[C];                                                                        \
             for (int c = 0; c < C; c++) {                                                         \
-                s[c] = bf16x16_to_f32(sp[c] + g * 2 * BLOCK);                                     \
-                z[c] = bf16x16_to_f32(sp[c] + g * 2 * BLOCK + BLOCK);                             \
+                s[c] = vf_load_bf16(sp[c] + g * 2 * BLOCK);                                       \
+                z[c] = vf_load_bf16(sp[c] + g * 2 * BLOCK + BLOCK);                               \
             }                                                                                     \
             for (int kk = 0; kk < GROUP; kk += 2) {                                               \
                 const int k = g * GROUP + kk;                                                     \
                 _mm_prefetch((const char *)(cp[0] + (size_t)(k / 2 + PREFETCH) * BLOCK), _MM_HINT_T0); \
                 for (int c = 0; c < C; c++) {                                                     \
-                    __m128i b8 = _mm_loadu_si128((const __m128i *)(cp[c] + (size_t)(k / 2) * BLOCK)); \
-                    __m512i b = _mm512_cvtepu8_epi32(b8);                                         \
-                    __m512 w0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(b, lut), s[c], z[c]);       \
-                    __m512 w1 = _mm512_fmadd_ps(                                                  \
-                        _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), s[c], z[c]);         \
+                    vu b = vu_load_u8(cp[c] + (size_t)(k / 2) * BLOCK);                           \
+                    vf w0 = vf_fma(vf_nibble_lo(b), s[c], z[c]);                                  \
+                    vf w1 = vf_fma(vf_nibble_hi(b), s[c], z[c]);                                  \
                     for (int r = 0; r < R; r++)                                                   \
-                        acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(j->x[r * K + k]), w0, acc[r][c]); \
+                        acc[r][c] = vf_fma(vf_set1(j->x[r * K + k]), w0, acc[r][c]);              \
                     for (int r = 0; r < R; r++)                                                   \
-                        acc[r][c] =                                                               \
-                            _mm512_fmadd_ps(_mm512_set1_ps(j->x[r * K + k + 1]), w1, acc[r][c]);  \
+                        acc[r][c] = vf_fma(vf_set1(j->x[r * K + k + 1]), w1, acc[r][c]);          \
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
         for (int r = 0; r < R; r++)                                                               \
             for (int c = 0; c < C; c++)                                                           \
-                _mm256_storeu_si256((__m256i *)(j->y + (size_t)r * j->N + (p0 + c) * PANEL),      \
-                                    f32x16_to_bf16(acc[r][c]));                                   \
+                vf_store_bf16(j->y + (size_t)r * j->N + (p0 + c) * PANEL, acc[r][c], 0xffff0000); \
     }
 
-// C panels per block by rows: 16 accumulators at most, so they stay in registers
-DEFINE_BLOCK(1, 4)
-DEFINE_BLOCK(2, 4)
-DEFINE_BLOCK(3, 4)
-DEFINE_BLOCK(4, 4)
-DEFINE_BLOCK(5, 2)
-DEFINE_BLOCK(6, 2)
-DEFINE_BLOCK(7, 2)
-DEFINE_BLOCK(8, 2)
-DEFINE_BLOCK(1, 1)
-DEFINE_BLOCK(2, 1)
-DEFINE_BLOCK(3, 1)
-DEFINE_BLOCK(4, 1)
-DEFINE_BLOCK(5, 1)
-DEFINE_BLOCK(6, 1)
-DEFINE_BLOCK(7, 1)
-DEFINE_BLOCK(8, 1)
+// Panels per block (int4) and outputs per call (int8) by rows, so that the accumulators stay in
+// registers: 16 at most of AVX-512's 32; on AVX2 a vector takes 2 of its 16 registers.
+#if defined(W1)  // -DW1=.. -DW8=..: to try others
+#elif defined(__AVX512F__)
+#define W1 4
+#define W2 4
+#define W3 4
+#define W4 4
+#define W5 2
+#define W6 2
+#define W7 2
+#define W8 2
+#else
+#define W1 2
+#define W2 2
+#define W3 2
+#define W4 2
+#define W5 1
+#define W6 1
+#define W7 1
+#define W8 1
+#endif
+DEFINE_BLOCK(wide_1, 1, W1)
+DEFINE_BLOCK(wide_2, 2, W2)
+DEFINE_BLOCK(wide_3, 3, W3)
+DEFINE_BLOCK(wide_4, 4, W4)
+DEFINE_BLOCK(wide_5, 5, W5)
+DEFINE_BLOCK(wide_6, 6, W6)
+DEFINE_BLOCK(wide_7, 7, W7)
+DEFINE_BLOCK(wide_8, 8, W8)
+DEFINE_BLOCK(one_1, 1, 1)
+DEFINE_BLOCK(one_2, 2, 1)
+DEFINE_BLOCK(one_3, 3, 1)
+DEFINE_BLOCK(one_4, 4, 1)
+DEFINE_BLOCK(one_5, 5, 1)
+DEFINE_BLOCK(one_6, 6, 1)
+DEFINE_BLOCK(one_7, 7, 1)
+DEFINE_BLOCK(one_8, 8, 1)
 
 typedef void (*block_fn)(const job_t *, int);
-static const block_fn WIDE[MAX_ROWS + 1] = {0, block_1_4, block_2_4, block_3_4, block_4_4,
-                                            block_5_2, block_6_2, block_7_2, block_8_2};
-static const int WIDTH[MAX_ROWS + 1] = {0, 4, 4, 4, 4, 2, 2, 2, 2};
-static const block_fn ONE[MAX_ROWS + 1] = {0, block_1_1, block_2_1, block_3_1, block_4_1,
-                                           block_5_1, block_6_1, block_7_1, block_8_1};
+static const block_fn WIDE[MAX_ROWS + 1] = {0,      wide_1, wide_2, wide_3, wide_4,
+                                            wide_5, wide_6, wide_7, wide_8};
+static const int WIDTH[MAX_ROWS + 1] = {0, W1, W2, W3, W4, W5, W6, W7, W8};
+static const block_fn ONE[MAX_ROWS + 1] = {0, one_1, one_2, one_3, one_4,
+                                           one_5, one_6, one_7, one_8};
 
 // One call: x widened, the weights, and `run` for output columns [a, b) of every row.
 typedef struct call {
@@ -144,96 +156,57 @@ static void int4_columns(const call_t *c, int a, int b) {
 // k = l, l + 16, ... of x * (float(q) * scale), the lanes summed as a tree (256-bit halves,
 // 128-bit halves, then pairs: GCC's _mm512_reduce_add_ps, which torch is built with), rounded to
 // bf16. Up to 8 rows share each widened weight vector. The trees of 16 outputs of a row run side
-// by side (reduce16x16): the same additions of the same pairs, 45 instructions instead of ~200.
-static inline float reduce16(__m512 v) {
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    q = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
-    return _mm_cvtss_f32(q) + _mm_cvtss_f32(_mm_shuffle_ps(q, q, _MM_SHUFFLE(3, 2, 0, 1)));
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) return 0x7fc0;
-    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-
-// lane j = the tree sum of v[j]'s 16 lanes. The network leaves the sum of its input i in lane
-// 4 (i % 4) + i / 4, so the inputs go in transposed.
-static inline __m512 reduce16x16(const __m512 *v) {
-    __m512 t[8], u[4], w[2];
-    for (int p = 0; p < 8; p++) {  // 256-bit halves: lane i + lane i + 8
-        const int i = 2 * p, j = 2 * p + 1;
-        __m512 a = v[(i % 4) * 4 + i / 4], b = v[(j % 4) * 4 + j / 4];
-        t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
-    }
-    for (int k = 0; k < 4; k++)  // 128-bit halves
-        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0x88),
-                             _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0xdd));
-    for (int m = 0; m < 2; m++)  // (q0 + q2, q1 + q3)
-        w[m] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0x44),
-                             _mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0xee));
-    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xdd));
-}
+// by side (vf_sums16): the same additions of the same pairs, 45 instructions instead of ~200.
 
 // R rows x C outputs from n0: the 16-lane accumulators into acc[r * 16 + n0 % 16 + i]
-#define DEFINE_INT8(R, C)                                                                         \
-    static void int8_##R##_##C(const call_t *c, int m0, int n0, __m512 *out) {                    \
+#define DEFINE_INT8(NAME, R, C)                                                                   \
+    static void NAME(const call_t *c, int m0, int n0, vf *out) {                                  \
         const int K = c->K;                                                                       \
         const float *x = c->x + (size_t)m0 * K;                                                   \
         const int8_t *q = (const int8_t *)c->codes + (size_t)n0 * K;                              \
-        __m512 acc[R][C], s[C];                                                                   \
+        vf acc[R][C], s[C];                                                                       \
         for (int i = 0; i < C; i++) {                                                             \
             uint32_t u = (uint32_t)c->sz[n0 + i] << 16;                                           \
             float f;                                                                              \
             memcpy(&f, &u, 4);                                                                    \
-            s[i] = _mm512_set1_ps(f);                                                             \
+            s[i] = vf_set1(f);                                                                    \
         }                                                                                         \
         for (int r = 0; r < R; r++)                                                               \
-            for (int i = 0; i < C; i++) acc[r][i] = _mm512_setzero_ps();                          \
+            for (int i = 0; i < C; i++) acc[r][i] = vf_zero();                                    \
         for (int k = 0; k < K; k += 16) {                                                         \
             for (int i = 0; i < C; i++) {                                                         \
-                __m128i b8 = _mm_loadu_si128((const __m128i *)(q + (size_t)i * K + k));           \
-                __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b8)), s[i]);     \
+                vf w = vf_mul(vf_load_i8(q + (size_t)i * K + k), s[i]);                           \
                 for (int r = 0; r < R; r++)                                                       \
-                    acc[r][i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)r * K + k), w,        \
-                                                acc[r][i]);                                       \
+                    acc[r][i] = vf_fma(vf_load(x + (size_t)r * K + k), w, acc[r][i]);             \
             }                                                                                     \
         }                                                                                         \
         for (int r = 0; r < R; r++)                                                               \
             for (int i = 0; i < C; i++) out[r * 16 + n0 % 16 + i] = acc[r][i];                    \
     }
 
-DEFINE_INT8(1, 4)
-DEFINE_INT8(2, 4)
-DEFINE_INT8(3, 4)
-DEFINE_INT8(4, 4)
-DEFINE_INT8(5, 2)
-DEFINE_INT8(6, 2)
-DEFINE_INT8(7, 2)
-DEFINE_INT8(8, 2)
+DEFINE_INT8(int8_1, 1, W1)
+DEFINE_INT8(int8_2, 2, W2)
+DEFINE_INT8(int8_3, 3, W3)
+DEFINE_INT8(int8_4, 4, W4)
+DEFINE_INT8(int8_5, 5, W5)
+DEFINE_INT8(int8_6, 6, W6)
+DEFINE_INT8(int8_7, 7, W7)
+DEFINE_INT8(int8_8, 8, W8)
 
-typedef void (*int8_fn)(const call_t *, int, int, __m512 *);
-static const int8_fn INT8[MAX_ROWS + 1] = {0, int8_1_4, int8_2_4, int8_3_4, int8_4_4,
-                                           int8_5_2, int8_6_2, int8_7_2, int8_8_2};
+typedef void (*int8_fn)(const call_t *, int, int, vf *);
+static const int8_fn INT8[MAX_ROWS + 1] = {0,      int8_1, int8_2, int8_3, int8_4,
+                                           int8_5, int8_6, int8_7, int8_8};
 
 static void int8_columns(const call_t *c, int a, int b) {
-    __m512 acc[MAX_ROWS * 16];
+    vf acc[MAX_ROWS * 16];
     for (int m0 = 0; m0 < c->M; m0 += MAX_ROWS) {
         int rows = c->M - m0 < MAX_ROWS ? c->M - m0 : MAX_ROWS;
         for (int n16 = a; n16 < b; n16 += 16) {
             for (int n = n16; n < n16 + 16; n += WIDTH[rows]) INT8[rows](c, m0, n, acc);
             for (int r = 0; r < rows; r++) {
-                __m512 sum = reduce16x16(acc + r * 16);
-                __m512i u = _mm512_castps_si512(sum);
-                __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-                u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-                __mmask16 nan = _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q);
-                u = _mm512_mask_mov_epi32(u, nan, _mm512_set1_epi32(0x7fc00000));  // as f32_to_bf16
-                _mm256_storeu_si256((__m256i *)(c->y + (size_t)(m0 + r) * c->N + n16),
-                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+                // NaN as f32_to_bf16
+                vf_store_bf16(c->y + (size_t)(m0 + r) * c->N + n16, vf_sums16(acc + r * 16),
+                              0x7fc00000);
             }
         }
     }
@@ -273,7 +246,7 @@ static int run_call(call_t *c, const uint16_t *x, int threads) {
     float *xf = (float *)malloc((size_t)c->M * c->K * sizeof(float));
     if (!xf) return -1;
     size_t n = (size_t)c->M * c->K, i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(xf + i, bf16x16_to_f32(x + i));
+    for (; i + 16 <= n; i += 16) vf_store(xf + i, vf_load_bf16(x + i));
     for (; i < n; i++) {
         uint32_t u = (uint32_t)x[i] << 16;
         memcpy(xf + i, &u, 4);

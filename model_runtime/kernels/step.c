@@ -87,13 +87,13 @@ static void barrier(int n) {
 
 // y = bf16(x * rsqrt(mean(x^2) + eps) * w) in fp32, as torch's rms_norm on bf16
 static void rms_norm(const float *x, const uint16_t *w, int d, float eps, float *y) {
-    __m512 acc = _mm512_setzero_ps();
+    vf acc = vf_zero();
     int i = 0;
     for (; i + 16 <= d; i += 16) {
-        __m512 v = _mm512_loadu_ps(x + i);
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+        vf v = vf_load(x + i);
+        acc = vf_add(acc, vf_mul(v, v));
     }
-    float ss = reduce16(acc);
+    float ss = vf_sum(acc);
     for (; i < d; i++) ss += x[i] * x[i];
     float r = 1.0f / sqrtf(ss / (float)d + eps);
     for (i = 0; i < d; i++) y[i] = rnd(x[i] * r * bf(w[i]));
@@ -133,42 +133,26 @@ static void rope_and_store(const team_arg_t *t, int layer, int b) {
 }
 
 static inline float dot_bf16(const float *q, const uint16_t *k, int hd) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < hd; i += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), bf16x16_to_f32(k + i), acc);
-    return reduce16(acc);
+    vf acc = vf_zero();
+    for (int i = 0; i < hd; i += 16) acc = vf_fma(vf_load(q + i), vf_load_bf16(k + i), acc);
+    return vf_sum(acc);
 }
 
-// torch's Vectorized<float>::exp_u20 (AVX-512), which its flash attention uses for the softmax
-static inline __m512 exp_u20(__m512 x) {
-    const __m512 log2e = _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b));
-    const __m512 ln2 = _mm512_castsi512_ps(_mm512_set1_epi32(0x3f317218));
-    const __m512 lo = _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50));
-    const __m512 hi = _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218));
-    const __m512 one = _mm512_set1_ps(1.f);
-    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OS);
-    __m512 v = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-    __m512 fx = _mm512_fmadd_ps(v, log2e, _mm512_set1_ps(0.5f));
-    fx = _mm512_cvtepi32_ps(_mm512_cvt_roundps_epi32(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
-    __m512 r = _mm512_fnmadd_ps(fx, ln2, v);
-    __m512 y = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
-    y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.166676521f));
-    y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.499991506f));
-    y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.999999701f));
-    y = _mm512_fmadd_ps(r, y, one);
-    __m512i n = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_sub_ps(fx, one)), _mm512_set1_epi32(127));
-    __m512 p2 = _mm512_castsi512_ps(_mm512_slli_epi32(n, 23));
-    p2 = _mm512_mask_blend_ps(tiny, p2, _mm512_setzero_ps());
-    return _mm512_mul_ps(_mm512_mul_ps(y, p2), _mm512_set1_ps(2.f));
-}
-
-// torch's vec_reduce_all on 16 lanes: lane i with i ^ 8, then ^ 4, ^ 2, ^ 1
-static inline float reduce_all16(__m512 v) {
-    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
-    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
-    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0x4E));
-    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
-    return _mm512_cvtss_f32(v);
+// torch's Vectorized<float>::exp_u20 (AVX-512 and AVX2 alike), which its flash attention uses
+// for the softmax
+static inline vf exp_u20(vf x) {
+    const vf log2e = vf_bits(0x3fb8aa3b), ln2 = vf_bits(0x3f317218);
+    const vf lo = vf_bits(0xc2aeac50), hi = vf_bits(0x42b17218), one = vf_set1(1.f);
+    vf v = vf_max(vf_min(x, hi), lo);
+    vf fx = vf_floor(vf_fma(v, log2e, vf_set1(0.5f)));
+    vf r = vf_fnma(fx, ln2, v);
+    vf y = vf_fma(r, vf_set1(0.00828929059f), vf_set1(0.0418978221f));
+    y = vf_fma(r, y, vf_set1(0.166676521f));
+    y = vf_fma(r, y, vf_set1(0.499991506f));
+    y = vf_fma(r, y, vf_set1(0.999999701f));
+    y = vf_fma(r, y, one);
+    vf p2 = vf_zero_where_lt(vf_exp2i(vf_sub(fx, one)), x, lo);
+    return vf_mul(vf_mul(y, p2), vf_set1(2.f));
 }
 
 // one (row, head): out = softmax(q k^T / sqrt(hd) + mask) v over the row's attended slots
@@ -184,8 +168,8 @@ static void attend(const team_arg_t *t, int layer, int b, int h, float *scratch)
     float *sc = scratch, *q = scratch + L;
     for (int i = 0; i < hd; i++) q[i] = bf(t->qkv[(size_t)b * width + h * hd + i]);
     const float scale = 1.0f / sqrtf((float)hd);
-    __m512 acc[8];  // head_dim <= 128
-    for (int i = 0; i < hd / 16; i++) acc[i] = _mm512_setzero_ps();
+    vf acc[8];  // head_dim <= 128
+    for (int i = 0; i < hd / 16; i++) acc[i] = vf_zero();
     float mx = -INFINITY, sum = 0.0f;
     int nan = 0;  // a NaN score makes the output NaN, as in torch (the guard must see it)
     for (int j0 = 0; j0 < L; j0 += KV_SPLIT) {
@@ -203,24 +187,22 @@ static void attend(const team_arg_t *t, int layer, int b, int h, float *scratch)
         float nm = bm > mx ? bm : mx;
         if (nm == -INFINITY) continue;
         float corr = mx == -INFINITY ? 0.0f : expf(mx - nm);
-        for (int i = 0; i < hd / 16; i++) acc[i] = _mm512_mul_ps(acc[i], _mm512_set1_ps(corr));
+        for (int i = 0; i < hd / 16; i++) acc[i] = vf_mul(acc[i], vf_set1(corr));
         // p = exp(s - max) 16 at a time (the scores' tail padded with -inf), summed per lane
-        __m512 lanes = _mm512_setzero_ps();
+        vf lanes = vf_zero();
         for (int j = j0; j < j1; j += 16) {
-            __m512 sv = _mm512_set1_ps(-INFINITY);
             int cnt = j1 - j < 16 ? j1 - j : 16;
-            sv = _mm512_mask_loadu_ps(sv, (__mmask16)((1u << cnt) - 1), sc + j);
-            __m512 p = exp_u20(_mm512_sub_ps(sv, _mm512_set1_ps(nm)));
-            lanes = _mm512_add_ps(lanes, p);
-            _mm512_mask_storeu_ps(sc + j, (__mmask16)((1u << cnt) - 1), p);
+            vf p = exp_u20(vf_sub(vf_load_n(sc + j, cnt, -INFINITY), vf_set1(nm)));
+            lanes = vf_add(lanes, p);
+            vf_store_n(sc + j, cnt, p);
         }
-        float bs = reduce_all16(lanes);
+        float bs = vf_sum_xor(lanes);
         for (int j = j0; j < j1; j++) {
             if (mask && !mask[j]) continue;
-            __m512 pv = _mm512_set1_ps(rnd(sc[j]));
+            vf pv = vf_set1(rnd(sc[j]));
             const uint16_t *v = base + (size_t)slots[j] * kvw + (size_t)(m->n_kv + g) * hd;
             for (int i = 0; i < hd / 16; i++)
-                acc[i] = _mm512_fmadd_ps(pv, bf16x16_to_f32(v + 16 * i), acc[i]);
+                acc[i] = vf_fma(pv, vf_load_bf16(v + 16 * i), acc[i]);
         }
         sum = sum * corr + bs;
         mx = nm;
@@ -228,8 +210,8 @@ static void attend(const team_arg_t *t, int layer, int b, int h, float *scratch)
     float inv = nan ? NAN : sum > 0.0f ? 1.0f / sum : 0.0f;
     float *out = t->xin + (size_t)b * m->n_heads * hd + h * hd;
     for (int i = 0; i < hd / 16; i++) {
-        __m512 v = _mm512_mul_ps(acc[i], _mm512_set1_ps(inv));
-        _mm256_storeu_si256((__m256i *)(q + 16 * i), f32x16_to_bf16(v));  // q is free now
+        // q is free now
+        vf_store_bf16((uint16_t *)(q + 16 * i), vf_mul(acc[i], vf_set1(inv)), 0xffff0000);
         for (int e = 0; e < 16; e++) out[16 * i + e] = bf(((uint16_t *)(q + 16 * i))[e]);
     }
 }

@@ -1,0 +1,285 @@
+// The few vector operations qmm.c and step.c use, on a 16-lane fp32 vector `vf`, for two
+// instruction sets chosen by the compiler's target: AVX-512 F/BW (one __m512) or AVX2 + FMA
+// (two __m256, masks emulated). One source, two builds (kernels/build.py): every operation
+// gives the same bits in both, lane by lane (the same IEEE fp32 operations, FMAs fused in both,
+// and the reductions add the same pairs in the same order), so the two builds compute the same
+// results.
+
+#ifndef MESHLM_SIMD_H
+#define MESHLM_SIMD_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+
+typedef __m512 vf;   // 16 x fp32
+typedef __m512i vu;  // 16 x uint32 (int4 code bytes)
+
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_set1(float f) { return _mm512_set1_ps(f); }
+static inline vf vf_bits(uint32_t u) { return _mm512_castsi512_ps(_mm512_set1_epi32((int)u)); }
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    // a b + c
+static inline vf vf_fnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b
+
+// lanes [0, n) from p, the others `fill`; and lanes [0, n) to p (0 < n <= 16)
+static inline vf vf_load_n(const float *p, int n, float fill) {
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), (__mmask16)((1u << n) - 1), p);
+}
+static inline void vf_store_n(float *p, int n, vf v) {
+    _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v);
+}
+
+// 16 bf16 widened exactly
+static inline vf vf_load_bf16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// fp32 -> 16 bf16 at p, round to nearest even (as torch's cvtfp32_bf16); a NaN lane becomes
+// the top half of `nan`
+static inline void vf_store_bf16(uint16_t *p, vf v, uint32_t nan) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    __mmask16 isnan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, isnan, _mm512_set1_epi32((int)nan));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+
+// 16 bytes, each zero-extended to a lane
+static inline vu vu_load_u8(const uint8_t *p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+
+// the low and the high 4 bits of each byte, q, as the float q - 8 (a table lookup on 4 bits)
+static inline vf vf_nibble_lo(vu b) {
+    const __m512 lut = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
+    return _mm512_permutexvar_ps(b, lut);
+}
+static inline vf vf_nibble_hi(vu b) { return vf_nibble_lo(_mm512_srli_epi32(b, 4)); }
+
+// 16 int8 as floats
+static inline vf vf_load_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+// floor(v) for |v| < 2^31
+static inline vf vf_floor(vf v) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+}
+
+// 2^n for integer-valued n with -127 < n < 128
+static inline vf vf_exp2i(vf n) {
+    __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+}
+
+// v, with +0 in the lanes where x < lo
+static inline vf vf_zero_where_lt(vf v, vf x, vf lo) {
+    __mmask16 m = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OS);
+    return _mm512_mask_blend_ps(m, v, _mm512_setzero_ps());
+}
+
+// The sum of the 16 lanes as a tree: 256-bit halves, 128-bit halves, then (q0 + q2) + (q1 + q3)
+// (GCC's _mm512_reduce_add_ps, which torch is built with)
+static inline float vf_sum(vf v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(q) + _mm_cvtss_f32(_mm_shuffle_ps(q, q, _MM_SHUFFLE(3, 2, 0, 1)));
+}
+
+// lane j = vf_sum(v[j]): the same additions of the same pairs, the 16 trees side by side. The
+// network leaves the sum of its input i in lane 4 (i % 4) + i / 4, so the inputs go in
+// transposed.
+static inline vf vf_sums16(const vf *v) {
+    __m512 t[8], u[4], w[2];
+    for (int p = 0; p < 8; p++) {  // 256-bit halves: lane i + lane i + 8
+        const int i = 2 * p, j = 2 * p + 1;
+        __m512 a = v[(i % 4) * 4 + i / 4], b = v[(j % 4) * 4 + j / 4];
+        t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+    }
+    for (int k = 0; k < 4; k++)  // 128-bit halves
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0xdd));
+    for (int m = 0; m < 2; m++)  // (q0 + q2, q1 + q3)
+        w[m] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * m], u[2 * m + 1], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xdd));
+}
+
+// torch's vec_reduce_all on 16 lanes: lane i with i ^ 8, then ^ 4, ^ 2, ^ 1
+static inline float vf_sum_xor(vf v) {
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0x4E));
+    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
+    return _mm512_cvtss_f32(v);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+// lanes 0-7 in lo, 8-15 in hi
+typedef struct {
+    __m256 lo, hi;
+} vf;
+typedef struct {
+    __m256i lo, hi;
+} vu;
+
+static inline vf vf_of(__m256 lo, __m256 hi) {
+    vf r = {lo, hi};
+    return r;
+}
+static inline vf vf_zero(void) { return vf_of(_mm256_setzero_ps(), _mm256_setzero_ps()); }
+static inline vf vf_set1(float f) { return vf_of(_mm256_set1_ps(f), _mm256_set1_ps(f)); }
+static inline vf vf_bits(uint32_t u) {
+    __m256 b = _mm256_castsi256_ps(_mm256_set1_epi32((int)u));
+    return vf_of(b, b);
+}
+static inline vf vf_load(const float *p) {
+    return vf_of(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+}
+static inline void vf_store(float *p, vf v) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+}
+#define VF_BINARY(name, op) \
+    static inline vf name(vf a, vf b) { return vf_of(op(a.lo, b.lo), op(a.hi, b.hi)); }
+VF_BINARY(vf_add, _mm256_add_ps)
+VF_BINARY(vf_sub, _mm256_sub_ps)
+VF_BINARY(vf_mul, _mm256_mul_ps)
+VF_BINARY(vf_min, _mm256_min_ps)
+VF_BINARY(vf_max, _mm256_max_ps)
+static inline vf vf_fma(vf a, vf b, vf c) {
+    return vf_of(_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi));
+}
+static inline vf vf_fnma(vf a, vf b, vf c) {
+    return vf_of(_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi));
+}
+
+// all ones in the lanes i < n
+static inline __m256i lanes_below(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline vf vf_load_n(const float *p, int n, float fill) {
+    __m256i m0 = lanes_below(n), m1 = lanes_below(n - 8);
+    __m256 f = _mm256_set1_ps(fill);
+    return vf_of(_mm256_blendv_ps(f, _mm256_maskload_ps(p, m0), _mm256_castsi256_ps(m0)),
+                 _mm256_blendv_ps(f, _mm256_maskload_ps(p + 8, m1), _mm256_castsi256_ps(m1)));
+}
+static inline void vf_store_n(float *p, int n, vf v) {
+    _mm256_maskstore_ps(p, lanes_below(n), v.lo);
+    _mm256_maskstore_ps(p + 8, lanes_below(n - 8), v.hi);
+}
+
+static inline __m256 bf16x8_to_f32(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline vf vf_load_bf16(const uint16_t *p) {
+    return vf_of(bf16x8_to_f32(p), bf16x8_to_f32(p + 8));
+}
+
+// the rounded bf16 of each lane in its low 16 bits
+static inline __m256i f32x8_to_bf16(__m256 v, uint32_t nan) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    r = _mm256_castps_si256(_mm256_blendv_ps(
+        _mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32((int)nan)), isnan));
+    return _mm256_srli_epi32(r, 16);
+}
+static inline void vf_store_bf16(uint16_t *p, vf v, uint32_t nan) {
+    // packus interleaves the 128-bit lanes (lo 0-3, hi 0-3, lo 4-7, hi 4-7): reorder
+    __m256i h = _mm256_packus_epi32(f32x8_to_bf16(v.lo, nan), f32x8_to_bf16(v.hi, nan));
+    _mm256_storeu_si256((__m256i *)p, _mm256_permute4x64_epi64(h, 0xD8));
+}
+
+static inline vu vu_load_u8(const uint8_t *p) {
+    vu r = {_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))};
+    return r;
+}
+// q - 8 for the low and the high 4 bits q (exact: small integers)
+static inline __m256 minus8(__m256i q) {
+    return _mm256_sub_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(8.0f));
+}
+static inline vf vf_nibble_lo(vu b) {
+    const __m256i m = _mm256_set1_epi32(15);
+    return vf_of(minus8(_mm256_and_si256(b.lo, m)), minus8(_mm256_and_si256(b.hi, m)));
+}
+static inline vf vf_nibble_hi(vu b) {  // bytes: nothing above the high 4 bits
+    return vf_of(minus8(_mm256_srli_epi32(b.lo, 4)), minus8(_mm256_srli_epi32(b.hi, 4)));
+}
+
+static inline vf vf_load_i8(const int8_t *p) {
+    __m128i b0 = _mm_loadl_epi64((const __m128i *)p);
+    __m128i b1 = _mm_loadl_epi64((const __m128i *)(p + 8));
+    return vf_of(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)),
+                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)));
+}
+
+static inline vf vf_floor(vf v) { return vf_of(_mm256_floor_ps(v.lo), _mm256_floor_ps(v.hi)); }
+
+static inline __m256 exp2i8(__m256 n) {
+    __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+}
+static inline vf vf_exp2i(vf n) { return vf_of(exp2i8(n.lo), exp2i8(n.hi)); }
+
+static inline vf vf_zero_where_lt(vf v, vf x, vf lo) {
+    return vf_of(_mm256_andnot_ps(_mm256_cmp_ps(x.lo, lo.lo, _CMP_LT_OS), v.lo),
+                 _mm256_andnot_ps(_mm256_cmp_ps(x.hi, lo.hi, _CMP_LT_OS), v.hi));
+}
+
+// the same tree as the AVX-512 vf_sum: lane i + lane i + 8, then 128-bit halves, then pairs
+static inline float vf_sum(vf v) {
+    __m256 h = _mm256_add_ps(v.lo, v.hi);
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(q) + _mm_cvtss_f32(_mm_shuffle_ps(q, q, _MM_SHUFFLE(3, 2, 0, 1)));
+}
+
+// lane j of the result = vf_sum(v[j]) for 8 inputs (their 256-bit halves already added)
+static inline __m256 sums8(const __m256 *h) {
+    __m256 b[4], c[2];
+    for (int i = 0; i < 4; i++)  // 128-bit halves: [t_i | t_i+4]
+        b[i] = _mm256_add_ps(_mm256_permute2f128_ps(h[i], h[i + 4], 0x20),
+                             _mm256_permute2f128_ps(h[i], h[i + 4], 0x31));
+    for (int i = 0; i < 2; i++)  // (q0 + q2, q1 + q3)
+        c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xee));
+    return _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], 0x88), _mm256_shuffle_ps(c[0], c[1], 0xdd));
+}
+static inline vf vf_sums16(const vf *v) {
+    __m256 h[16];
+    for (int j = 0; j < 16; j++) h[j] = _mm256_add_ps(v[j].lo, v[j].hi);
+    return vf_of(sums8(h), sums8(h + 8));
+}
+
+// torch's vec_reduce_all on 16 lanes: lane i with i ^ 8, then ^ 4, ^ 2, ^ 1
+static inline float vf_sum_xor(vf v) {
+    __m256 h = _mm256_add_ps(v.lo, v.hi);
+    h = _mm256_add_ps(h, _mm256_permute2f128_ps(h, h, 0x01));
+    h = _mm256_add_ps(h, _mm256_shuffle_ps(h, h, 0x4E));
+    h = _mm256_add_ps(h, _mm256_shuffle_ps(h, h, 0xB1));
+    return _mm256_cvtss_f32(h);
+}
+
+#else
+#error "build with AVX-512 F/BW or AVX2 + FMA (kernels/build.py)"
+#endif
+
+#endif
