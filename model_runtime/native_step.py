@@ -2,9 +2,11 @@
 
 A decode forward (every row one new token, over the paged cache) runs all layers, the final norm
 and the int8 head in C on torch's OpenMP team instead of ~2,500 torch ops. It applies to models
-whose every linear layer uses the native int4 kernels (int4 at group 32 on AVX-512) with the
-tied int8 head; anything else, and prefill (T > 1), stays on torch. MESHLM_NATIVE_STEP=0 turns
-it off for models loaded while it is set; `use(model, False)` turns it off for one model.
+whose every linear layer uses the native int4 kernels (int4 at group 32 on AVX-512 or AVX2) with
+the tied int8 head, all of one build; the step runs that build's library (libstep.so or
+libstep_avx2.so: one source, the same bits). Anything else, and prefill (T > 1), stays on torch.
+MESHLM_NATIVE_STEP=0 turns it off for models loaded while it is set; `use(model, False)` turns it
+off for one model.
 Attention's softmax is not bit-identical to torch's SDPA (see step.c); the bench compares the
 greedy ids of both paths.
 """
@@ -18,10 +20,10 @@ import os
 import torch
 
 from model_runtime import kernels
-from model_runtime.kernels import HERE
+from model_runtime.kernels.isas import library_path
 from model_runtime.quant import Int4Linear, Int8Linear, TiedInt8Embedding
 
-LIBRARY = HERE / "libstep.so"
+LIBRARY = library_path("step", "avx512")
 _P = ctypes.c_void_p
 
 
@@ -50,8 +52,9 @@ class _Step(ctypes.Structure):
 
 
 @functools.cache
-def library() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(LIBRARY))
+def library(build: str = "avx512") -> ctypes.CDLL:
+    """The decode step of `build` ("avx512" | "avx2")."""
+    lib = ctypes.CDLL(str(library_path("step", build)))
     lib.native_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step), ctypes.c_int]
     lib.native_step.restype = ctypes.c_int
     lib.step_set_gomp.argtypes = [_P, _P, _P, _P]
@@ -70,8 +73,6 @@ def why_not(model: torch.nn.Module) -> str | None:
     """None when the native step applies to `model`, else the reason it does not."""
     if os.environ.get("MESHLM_NATIVE_STEP", "1") == "0":
         return "MESHLM_NATIVE_STEP=0"
-    if not LIBRARY.exists():
-        return f"{LIBRARY.name} is not built (python -m model_runtime.kernels.build)"
     if kernels.why_not() is not None:
         return kernels.why_not()
     if model.device.type != "cpu":
@@ -85,7 +86,17 @@ def why_not(model: torch.nn.Module) -> str | None:
         lins += (layer.feed_forward.w13, layer.feed_forward.w2)
         if not all(isinstance(q, Int4Linear) and q.native for q in lins):
             return "not every linear layer is a native int4 one"
+        if any(q.isa != model.output.isa for q in lins):
+            return "the layers were built for different native kernels"
+    path = library_path("step", model.output.isa)
+    if not path.exists():
+        return f"{path.name} is not built (python -m model_runtime.kernels.build)"
     return None
+
+
+def build_of(model: torch.nn.Module) -> str | None:
+    """The native build the model's step runs ("avx512" | "avx2"), or None."""
+    return model.output.isa if why_not(model) is None else None
 
 
 class NativeStep:
@@ -110,6 +121,8 @@ class NativeStep:
             self.held += [blk.attention_norm, blk.ffn_norm]
         self.layers = layers
         head = model.output
+        self.isa = head.isa  # the build of every layer (why_not)
+        self.lib = library(self.isa)
         self.held += [head.q, head.scales, model.norm]
         self.m = _Model(
             a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim, a.vocab_size,
@@ -141,7 +154,7 @@ class NativeStep:
             gather.data_ptr(), 0 if mask is None else mask.data_ptr(), kv.data_ptr(),
             kv.shape[1], logits.data_ptr(),
         )  # fmt: skip
-        rc = library().native_step(ctypes.byref(self.m), ctypes.byref(s), torch.get_num_threads())
+        rc = self.lib.native_step(ctypes.byref(self.m), ctypes.byref(s), torch.get_num_threads())
         if rc == -2:
             raise MemoryError("native decode step: out of memory")
         return logits.float() if rc == 0 else None

@@ -2,9 +2,10 @@
 
 torch's int4pack dequantizes a group as w = (q - 8) * scale + zero. A GGUF Q4_1 block stores
 w = q * d + m for 32 weights, so scale = d and zero = m + 8 d: the remap is exact at group 32.
-With bf16 activations (int4 at group 32), on CPUs with AVX-512 the int4 and int8 layers run
-the native kernels of model_runtime/kernels (the same arithmetic, bit-identical outputs,
-faster); else torch's.
+With bf16 activations (int4 at group 32), on CPUs with AVX-512 or AVX2 the int4 and int8 layers
+run the native kernels of model_runtime/kernels (torch's AVX-512 arithmetic, bit-identical to
+torch's kernels where it dispatches AVX-512 ones, faster; see kernels/__init__.py for AVX2);
+else torch's. A layer keeps the build it was made with (`isa`).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from torch import nn
 from model_runtime import kernels
 from model_runtime.gguf_loader import Q4_1
 
-NATIVE_BLOCK = 64  # output columns per block of the native layout (kernels/int4mm.c)
+NATIVE_BLOCK = 64  # output columns per block of the native layout (kernels/qmm.c)
 
 
 def _pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype):
-    """(packed codes, scales and zeros, native?) for torch's int4pack kernel or the native one."""
+    """(packed codes, scales and zeros, the native build or None) for torch's int4pack kernel or
+    the native one (the same layout for every build)."""
     n, k = codes.shape
     group = k // scale.shape[1]
     if dtype == torch.bfloat16 and group == 32 and n % NATIVE_BLOCK == 0 and kernels.applies():
@@ -33,21 +35,22 @@ def _pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: t
         packed = (c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1).contiguous()
         sz = torch.stack([scale.to(dtype), zero.to(dtype)])  # [2, n, groups]
         sz = sz.view(2, n // NATIVE_BLOCK, NATIVE_BLOCK, -1).permute(1, 3, 0, 2).contiguous()
-        return packed, sz, True
+        return packed, sz, kernels.isa()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
     sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
-    return packed, sz, False
+    return packed, sz, None
 
 
 class Int4Linear(nn.Module):
     """y = x @ W.T with W held as 4-bit codes plus a (scale, zero) per group of `group_size`."""
 
     def __init__(
-        self, packed, scales_zeros, out_features, in_features, group_size, dense=None, native=False
+        self, packed, scales_zeros, out_features, in_features, group_size, dense=None, isa=None
     ):
         super().__init__()
         self.out_features, self.in_features, self.group_size = out_features, in_features, group_size
-        self.native = native  # packed/scales_zeros in the native kernel's layout
+        self.isa = isa  # the native build ("avx512" | "avx2") or None: torch's kernel
+        self.native = isa is not None  # packed/scales_zeros in the native kernel's layout
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
         # a dense copy is kept only for the non-finite guard (keep_dense=True)
@@ -57,9 +60,9 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_q4_1(cls, q: Q4_1, dtype=torch.bfloat16, keep_dense: bool = False) -> Int4Linear:
         n, k = q.codes.shape
-        packed, sz, native = _pack(q.codes, q.d, q.m + 8 * q.d, dtype)
+        packed, sz, isa = _pack(q.codes, q.d, q.m + 8 * q.d, dtype)
         dense = q.dequantize().to(dtype) if keep_dense else None
-        return cls(packed, sz, n, k, 32, dense, native)
+        return cls(packed, sz, n, k, 32, dense, isa)
 
     @classmethod
     def from_dense(
@@ -74,9 +77,9 @@ class Int4Linear(nn.Module):
         scale = (hi - lo) / 15
         safe = torch.where(scale == 0, torch.ones_like(scale), scale)
         codes = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15).reshape(n, k)
-        packed, sz, native = _pack(codes, scale, lo + 8 * scale, dtype)
+        packed, sz, isa = _pack(codes, scale, lo + 8 * scale, dtype)
         dense = w.to(dtype) if keep_dense else None
-        return cls(packed, sz, n, k, group_size, dense, native)
+        return cls(packed, sz, n, k, group_size, dense, isa)
 
     def dequantize(self) -> torch.Tensor:
         """The weights as the kernel sees them, [out, in] (via an identity matmul)."""
@@ -85,7 +88,7 @@ class Int4Linear(nn.Module):
 
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
         if self.native:
-            lib = kernels.library()
+            lib = kernels.library(self.isa)
             return _native_mm(lib.int4mm_bf16, x2, self.packed, self.scales_zeros, self)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.packed, self.group_size, self.scales_zeros
@@ -102,7 +105,7 @@ class Int4Linear(nn.Module):
         return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
 
     def extra_repr(self) -> str:
-        kernel = "native" if self.native else "torch"
+        kernel = f"native {self.isa}" if self.native else "torch"
         return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, {kernel}"
 
 
@@ -135,12 +138,14 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = q.shape
         # the native kernel reads the same buffers as torch's (kernels/qmm.c)
-        self.native = (
+        native = (
             scales.dtype == torch.bfloat16
             and self.out_features % NATIVE_BLOCK == 0
             and self.in_features % 16 == 0
             and kernels.applies()
         )
+        self.isa = kernels.isa() if native else None  # the native build or None: torch's
+        self.native = native
         self.register_buffer("q", q)
         self.register_buffer("scales", scales)
         self.register_buffer("dense", dense)
@@ -163,7 +168,7 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.native:
-            y = _native_mm(kernels.library().int8mm_bf16, x2, self.q, self.scales, self)
+            y = _native_mm(kernels.library(self.isa).int8mm_bf16, x2, self.q, self.scales, self)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales)
         return y.view(*shape[:-1], self.out_features)

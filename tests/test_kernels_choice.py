@@ -1,7 +1,8 @@
 """The compute dtype chosen by the CPU's features at load (issue 13): a bf16 model computes in
 fp32 where the CPU has no native bf16 matmuls (emulated here by capping oneDNN's ISA, as the
 bench does) and answers as it does in bf16; the int4 model keeps its kernels and bf16
-activations. Nothing here depends on which choice this CPU makes."""
+activations. Nothing here depends on which choice this CPU makes. The native int4/int8 kernels'
+build follows the CPU's flags (AVX-512, else AVX2), or MESHLM_KERNEL_ISA where the CPU has it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from model_runtime import kernels
 from model_runtime.loader import load
 from model_runtime.perplexity import perplexity, stdlib_text
+from model_runtime.quant import Int4Linear, Int8Linear
 from tests.test_model_quality import CONFIDENT, N_WINDOWS, WINDOW, greedy_chat
 
 
@@ -71,3 +73,51 @@ def test_the_compute_dtype_can_be_forced_and_a_bad_value_is_refused(monkeypatch)
     monkeypatch.setenv(kernels.COMPUTE_ENV, "fp16")
     with pytest.raises(ValueError, match=r"MESHLM_COMPUTE_DTYPE must be one of .*'fp16'"):
         kernels.choose("bf16")
+
+
+AVX2_ONLY = {"sse4_2", "avx", "avx2", "fma", "f16c"}  # an AVX2 EPYC's flags, in short
+AVX512 = AVX2_ONLY | {"avx512f", "avx512bw"}
+
+
+def test_the_native_build_is_the_cpus_and_a_forced_one_it_lacks_is_refused(monkeypatch):
+    monkeypatch.delenv(kernels.ISA_ENV, raising=False)
+    monkeypatch.delenv("MESHLM_INT4_KERNEL", raising=False)
+    if not kernels.runs("avx2"):
+        pytest.skip("not an x86-64 Linux CPU with AVX2")
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: set(AVX512))
+    assert kernels.isa() == "avx512"
+    assert kernels.choose("int4").description.startswith("int4 weights on native AVX-512 kernels")
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")  # forced: both are testable on one CPU
+    assert kernels.isa() == "avx2"
+    assert kernels.choose("int4").description.startswith("int4 weights on native AVX2 kernels")
+    monkeypatch.delenv(kernels.ISA_ENV)
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: set(AVX2_ONLY))
+    assert kernels.isa() == "avx2" and kernels.applies()
+    monkeypatch.setenv(kernels.ISA_ENV, "avx512")
+    with pytest.raises(ValueError, match=r"MESHLM_KERNEL_ISA=avx512: this CPU lacks avx512bw"):
+        kernels.isa()
+    with pytest.raises(ValueError):
+        kernels.choose("int4")
+    monkeypatch.setenv(kernels.ISA_ENV, "sse2")
+    with pytest.raises(ValueError, match=r"MESHLM_KERNEL_ISA must be one of \['avx2', 'avx512'\]"):
+        kernels.isa()
+    monkeypatch.delenv(kernels.ISA_ENV)
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: AVX2_ONLY - {"fma"})
+    assert kernels.isa() is None
+    assert kernels.why_not() == "the CPU lacks AVX-512 (F, BW) and AVX2 (with FMA, F16C)"
+    assert "torch's kernels (the CPU lacks" in kernels.choose("int4").description
+
+
+def test_a_layer_keeps_the_build_it_was_made_with(monkeypatch):
+    if not kernels.runs("avx2"):
+        pytest.skip("not an x86-64 Linux CPU with AVX2")
+    monkeypatch.delenv("MESHLM_INT4_KERNEL", raising=False)
+    monkeypatch.setenv(kernels.ISA_ENV, "avx2")
+    w = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    lin = Int4Linear.from_dense(w)
+    head = Int8Linear.from_dense(w)
+    assert (lin.isa, head.isa) == ("avx2", "avx2") and "native avx2" in repr(lin)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    before = lin(x), head(x)
+    monkeypatch.delenv(kernels.ISA_ENV)  # the CPU's own choice now: the layers keep theirs
+    assert lin.isa == "avx2" and torch.equal(lin(x), before[0]) and torch.equal(head(x), before[1])

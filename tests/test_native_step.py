@@ -2,31 +2,64 @@
 
 Its attention's softmax is not torch's to the last bit, so these tests compare it with torch's
 ops within a tolerance and assert exactly only what holds on every CPU: the K/V it writes to the
-first layer (bit-identical matmuls and RoPE), and that a row decodes the same alone or batched.
+first layer (bit-identical matmuls and RoPE), and that a row decodes the same alone, batched or
+on any thread count. They run for each build this CPU runs (AVX-512, AVX2: an int4 model loaded
+with MESHLM_KERNEL_ISA set), and the AVX2 build gives the AVX-512 one's bits where a CPU runs
+both.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
 
-from model_runtime import generate, native_step
+from model_runtime import generate, kernels, native_step
 from model_runtime.kvcache import SeqCache, layout_decode, layout_prefill
+from model_runtime.loader import load
 from model_runtime.model import KVCache
 
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 BS = 16
 
 
-@pytest.fixture(scope="module")
-def int4(smollm_int4):
-    why = native_step.why_not(smollm_int4.model)
+def _checked(lm):
+    why = native_step.why_not(lm.model)
     if why is not None and why.startswith("MESHLM_NATIVE_STEP"):
         pytest.fail(f"unset {why} to run these tests")
-    return smollm_int4
+    return lm
+
+
+def _loaded_for(build: str, smollm_int4):
+    """The int4 model with its layers on `build` (the shared one where it already is)."""
+    if not kernels.runs(build):
+        pytest.skip(f"this CPU does not run the {build} build")
+    if smollm_int4.model.output.isa == build or not kernels.applies():
+        return smollm_int4
+    return _load(build)
+
+
+@functools.cache
+def _load(build: str):
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv(kernels.ISA_ENV, build)
+        lm = load(precision="int4")
+    assert lm.model.output.isa == build
+    return lm
+
+
+@pytest.fixture(scope="module", params=kernels.BUILDS)
+def int4(request, smollm_int4):
+    """The int4 model on each build of the native kernels in turn."""
+    return _checked(_loaded_for(request.param, smollm_int4))
+
+
+@pytest.fixture(scope="module")
+def int4_default(smollm_int4):
+    return _checked(smollm_int4)
 
 
 @contextlib.contextmanager
@@ -63,7 +96,8 @@ def _prefilled(lm, prompts: list[list[int]], per_seq: int = 16):
 
 
 @torch.inference_mode()
-def test_int4_decodes_natively_by_default_and_the_switch_turns_it_off(int4, monkeypatch):
+def test_int4_decodes_natively_by_default_and_the_switch_turns_it_off(int4_default, monkeypatch):
+    int4 = int4_default
     ids = int4.tokenizer.encode_chat(STORY)
     # a private copy, as load() leaves a model: it decides for itself at its first decode step
     # (the shared model may have decided already, in an earlier test)
@@ -135,3 +169,50 @@ def test_a_row_decodes_the_same_alone_or_batched(int4):
     assert lay2.gather_slots.shape[1] > layout_decode(seqs[:1], BS).gather_slots.shape[1]
     assert torch.equal(both[0], alone[0])
     assert torch.isfinite(both).all()
+
+
+@torch.inference_mode()
+def test_a_step_gives_the_same_bits_on_any_thread_count(int4):
+    m = int4.model
+    nat = native_step.attach(m)
+    if nat is None:
+        assert native_step.why_not(m)  # the reason is said, torch's ops serve instead
+        return
+    prompts = [int4.tokenizer.encode_chat(STORY), int4.tokenizer.encode("Once upon a time")]
+    kv, seqs, nxt = _prefilled(int4, prompts)
+    lay = layout_decode(seqs, BS)
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got.append(nat(torch.tensor([[t] for t in nxt]), kv, lay))
+            got.append(kv.kv[:, lay.write_slots].clone())
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(2, len(got)):
+        assert torch.equal(got[i], got[i % 2])
+
+
+@torch.inference_mode()
+def test_the_avx2_step_gives_the_avx512_steps_bits(smollm_int4):
+    """One source, two builds: on a CPU that runs both, the same logits and K/V, step by step."""
+    if not (kernels.runs("avx512") and kernels.runs("avx2")):
+        pytest.skip("this CPU does not run both builds")
+    models = [_loaded_for(b, smollm_int4) for b in ("avx512", "avx2")]
+    steps = [native_step.attach(lm.model) for lm in models]
+    if None in steps:
+        pytest.skip(f"no native step here: {native_step.why_not(models[0].model)}")
+    assert [s.isa for s in steps] == ["avx512", "avx2"]
+    prompts = [smollm_int4.tokenizer.encode_chat(STORY), smollm_int4.tokenizer.encode("Hi")]
+    kv, seqs, nxt = _prefilled(models[0], prompts)
+    for _ in range(8):
+        lay = layout_decode(seqs, BS)
+        tokens = torch.tensor([[t] for t in nxt])
+        got = []
+        for step in steps:
+            got += [step(tokens, kv, lay), kv.kv[:, lay.write_slots].clone()]
+        assert torch.equal(got[0], got[2]) and torch.equal(got[1], got[3])
+        nxt = [int(t) for t in got[0].argmax(-1)]
+        for s in seqs:
+            s.written += 1

@@ -1,11 +1,21 @@
 """Native int4 and int8 weight-only matmuls (qmm.c; `python -m model_runtime.kernels.build`).
 
 `applies()` says whether quantized layers built now use them (else torch's kernels); `library()`
-loads them. They compute the same fp32 arithmetic as torch's AVX-512 int4pack and int8pack
-kernels (bit-identical results), so they are used only on x86-64 Linux CPUs with AVX-512 (F and
-BW) where torch dispatches its AVX-512 kernels. MESHLM_INT4_KERNEL=torch turns them off for the
-layers loaded while it is set (benchmarks compare the two in one process). They need no bf16
-instructions (bf16 is widened by shifts), so the int4 model keeps bf16 activations everywhere.
+loads them. One source, two builds (simd.h): AVX-512 F/BW (libqmm.so) and AVX2 + FMA + F16C
+(libqmm_avx2.so), the same fp32 arithmetic in both, so they give the same bits on every CPU:
+the bits of torch's AVX-512 int4pack and int8pack kernels. `isa()` picks the build for this CPU
+(x86-64 Linux only): AVX-512 where it has avx512f and avx512bw, else AVX2 where it has avx2, fma
+and f16c, else none; MESHLM_KERNEL_ISA=avx2 (or avx512) forces one and is refused where the CPU
+lacks it. Where torch dispatches its AVX2 kernels (an AVX2-only CPU, or ATEN_CPU_CAPABILITY=avx2)
+its int4pack kernel gives the same bits as its AVX-512 one and as ours (each output one fp32 FMA
+chain over k), but its int8pack kernel sums 8 lanes where the AVX-512 one sums 16: there the
+native int8 results are within one bf16 rounding of torch's, not bit-identical (measured on a
+Zen 4 EPYC, torch 2.13, forcing its AVX2 dispatch: 0-9 of 4,096-36,864 outputs one bf16 step
+apart). The native kernels do not depend on which kernels torch dispatches, so they are used
+wherever the CPU has one of the two instruction sets. MESHLM_INT4_KERNEL=torch turns them off
+for the layers loaded while it is set (benchmarks compare the two in one process). They need no
+bf16 instructions (bf16 is widened by shifts), so the int4 model keeps bf16 activations
+everywhere.
 
 `choose()` picks a model's compute dtype for this CPU at load (issue 13): a bf16 model computes
 in fp32 where the CPU has no native bf16 matmuls.
@@ -22,8 +32,15 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-LIBRARY = HERE / "libqmm.so"
+from model_runtime.kernels.isas import ISAS, library_path
+
+LIBRARY = library_path("qmm", "avx512")
+ISA_ENV = "MESHLM_KERNEL_ISA"
+# the CPU flags (/proc/cpuinfo) each build needs, in order of preference, and its name in logs
+NEEDS = {"avx512": frozenset({"avx512f", "avx512bw"}), "avx2": frozenset({"avx2", "fma", "f16c"})}
+NAMES = {"avx512": "AVX-512", "avx2": "AVX2"}
+BUILDS = tuple(NEEDS)
+assert NEEDS.keys() == ISAS.keys()
 
 
 def _cpu_flags() -> set[str]:
@@ -37,18 +54,48 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def isa() -> str | None:
+    """The build of the native kernels for this CPU ("avx512" or "avx2"), or None. Raises
+    ValueError where MESHLM_KERNEL_ISA names an unknown build or one the CPU cannot run."""
+    forced = os.environ.get(ISA_ENV, "")
+    if forced and forced not in NEEDS:
+        raise ValueError(f"{ISA_ENV} must be one of {sorted(NEEDS)}, got {forced!r}")
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        if forced:
+            raise ValueError(f"{ISA_ENV}={forced}: the native kernels are built for x86-64 Linux")
+        return None
+    flags = _cpu_flags()
+    if forced:
+        lacks = sorted(NEEDS[forced] - flags)
+        if lacks:
+            raise ValueError(f"{ISA_ENV}={forced}: this CPU lacks {', '.join(lacks)}")
+        return forced
+    return next((name for name in NEEDS if runs(name)), None)
+
+
+def runs(build: str) -> bool:
+    """Whether this CPU runs `build` ("avx512" | "avx2")."""
+    x86 = platform.system() == "Linux" and platform.machine() == "x86_64"
+    return x86 and NEEDS[build] <= _cpu_flags()
+
+
+def description(build: str | None = None) -> str:
+    """How the logs name a build: "native AVX2 kernels"."""
+    return f"native {NAMES[build or isa()]} kernels"
+
+
 def why_not() -> str | None:
-    """None when the native kernel applies here, else the reason it does not."""
+    """None when the native kernels apply here, else the reason they do not."""
     if os.environ.get("MESHLM_INT4_KERNEL", "native") == "torch":
         return "MESHLM_INT4_KERNEL=torch"
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         return f"built for x86-64 Linux, this is {platform.system()} {platform.machine()}"
-    if not {"avx512f", "avx512bw"} <= _cpu_flags():
-        return "the CPU lacks AVX-512 (F, BW)"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
-        return f"torch dispatches {torch.backends.cpu.get_cpu_capability()} kernels, not AVX512"
-    if not LIBRARY.exists():
-        return f"{LIBRARY.name} is not built (python -m model_runtime.kernels.build)"
+    build = isa()
+    if build is None:
+        return "the CPU lacks AVX-512 (F, BW) and AVX2 (with FMA, F16C)"
+    path = library_path("qmm", build)
+    if not path.exists():
+        return f"{path.name} is not built (python -m model_runtime.kernels.build)"
     return None
 
 
@@ -65,9 +112,17 @@ def applies() -> bool:
     return why_not() is None
 
 
+def library(build: str | None = None) -> ctypes.CDLL:
+    """The quantized matmuls of `build` (default: this CPU's, `isa()`)."""
+    build = build or isa()
+    if build is None:
+        raise RuntimeError(f"no native kernels here: {why_not()}")
+    return _library(build)
+
+
 @functools.cache
-def library() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(LIBRARY))
+def _library(build: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(library_path("qmm", build)))
     lib.int4mm_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.int4mm_bf16.argtypes += [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.int4mm_bf16.restype = ctypes.c_int
@@ -121,7 +176,7 @@ def choose(precision: str, device: str = "cpu") -> Compute:
     if precision == "fp32":
         return Compute(torch.float32, "fp32 weights and activations")
     if precision == "int4":
-        kernel = "native kernels" if applies() else f"torch's kernels ({why_not()})"
+        kernel = description() if applies() else f"torch's kernels ({why_not()})"
         return Compute(torch.bfloat16, f"int4 weights on {kernel}, bf16 activations")
     if device != "cpu":
         return Compute(torch.bfloat16, "bf16 weights and activations")
