@@ -62,15 +62,37 @@ test-tools: $(STAMP)
 	  || { echo "make test-tools: could not install chromium; install Debian's chromium and" \
 	    "chromium-driver (apt-get install chromium chromium-driver) and rerun" >&2; exit 1; }
 
-# The runtime benchmark's peer: llama.cpp, built from source (~10 min on 2 cores) for this kind
-# of machine (AVX-512), AMX off: the native build dies with SIGILL where a VM hides AMX state.
-# No avx512_bf16 either (not every Xeon here has it; Q4_1 does not use it). The benchmark prints
-# the features the build has. LLAVA_BUILD=OFF skips the multimodal library (a third of the build).
+# The runtime benchmark's peer: llama.cpp, built from source (~10 min on 2 cores) for the CPU
+# that runs `make bench-peer`: each instruction set below is ON only where /proc/cpuinfo lists
+# it (AVX-512 needs all of F, CD, VL, DQ, BW, as ggml compiles with all five), so an AVX2-only
+# AMD EPYC gets an AVX2 build and an AVX-512 Xeon an AVX-512 (+VNNI, +BF16 if present) one.
+# Explicit flags rather than GGML_NATIVE (-march=native): native would switch AMX on where the
+# CPU lists it, and AMX stays OFF: that build dies with SIGILL where a VM lists amx_* but hides
+# the AMX tile state (seen on this project's Xeons). The benchmark prints the features the
+# build has (llama_print_system_info). LLAVA_BUILD=OFF skips the multimodal library (a third of
+# the build). The flags are kept in $(PEER_STAMP): when they differ (another CPU, same venv),
+# llama-cpp-python is uninstalled and rebuilt; --no-cache-dir keeps pip from reusing a wheel it
+# built earlier with other flags. The extra's pins go in with --no-deps: resolving meshlm's own
+# dependencies again would pull in googleapis-common-protos (see `lock`).
+CPUINFO_FLAGS := $(shell sed -n 's/^flags[[:space:]]*://p' /proc/cpuinfo 2>/dev/null | head -n 1)
+have_all = $(if $(strip $(foreach f,$(1),$(if $(filter $(f),$(CPUINFO_FLAGS)),,missing))),OFF,ON)
+PEER_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_SSE42=$(call have_all,sse4_2) \
+  -DGGML_AVX=$(call have_all,avx) -DGGML_AVX2=$(call have_all,avx2) \
+  -DGGML_FMA=$(call have_all,fma) -DGGML_F16C=$(call have_all,f16c) \
+  -DGGML_BMI2=$(call have_all,bmi2) -DGGML_AVX_VNNI=$(call have_all,avx_vnni) \
+  -DGGML_AVX512=$(call have_all,avx512f avx512cd avx512vl avx512dq avx512bw) \
+  -DGGML_AVX512_VBMI=$(call have_all,avx512vbmi) \
+  -DGGML_AVX512_VNNI=$(call have_all,avx512_vnni) \
+  -DGGML_AVX512_BF16=$(call have_all,avx512_bf16) \
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF
+PEER_STAMP := $(VENV)/.bench-peer-cmake-args
 bench-peer: $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
-	  -DLLAVA_BUILD=OFF" \
-	  $(BIN)/pip install -q -e '.[bench-peer]'
+	@echo "bench-peer: CMAKE_ARGS=$(PEER_CMAKE_ARGS)"
+	@test "$$(cat $(PEER_STAMP) 2>/dev/null)" = "$(PEER_CMAKE_ARGS)" \
+	  || $(BIN)/pip uninstall -q -y llama-cpp-python
+	CMAKE_ARGS="$(PEER_CMAKE_ARGS)" $(BIN)/pip install -q --no-cache-dir --no-deps \
+	  $$($(BIN)/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["bench-peer"])')
+	@echo "$(PEER_CMAKE_ARGS)" > $(PEER_STAMP)
 
 # Faults, kills and overload on real processes (about 3 minutes); writes RELIABILITY.md.
 chaos: $(STAMP)
