@@ -9,13 +9,14 @@ and f16c, else none; MESHLM_KERNEL_ISA=avx2 (or avx512) forces one and is refuse
 lacks it. Where torch dispatches its AVX2 kernels (an AVX2-only CPU, or ATEN_CPU_CAPABILITY=avx2)
 its int4pack kernel gives the same bits as its AVX-512 one and as ours (each output one fp32 FMA
 chain over k), but its int8pack kernel sums 8 lanes where the AVX-512 one sums 16: there the
-native int8 results are within one bf16 rounding of torch's, not bit-identical (measured on a
-Zen 4 EPYC, torch 2.13, forcing its AVX2 dispatch: 0-9 of 4,096-36,864 outputs one bf16 step
-apart). The native kernels do not depend on which kernels torch dispatches, so they are used
-wherever the CPU has one of the two instruction sets. MESHLM_INT4_KERNEL=torch turns them off
-for the layers loaded while it is set (benchmarks compare the two in one process). They need no
-bf16 instructions (bf16 is widened by shifts), so the int4 model keeps bf16 activations
-everywhere.
+native int8 results are within one bf16 rounding of torch's, not bit-identical (measured on an
+AMD EPYC with AVX-512, torch 2.13, forcing its AVX2 dispatch: 2-9 of 4,096-36,864 outputs one
+bf16 step apart; an output near 0, where the terms cancel, may be more of its own steps apart,
+never 1e-4 of the largest output). The native kernels do not depend on which kernels torch
+dispatches, so they are used wherever the CPU has one of the two instruction sets.
+MESHLM_INT4_KERNEL=torch turns them off for the layers loaded while it is set (benchmarks compare
+the two in one process). They need no bf16 instructions (bf16 is widened by shifts), so the int4
+model keeps bf16 activations everywhere.
 
 `choose()` picks a model's compute dtype for this CPU at load (issue 13): a bf16 model computes
 in fp32 where the CPU has no native bf16 matmuls.
