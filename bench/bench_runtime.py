@@ -32,6 +32,7 @@ from model_runtime import generate, kernels, native_step
 from model_runtime.engine import Engine, GenerateParams
 from model_runtime.gguf_loader import default_gguf_path
 from model_runtime.loader import load
+from model_runtime.omp import own_thread
 from model_runtime.perplexity import perplexity, stdlib_text
 
 BY_CPU_KIND = True  # bench/__main__.py: one section per CPU kind
@@ -157,66 +158,97 @@ def _step_rounds(int4, ids: list[int], n: int, add) -> None:
             native_step.use(int4.model, True)
 
 
+def _with_engine(lm, fn, **engine_args):
+    """`fn(engine)` on a fresh Engine over `lm` (warmed by one short call), shut down after: its
+    thread, and the OpenMP pool of that thread, end with it, so that no measurement runs beside
+    another thread's pool (model_runtime/omp.py: two pools on 2 cores halve decode speed)."""
+    engine = Engine(lm, **engine_args)
+    engine.start()
+    try:
+        _engine_call(engine, lm.tokenizer.encode_chat(STORY), 4)
+        return fn(engine)
+    finally:
+        engine.shutdown(drain_timeout=5)
+
+
 def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: int):
-    """Every variant once per round, in a fixed interleaved order. Returns name -> figures."""
+    """Every variant once per round, in a fixed interleaved order. Returns name -> figures. Our
+    bare forwards run on a thread of their own, the Engine's on its own thread, one at a time."""
     int4, bf16 = models["int4"], models["bf16"]
     ids = int4.tokenizer.encode_chat(STORY)
     text_ids = int4.tokenizer.encode(stdlib_text())
-    engine = Engine(int4)  # as `meshlm serve` builds it by default
-    engine.start()
-    spec = Engine(int4, speculate_lookup=SPECULATE_K)  # `serve --speculate-lookup K`
-    spec.start()
     r: dict[str, list] = {}
+    drafts = [0, 0]
 
     def add(name: str, value) -> None:
         r.setdefault(name, []).append(value)
 
-    try:
-        # Warm-up, not recorded: first-call allocations, the peer's first decode.
-        for lm in (int4, bf16):
-            generate.greedy(lm, [ids] * 8, 4, stop=False)
-        _engine_call(engine, ids, 4)
-        _engine_call(spec, ids, 4)
+    def bare(lm, batch: int) -> tuple[float, list[int]]:
+        return own_thread(_bare_decode, lm, ids, n, batch)
+
+    def lookup(engine: Engine) -> dict:
+        e = _engine_call(engine, ids, n)
+        st = engine.stats()
+        drafts[0] += st["draft_accepted"]
+        drafts[1] += st["draft_tokens"]
+        return e
+
+    # Warm-up, not recorded: first-call allocations, the peer's first decode.
+    for lm in (int4, bf16):
+        own_thread(generate.greedy, lm, [ids] * 8, 4, stop=False)
+    if peer is not None:
+        peer.decode(ids, 4)
+    for i in range(rounds):
+        prompt = text_ids[(i + 1) * p_len : (i + 2) * p_len]  # a fresh slice per round
+        tps, toks = bare(int4, 1)
+        add("int4 bare b1", tps)
+        add("tokens int4 bare", toks)
         if peer is not None:
-            peer.decode(ids, 4)
-        for i in range(rounds):
-            prompt = text_ids[(i + 1) * p_len : (i + 2) * p_len]  # a fresh slice per round
-            tps, toks = _bare_decode(int4, ids, n, 1)
-            add("int4 bare b1", tps)
-            add("tokens int4 bare", toks)
-            if peer is not None:
-                seconds, toks = peer.decode(ids, n)
-                add("llama.cpp b1", (n - 1) / seconds)
-                add("tokens llama.cpp", toks)
-            e = _engine_call(engine, ids, n)
-            add("int4 Engine b1", e["decode_tps"])
-            add("tokens int4 Engine", e["tokens"])
-            e = _engine_call(spec, ids, n)
-            add("int4 Engine+lookup b1", e["decode_tps"])
-            add("tokens int4 Engine+lookup", e["tokens"])
-            add("int4 bare b8", _bare_decode(int4, ids, n, 8)[0])
-            _step_rounds(int4, ids, n, add)
-            add("int4 guard-off b1", _bare_decode(models["int4 guard-off"], ids, n, 1)[0])
-            if "int4 torch-kernel" in models:
-                tk = models["int4 torch-kernel"]
-                tps, toks = _bare_decode(tk, ids, n, 1)
-                add("int4 torch-kernel b1", tps)
-                add("tokens int4 torch-kernel", toks)
-                add("int4 torch-kernel b8", _bare_decode(tk, ids, n, 8)[0])
-                add("prefill int4 torch-kernel", _bare_prefill(tk, prompt))
-            add("bf16 bare b1", _bare_decode(bf16, ids, n, 1)[0])
-            add("bf16 bare b8", _bare_decode(bf16, ids, n, 8)[0])
-            add("prefill int4 bare", _bare_prefill(int4, prompt))
-            if peer is not None:
-                add("prefill llama.cpp", len(prompt) / peer.prefill(prompt))
-            add("prefill int4 Engine", len(prompt) / _engine_call(engine, prompt, 1)["ttft"])
-            add("prefill bf16 bare", _bare_prefill(bf16, prompt))
-        st = spec.stats()
-        r["lookup drafts"] = [(st["draft_accepted"], st["draft_tokens"])]
-    finally:
-        engine.shutdown(drain_timeout=5)
-        spec.shutdown(drain_timeout=5)
+            seconds, toks = peer.decode(ids, n)
+            add("llama.cpp b1", (n - 1) / seconds)
+            add("tokens llama.cpp", toks)
+        e = _with_engine(int4, lambda engine: _engine_call(engine, ids, n))
+        add("int4 Engine b1", e["decode_tps"])
+        add("tokens int4 Engine", e["tokens"])
+        e = _with_engine(int4, lookup, speculate_lookup=SPECULATE_K)
+        add("int4 Engine+lookup b1", e["decode_tps"])
+        add("tokens int4 Engine+lookup", e["tokens"])
+        add("int4 bare b8", bare(int4, 8)[0])
+        own_thread(_step_rounds, int4, ids, n, add)
+        add("int4 guard-off b1", bare(models["int4 guard-off"], 1)[0])
+        if "int4 torch-kernel" in models:
+            tk = models["int4 torch-kernel"]
+            tps, toks = bare(tk, 1)
+            add("int4 torch-kernel b1", tps)
+            add("tokens int4 torch-kernel", toks)
+            add("int4 torch-kernel b8", bare(tk, 8)[0])
+            add("prefill int4 torch-kernel", own_thread(_bare_prefill, tk, prompt))
+        if "int4 avx2" in models:
+            a2 = models["int4 avx2"]
+            tps, toks = bare(a2, 1)
+            add("int4 avx2 b1", tps)
+            add("tokens int4 avx2", toks)
+            add("int4 avx2 b8", bare(a2, 8)[0])
+            add("prefill int4 avx2", own_thread(_bare_prefill, a2, prompt))
+        add("bf16 bare b1", bare(bf16, 1)[0])
+        add("bf16 bare b8", bare(bf16, 8)[0])
+        add("prefill int4 bare", own_thread(_bare_prefill, int4, prompt))
+        if peer is not None:
+            add("prefill llama.cpp", len(prompt) / peer.prefill(prompt))
+        ttft = _with_engine(int4, lambda engine, p=prompt: _engine_call(engine, p, 1)["ttft"])
+        add("prefill int4 Engine", len(prompt) / ttft)
+        add("prefill bf16 bare", own_thread(_bare_prefill, bf16, prompt))
+    r["lookup drafts"] = [tuple(drafts)]
     return r
+
+
+def _load_with(env: str, value: str):
+    """The int4 model loaded while `env` = `value` (its layers keep what they were built with)."""
+    os.environ[env] = value
+    try:
+        return own_thread(load, precision="int4")
+    finally:
+        del os.environ[env]
 
 
 def _cell(xs: list[float]) -> str:
@@ -273,6 +305,8 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
             "int4 torch-kernel b8",
             None,
         ),
+        ("ours", "bare, native AVX2 build", "int4", 1, "int4 avx2 b1", "prefill int4 avx2"),
+        ("ours", "bare forward, native AVX2 build", "int4", 8, "int4 avx2 b8", None),
         ("ours", "bare forward", "bf16", 1, "bf16 bare b1", "prefill bf16 bare"),
         ("ours", "bare forward", "bf16", 8, "bf16 bare b8", None),
         ("llama.cpp", "`Llama.eval` + argmax", "Q4_1", 1, "llama.cpp b1", "prefill llama.cpp"),
@@ -311,6 +345,12 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         "int4 decode, b8 / b1 aggregate, torch's kernels": _ratio(
             r, "int4 torch-kernel b8", "int4 torch-kernel b1"
         ),
+        "int4 decode b1, native AVX2 build / AVX-512 build": _ratio(
+            r, "int4 avx2 b1", "int4 bare b1"
+        ),
+        "int4 decode b1, native AVX2 build / torch's kernels": _ratio(
+            r, "int4 avx2 b1", "int4 torch-kernel b1"
+        ),
     }
     lines += [
         "",
@@ -334,6 +374,9 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
     if "tokens int4 torch-kernel" in r:
         tk = _first_difference(r["tokens int4 bare"][0], r["tokens int4 torch-kernel"][0])
         lines[-1] += f"; native vs torch's kernels {tk}"
+    if "tokens int4 avx2" in r:
+        a2 = _first_difference(r["tokens int4 bare"][0], r["tokens int4 avx2"][0])
+        lines[-1] += f"; native AVX2 vs AVX-512 build {a2}"
     if "tokens int4 torch step" in r:
         ts = _first_difference(r["tokens int4 native step"][0], r["tokens int4 torch step"][0])
         lines[-1] += f"; native decode step vs torch ops {ts}"
@@ -382,10 +425,12 @@ def main(quick: bool) -> str:
             peer = LlamaPeer(str(default_gguf_path()), threads)
         except PeerError as e:
             why_not = f"**failed to start**: {e}; no comparison in this run."
+    # Torch work of this process runs on threads of its own (model_runtime/omp.py): this one
+    # starts no OpenMP pool that would outlive a measurement.
     models = {
-        "int4": load(precision="int4"),
-        "int4 guard-off": load(precision="int4", nonfinite_guard=False),
-        "bf16": load(precision="bf16"),
+        "int4": own_thread(load, precision="int4"),
+        "int4 guard-off": own_thread(load, precision="int4", nonfinite_guard=False),
+        "bf16": own_thread(load, precision="bf16"),
     }
     # Which build of the native kernels ran (if any) is what kernels.choose says at load: the
     # bench names no instruction set of its own.
@@ -401,11 +446,13 @@ def main(quick: bool) -> str:
         else f" No native int4/int8 kernels here: {kernels.why_not()}."
     )
     if kernels.applies():  # the same model on torch's kernels, for the A/B in one run
-        os.environ["MESHLM_INT4_KERNEL"] = "torch"
-        try:
-            models["int4 torch-kernel"] = load(precision="int4")
-        finally:
-            del os.environ["MESHLM_INT4_KERNEL"]
+        models["int4 torch-kernel"] = _load_with("MESHLM_INT4_KERNEL", "torch")
+    if kernels.isa() == "avx512" and kernels.runs("avx2"):  # what an AVX2-only CPU runs
+        models["int4 avx2"] = _load_with(kernels.ISA_ENV, "avx2")
+        kernel_line += (
+            f" So is the AVX2 build of the native kernels ({kernels.ISA_ENV}=avx2: what a CPU "
+            "without AVX-512 runs; the same bits, half-width vectors)."
+        )
     try:
         r = _speed_rounds(models, peer, n, p_len, rounds)
     except PeerError as e:  # the peer died mid-run: measure ours alone
@@ -431,7 +478,10 @@ def main(quick: bool) -> str:
         *_speed_section(r, peer, n, p_len, rounds),
         "Earlier versions of this section reported 1 / the median decode step of the bare "
         "forward (best of 3 runs) against llama.cpp's high-level completion API including "
-        "prefill and sampling; those figures are not comparable with these.",
+        "prefill and sampling; those figures are not comparable with these. Each of our "
+        "measurements runs alone on a thread of its own or on a fresh Engine's "
+        "(model_runtime/omp.py: a second OpenMP pool on 2 cores halves decode speed); "
+        "sections measured before that ran beside a used Engine's pool and read low.",
         "",
         f"| precision | weights MiB | perplexity ({n_win}x{win} tokens, pydoc_data/topics.py) |",
         "|---|---|---|",
@@ -439,8 +489,8 @@ def main(quick: bool) -> str:
     text = stdlib_text()
     ppl = {}
     for prec in ("int4", "bf16", "fp32"):
-        lm = models.get(prec) or load(precision=prec)
-        ppl[prec] = perplexity(lm.model, lm.tokenizer.encode(text), win, n_win)
+        lm = models.get(prec) or own_thread(load, precision=prec)
+        ppl[prec] = own_thread(perplexity, lm.model, lm.tokenizer.encode(text), win, n_win)
         lines.append(f"| {prec} | {lm.info.weight_bytes / 2**20:.0f} | {ppl[prec]:.3f} |")
     lines += [
         "",
