@@ -216,20 +216,13 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
         add("int4 bare b8", bare(int4, 8)[0])
         own_thread(_step_rounds, int4, ids, n, add)
         add("int4 guard-off b1", bare(models["int4 guard-off"], 1)[0])
-        if "int4 torch-kernel" in models:
-            tk = models["int4 torch-kernel"]
-            tps, toks = bare(tk, 1)
-            add("int4 torch-kernel b1", tps)
-            add("tokens int4 torch-kernel", toks)
-            add("int4 torch-kernel b8", bare(tk, 8)[0])
-            add("prefill int4 torch-kernel", own_thread(_bare_prefill, tk, prompt))
-        if "int4 avx2" in models:
-            a2 = models["int4 avx2"]
-            tps, toks = bare(a2, 1)
-            add("int4 avx2 b1", tps)
-            add("tokens int4 avx2", toks)
-            add("int4 avx2 b8", bare(a2, 8)[0])
-            add("prefill int4 avx2", own_thread(_bare_prefill, a2, prompt))
+        for name in ("int4 torch-kernel", "int4 avx2"):  # the same model on other kernels
+            if name in models:
+                tps, toks = bare(models[name], 1)
+                add(f"{name} b1", tps)
+                add(f"tokens {name}", toks)
+                add(f"{name} b8", bare(models[name], 8)[0])
+                add(f"prefill {name}", own_thread(_bare_prefill, models[name], prompt))
         add("bf16 bare b1", bare(bf16, 1)[0])
         add("bf16 bare b8", bare(bf16, 8)[0])
         add("prefill int4 bare", own_thread(_bare_prefill, int4, prompt))
