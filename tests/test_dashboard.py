@@ -136,8 +136,8 @@ def test_the_page_follows_a_weight_change_live(
         assert _post(mesh["admin"] + "/v1/services/llm/weights", {"v1": 70, "v2": 30}) == 200
         # The page is not reloaded: the event stream brings the change.
         eventually(lambda: _split(browser) == "v1 70% v2 30%", 5, "the page follows the change")
-        for _ in range(10):
-            caller.who()
+        # until v2 answers one: at 30 %, 10 calls missed it 2.8 % of the time (red once in CI)
+        assert any(caller.who() == "v2" for _ in range(60))
         v2_calls = re.compile(r"^v2 30% [1-9]", re.M)  # counted at the caller sidecar
         eventually(lambda: v2_calls.search(browser.find_element(By.ID, "services").text), 10,
                    "v2's calls")  # fmt: skip

@@ -7,11 +7,11 @@ at a base load. The TTFT p99 SLO is set from the base load's own TTFT p99 on thi
 with `meshlm apply`'s API after the mesh is up: the loop picks up a block applied later. Free
 asks for stories as long as make its step STEP_LOAD times the replica's decode capacity, which
 `decode_capacity` measures first (CPUs differ 3x). Then free floods (inside its rate limit) for
-STEP_INTERVALS intervals: the runtime-wide TTFT p99
-breaches the SLO; after `intervals` breached intervals the loop sheds free at the sidecars (a
-quarter of its rate), then scales out (`--scaler local`: another `meshlm serve` and its
-sidecar, added by EDS) if that was not enough. The step ends; after `recover_intervals` met
-intervals each action is undone, the last first.
+STEP_INTERVALS intervals: the runtime-wide TTFT p99 breaches the SLO; after `intervals`
+breached intervals the loop sheds free at the sidecars (a quarter of its rate), then scales
+out (`--scaler local`: another `meshlm serve` and its sidecar, added by EDS) if that was not
+enough. The step ends; after `recover_intervals` met intervals each action is undone, the last
+first.
 
 Interval lengths: the runtime's `--metrics-window` equals the loop's interval, so each interval
 reads the calls of that interval only. STEP_INTERVALS <= INTERVALS + RECOVER_INTERVALS: the
