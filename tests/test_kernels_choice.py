@@ -79,7 +79,11 @@ AVX2_ONLY = {"sse4_2", "avx", "avx2", "fma", "f16c"}  # an AVX2 EPYC's flags, in
 AVX512 = AVX2_ONLY | {"avx512f", "avx512bw"}
 
 
-def test_the_native_build_is_the_cpus_and_a_forced_one_it_lacks_is_refused(monkeypatch):
+def test_the_native_build_follows_faked_cpu_flags_and_a_forced_one_they_lack_is_refused(
+    monkeypatch,
+):
+    # other CPUs' /proc/cpuinfo flags stand in here (kernels._cpu_flags): this machine has one
+    # kind; the real flags pick the builds in test_quant_native and test_native_step
     monkeypatch.delenv(kernels.ISA_ENV, raising=False)
     monkeypatch.delenv("MESHLM_INT4_KERNEL", raising=False)
     if not kernels.runs("avx2"):

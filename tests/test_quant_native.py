@@ -99,17 +99,22 @@ def test_a_row_comes_out_the_same_alone_batched_and_on_any_thread_count(
     q4_layers, build, monkeypatch
 ):
     native, _ = _pair(q4_layers[3], monkeypatch)
-    x = torch.randn(11, native.in_features, generator=torch.Generator().manual_seed(1))
+    alone, batched = _alone_and_batched(native, seed=1)
+    assert torch.equal(alone, batched)
+
+
+def _alone_and_batched(layer, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """11 rows through `layer` one at a time on 1 thread, then as one batch on 2."""
+    x = torch.randn(11, layer.in_features, generator=torch.Generator().manual_seed(seed))
     x = x.to(torch.bfloat16)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = torch.cat([native(x[i : i + 1]) for i in range(11)])
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(11)])
         torch.set_num_threads(2)
-        batched = native(x)
+        return alone, layer(x)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(alone, batched)
 
 
 def test_dequantize_gives_the_weights_of_the_file(q4_layers, build, monkeypatch):
@@ -171,15 +176,5 @@ def test_native_int8_head_is_as_torchs(head_weights, build):
 
 @torch.inference_mode()
 def test_a_head_row_comes_out_the_same_alone_batched_and_on_any_thread_count(head_weights, build):
-    head = Int8Linear.from_dense(head_weights)
-    x = torch.randn(11, head.in_features, generator=torch.Generator().manual_seed(5))
-    x = x.to(torch.bfloat16)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([head(x[i : i + 1]) for i in range(11)])
-        torch.set_num_threads(2)
-        batched = head(x)
-    finally:
-        torch.set_num_threads(threads)
+    alone, batched = _alone_and_batched(Int8Linear.from_dense(head_weights), seed=5)
     assert torch.equal(alone, batched)
