@@ -77,6 +77,7 @@ def gates_beside_client(
         ttft = a.get("ttft_p99")
         rows.append({
             "step": a["step"], "canary_weight": a["canary_weight"], "outcome": a["outcome"],
+            "reason": a.get("reason", ""),
             "interval_s": round(a["time"] - begin, 1),
             "gate_ttft_p99_ms": None if ttft is None else round(ttft * 1e3, 1),
             "gate_samples": a.get("latency_samples"), "gate_over": a.get("latency_over"),
@@ -118,6 +119,8 @@ def render(report: dict[str, Any]) -> str:
                 f"{s['outcome']}): gate p99 {s['gate_ttft_p99_ms']} ms ({s['gate_samples']}) "
                 f"| {client or 'no calls'}"
             )
+            if s["outcome"] != "pass":
+                lines.append(f"    {s['reason']}")
     lines.append(
         f"requests: {t['requests']} sent, {t['ok']} OK; "
         f"TTFT p50 {t['ttft_ms']['p50']} ms, p99 {t['ttft_ms']['p99']} ms"

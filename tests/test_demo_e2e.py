@@ -82,9 +82,18 @@ def test_demo_promotes_a_healthy_canary(tmp_path: Path, no_leftover_processes: N
     assert set(by_version) == {"v1", "v2"}
     assert sum(v["count"] for v in by_version.values()) == traffic["ok"]
     assert [s["step"] for s in report["steps"]] == [a["step"] for a in rollout["analyses"]]
-    for s in report["steps"]:
+    # A step that passed read the canary's latency over exactly its interval. An interval may
+    # also halt (neither promotes nor fails: too few calls, or the runtime's metrics not read in
+    # time on a loaded machine); the report then says why, and the step is judged again.
+    passed = [s for s in report["steps"] if s["outcome"] == "pass"]
+    # (steps [20, 50, 100]: the last is the promotion, not analysed)
+    assert [s["canary_weight"] for s in passed] == [20, 50], report["steps"]
+    for s in passed:
         assert s["gate_over"] == "interval" and s["gate_samples"] > 0, s
         assert s["client_ttft_ms"]["v2"]["count"] > 0, s
+    for s in report["steps"]:
+        assert s["outcome"] in ("pass", "halt"), s
+        assert s["outcome"] == "pass" or f"    {s['reason']}" in out, s
     assert (tmp_path / "calls.jsonl").read_text().count("\n") == traffic["requests"]
     _assert_openai(traffic, out)
     _assert_identity(report, out, tmp_path)
