@@ -23,15 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from meshlm.scenarios import report_of, running, say, write_report
+from meshlm.scenarios.capacity import STORY_PROMPTS, decode_capacity, flood_tokens
 
 BENCH_TITLE = "Tenant isolation: a tenant floods long generations beside a quiet one"
 GOAL = 0.95
 SERVE_ARGS = ["--max-batch", "8", "--max-queue", "16"]
 QUIET_RATE, QUIET_TOKENS = 1.0, 4
-NOISY_RATE, NOISY_TOKENS = 3.0, 48  # at most 16 in flight (the traffic's pool): a flood
-NOISY_PROMPTS = tuple(
-    f"Write a long story about {x}." for x in ("a dragon", "the sea", "a robot", "a city")
-)
+# The flood asks for stories as long as make it FLOOD_LOAD times what a runtime's 8 slots decode
+# on this machine, measured first: 48 tokens a call at 3/s flooded a 2-core CPU without AVX-512
+# kernels but left 8 slots half empty where they decode int4 3x faster, so the quiet tenant's
+# calls never queued behind it and the two schedulers could not be told apart (a degradation of
+# -51 ms without isolation, +24 ms with it).
+NOISY_RATE, FLOOD_LOAD, NOISY_TOKENS_RANGE = 3.0, 2.0, (48, 256)
 # seconds: the quiet tenant alone, beside the flood, and the flood's first seconds left out
 PHASES = {"full": (15.0, 40.0, 5.0), "quick": (8.0, 20.0, 4.0), "smoke": (4.0, 10.0, 2.0)}
 KEYS = {"quiet": "demo-quiet-key", "noisy": "demo-noisy-key"}
@@ -58,7 +61,8 @@ def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
     version = "v2" if mechanism else "v1"
     mesh = _local_mesh(None, versions=[version])
     with running(mesh, say=lambda m: None):
-        r = _phases(mesh, version, PHASES["quick" if quick else "full"], say=lambda m: None)
+        tokens = _flood_tokens(mesh, version, say=lambda m: None)
+        r = _phases(mesh, version, tokens, PHASES["quick" if quick else "full"], say=lambda m: None)
     return {
         k: r[k] for k in ("sla", "tenants", "quiet_alone_ttft_ms", "quiet_ttft_p99_degradation_ms")
     }
@@ -70,8 +74,9 @@ def measure_both(phases: str, workdir: Path | None, say: Any) -> dict[str, Any]:
     mesh = _local_mesh(workdir, versions=["v1", "v2"])
     say(f"logs and report in {mesh.workdir}; v1 --no-tenant-isolation, v2 isolation on")
     with running(mesh, say):
-        off = _phases(mesh, "v1", PHASES[phases], say)
-        on = _phases(mesh, "v2", PHASES[phases], say)
+        tokens = _flood_tokens(mesh, "v1", say)
+        off = _phases(mesh, "v1", tokens, PHASES[phases], say)
+        on = _phases(mesh, "v2", tokens, PHASES[phases], say)
     d_off, d_on = off["quiet_ttft_p99_degradation_ms"], on["quiet_ttft_p99_degradation_ms"]
     suppression = None
     if d_off is not None and d_on is not None and d_off > 0:
@@ -81,7 +86,7 @@ def measure_both(phases: str, workdir: Path | None, say: Any) -> dict[str, Any]:
         "workdir": str(mesh.workdir),
         "traffic": {
             "quiet": {"rate_per_s": QUIET_RATE, "max_new_tokens": QUIET_TOKENS},
-            "noisy": {"rate_per_s": NOISY_RATE, "max_new_tokens": NOISY_TOKENS},
+            "noisy": {"rate_per_s": NOISY_RATE, "max_new_tokens": tokens},
             "rate_limits": RATE_LIMITS,
             "serve_args": SERVE_ARGS,
         },
@@ -116,6 +121,15 @@ def _local_mesh(workdir: Path | None, versions: list[str]) -> Any:
     return LocalMesh(mesh, workdir=workdir, faults=faults)
 
 
+def _flood_tokens(mesh: Any, version: str, say: Any) -> int:
+    """The flood's tokens per call on this machine (the same for both runtimes: the same model
+    and batch size on the same cores)."""
+    capacity = decode_capacity(f"127.0.0.1:{mesh.runtimes[version].port}", slots=8)
+    tokens = flood_tokens(capacity, NOISY_RATE, FLOOD_LOAD, NOISY_TOKENS_RANGE)
+    say(f"a runtime decodes {capacity:.0f} tokens/s in 8 slots: the flood asks {tokens} a call")
+    return tokens
+
+
 def _traffic(target: str, tenant: str, rate: float, tokens: int, prompts: Any = None) -> Any:
     from meshlm.launcher import SERVICE
     from meshlm.traffic import PROMPTS, TenantLoad, Traffic
@@ -126,7 +140,7 @@ def _traffic(target: str, tenant: str, rate: float, tokens: int, prompts: Any = 
 
 
 def _phases(
-    mesh: Any, version: str, durations: tuple[float, float, float], say: Any
+    mesh: Any, version: str, noisy_tokens: int, durations: tuple[float, float, float], say: Any
 ) -> dict[str, Any]:
     """On one runtime, through its inbound sidecar: warm-up, the quiet tenant alone, then the
     quiet tenant beside the flood (its first seconds left out while the backlog builds)."""
@@ -140,7 +154,7 @@ def _phases(
     quiet = _traffic(target, "quiet", QUIET_RATE, QUIET_TOKENS).start()
     t_alone = time.monotonic()
     time.sleep(alone_s)
-    noisy = _traffic(target, "noisy", NOISY_RATE, NOISY_TOKENS, NOISY_PROMPTS).start()
+    noisy = _traffic(target, "noisy", NOISY_RATE, noisy_tokens, STORY_PROMPTS).start()
     t_flood = time.monotonic()
     say(f"{version}: quiet alone {alone_s:.0f} s, now beside the flood for {flood_s:.0f} s")
     time.sleep(flood_s)

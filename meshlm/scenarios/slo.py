@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from meshlm.scenarios import report_of, running, say, write_report
+from meshlm.scenarios.capacity import STORY_PROMPTS, decode_capacity, flood_tokens
 
 BENCH_TITLE = "SLO loop: a low-priority tenant's load step against a TTFT p99 SLO"
 GOAL_INTERVALS = 3
@@ -56,9 +57,6 @@ GOLD_RATE, GOLD_TOKENS = 1.0, 4
 # Shed, free keeps a quarter of its limit (0.75/s): about half the capacity, so shedding
 # restores the SLO, and the base load (0.5/s) uses a third of it.
 FREE_BASE_RATE, FREE_STEP_RATE, STEP_LOAD = 0.5, 3.0, 2.0
-FREE_PROMPTS = tuple(
-    f"Write a long story about {x}." for x in ("a dragon", "the sea", "a robot", "a city")
-)
 FREE_TOKENS_RANGE = (16, 256)
 RATE_LIMITS = {
     "gold": {"max_tokens": 10, "tokens_per_fill": 5, "fill_interval": "1s"},
@@ -106,9 +104,9 @@ def scenario(workdir: Path | None, act: bool, say: Any) -> dict[str, Any]:
     watch = Watch(mesh)
     with running(mesh, say) as stops:
         stops.callback(watch.stop)
-        capacity = decode_capacity(mesh)
-        free_tokens = round(STEP_LOAD * capacity / FREE_STEP_RATE)
-        free_tokens = min(max(free_tokens, FREE_TOKENS_RANGE[0]), FREE_TOKENS_RANGE[1])
+        rt = next(iter(mesh.runtimes.values()))
+        capacity = decode_capacity(f"127.0.0.1:{rt.port}", slots=4)
+        free_tokens = flood_tokens(capacity, FREE_STEP_RATE, STEP_LOAD, FREE_TOKENS_RANGE)
         say(f"the replica decodes {capacity:.0f} tokens/s in 4 slots: free asks {free_tokens}")
         gold = _traffic(mesh, "gold", GOLD_RATE, GOLD_TOKENS)
         free = _traffic(mesh, "free", FREE_BASE_RATE, free_tokens)
@@ -310,28 +308,6 @@ def _runtime_ttft_p99(mesh: Any) -> float:
     return float(p99)
 
 
-def decode_capacity(mesh: Any, tokens: int = 48) -> float:
-    """Tokens/s the replica decodes with its 4 slots full: 4 stories at once, straight to the
-    runtime (no tenant's rate limit), after one that warms it; wall time of the batch."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from model_runtime.client import generate
-
-    rt = next(iter(mesh.runtimes.values()))
-
-    def story(n: int) -> int:
-        chat = [{"role": "user", "content": FREE_PROMPTS[n % len(FREE_PROMPTS)]}]
-        chunks = generate(f"127.0.0.1:{rt.port}", messages=chat, max_new_tokens=tokens,
-                          timeout=120, mirror=False)  # fmt: skip
-        return sum(len(c.token_ids) for c in chunks)
-
-    story(0)
-    with ThreadPoolExecutor(4) as pool:
-        t0 = time.monotonic()
-        n = sum(pool.map(story, range(4)))
-        return n / (time.monotonic() - t0)
-
-
 def _local_mesh(workdir: Path | None) -> Any:
     from meshlm.launcher import SERVICE, LocalMesh, scenario_mesh
     from wasm_filters.policy import hash_key
@@ -354,7 +330,7 @@ def _traffic(mesh: Any, tenant: str, rate: float, tokens: int) -> Any:
     from meshlm.launcher import SERVICE
     from meshlm.traffic import PROMPTS, TenantLoad, Traffic
 
-    prompts = FREE_PROMPTS if tenant == "free" else PROMPTS
+    prompts = STORY_PROMPTS if tenant == "free" else PROMPTS
     load = TenantLoad(tenant, KEYS[tenant], rate=rate, prompts=prompts)
     return Traffic(
         mesh.caller_target, [load], authority=SERVICE, max_new_tokens=tokens, resume=False
