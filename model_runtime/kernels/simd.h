@@ -24,6 +24,7 @@ static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
 static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
 static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    // a b + c
@@ -159,6 +160,7 @@ static inline void vf_store(float *p, vf v) {
 VF_BINARY(vf_add, _mm256_add_ps)
 VF_BINARY(vf_sub, _mm256_sub_ps)
 VF_BINARY(vf_mul, _mm256_mul_ps)
+VF_BINARY(vf_div, _mm256_div_ps)
 VF_BINARY(vf_min, _mm256_min_ps)
 VF_BINARY(vf_max, _mm256_max_ps)
 static inline vf vf_fma(vf a, vf b, vf c) {

@@ -81,6 +81,19 @@ static inline float bf(uint16_t v) {
 
 static inline float rnd(float f) { return bf(f32_to_bf16(f)); }
 
+// rnd of each lane
+static inline vf vf_rnd(vf v) {
+    uint16_t h[16];
+    vf_store_bf16(h, v, 0x7fc00000);
+    return vf_load_bf16(h);
+}
+
+// h = rnd(h + o) over d values (d % 16 == 0: native_step checks the model's dims)
+static void residual_add(float *h, const uint16_t *o, int d) {
+    for (int i = 0; i < d; i += 16)
+        vf_store(h + i, vf_rnd(vf_add(vf_load(h + i), vf_load_bf16(o + i))));
+}
+
 static void barrier(int n) {
     if (n > 1) gomp_barrier();
 }
@@ -96,7 +109,10 @@ static void rms_norm(const float *x, const uint16_t *w, int d, float eps, float 
     float ss = vf_sum(acc);
     for (; i < d; i++) ss += x[i] * x[i];
     float r = 1.0f / sqrtf(ss / (float)d + eps);
-    for (i = 0; i < d; i++) y[i] = rnd(x[i] * r * bf(w[i]));
+    const vf vr = vf_set1(r);
+    for (i = 0; i + 16 <= d; i += 16)
+        vf_store(y + i, vf_rnd(vf_mul(vf_mul(vf_load(x + i), vr), vf_load_bf16(w + i))));
+    for (; i < d; i++) y[i] = rnd(x[i] * r * bf(w[i]));
 }
 
 static void matmul(const team_arg_t *t, int tid, int n, const float *x, int K, int N,
@@ -216,6 +232,18 @@ static void attend(const team_arg_t *t, int layer, int b, int h, float *scratch)
     }
 }
 
+// x = rnd(rnd(silu(g)) * u) for gu = [g | u], F values each (F % 16 == 0), silu(g) = g / (1 +
+// exp(-g)) with exp_u20 (torch's silu uses a 1-ulp exp: this one may round to the other bf16 now
+// and then; 16 at a time)
+static void silu_mul(const uint16_t *gu, int F, float *x) {
+    const vf one = vf_set1(1.0f);
+    for (int i = 0; i < F; i += 16) {
+        vf g = vf_load_bf16(gu + i);
+        vf s = vf_rnd(vf_div(g, vf_add(one, exp_u20(vf_sub(vf_zero(), g)))));
+        vf_store(x + i, vf_rnd(vf_mul(s, vf_load_bf16(gu + F + i))));
+    }
+}
+
 static void team(void *arg) {
     const team_arg_t *t = (const team_arg_t *)arg;
     const model_t *m = t->m;
@@ -245,27 +273,21 @@ static void team(void *arg) {
         barrier(n);
         for (int b = r0; b < r1; b++) {
             float *h = t->h + (size_t)b * D;
-            for (int i = 0; i < D; i++) h[i] = rnd(h[i] + bf(t->o[(size_t)b * D + i]));
+            residual_add(h, t->o + (size_t)b * D, D);
             rms_norm(h, ly->ffn_norm, D, m->eps, t->xin + (size_t)b * D);
         }
         barrier(n);
         matmul(t, tid, n, t->xin, D, 2 * F, &ly->w13, t->gu);
         barrier(n);
-        for (int b = r0; b < r1; b++) {
-            const uint16_t *gu = t->gu + (size_t)b * 2 * F;
-            float *x = t->xin + (size_t)b * F;
-            for (int i = 0; i < F; i++) {
-                float g = bf(gu[i]);
-                x[i] = rnd(rnd(g / (1.0f + expf(-g))) * bf(gu[F + i]));
-            }
-        }
+        for (int b = r0; b < r1; b++)
+            silu_mul(t->gu + (size_t)b * 2 * F, F, t->xin + (size_t)b * F);
         barrier(n);
         matmul(t, tid, n, t->xin, F, D, &ly->w2, t->o);
         barrier(n);
         const uint16_t *next = l + 1 < m->n_layers ? m->layers[l + 1].attn_norm : m->norm;
         for (int b = r0; b < r1; b++) {
             float *h = t->h + (size_t)b * D;
-            for (int i = 0; i < D; i++) h[i] = rnd(h[i] + bf(t->o[(size_t)b * D + i]));
+            residual_add(h, t->o + (size_t)b * D, D);
             rms_norm(h, next, D, m->eps, t->xin + (size_t)b * D);
         }
         barrier(n);
