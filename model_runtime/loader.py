@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model_runtime import kernels, sealed
+from model_runtime import kernels, native_step, sealed
 from model_runtime.gguf_loader import Q4_1, default_gguf_path, read_gguf
 from model_runtime.model import ModelArgs, Transformer, rope_table
 from model_runtime.quant import Int4Linear, Int8Linear, NonFiniteGuard, TiedInt8Embedding
@@ -211,6 +211,11 @@ def load(
     if nonfinite_guard:
         guard = NonFiniteGuard()
         model.guard = guard
+    description = compute.description
+    if precision == "int4":  # what its first decode step will run (model.native_step "auto")
+        why = native_step.why_not(model)
+        step = "one native call" if why is None else f"torch ops ({why})"
+        description += f"; decode steps in {step}"
     g_size = group_size if precision == "int4" else None
     tag = precision if g_size in (None, 32) else f"{precision}-g{g_size}"
     tag += "-head4" if precision == "int4" and head_bits == 4 else ""
@@ -221,7 +226,7 @@ def load(
         context_length=args.context_length,
         group_size=g_size,
         weight_bytes=weight_bytes(model),
-        compute=compute.description,
+        compute=description,
         compute_dtype=DTYPE_NAMES.get(compute.dtype, str(compute.dtype).removeprefix("torch.")),
         kernels=linear_kernels(model),
     )

@@ -105,10 +105,13 @@ def test_int4_decodes_natively_by_default_and_the_switch_turns_it_off(int4_defau
         lm = copy.deepcopy(int4)
     assert lm.model.native_step == "auto"
     generate.greedy(lm, [ids], 3)
-    if native_step.why_not(lm.model) is None:
+    why = native_step.why_not(lm.model)
+    if why is None:
         assert isinstance(lm.model.native_step, native_step.NativeStep)
-    else:  # another CPU: torch's ops, and the reason is given
+        assert lm.info.compute.endswith("; decode steps in one native call")
+    else:  # another CPU: torch's ops, and the reason is given (Info's `compute` says it too)
         assert lm.model.native_step is None
+        assert lm.info.compute.endswith(f"; decode steps in torch ops ({why})")
     monkeypatch.setenv("MESHLM_NATIVE_STEP", "0")
     with undecided(int4.model):
         off = copy.deepcopy(int4)
