@@ -43,9 +43,23 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc, default=str)
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each line, not as it was at set-up: `meshlm.cli.main`
+    run in-process (tests, embedding) must not leave the root logger writing to a stream that
+    was swapped and closed (pytest's capture: "I/O operation on closed file" from a thread)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def setup(level: str = "info", fmt: str = "text") -> None:
     """Route every logger's lines at `level` and above to stderr in `fmt`."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
     for old in list(root.handlers):
