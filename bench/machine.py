@@ -32,6 +32,9 @@ def _cpuinfo_field(name: str) -> str | None:
 
 def describe() -> str:
     cpu = _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    family, model = _cpuinfo_field("cpu family"), _cpuinfo_field("model")
+    if family and model:  # "AMD EPYC" names Zen 4 (family 25) and Zen 5 (26) alike
+        cpu += f" (family {family}, model {model})"
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}"
 
