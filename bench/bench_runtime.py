@@ -28,7 +28,7 @@ import torch
 
 from bench.llama_peer import LlamaPeer, PeerError, installed
 from bench.machine import describe, describe_flags
-from model_runtime import generate, kernels, native_step
+from model_runtime import generate, kernels, native_attention, native_step
 from model_runtime.engine import Engine, GenerateParams
 from model_runtime.gguf_loader import default_gguf_path
 from model_runtime.loader import load
@@ -223,8 +223,19 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
                 add(f"tokens {name}", toks)
                 add(f"{name} b8", bare(models[name], 8)[0])
                 add(f"prefill {name}", own_thread(_bare_prefill, models[name], prompt))
-        add("bf16 bare b1", bare(bf16, 1)[0])
+        tps, toks = bare(bf16, 1)
+        add("bf16 bare b1", tps)
+        add("tokens bf16 bare", toks)
         add("bf16 bare b8", bare(bf16, 8)[0])
+        if native_attention.why_not(bf16.model) is None:  # its decode attention in torch's SDPA
+            bf16.model.native_attention = None
+            try:
+                tps, toks = bare(bf16, 1)
+                add("bf16 sdpa b1", tps)
+                add("tokens bf16 sdpa", toks)
+                add("bf16 sdpa b8", bare(bf16, 8)[0])
+            finally:
+                native_attention.use(bf16.model, True)
         add("prefill int4 bare", own_thread(_bare_prefill, int4, prompt))
         if peer is not None:
             add("prefill llama.cpp", len(prompt) / peer.prefill(prompt))
@@ -302,6 +313,8 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         ("ours", "bare forward, native AVX2 build", "int4", 8, "int4 avx2 b8", None),
         ("ours", "bare forward", "bf16", 1, "bf16 bare b1", "prefill bf16 bare"),
         ("ours", "bare forward", "bf16", 8, "bf16 bare b8", None),
+        ("ours", "bare, decode attention in torch's SDPA", "bf16", 1, "bf16 sdpa b1", None),
+        ("ours", "bare, decode attention in torch's SDPA", "bf16", 8, "bf16 sdpa b8", None),
         ("llama.cpp", "`Llama.eval` + argmax", "Q4_1", 1, "llama.cpp b1", "prefill llama.cpp"),
     ]
     for who, path, prec, batch, dec, pre in rows:
@@ -335,6 +348,10 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         "int4 CPU s per token b1, native step / torch ops": _ratio(
             r, "cpu ms/token int4 native step", "cpu ms/token int4 torch step"
         ),
+        "bf16 decode b8, native attention / torch's SDPA": _ratio(
+            r, "bf16 bare b8", "bf16 sdpa b8"
+        ),
+        "bf16 decode, b8 / b1 aggregate, torch's SDPA": _ratio(r, "bf16 sdpa b8", "bf16 sdpa b1"),
         "int4 decode, b8 / b1 aggregate, torch's kernels": _ratio(
             r, "int4 torch-kernel b8", "int4 torch-kernel b1"
         ),
@@ -375,6 +392,9 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         lines[-1] += f"; native decode step vs torch ops {ts}"
         cpu = [_cell(r[f"cpu ms/token int4 {k} step"]) for k in ("native", "torch")]
         lines[-1] += f" (CPU ms per token, b1, prefill included: {cpu[0]} vs {cpu[1]})"
+    if "tokens bf16 sdpa" in r:
+        na = _first_difference(r["tokens bf16 bare"][0], r["tokens bf16 sdpa"][0])
+        lines[-1] += f"; bf16: native decode attention vs torch's SDPA {na}"
     if peer is not None:
         peer_cmp = _first_difference(r["tokens int4 bare"][0], r["tokens llama.cpp"][0])
         lines[-1] += f"; ours vs llama.cpp {peer_cmp} (its kernels round activations to 8 bits)"

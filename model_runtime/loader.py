@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model_runtime import kernels, native_step, sealed
+from model_runtime import kernels, native_attention, native_step, sealed
 from model_runtime.gguf_loader import Q4_1, default_gguf_path, read_gguf
 from model_runtime.model import ModelArgs, Transformer, rope_table
 from model_runtime.quant import Int4Linear, Int8Linear, NonFiniteGuard, TiedInt8Embedding
@@ -216,6 +216,10 @@ def load(
         why = native_step.why_not(model)
         step = "one native call" if why is None else f"torch ops ({why})"
         description += f"; decode steps in {step}"
+    elif device == "cpu":
+        why = native_attention.why_not(model)
+        attention = "one native call a layer" if why is None else f"torch's SDPA ({why})"
+        description += f"; decode attention in {attention}"
     g_size = group_size if precision == "int4" else None
     tag = precision if g_size in (None, 32) else f"{precision}-g{g_size}"
     tag += "-head4" if precision == "int4" and head_bits == 4 else ""

@@ -104,7 +104,10 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * hd, bias=False)
         self.wo = nn.Linear(args.n_heads * hd, args.dim, bias=False)
 
-    def forward(self, x, rope, layer: int, cache: KVCache | None, lay: BatchLayout | None, mask):
+    def forward(
+        self, x, rope, layer: int, cache: KVCache | None, lay: BatchLayout | None, mask, native=None
+    ):
+        """`native`: native_attention.NativeAttention for a decode step (T = 1), or None."""
         B, T, _ = x.shape
         nq = self.n_heads + self.n_kv
         qkv = self.wqkv(x).view(B, T, nq + self.n_kv, self.hd)
@@ -121,6 +124,10 @@ class Attention(nn.Module):
             kv.index_copy_(
                 0, lay.write_slots, qkv[:, :, self.n_heads :].reshape(B * T, 2, -1, self.hd)
             )
+            if native is not None and T == 1:
+                y = native(qkv, cache.kv, layer, lay)
+                if y is not None:
+                    return self.wo(y)
             g = _attended(kv, lay, B)
             y = F.scaled_dot_product_attention(
                 q,
@@ -153,7 +160,7 @@ class Block(nn.Module):
         self.attention_norm = nn.Parameter(torch.ones(args.dim), requires_grad=False)
         self.ffn_norm = nn.Parameter(torch.ones(args.dim), requires_grad=False)
 
-    def forward(self, x, rope, layer, cache, lay, mask):
+    def forward(self, x, rope, layer, cache, lay, mask, native=None):
         h = x + self.attention(
             F.rms_norm(x, x.shape[-1:], self.attention_norm, self.eps),
             rope,
@@ -161,6 +168,7 @@ class Block(nn.Module):
             cache,
             lay,
             mask,
+            native,
         )
         return h.add_(self.feed_forward(F.rms_norm(h, h.shape[-1:], self.ffn_norm, self.eps)))
 
@@ -182,6 +190,8 @@ class Transformer(nn.Module):
         # decode steps in one native call (native_step.py): "auto" until the first decode step
         # decides (the linears are swapped for quantized ones after construction)
         self.native_step: Callable | str | None = "auto"
+        # its attention alone, where the step does not apply (native_attention.py): "auto" alike
+        self.native_attention: Callable | str | None = "auto"
         self.requires_grad_(False)
 
     @property
@@ -192,11 +202,13 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
 
-    def _layers(self, h, rope, cache, lay, mask, guard: LayerGuard | None) -> torch.Tensor:
+    def _layers(
+        self, h, rope, cache, lay, mask, guard: LayerGuard | None, native=None
+    ) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
-            out = layer(h, rope, i, cache, lay, mask)
+            out = layer(h, rope, i, cache, lay, mask, native)
             if guard is not None:
-                redo = functools.partial(layer, h, rope, i, cache, lay, mask)
+                redo = functools.partial(layer, h, rope, i, cache, lay, mask, native)
                 out = guard(i, layer, h, out, redo)
             h = out
         return h
@@ -222,10 +234,16 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """tokens [B, T] -> logits float32 [B, T, V] (all_logits) or [B, V] (last position)."""
         B, T = tokens.shape
+        native = None
         if T == 1 and lay is not None and cache is not None and not all_logits:
             logits = self._native_decode(tokens, cache, lay)
             if logits is not None:
                 return logits
+            if self.native_attention == "auto":
+                from model_runtime import native_attention
+
+                native_attention.use(self, True)
+            native = self.native_attention
         rope = (
             self.freqs[:T].unsqueeze(0) if lay is None else self.freqs[lay.input_pos]
         ).unsqueeze(2)
@@ -236,11 +254,11 @@ class Transformer(nn.Module):
             mask = torch.zeros(lay.mask.shape, dtype=self.dtype, device=self.device)
             mask.masked_fill_(lay.mask.logical_not(), float("-inf"))
         h0 = self.tok_embeddings(tokens)
-        h = self._layers(h0, rope, cache, lay, mask, None)
+        h = self._layers(h0, rope, cache, lay, mask, None, native)
         if self.guard is not None and not bool(torch.isfinite(h).all()):
             # rare: run again checking every layer, so the guard can repair the one at fault
             # (the re-run rewrites the same KV slots)
-            h = self._layers(h0, rope, cache, lay, mask, self.guard)
+            h = self._layers(h0, rope, cache, lay, mask, self.guard, native)
         if not all_logits:
             if lay is not None and lay.last_idx is not None:
                 h = h[torch.arange(B), lay.last_idx]

@@ -166,5 +166,8 @@ def attach(model: torch.nn.Module) -> NativeStep | None:
 
 
 def use(model: torch.nn.Module, on: bool) -> None:
-    """Turn the native step on (where it applies) or off for `model` (benchmarks compare)."""
+    """Turn the native step on (where it applies) or off for `model` (benchmarks compare); off,
+    the decode step runs in torch ops only (native attention too is off), on, attention alone
+    is native where the step does not apply (native_attention.py)."""
     model.native_step = attach(model) if on else None
+    model.native_attention = "auto" if on else None

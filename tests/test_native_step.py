@@ -1,4 +1,5 @@
-"""The int4 decode step as one native call (model_runtime/native_step.py, kernels/step.c).
+"""The int4 decode step as one native call (model_runtime/native_step.py, kernels/step.c), and
+its attention alone in a step that runs in torch ops (model_runtime/native_attention.py).
 
 Its attention's softmax is not torch's to the last bit, so these tests compare it with torch's
 ops within a tolerance and assert exactly only what holds on every CPU: the K/V it writes to the
@@ -17,7 +18,7 @@ import functools
 import pytest
 import torch
 
-from model_runtime import generate, kernels, native_step
+from model_runtime import generate, kernels, native_attention, native_step
 from model_runtime.kvcache import SeqCache, layout_decode, layout_prefill
 from model_runtime.loader import load
 from model_runtime.model import KVCache
@@ -64,16 +65,17 @@ def int4_default(smollm_int4):
 
 @contextlib.contextmanager
 def decode_path(model, path):
-    """`model.native_step = path` for a while (restored after)."""
-    saved, model.native_step = model.native_step, path
+    """`model.native_step` and `model.native_attention` = path for a while (restored after)."""
+    saved = model.native_step, model.native_attention
+    model.native_step = model.native_attention = path
     try:
         yield
     finally:
-        model.native_step = saved
+        model.native_step, model.native_attention = saved
 
 
 def torch_ops(model):
-    """The model's own decode path for a while."""
+    """The model's own decode path, all in torch ops, for a while."""
     return decode_path(model, None)
 
 
@@ -219,3 +221,79 @@ def test_the_avx2_step_gives_the_avx512_steps_bits(smollm_int4):
         nxt = [int(t) for t in got[0].argmax(-1)]
         for s in seqs:
             s.written += 1
+
+
+@contextlib.contextmanager
+def attention_only(model, nat):
+    """A decode step in torch ops but for its attention (`nat`), for a while."""
+    saved = model.native_step, model.native_attention
+    model.native_step, model.native_attention = None, nat
+    try:
+        yield
+    finally:
+        model.native_step, model.native_attention = saved
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("precision", ["bf16", "int4"])
+def test_native_attention_matches_sdpa_and_keeps_rows_apart(precision, smollm_bf16, smollm_int4):
+    """Attention alone native in a torch-ops decode step (a bf16 model's; an int4 model's where
+    its step is off), teacher-forced over 16 steps of two rows of different lengths: logits
+    within bf16 noise of SDPA's, the same greedy choice on nearly every step, and (int4: its
+    linears are the native kernels) the short row's logits bit-identical to its logits alone."""
+    lm = smollm_bf16 if precision == "bf16" else smollm_int4
+    m = lm.model
+    nat = native_attention.attach(m)
+    if nat is None:  # e.g. a bf16 model computing in fp32 on a CPU without native bf16
+        assert native_attention.why_not(m)
+        return
+    short = lm.tokenizer.encode_chat(STORY)
+    long = lm.tokenizer.encode("The history of the city goes back to the Romans. " * 12)
+    kv, seqs, nxt = _prefilled(lm, [short, long], per_seq=24)
+    answered = []
+
+    def counted(*args):
+        y = nat(*args)
+        answered.append(y is not None)
+        return y
+
+    agree, worst = 0, 0.0
+    for _ in range(16):
+        lay = layout_decode(seqs, BS)
+        tokens = torch.tensor([[t] for t in nxt])
+        with attention_only(m, counted):
+            ours = m(tokens, kv, lay)
+            alone = m(tokens[:1], kv, layout_decode(seqs[:1], BS))
+        with torch_ops(m):
+            ref = m(tokens, kv, lay)  # rewrites the same slots with the same K/V
+        if precision == "int4":  # oneDNN's bf16 matmuls round 1 and 2 rows differently
+            assert torch.equal(ours[0], alone[0])
+        worst = max(worst, float((ours - ref).abs().max()))
+        agree += int(torch.equal(ours.argmax(-1), ref.argmax(-1)))
+        nxt = [int(t) for t in ref.argmax(-1)]
+        for s in seqs:
+            s.written += 1
+    assert answered == [True] * (16 * 2 * m.args.n_layers)  # every layer of both calls
+    assert worst < 2.0, worst  # logits span ~40; bf16 steps there are 0.125-0.25
+    assert agree >= 14
+
+
+def test_a_bf16_model_decodes_with_native_attention_by_default(smollm_bf16, monkeypatch):
+    ids = smollm_bf16.tokenizer.encode_chat(STORY)
+    with undecided(smollm_bf16.model):
+        lm = copy.deepcopy(smollm_bf16)
+    generate.greedy(lm, [ids], 3)
+    why = native_attention.why_not(lm.model)
+    assert native_step.why_not(lm.model) is not None  # not an int4 model: no native step
+    if why is None:
+        assert isinstance(lm.model.native_attention, native_attention.NativeAttention)
+        assert lm.info.compute.endswith("; decode attention in one native call a layer")
+    else:  # another CPU: torch's SDPA, and the reason is given (Info's `compute` too)
+        assert lm.model.native_attention is None
+        assert lm.info.compute.endswith(f"; decode attention in torch's SDPA ({why})")
+    monkeypatch.setenv("MESHLM_NATIVE_STEP", "0")
+    with undecided(smollm_bf16.model):
+        off = copy.deepcopy(smollm_bf16)
+    generate.greedy(off, [ids], 3)
+    assert off.model.native_attention is None
+    assert native_attention.why_not(off.model) == "MESHLM_NATIVE_STEP=0"

@@ -70,6 +70,7 @@ typedef struct {
     uint16_t *o;   // [B, dim]
     uint16_t *gu;  // [B, 2 hidden]
     float *scratch;  // [n, L + head_dim] per thread
+    int layer;       // native_attention's
 } team_arg_t;
 
 static inline float bf(uint16_t v) {
@@ -230,6 +231,51 @@ static void attend(const team_arg_t *t, int layer, int b, int h, float *scratch)
         vf_store_bf16((uint16_t *)(q + 16 * i), vf_mul(acc[i], vf_set1(inv)), 0xffff0000);
         for (int e = 0; e < 16; e++) out[16 * i + e] = bf(((uint16_t *)(q + 16 * i))[e]);
     }
+}
+
+// --- attention alone, for a decode step that runs in torch ops otherwise (a bf16 model):
+// torch's SDPA over the gathered cache costs ~4x this at batch 8
+
+typedef struct {
+    int B, L, n_heads, n_kv, head_dim, layer;
+    const uint16_t *qkv;     // [B, (n_heads + 2 n_kv) head_dim] bf16, q after RoPE
+    const int64_t *gather;   // [B, L] slots each row attends
+    const uint8_t *mask;     // bool [B, L], NULL: every slot attended
+    const uint16_t *kv;      // the cache [n_layers, n_slots, 2, n_kv, head_dim] bf16
+    int64_t n_slots;
+    float *out;              // [B, n_heads head_dim]: bf16 values
+} attn_t;
+
+static void attention_team(void *arg) {
+    const team_arg_t *t = (const team_arg_t *)arg;
+    const int n = t->n > 1 ? omp_num_threads() : 1, tid = n > 1 ? omp_thread_num() : 0;
+    float *scratch = t->scratch + (size_t)tid * (t->s->L + t->m->head_dim);
+    int tasks = t->s->B * t->m->n_heads;
+    for (int k = tasks * tid / n; k < tasks * (tid + 1) / n; k++)
+        attend(t, t->layer, k / t->m->n_heads, k % t->m->n_heads, scratch);
+}
+
+// 0, or -1 when the shapes are not supported, -2 out of memory
+int native_attention(const attn_t *a, int threads) {
+    const int hd = a->head_dim;
+    if (a->B <= 0 || a->L <= 0 || threads < 1 || hd % 16 || hd > 128 || a->n_kv <= 0 ||
+        a->n_heads % a->n_kv || a->layer < 0)
+        return -1;
+    if (!gomp_parallel || !omp_num_threads) threads = 1;
+    model_t m = {0};
+    m.n_heads = a->n_heads, m.n_kv = a->n_kv, m.head_dim = hd;
+    step_t s = {0};
+    s.B = a->B, s.L = a->L, s.gather = a->gather, s.mask = a->mask;
+    s.kv = (uint16_t *)a->kv, s.n_slots = a->n_slots;
+    float *scratch = (float *)malloc((size_t)threads * (a->L + hd) * sizeof(float));
+    if (!scratch) return -2;
+    team_arg_t t = {&m, &s, threads, 0, a->out, (uint16_t *)a->qkv, 0, 0, scratch, a->layer};
+    if (threads == 1)
+        attention_team(&t);
+    else
+        gomp_parallel(attention_team, &t, (unsigned)threads, 0);
+    free(scratch);
+    return 0;
 }
 
 // x = rnd(rnd(silu(g)) * u) for gu = [g | u], F values each (F % 16 == 0), silu(g) = g / (1 +
