@@ -10,12 +10,10 @@ cache took ~31 % of a bf16 batch-8 decode step here. Off with MESHLM_NATIVE_STEP
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
 from model_runtime import kernels, native_step
-from model_runtime.kernels.isas import library_path
 
 _P = ctypes.c_void_p
 
@@ -28,21 +26,15 @@ class _Attn(ctypes.Structure):
 
 def why_not(model: torch.nn.Module) -> str | None:
     """None when native attention applies to `model`'s decode steps, else why not."""
-    if os.environ.get("MESHLM_NATIVE_STEP", "1") == "0":
-        return "MESHLM_NATIVE_STEP=0"
-    if kernels.why_not() is not None:
-        return kernels.why_not()
-    if model.device.type != "cpu":
-        return f"the model is on {model.device}"
+    off = native_step.switched_off(model)
+    if off is not None:
+        return off
     if model.dtype != torch.bfloat16:
         return f"its activations are {model.dtype}, not bf16"
     a = model.args
     if a.head_dim % 16 or a.head_dim > 128 or a.n_heads % a.n_kv_heads:
         return f"head_dim {a.head_dim} with {a.n_heads} / {a.n_kv_heads} heads is not supported"
-    path = library_path("step", kernels.isa())
-    if not path.exists():
-        return f"{path.name} is not built (python -m model_runtime.kernels.build)"
-    return None
+    return native_step.unbuilt(kernels.isa())
 
 
 class NativeAttention:

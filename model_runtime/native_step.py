@@ -69,14 +69,31 @@ def library(build: str = "avx512") -> ctypes.CDLL:
     return lib
 
 
-def why_not(model: torch.nn.Module) -> str | None:
-    """None when the native step applies to `model`, else the reason it does not."""
+def switched_off(model: torch.nn.Module) -> str | None:
+    """Why no native decode code (this step, native_attention.py) runs for `model`: the
+    switch, no native build for this CPU, another device; else None."""
     if os.environ.get("MESHLM_NATIVE_STEP", "1") == "0":
         return "MESHLM_NATIVE_STEP=0"
     if kernels.why_not() is not None:
         return kernels.why_not()
     if model.device.type != "cpu":
         return f"the model is on {model.device}"
+    return None
+
+
+def unbuilt(build: str) -> str | None:
+    """Why `build`'s step library cannot load, or None."""
+    path = library_path("step", build)
+    if path.exists():
+        return None
+    return f"{path.name} is not built (python -m model_runtime.kernels.build)"
+
+
+def why_not(model: torch.nn.Module) -> str | None:
+    """None when the native step applies to `model`, else the reason it does not."""
+    off = switched_off(model)
+    if off is not None:
+        return off
     if not isinstance(model.tok_embeddings, TiedInt8Embedding) or not (
         isinstance(model.output, Int8Linear) and model.output.native
     ):
@@ -88,10 +105,7 @@ def why_not(model: torch.nn.Module) -> str | None:
             return "not every linear layer is a native int4 one"
         if any(q.isa != model.output.isa for q in lins):
             return "the layers were built for different native kernels"
-    path = library_path("step", model.output.isa)
-    if not path.exists():
-        return f"{path.name} is not built (python -m model_runtime.kernels.build)"
-    return None
+    return unbuilt(model.output.isa)
 
 
 def build_of(model: torch.nn.Module) -> str | None:
