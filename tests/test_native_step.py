@@ -239,7 +239,7 @@ def attention_only(model, nat):
 def test_native_attention_matches_sdpa_and_keeps_rows_apart(precision, smollm_bf16, smollm_int4):
     """Attention alone native in a torch-ops decode step (a bf16 model's; an int4 model's where
     its step is off), teacher-forced over 16 steps of two rows of different lengths: logits
-    within bf16 noise of SDPA's, the same greedy choice on nearly every step, and (int4: its
+    within bf16 noise of SDPA's, the same greedy choice on nearly every row and step, and (int4: its
     linears are the native kernels) the short row's logits bit-identical to its logits alone."""
     lm = smollm_bf16 if precision == "bf16" else smollm_int4
     m = lm.model
@@ -269,13 +269,13 @@ def test_native_attention_matches_sdpa_and_keeps_rows_apart(precision, smollm_bf
         if precision == "int4":  # oneDNN's bf16 matmuls round 1 and 2 rows differently
             assert torch.equal(ours[0], alone[0])
         worst = max(worst, float((ours - ref).abs().max()))
-        agree += int(torch.equal(ours.argmax(-1), ref.argmax(-1)))
+        agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
         nxt = [int(t) for t in ref.argmax(-1)]
         for s in seqs:
             s.written += 1
     assert answered == [True] * (16 * 2 * m.args.n_layers)  # every layer of both calls
     assert worst < 2.0, worst  # logits span ~40; bf16 steps there are 0.125-0.25
-    assert agree >= 14
+    assert agree >= 26, agree  # of 32 (a broken attention agrees on few; near-ties may flip)
 
 
 def test_a_bf16_model_decodes_with_native_attention_by_default(smollm_bf16, monkeypatch):
