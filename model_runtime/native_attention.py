@@ -58,12 +58,10 @@ class NativeAttention:
         B = qkv.shape[0]
         if kv.dtype != torch.bfloat16 or not (kv.is_contiguous() and qkv.is_contiguous()):
             return None
-        gather = lay.gather_slots.contiguous()
-        mask = lay.mask
-        if mask is not None:
-            mask = mask.reshape(B, -1).contiguous()
-            if mask.shape[1] != gather.shape[1]:
-                return None
+        attended = native_step.attended_slots(lay, B)
+        if attended is None:
+            return None
+        gather, mask = attended
         out = torch.empty(B, self.n_heads * self.hd, dtype=torch.float32)
         a = _Attn(
             B, gather.shape[1], self.n_heads, self.n_kv, self.hd, layer, qkv.data_ptr(),

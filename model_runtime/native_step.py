@@ -156,12 +156,10 @@ class NativeStep:
         x = self.model.tok_embeddings(tokens.view(-1)).contiguous()
         pos = lay.input_pos.view(-1).contiguous()
         writes = lay.write_slots.contiguous()
-        gather = lay.gather_slots.contiguous()
-        mask = lay.mask
-        if mask is not None:
-            mask = mask.reshape(B, -1).contiguous()
-            if mask.shape[1] != gather.shape[1]:
-                return None
+        attended = attended_slots(lay, B)
+        if attended is None:
+            return None
+        gather, mask = attended
         logits = torch.empty(B, self.m.vocab, dtype=torch.bfloat16)
         s = _Step(
             B, gather.shape[1], x.data_ptr(), pos.data_ptr(), writes.data_ptr(),
@@ -172,6 +170,18 @@ class NativeStep:
         if rc == -2:
             raise MemoryError("native decode step: out of memory")
         return logits.float() if rc == 0 else None
+
+
+def attended_slots(lay, B: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The slots each of the B rows attends [B, L] and its mask [B, L] (None: all), contiguous
+    as step.c reads them; None where the mask does not cover the slots."""
+    gather = lay.gather_slots.contiguous()
+    mask = lay.mask
+    if mask is not None:
+        mask = mask.reshape(B, -1).contiguous()
+        if mask.shape[1] != gather.shape[1]:
+            return None
+    return gather, mask
 
 
 def attach(model: torch.nn.Module) -> NativeStep | None:
