@@ -15,14 +15,6 @@ import torch
 
 from model_runtime import kernels, native_step
 
-_P = ctypes.c_void_p
-
-
-class _Attn(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int) for name in ("B", "L", "n_heads", "n_kv", "head_dim", "layer")]
-    _fields_ += [("qkv", _P), ("gather", _P), ("mask", _P), ("kv", _P)]
-    _fields_ += [("n_slots", ctypes.c_int64), ("out", _P)]
-
 
 def why_not(model: torch.nn.Module) -> str | None:
     """None when native attention applies to `model`'s decode steps, else why not."""
@@ -46,8 +38,6 @@ class NativeAttention:
         self.n_heads, self.n_kv, self.hd = a.n_heads, a.n_kv_heads, a.head_dim
         self.isa = kernels.isa()
         self.lib = native_step.library(self.isa)
-        self.lib.native_attention.argtypes = [ctypes.POINTER(_Attn), ctypes.c_int]
-        self.lib.native_attention.restype = ctypes.c_int
 
     def __deepcopy__(self, memo) -> NativeAttention:
         return self
@@ -63,7 +53,7 @@ class NativeAttention:
             return None
         gather, mask = attended
         out = torch.empty(B, self.n_heads * self.hd, dtype=torch.float32)
-        a = _Attn(
+        a = native_step.AttnArgs(
             B, gather.shape[1], self.n_heads, self.n_kv, self.hd, layer, qkv.data_ptr(),
             gather.data_ptr(), 0 if mask is None else mask.data_ptr(), kv.data_ptr(),
             kv.shape[1], out.data_ptr(),

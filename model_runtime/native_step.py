@@ -51,12 +51,20 @@ class _Step(ctypes.Structure):
     _fields_ += [("n_slots", ctypes.c_int64), ("logits", _P)]
 
 
+class AttnArgs(ctypes.Structure):  # step.c attn_t (native_attention.py)
+    _fields_ = [(name, ctypes.c_int) for name in ("B", "L", "n_heads", "n_kv", "head_dim", "layer")]
+    _fields_ += [("qkv", _P), ("gather", _P), ("mask", _P), ("kv", _P)]
+    _fields_ += [("n_slots", ctypes.c_int64), ("out", _P)]
+
+
 @functools.cache
 def library(build: str = "avx512") -> ctypes.CDLL:
     """The decode step of `build` ("avx512" | "avx2")."""
     lib = ctypes.CDLL(str(library_path("step", build)))
     lib.native_step.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step), ctypes.c_int]
     lib.native_step.restype = ctypes.c_int
+    lib.native_attention.argtypes = [ctypes.POINTER(AttnArgs), ctypes.c_int]
+    lib.native_attention.restype = ctypes.c_int
     lib.step_set_gomp.argtypes = [_P, _P, _P, _P]
     gomp = kernels._gomp()
     if gomp is not None:  # else one thread
