@@ -112,7 +112,8 @@ def test_xds_server_scales_out_and_in_by_command_and_status_shows_why(tmp_path: 
             f"apply scale_out: replica 127.0.0.1:{replica} added to v1 (TTFT p99 2000ms" in status
         )
         metrics.ttft_ms = 300.0
-        eventually(stopped.exists, 20, "scaled in by the command")
+        # the command creates the file before it writes the address: wait for the address
+        eventually(lambda: stopped.exists() and stopped.read_text(), 20, "scaled in by the command")
         assert stopped.read_text() == f"127.0.0.1:{replica}"
         # The undo is recorded once the command has returned: a moment after the file exists.
         doc = eventually(lambda: (d := _get(admin + "/slo")["llm"])["history"][1:] and d, 10)
