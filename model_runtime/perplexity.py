@@ -28,3 +28,32 @@ def perplexity(model, token_ids: list[int], window: int, n_windows: int) -> floa
         nll += F.cross_entropy(logits, row[1:], reduction="sum").item()
         count += window - 1
     return math.exp(nll / count)
+
+
+@torch.inference_mode()
+def decode_perplexity(model, token_ids: list[int], window: int, n_windows: int) -> float:
+    """Perplexity as served: each window's tokens fed one at a time through decode steps (the
+    windows as one batch), so that a decode-only path counts (the native step, int8
+    activations: kernels/q8.c), which `perplexity`'s one forward a window never runs."""
+    from model_runtime.kvcache import SeqCache, layout_decode, layout_prefill
+    from model_runtime.model import KVCache
+
+    need = window * n_windows
+    if len(token_ids) < need:
+        raise ValueError(f"need {need} tokens, text has {len(token_ids)}")
+    x = torch.tensor(token_ids[:need]).view(n_windows, window)
+    bs = 16
+    per_seq = -(-window // bs)
+    kv = KVCache(model.args, per_seq * bs * n_windows, model.dtype)
+    seqs = [SeqCache(list(range(i * per_seq, (i + 1) * per_seq))) for i in range(n_windows)]
+    first = []
+    for s, row in zip(seqs, x, strict=True):  # the first token of each window
+        first.append(model(row[:1].view(1, 1), kv, layout_prefill(s, 0, 1, bs))[0].float())
+        s.written = 1
+    nll = F.cross_entropy(torch.stack(first), x[:, 1], reduction="sum").item()
+    for t in range(1, window - 1):  # one [n_windows, vocab] logits at a time
+        out = model(x[:, t : t + 1], kv, layout_decode(seqs, bs)).float()
+        for s in seqs:
+            s.written += 1
+        nll += F.cross_entropy(out.reshape(n_windows, -1), x[:, t + 1], reduction="sum").item()
+    return math.exp(nll / (n_windows * (window - 1)))

@@ -42,6 +42,18 @@ def _pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: t
     return packed, sz, None
 
 
+def pack_q8(packed: torch.Tensor) -> torch.Tensor:
+    """The native int4 layout's codes [N / 64, K / 2, 64] in kernels/q8.c's layout for int8
+    activations: [N / 16, K / 8, 16, 4] bytes, byte j of lane c holding column c's codes at
+    k0 + j (low nibble) and k0 + 4 + j (high)."""
+    blocks, pairs, _ = packed.shape
+    n, k = blocks * NATIVE_BLOCK, pairs * 2
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1)  # [N / 64, K / 2, 64, 2]
+    codes = codes.permute(0, 2, 1, 3).reshape(n // 16, 16, k // 8, 2, 4)
+    codes = codes.permute(0, 2, 1, 4, 3)  # [panel, chunk, lane, j, half]
+    return (codes[..., 0] | (codes[..., 1] << 4)).contiguous()
+
+
 class Int4Linear(nn.Module):
     """y = x @ W.T with W held as 4-bit codes plus a (scale, zero) per group of `group_size`."""
 

@@ -80,6 +80,15 @@ def runs(build: str) -> bool:
     return x86 and NEEDS[build] <= _cpu_flags()
 
 
+# the CPU flag for VNNI's dot-product instruction in each build (kernels/q8.c, int8 activations)
+VNNI = {"avx512": "avx512_vnni", "avx2": "avx_vnni"}
+
+
+def has_vnni(build: str) -> bool:
+    """Whether this CPU runs `build`'s VNNI instruction (else q8.c sums with two others)."""
+    return runs(build) and VNNI[build] in _cpu_flags()
+
+
 def description(build: str | None = None) -> str:
     """How the logs name a build: "native AVX2 kernels"."""
     return f"native {NAMES[build or isa()]} kernels"

@@ -126,6 +126,7 @@ typedef struct call {
     const uint16_t *sz;    // int4: scales and zeros; int8: [N] bf16 scales
     uint16_t *y;
     void (*run)(const struct call *, int a, int b);
+    const void *aux;  // run's own (q8.c: the quantized activations)
 } call_t;
 
 static void int4_columns(const call_t *c, int a, int b) {
@@ -234,17 +235,21 @@ static void team_share(void *arg) {
     thread_share(t->c, omp_thread_num(), t->n);
 }
 
-// Widen x to fp32, then run the call over `threads` threads (the caller included).
-static int run_call(call_t *c, const uint16_t *x, int threads) {
-    float *xf = (float *)malloc((size_t)c->M * c->K * sizeof(float));
-    if (!xf) return -1;
-    size_t n = (size_t)c->M * c->K, i = 0;
+// x [n] bf16 widened to fp32 in a new buffer (free it), or NULL
+static float *widen(const uint16_t *x, size_t n) {
+    float *xf = (float *)malloc(n * sizeof(float));
+    if (!xf) return NULL;
+    size_t i = 0;
     for (; i + 16 <= n; i += 16) vf_store(xf + i, vf_load_bf16(x + i));
     for (; i < n; i++) {
         uint32_t u = (uint32_t)x[i] << 16;
         memcpy(xf + i, &u, 4);
     }
-    c->x = xf;
+    return xf;
+}
+
+// Run the call over `threads` threads (the caller included).
+static void dispatch(const call_t *c, int threads) {
     if (threads > c->N / BLOCK) threads = c->N / BLOCK;
     if (threads == 1 || !gomp_parallel) {
         thread_share(c, 0, 1);
@@ -252,6 +257,14 @@ static int run_call(call_t *c, const uint16_t *x, int threads) {
         team_t t = {c, threads};
         gomp_parallel(team_share, &t, (unsigned)threads, 0);
     }
+}
+
+// Widen x to fp32, then run the call.
+static int run_call(call_t *c, const uint16_t *x, int threads) {
+    float *xf = widen(x, (size_t)c->M * c->K);
+    if (!xf) return -1;
+    c->x = xf;
+    dispatch(c, threads);
     free(xf);
     return 0;
 }

@@ -128,6 +128,38 @@ static inline float vf_sum_xor(vf v) {
     return _mm512_cvtss_f32(v);
 }
 
+// --- int8 activations for int4 weights (q8.c): 64 bytes `vb` (16 lanes of 4 bytes) and 16 int32
+// lanes `vi`. The products are exact integers, so both builds give the same sums.
+typedef __m512i vb;
+typedef __m512i vi;
+static inline vi vi_zero(void) { return _mm512_setzero_si512(); }
+static inline vb vb_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline vb vb_nibble_lo(vb b) { return _mm512_and_si512(b, _mm512_set1_epi8(15)); }
+static inline vb vb_nibble_hi(vb b) {
+    return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(15));
+}
+// lane l += the dot product of its 4 unsigned bytes in w with the 4 signed bytes of x4 (the
+// same 4 for every lane). maddubs's int16 pair sums cannot saturate: codes < 16, |x| <= 127.
+static inline vi vi_dot4(vi acc, vb w, int32_t x4) {
+    __m512i p = _mm512_maddubs_epi16(w, _mm512_set1_epi32(x4));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+}
+// the same with VNNI's one instruction (the caller is built for it: Q8_VNNI in q8.c)
+#define VNNI __attribute__((target("avx512vnni")))
+static inline VNNI vi vi_dot4_vnni(vi acc, vb w, int32_t x4) {
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4));
+}
+static inline vf vf_of_vi(vi v) { return _mm512_cvtepi32_ps(v); }
+static inline vf vf_abs(vf v) { return _mm512_abs_ps(v); }
+static inline float vf_max_all(vf v) { return _mm512_reduce_max_ps(v); }  // exact in any order
+static inline vf vf_round(vf v) {  // to the nearest integer, ties to even
+    return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+// 16 integer-valued lanes in [-128, 127] as int8 at p
+static inline void vf_store_i8(int8_t *p, vf v) {
+    _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+}
+
 #elif defined(__AVX2__) && defined(__FMA__)
 
 // lanes 0-7 in lo, 8-15 in hi
@@ -278,6 +310,68 @@ static inline float vf_sum_xor(vf v) {
     h = _mm256_add_ps(h, _mm256_shuffle_ps(h, h, 0x4E));
     h = _mm256_add_ps(h, _mm256_shuffle_ps(h, h, 0xB1));
     return _mm256_cvtss_f32(h);
+}
+
+// --- int8 activations for int4 weights (q8.c), as the AVX-512 ones: lanes 0-7 in lo
+typedef struct {
+    __m256i lo, hi;
+} vb;
+typedef vb vi;
+static inline vi vi_zero(void) {
+    vi r = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    return r;
+}
+static inline vb vb_load(const uint8_t *p) {
+    vb r = {_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))};
+    return r;
+}
+static inline vb vb_nibble_lo(vb b) {
+    const __m256i m = _mm256_set1_epi8(15);
+    vb r = {_mm256_and_si256(b.lo, m), _mm256_and_si256(b.hi, m)};
+    return r;
+}
+static inline vb vb_nibble_hi(vb b) {
+    const __m256i m = _mm256_set1_epi8(15);
+    vb r = {_mm256_and_si256(_mm256_srli_epi16(b.lo, 4), m),
+            _mm256_and_si256(_mm256_srli_epi16(b.hi, 4), m)};
+    return r;
+}
+static inline __m256i dot4x8(__m256i acc, __m256i w, __m256i x) {
+    __m256i p = _mm256_maddubs_epi16(w, x);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+static inline vi vi_dot4(vi acc, vb w, int32_t x4) {
+    const __m256i x = _mm256_set1_epi32(x4);
+    vi r = {dot4x8(acc.lo, w.lo, x), dot4x8(acc.hi, w.hi, x)};
+    return r;
+}
+#define VNNI __attribute__((target("avxvnni")))
+static inline VNNI vi vi_dot4_vnni(vi acc, vb w, int32_t x4) {
+    const __m256i x = _mm256_set1_epi32(x4);
+    vi r = {_mm256_dpbusd_avx_epi32(acc.lo, w.lo, x), _mm256_dpbusd_avx_epi32(acc.hi, w.hi, x)};
+    return r;
+}
+static inline vf vf_of_vi(vi v) { return vf_of(_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)); }
+static inline vf vf_abs(vf v) {
+    const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    return vf_of(_mm256_and_ps(v.lo, m), _mm256_and_ps(v.hi, m));
+}
+static inline float vf_max_all(vf v) {
+    __m256 h = _mm256_max_ps(v.lo, v.hi);
+    __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_max_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_max_ps(q, _mm_shuffle_ps(q, q, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+static inline vf vf_round(vf v) {
+#define ROUND_EVEN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+    return vf_of(_mm256_round_ps(v.lo, ROUND_EVEN), _mm256_round_ps(v.hi, ROUND_EVEN));
+#undef ROUND_EVEN
+}
+static inline void vf_store_i8(int8_t *p, vf v) {
+    __m256i w = _mm256_packs_epi32(_mm256_cvtps_epi32(v.lo), _mm256_cvtps_epi32(v.hi));
+    w = _mm256_permute4x64_epi64(w, 0xD8);  // packs interleaves 128-bit lanes
+    __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    _mm_storeu_si128((__m128i *)p, b);
 }
 
 #else

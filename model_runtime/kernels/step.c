@@ -11,6 +11,7 @@
 // differ from SDPA's in the last bit.
 
 #include "qmm.c"
+#include "q8.c"
 
 #include <math.h>
 
@@ -19,6 +20,7 @@
 typedef struct {
     const uint8_t *codes;
     const uint16_t *sz;
+    const uint8_t *codes8;  // q8.c's layout, or NULL
 } q4_t;
 
 typedef struct {
@@ -34,6 +36,8 @@ typedef struct {
     const int8_t *head_q;
     const uint16_t *head_scales;
     const float *rope;  // [ctx, head_dim / 2, (cos, sin)]
+    int q8;             // the linear layers take int8 activations (q8.c; codes8 set): 1, or 2
+                        // with VNNI's instruction
 } model_t;
 
 typedef struct {
@@ -71,6 +75,8 @@ typedef struct {
     uint16_t *gu;  // [B, 2 hidden]
     float *scratch;  // [n, L + head_dim] per thread
     int layer;       // native_attention's
+    int8_t *xq;      // q8: xin quantized, [B, max(dim, hidden)] and its d, sx [B, that / 32]
+    float *xd, *xs;
 } team_arg_t;
 
 static inline float bf(uint16_t v) {
@@ -118,8 +124,22 @@ static void rms_norm(const float *x, const uint16_t *w, int d, float eps, float 
 
 static void matmul(const team_arg_t *t, int tid, int n, const float *x, int K, int N,
                    const q4_t *w, uint16_t *y) {
+    if (t->m->q8) {
+        q8x_t xq = {t->xq, t->xd, t->xs, t->m->q8 == 2};
+        call_t c = {x, t->s->B, K, N, w->codes8, w->sz, y, q8_columns, &xq};
+        thread_share(&c, tid, n);
+        return;
+    }
     call_t c = {x, t->s->B, K, N, w->codes, w->sz, y, int4_columns};
     thread_share(&c, tid, n);
+}
+
+// q8: the int8 groups of values [off, off + len) of xin's row b, whose rows are K long (the
+// next matmul's K): quantized where they are written, before the barrier ahead of the matmul
+static void q8_row(const team_arg_t *t, int b, int K, int off, int len) {
+    if (!t->m->q8) return;
+    size_t at = (size_t)b * K + off, g = at / GROUP;
+    quantize_q8(t->xin + at, len, t->xq + at, t->xd + g, t->xs + g);
 }
 
 // rows [r0, r1) of thread tid of n
@@ -231,6 +251,7 @@ static void attend(const team_arg_t *t, int layer, int b, int h, float *scratch)
         vf_store_bf16((uint16_t *)(q + 16 * i), vf_mul(acc[i], vf_set1(inv)), 0xffff0000);
         for (int e = 0; e < 16; e++) out[16 * i + e] = bf(((uint16_t *)(q + 16 * i))[e]);
     }
+    q8_row(t, b, m->n_heads * hd, h * hd, hd);
 }
 
 // --- attention alone, for a decode step that runs in torch ops otherwise (a bf16 model):
@@ -303,6 +324,7 @@ static void team(void *arg) {
     for (int b = r0; b < r1; b++) {
         for (int i = 0; i < D; i++) t->h[(size_t)b * D + i] = bf(s->x[(size_t)b * D + i]);
         rms_norm(t->h + (size_t)b * D, m->layers[0].attn_norm, D, m->eps, t->xin + (size_t)b * D);
+        q8_row(t, b, D, 0, D);
     }
     barrier(n);
     for (int l = 0; l < m->n_layers; l++) {
@@ -321,12 +343,15 @@ static void team(void *arg) {
             float *h = t->h + (size_t)b * D;
             residual_add(h, t->o + (size_t)b * D, D);
             rms_norm(h, ly->ffn_norm, D, m->eps, t->xin + (size_t)b * D);
+            q8_row(t, b, D, 0, D);
         }
         barrier(n);
         matmul(t, tid, n, t->xin, D, 2 * F, &ly->w13, t->gu);
         barrier(n);
-        for (int b = r0; b < r1; b++)
+        for (int b = r0; b < r1; b++) {
             silu_mul(t->gu + (size_t)b * 2 * F, F, t->xin + (size_t)b * F);
+            q8_row(t, b, F, 0, F);
+        }
         barrier(n);
         matmul(t, tid, n, t->xin, F, D, &ly->w2, t->o);
         barrier(n);
@@ -335,6 +360,7 @@ static void team(void *arg) {
             float *h = t->h + (size_t)b * D;
             residual_add(h, t->o + (size_t)b * D, D);
             rms_norm(h, next, D, m->eps, t->xin + (size_t)b * D);
+            if (l + 1 < m->n_layers) q8_row(t, b, D, 0, D);
         }
         barrier(n);
     }
@@ -349,7 +375,7 @@ int native_step(const model_t *m, const step_t *s, int threads) {
     if (s->B <= 0 || s->L <= 0 || threads < 1 || hd % 16 || hd > 128 || m->n_heads % m->n_kv ||
         m->dim % GROUP || m->hidden % GROUP || (m->n_heads * hd) % GROUP ||
         ((m->n_heads + 2 * m->n_kv) * hd) % BLOCK || m->dim % BLOCK || (2 * m->hidden) % BLOCK ||
-        m->vocab % BLOCK)
+        m->vocab % BLOCK || (m->q8 && hd % GROUP))
         return -1;
     for (int b = 0; b < s->B; b++)
         if (s->pos[b] < 0 || s->pos[b] >= m->ctx) return -1;
@@ -360,13 +386,18 @@ int native_step(const model_t *m, const step_t *s, int threads) {
     if (!gomp_parallel || !gomp_barrier || !omp_num_threads) threads = 1;
     size_t floats = (size_t)B * D + (size_t)B * in_w + (size_t)threads * (s->L + hd);
     size_t halves = (size_t)B * width + (size_t)B * D + (size_t)B * 2 * F;
-    float *mem = (float *)malloc(floats * sizeof(float) + halves * sizeof(uint16_t));
+    size_t q8_floats = m->q8 ? (size_t)B * in_w / GROUP * 2 : 0, q8_bytes = m->q8 ? (size_t)B * in_w : 0;
+    float *mem = (float *)malloc((floats + q8_floats) * sizeof(float) + halves * sizeof(uint16_t) +
+                                 q8_bytes);
     if (!mem) return -2;
     team_arg_t t = {m, s, threads, mem, mem + (size_t)B * D, 0, 0, 0, 0};
     t.scratch = t.xin + (size_t)B * in_w;
-    t.qkv = (uint16_t *)(t.scratch + (size_t)threads * (s->L + hd));
+    t.xd = t.scratch + (size_t)threads * (s->L + hd);  // q8's (0 floats without)
+    t.xs = t.xd + q8_floats / 2;
+    t.qkv = (uint16_t *)(t.xs + q8_floats / 2);
     t.o = t.qkv + (size_t)B * width;
     t.gu = t.o + (size_t)B * D;
+    t.xq = (int8_t *)(t.gu + (size_t)B * 2 * F);
     if (threads == 1)
         team(&t);
     else

@@ -1,0 +1,156 @@
+"""int8 activations for the int4 model's decode step (`meshlm serve --activations int8`,
+kernels/q8.c): int4 weights times activations quantized to int8 per group of 32, as llama.cpp's
+Q4 x Q8 dot products. Not bit-identical to bf16 activations, so the model-level tests bound the
+difference (logits, greedy choices, perplexity through decode steps) and assert exactly only what
+holds on every CPU: a row's results alone or batched, on any thread count, with or without VNNI's
+instruction and in either build are the same bits (integer sums are exact)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from model_runtime import generate, kernels, native_step
+from model_runtime.kvcache import layout_decode
+from model_runtime.loader import load
+from model_runtime.perplexity import decode_perplexity, stdlib_text
+from model_runtime.quant import Int4Linear, pack_q8
+from tests.test_native_step import BS, STORY, _prefilled
+
+BUILDS = [b for b in kernels.BUILDS if kernels.runs(b)]
+
+
+def _q8_mm(build: str, lin: Int4Linear, x: torch.Tensor, vnni: bool, threads: int = 2):
+    """y = x @ W.T through q8.c's int4mm_q8 of `build` (libstep)."""
+    codes = pack_q8(lin.packed)
+    y = torch.empty(x.shape[0], lin.out_features, dtype=torch.bfloat16)
+    rc = native_step.library(build).int4mm_q8(
+        x.data_ptr(), x.shape[0], lin.in_features, codes.data_ptr(),
+        lin.scales_zeros.data_ptr(), lin.out_features, y.data_ptr(), threads, int(vnni),
+    )  # fmt: skip
+    assert rc == 0
+    return y
+
+
+@functools.cache
+def _layer(n: int, k: int) -> tuple[Int4Linear, torch.Tensor]:
+    g = torch.Generator().manual_seed(n + k)
+    lin = Int4Linear.from_dense(torch.randn(n, k, generator=g) * 0.05)
+    x = torch.randn(11, k, generator=g).to(torch.bfloat16)  # 11 rows: 8, then 3
+    x[3] = 0  # an all-zero row: every group's scale is 0
+    x[5, 7] = 40.0  # an outlier: its group's other values round to few levels
+    return lin, x
+
+
+def _need_native():
+    if not BUILDS or not kernels.applies():
+        pytest.skip(f"no native kernels on this CPU: {kernels.why_not()}")
+
+
+def test_pack_q8_puts_four_ks_of_a_column_in_a_lane():
+    _need_native()
+    n, k = 64, 64
+    codes = (torch.arange(n)[:, None] * 7 + torch.arange(k)[None, :] * 3) % 16
+    lin = Int4Linear.from_dense(codes.float())  # per group min 0, max 15: codes kept
+    q8 = pack_q8(lin.packed)
+    assert q8.shape == (n // 16, k // 8, 16, 4)
+    for col, kk in [(0, 0), (5, 3), (17, 12), (63, 63), (40, 37)]:
+        byte = int(q8[col // 16, kk // 8, col % 16, kk % 4])
+        nibble = byte & 15 if kk % 8 < 4 else byte >> 4
+        assert nibble == int(codes[col, kk]), (col, kk)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("shape", [(576, 1536), (960, 576)])
+def test_int8_activations_stay_close_to_the_exact_product(build, shape):
+    _need_native()
+    lin, x = _layer(*shape)
+    exact = x.float() @ lin.dequantize().float().T
+    y = _q8_mm(build, lin, x, vnni=False).float()
+    rel = float((y - exact).norm() / exact.norm())
+    # 8-bit activations: ~0.6 % here (bf16 output rounding alone ~0.2 %); wrong codes,
+    # scales or zeros are off by tens of percent
+    assert rel < 0.015, rel
+    assert torch.equal(y[3], torch.zeros_like(y[3]))
+    assert float((y[5] - exact[5]).norm() / exact[5].norm()) < 0.05
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_int8_activations_give_the_same_bits_alone_batched_any_threads_and_vnni(build):
+    _need_native()
+    lin, x = _layer(576, 1536)
+    ref = _q8_mm(build, lin, x, vnni=False)
+    alone = torch.cat([_q8_mm(build, lin, x[i : i + 1].contiguous(), False) for i in range(11)])
+    assert torch.equal(alone, ref)
+    for threads in (1, 3):
+        assert torch.equal(_q8_mm(build, lin, x, False, threads), ref)
+    if kernels.has_vnni(build):
+        assert torch.equal(_q8_mm(build, lin, x, vnni=True), ref)
+
+
+def test_both_builds_give_the_same_int8_activation_bits():
+    if len(BUILDS) < 2:
+        pytest.skip("this CPU does not run both builds")
+    lin, x = _layer(960, 576)
+    got = [_q8_mm(b, lin, x, kernels.has_vnni(b)) for b in BUILDS]
+    assert torch.equal(got[0], got[1])
+
+
+@pytest.fixture(scope="module")
+def int4_a8():
+    lm = load(precision="int4", activations="int8")
+    if native_step.why_not(lm.model) is not None:
+        pytest.skip(f"no native decode step here: {native_step.why_not(lm.model)}")
+    return lm
+
+
+def test_load_says_it_decodes_on_int8_activations(int4_a8, smollm_int4):
+    assert int4_a8.info.version.endswith(":int4-a8")
+    how = "VNNI" if kernels.has_vnni(int4_a8.model.output.isa) else "no VNNI"
+    assert f"its linear layers on int8 activations ({how}" in int4_a8.info.compute
+    assert "int8" not in smollm_int4.info.compute
+    with pytest.raises(ValueError, match="activations must be bf16 or int8"):
+        load(precision="int4", activations="fp8")
+    with pytest.raises(ValueError, match="activations int8 is for precision int4"):
+        load(precision="bf16", activations="int8")
+
+
+@torch.inference_mode()
+def test_int8_activation_steps_stay_close_to_bf16_activation_steps(int4_a8, smollm_int4):
+    """Teacher-forced over 24 steps of two rows: logits within a few bf16 steps of the bf16
+    activations' native step, the same greedy choice on most rows and steps, and a row's logits
+    the same bits alone as batched."""
+    a8, ref_step = native_step.attach(int4_a8.model), native_step.attach(smollm_int4.model)
+    assert a8.q8_mode() in (1, 2) and ref_step.q8_mode() == 0
+    tok = smollm_int4.tokenizer
+    prompts = [tok.encode_chat(STORY), tok.encode("The history of the city goes back to Rome.")]
+    kv, seqs, nxt = _prefilled(smollm_int4, prompts)
+    agree, worst = 0, 0.0
+    for _ in range(24):
+        lay = layout_decode(seqs, BS)
+        tokens = torch.tensor([[t] for t in nxt])
+        ours = a8(tokens, kv, lay)
+        alone = a8(tokens[:1], kv, layout_decode(seqs[:1], BS))
+        ref = ref_step(tokens, kv, lay)  # rewrites the slots with bf16 activations' K/V
+        assert torch.equal(ours[0], alone[0])
+        worst = max(worst, float((ours - ref).abs().max()))
+        agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
+        nxt = [int(t) for t in ref.argmax(-1)]
+        for s in seqs:
+            s.written += 1
+    assert worst < 3.0, worst  # logits span ~40 (measured: ~1); garbage is off by tens
+    assert agree >= 40, agree  # of 48
+
+
+@torch.inference_mode()
+def test_int8_activations_keep_the_answer_and_the_perplexity(int4_a8, smollm_int4):
+    ids = int4_a8.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of "
+                                          "France?"}])  # fmt: skip
+    answer = int4_a8.tokenizer.decode(generate.greedy(int4_a8, [ids], 12)[0])
+    assert "Paris" in answer
+    text = smollm_int4.tokenizer.encode(stdlib_text())
+    ppl = [decode_perplexity(lm.model, text, 256, 2) for lm in (smollm_int4, int4_a8)]
+    # measured: +0.2 % here (2 x 256 tokens), +0.4 % over 6 x 512 (10.322 vs 10.366)
+    assert ppl[1] < ppl[0] * 1.02, ppl
