@@ -21,7 +21,7 @@ import torch
 
 from model_runtime import kernels
 from model_runtime.kernels.isas import library_path
-from model_runtime.quant import Int4Linear, Int8Linear, TiedInt8Embedding, pack_q8
+from model_runtime.quant import Int4Linear, Int8Linear, TiedInt8Embedding, pack_head_q8, pack_q8
 
 LIBRARY = library_path("step", "avx512")
 _P = ctypes.c_void_p
@@ -43,6 +43,7 @@ class _Model(ctypes.Structure):
     ]
     _fields_ += [("eps", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)), ("norm", _P)]
     _fields_ += [("head_q", _P), ("head_scales", _P), ("rope", _P), ("q8", ctypes.c_int)]
+    _fields_ += [("head8", _P)]
 
 
 class _Step(ctypes.Structure):
@@ -68,6 +69,8 @@ def library(build: str = "avx512") -> ctypes.CDLL:
     lib.int4mm_q8.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, _P, ctypes.c_int, _P]
     lib.int4mm_q8.argtypes += [ctypes.c_int, ctypes.c_int]
     lib.int4mm_q8.restype = ctypes.c_int
+    lib.int8mm_q8.argtypes = lib.int4mm_q8.argtypes
+    lib.int8mm_q8.restype = ctypes.c_int
     lib.step_set_gomp.argtypes = [_P, _P, _P, _P]
     gomp = kernels._gomp()
     if gomp is not None:  # else one thread
@@ -134,7 +137,8 @@ class NativeStep:
         a = model.args
         self.model = model
         self.rope = torch.view_as_real(model.freqs).contiguous()
-        # int8 activations for the linear layers (kernels/q8.c): a second copy of their codes
+        # int8 activations for the linear layers and the head (kernels/q8.c): a second copy of
+        # their weights in its layouts
         self.int8_activations = bool(getattr(model, "int8_activations", False))
         self.held: list[torch.Tensor] = []
         layers = (_Layer * a.n_layers)()
@@ -153,10 +157,13 @@ class NativeStep:
         self.isa = head.isa  # the build of every layer (why_not)
         self.lib = library(self.isa)
         self.held += [head.q, head.scales, model.norm]
+        head8 = pack_head_q8(head.q) if self.int8_activations else None
+        self.held.append(head8)
         self.m = _Model(
             a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim, a.vocab_size,
             self.rope.shape[0], a.norm_eps, layers, model.norm.data_ptr(), head.q.data_ptr(),
             head.scales.data_ptr(), self.rope.data_ptr(), self.q8_mode(),
+            0 if head8 is None else head8.data_ptr(),
         )  # fmt: skip
 
     def q8_mode(self) -> int:

@@ -54,6 +54,14 @@ def pack_q8(packed: torch.Tensor) -> torch.Tensor:
     return (codes[..., 0] | (codes[..., 1] << 4)).contiguous()
 
 
+def pack_head_q8(q: torch.Tensor) -> torch.Tensor:
+    """Int8Linear's weights [N, K] in kernels/q8.c's head layout for int8 activations:
+    [N / 16, K / 4, 16, 4] bytes, weight + 128 (unsigned)."""
+    n, k = q.shape
+    u8 = (q.to(torch.int16) + 128).to(torch.uint8)
+    return u8.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
 class Int4Linear(nn.Module):
     """y = x @ W.T with W held as 4-bit codes plus a (scale, zero) per group of `group_size`."""
 

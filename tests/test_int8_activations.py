@@ -16,32 +16,40 @@ from model_runtime import generate, kernels, native_step
 from model_runtime.kvcache import layout_decode
 from model_runtime.loader import load
 from model_runtime.perplexity import decode_perplexity, stdlib_text
-from model_runtime.quant import Int4Linear, pack_q8
+from model_runtime.quant import Int4Linear, Int8Linear, pack_head_q8, pack_q8
 from tests.test_native_step import BS, STORY, _prefilled
 
 BUILDS = [b for b in kernels.BUILDS if kernels.runs(b)]
 
 
-def _q8_mm(build: str, lin: Int4Linear, x: torch.Tensor, vnni: bool, threads: int = 2):
-    """y = x @ W.T through q8.c's int4mm_q8 of `build` (libstep)."""
-    codes = pack_q8(lin.packed)
-    y = torch.empty(x.shape[0], lin.out_features, dtype=torch.bfloat16)
-    rc = native_step.library(build).int4mm_q8(
-        x.data_ptr(), x.shape[0], lin.in_features, codes.data_ptr(),
-        lin.scales_zeros.data_ptr(), lin.out_features, y.data_ptr(), threads, int(vnni),
+def _q8_mm(build: str, layer, x: torch.Tensor, vnni: bool, threads: int = 2):
+    """y = x @ W.T through q8.c (libstep of `build`): int4mm_q8 for an Int4Linear, int8mm_q8
+    for an Int8Linear (the head's kind)."""
+    if isinstance(layer, Int4Linear):
+        fn, codes, sz = "int4mm_q8", pack_q8(layer.packed), layer.scales_zeros
+    else:
+        fn, codes, sz = "int8mm_q8", pack_head_q8(layer.q), layer.scales
+    y = torch.empty(x.shape[0], layer.out_features, dtype=torch.bfloat16)
+    rc = getattr(native_step.library(build), fn)(
+        x.data_ptr(), x.shape[0], layer.in_features, codes.data_ptr(), sz.data_ptr(),
+        layer.out_features, y.data_ptr(), threads, int(vnni),
     )  # fmt: skip
     assert rc == 0
     return y
 
 
 @functools.cache
-def _layer(n: int, k: int) -> tuple[Int4Linear, torch.Tensor]:
+def _layer(kind: str, n: int, k: int) -> tuple[Int4Linear | Int8Linear, torch.Tensor]:
     g = torch.Generator().manual_seed(n + k)
-    lin = Int4Linear.from_dense(torch.randn(n, k, generator=g) * 0.05)
+    w = torch.randn(n, k, generator=g) * 0.05
+    layer = Int4Linear.from_dense(w) if kind == "int4" else Int8Linear.from_dense(w)
     x = torch.randn(11, k, generator=g).to(torch.bfloat16)  # 11 rows: 8, then 3
     x[3] = 0  # an all-zero row: every group's scale is 0
     x[5, 7] = 40.0  # an outlier: its group's other values round to few levels
-    return lin, x
+    return layer, x
+
+
+SHAPES = [("int4", 576, 1536), ("int4", 960, 576), ("int8", 1024, 576)]
 
 
 def _need_native():
@@ -63,7 +71,7 @@ def test_pack_q8_puts_four_ks_of_a_column_in_a_lane():
 
 
 @pytest.mark.parametrize("build", BUILDS)
-@pytest.mark.parametrize("shape", [(576, 1536), (960, 576)])
+@pytest.mark.parametrize("shape", SHAPES)
 def test_int8_activations_stay_close_to_the_exact_product(build, shape):
     _need_native()
     lin, x = _layer(*shape)
@@ -78,9 +86,10 @@ def test_int8_activations_stay_close_to_the_exact_product(build, shape):
 
 
 @pytest.mark.parametrize("build", BUILDS)
-def test_int8_activations_give_the_same_bits_alone_batched_any_threads_and_vnni(build):
+@pytest.mark.parametrize("shape", SHAPES[1:])
+def test_int8_activations_give_the_same_bits_alone_batched_any_threads_and_vnni(build, shape):
     _need_native()
-    lin, x = _layer(576, 1536)
+    lin, x = _layer(*shape)
     ref = _q8_mm(build, lin, x, vnni=False)
     alone = torch.cat([_q8_mm(build, lin, x[i : i + 1].contiguous(), False) for i in range(11)])
     assert torch.equal(alone, ref)
@@ -90,10 +99,11 @@ def test_int8_activations_give_the_same_bits_alone_batched_any_threads_and_vnni(
         assert torch.equal(_q8_mm(build, lin, x, vnni=True), ref)
 
 
-def test_both_builds_give_the_same_int8_activation_bits():
+@pytest.mark.parametrize("shape", SHAPES[1:])
+def test_both_builds_give_the_same_int8_activation_bits(shape):
     if len(BUILDS) < 2:
         pytest.skip("this CPU does not run both builds")
-    lin, x = _layer(960, 576)
+    lin, x = _layer(*shape)
     got = [_q8_mm(b, lin, x, kernels.has_vnni(b)) for b in BUILDS]
     assert torch.equal(got[0], got[1])
 

@@ -3,8 +3,8 @@
 // quality gate judges a version that uses it against bf16 (docs/ARCHITECTURE.md).
 //
 // Activations: each row's groups of 32 as int8 q = round(x * 127 / max|x|) with d = max|x| / 127
-// (llama.cpp's Q8_0), and sx = d * sum(q). Per output column and group, with w = (c - 8) s + z:
-//   sum x w = s * d * sum(q c) + (z - 8 s) * sx
+// (llama.cpp's Q8_0). Per output column and group, with w = (c - 8) s + z:
+//   sum x w = s * d * sum(q c) + (z - 8 s) * d * sum(q)
 // where sum(q c) is exact in int32 (4 code-activation products a lane and instruction); the two
 // float terms are FMAs into the column's fp32 accumulator. The result is rounded to bf16.
 //
@@ -16,12 +16,12 @@
 typedef struct {
     const int8_t *q;  // [rows, K]
     const float *d;   // [rows, K / 32]
-    const float *sx;  // [rows, K / 32]
+    const float *sq;  // [rows, K / 32] sum(q) of each group (an integer)
     int vnni;         // 1: the CPU has VNNI (avx512_vnni for the AVX-512 build, avx_vnni for AVX2)
 } q8x_t;
 
 // x's K values (K % 32 == 0) as int8 groups
-static void quantize_q8(const float *x, int K, int8_t *q, float *d, float *sx) {
+static void quantize_q8(const float *x, int K, int8_t *q, float *d, float *sq) {
     for (int g = 0; g < K / GROUP; g++) {
         vf a = vf_load(x + g * GROUP), b = vf_load(x + g * GROUP + 16);
         float amax = vf_max_all(vf_max(vf_abs(a), vf_abs(b)));
@@ -30,7 +30,7 @@ static void quantize_q8(const float *x, int K, int8_t *q, float *d, float *sx) {
         vf_store_i8(q + g * GROUP, qa);
         vf_store_i8(q + g * GROUP + 16, qb);
         d[g] = amax / 127.0f;
-        sx[g] = d[g] * vf_sum(vf_add(qa, qb));  // a sum of integers < 2^24: exact
+        sq[g] = vf_sum(vf_add(qa, qb));  // a sum of integers < 2^24: exact
     }
 }
 
@@ -60,7 +60,8 @@ static void quantize_q8(const float *x, int K, int8_t *q, float *d, float *sx) {
             for (int r = 0; r < R; r++) {                                                         \
                 vf f = vf_mul(vf_of_vi(is[r]), vf_set1(x->d[r * KG + g]));                        \
                 acc[r] = vf_fma(f, s, acc[r]);                                                    \
-                acc[r] = vf_fma(vf_set1(x->sx[r * KG + g]), zz, acc[r]);                          \
+                const float dsq = x->d[r * KG + g] * x->sq[r * KG + g];                           \
+                acc[r] = vf_fma(vf_set1(dsq), zz, acc[r]);                                        \
             }                                                                                     \
         }                                                                                         \
         for (int r = 0; r < R; r++)                                                               \
@@ -91,24 +92,80 @@ static const q8_fn Q8[2][MAX_ROWS + 1] = {
     {0, q8_1, q8_2, q8_3, q8_4, q8_5, q8_6, q8_7, q8_8},
     {0, q8v_1, q8v_2, q8v_3, q8v_4, q8v_5, q8v_6, q8v_7, q8v_8}};
 
-// call_t's run for int8 activations: c->aux is the q8x_t of all c->M rows
-static void q8_columns(const call_t *c, int a, int b) {
+// The int8 head (int8mm_bf16's weights: one scale per output) on int8 activations, in its own
+// layout (quant.py pack_head_q8): [N / 16][K / 4][16 lanes][4 bytes], byte j of lane c = weight
+// (c, k0 + j) + 128, unsigned as VNNI's instruction takes them. Per output and group the int32
+// sum starts at -128 sum(q), so it ends as sum(q w) exactly; y = scale * sum over groups of
+// d * that.
+#define DEFINE_HEAD8(NAME, R, ATTR, DOT4)                                                         \
+    static ATTR void NAME(const call_t *c, const q8x_t *x, int panel) {                           \
+        const int K = c->K, KG = K / GROUP;                                                       \
+        const uint8_t *wp = c->codes + (size_t)panel * K * PANEL;                                 \
+        vf acc[R];                                                                                \
+        for (int r = 0; r < R; r++) acc[r] = vf_zero();                                           \
+        for (int g = 0; g < KG; g++) {                                                            \
+            vi is[R];                                                                             \
+            for (int r = 0; r < R; r++) is[r] = vi_set1(-128 * (int32_t)x->sq[r * KG + g]);       \
+            for (int ch = 0; ch < GROUP / 4; ch++) {                                              \
+                vb b = vb_load(wp + (size_t)(g * (GROUP / 4) + ch) * 64);                         \
+                for (int r = 0; r < R; r++) {                                                     \
+                    int32_t x4;                                                                   \
+                    memcpy(&x4, x->q + (size_t)r * K + g * GROUP + ch * 4, 4);                    \
+                    is[r] = DOT4(is[r], b, x4);                                                   \
+                }                                                                                 \
+            }                                                                                     \
+            for (int r = 0; r < R; r++)                                                           \
+                acc[r] = vf_fma(vf_of_vi(is[r]), vf_set1(x->d[r * KG + g]), acc[r]);              \
+        }                                                                                         \
+        vf scale = vf_load_bf16(c->sz + (size_t)panel * PANEL);                                   \
+        for (int r = 0; r < R; r++)                                                               \
+            vf_store_bf16(c->y + (size_t)r * c->N + panel * PANEL, vf_mul(acc[r], scale),         \
+                          0x7fc00000);                                                            \
+    }
+
+DEFINE_HEAD8(head8_1, 1, NO_ATTR, vi_dot4_u8)
+DEFINE_HEAD8(head8_2, 2, NO_ATTR, vi_dot4_u8)
+DEFINE_HEAD8(head8_3, 3, NO_ATTR, vi_dot4_u8)
+DEFINE_HEAD8(head8_4, 4, NO_ATTR, vi_dot4_u8)
+DEFINE_HEAD8(head8_5, 5, NO_ATTR, vi_dot4_u8)
+DEFINE_HEAD8(head8_6, 6, NO_ATTR, vi_dot4_u8)
+DEFINE_HEAD8(head8_7, 7, NO_ATTR, vi_dot4_u8)
+DEFINE_HEAD8(head8_8, 8, NO_ATTR, vi_dot4_u8)
+DEFINE_HEAD8(head8v_1, 1, VNNI, vi_dot4_u8_vnni)
+DEFINE_HEAD8(head8v_2, 2, VNNI, vi_dot4_u8_vnni)
+DEFINE_HEAD8(head8v_3, 3, VNNI, vi_dot4_u8_vnni)
+DEFINE_HEAD8(head8v_4, 4, VNNI, vi_dot4_u8_vnni)
+DEFINE_HEAD8(head8v_5, 5, VNNI, vi_dot4_u8_vnni)
+DEFINE_HEAD8(head8v_6, 6, VNNI, vi_dot4_u8_vnni)
+DEFINE_HEAD8(head8v_7, 7, VNNI, vi_dot4_u8_vnni)
+DEFINE_HEAD8(head8v_8, 8, VNNI, vi_dot4_u8_vnni)
+
+static const q8_fn HEAD8[2][MAX_ROWS + 1] = {
+    {0, head8_1, head8_2, head8_3, head8_4, head8_5, head8_6, head8_7, head8_8},
+    {0, head8v_1, head8v_2, head8v_3, head8v_4, head8v_5, head8v_6, head8v_7, head8v_8}};
+
+// call_t's run for int8 activations: c->aux is the q8x_t of all c->M rows, `fns` the kernels
+static void q8_panels(const call_t *c, int a, int b, const q8_fn fns[2][MAX_ROWS + 1]) {
     const q8x_t *x = (const q8x_t *)c->aux;
     const int KG = c->K / GROUP;
     for (int m0 = 0; m0 < c->M; m0 += MAX_ROWS) {
         int rows = c->M - m0 < MAX_ROWS ? c->M - m0 : MAX_ROWS;
         call_t part = *c;
         part.y = c->y + (size_t)m0 * c->N;
-        q8x_t xs = {x->q + (size_t)m0 * c->K, x->d + (size_t)m0 * KG, x->sx + (size_t)m0 * KG,
-                   x->vnni};
-        for (int p = a / PANEL; p < b / PANEL; p++) Q8[x->vnni][rows](&part, &xs, p);
+        q8x_t xs = {x->q + (size_t)m0 * c->K, x->d + (size_t)m0 * KG, x->sq + (size_t)m0 * KG,
+                    x->vnni};
+        for (int p = a / PANEL; p < b / PANEL; p++) fns[x->vnni][rows](&part, &xs, p);
     }
 }
 
-// y[M, N] bf16 = x[M, K] bf16 @ W.T with int8 activations; codes in the layout above; vnni as
-// q8x_t's. 0, or -1 when the shapes are not supported, -2 out of memory.
-int int4mm_q8(const uint16_t *x, int M, int K, const uint8_t *codes, const uint16_t *sz, int N,
-              uint16_t *y, int threads, int vnni) {
+static void q8_columns(const call_t *c, int a, int b) { q8_panels(c, a, b, Q8); }
+static void head8_columns(const call_t *c, int a, int b) { q8_panels(c, a, b, HEAD8); }
+
+// y[M, N] bf16 = x[M, K] bf16 @ W.T with x quantized to int8, by `run` (its weights and sz in
+// its layout above); vnni as q8x_t's. 0, or -1 when the shapes are not supported, -2 out of memory.
+static int q8_call(const uint16_t *x, int M, int K, const uint8_t *codes, const uint16_t *sz,
+                   int N, uint16_t *y, int threads, int vnni,
+                   void (*run)(const call_t *, int, int)) {
     if (M <= 0 || K % GROUP || N % BLOCK || threads < 1) return -1;
     const int KG = K / GROUP;
     float *xf = widen(x, (size_t)M * K);
@@ -120,7 +177,7 @@ int int4mm_q8(const uint16_t *x, int M, int K, const uint8_t *codes, const uint1
             quantize_q8(xf + (size_t)r * K, K, q + (size_t)r * K, ds + (size_t)r * KG,
                         ds + (size_t)(M + r) * KG);
         q8x_t xq = {q, ds, ds + (size_t)M * KG, vnni != 0};
-        call_t c = {xf, M, K, N, codes, sz, y, q8_columns, &xq};
+        call_t c = {xf, M, K, N, codes, sz, y, run, &xq};
         dispatch(&c, threads);
         rc = 0;
     }
@@ -128,4 +185,15 @@ int int4mm_q8(const uint16_t *x, int M, int K, const uint8_t *codes, const uint1
     free(q);
     free(ds);
     return rc;
+}
+
+// the int4 linears' (codes: pack_q8) and the int8 head's (codes: pack_head_q8, sz its scales)
+int int4mm_q8(const uint16_t *x, int M, int K, const uint8_t *codes, const uint16_t *sz, int N,
+              uint16_t *y, int threads, int vnni) {
+    return q8_call(x, M, K, codes, sz, N, y, threads, vnni, q8_columns);
+}
+
+int int8mm_q8(const uint16_t *x, int M, int K, const uint8_t *codes, const uint16_t *scales, int N,
+              uint16_t *y, int threads, int vnni) {
+    return q8_call(x, M, K, codes, scales, N, y, threads, vnni, head8_columns);
 }

@@ -149,6 +149,14 @@ static inline vi vi_dot4(vi acc, vb w, int32_t x4) {
 static inline VNNI vi vi_dot4_vnni(vi acc, vb w, int32_t x4) {
     return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4));
 }
+// lane l += the dot product of its 4 full unsigned bytes in w with x4's (q8.c's head): as
+// vi_dot4 on the low and the high nibbles (so that maddubs cannot saturate), the high one x 16
+static inline vi vi_dot4_u8(vi acc, vb w, int32_t x4) {
+    vi hi = vi_dot4(_mm512_setzero_si512(), vb_nibble_hi(w), x4);
+    return vi_dot4(_mm512_add_epi32(acc, _mm512_slli_epi32(hi, 4)), vb_nibble_lo(w), x4);
+}
+static inline VNNI vi vi_dot4_u8_vnni(vi acc, vb w, int32_t x4) { return vi_dot4_vnni(acc, w, x4); }
+static inline vi vi_set1(int32_t v) { return _mm512_set1_epi32(v); }
 static inline vf vf_of_vi(vi v) { return _mm512_cvtepi32_ps(v); }
 static inline vf vf_abs(vf v) { return _mm512_abs_ps(v); }
 static inline float vf_max_all(vf v) { return _mm512_reduce_max_ps(v); }  // exact in any order
@@ -349,6 +357,17 @@ static inline vi vi_dot4(vi acc, vb w, int32_t x4) {
 static inline VNNI vi vi_dot4_vnni(vi acc, vb w, int32_t x4) {
     const __m256i x = _mm256_set1_epi32(x4);
     vi r = {_mm256_dpbusd_avx_epi32(acc.lo, w.lo, x), _mm256_dpbusd_avx_epi32(acc.hi, w.hi, x)};
+    return r;
+}
+static inline vi vi_dot4_u8(vi acc, vb w, int32_t x4) {
+    vi hi = vi_dot4(vi_zero(), vb_nibble_hi(w), x4);
+    acc.lo = _mm256_add_epi32(acc.lo, _mm256_slli_epi32(hi.lo, 4));
+    acc.hi = _mm256_add_epi32(acc.hi, _mm256_slli_epi32(hi.hi, 4));
+    return vi_dot4(acc, vb_nibble_lo(w), x4);
+}
+static inline VNNI vi vi_dot4_u8_vnni(vi acc, vb w, int32_t x4) { return vi_dot4_vnni(acc, w, x4); }
+static inline vi vi_set1(int32_t v) {
+    vi r = {_mm256_set1_epi32(v), _mm256_set1_epi32(v)};
     return r;
 }
 static inline vf vf_of_vi(vi v) { return vf_of(_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)); }

@@ -38,6 +38,7 @@ typedef struct {
     const float *rope;  // [ctx, head_dim / 2, (cos, sin)]
     int q8;             // the linear layers take int8 activations (q8.c; codes8 set): 1, or 2
                         // with VNNI's instruction
+    const uint8_t *head8;  // q8: the head in q8.c's layout
 } model_t;
 
 typedef struct {
@@ -75,7 +76,7 @@ typedef struct {
     uint16_t *gu;  // [B, 2 hidden]
     float *scratch;  // [n, L + head_dim] per thread
     int layer;       // native_attention's
-    int8_t *xq;      // q8: xin quantized, [B, max(dim, hidden)] and its d, sx [B, that / 32]
+    int8_t *xq;      // q8: xin quantized, [B, max(dim, hidden)] and its d, sum(q) [B, that / 32]
     float *xd, *xs;
 } team_arg_t;
 
@@ -360,13 +361,20 @@ static void team(void *arg) {
             float *h = t->h + (size_t)b * D;
             residual_add(h, t->o + (size_t)b * D, D);
             rms_norm(h, next, D, m->eps, t->xin + (size_t)b * D);
-            if (l + 1 < m->n_layers) q8_row(t, b, D, 0, D);
+            q8_row(t, b, D, 0, D);
         }
         barrier(n);
     }
-    call_t c = {t->xin, B, D, m->vocab, (const uint8_t *)m->head_q, m->head_scales, s->logits,
-                int8_columns};
-    thread_share(&c, tid, n);
+    if (m->q8) {
+        q8x_t xq = {t->xq, t->xd, t->xs, m->q8 == 2};
+        call_t c = {t->xin, B, D, m->vocab, m->head8, m->head_scales, s->logits, head8_columns,
+                    &xq};
+        thread_share(&c, tid, n);
+    } else {
+        call_t c = {t->xin, B, D, m->vocab, (const uint8_t *)m->head_q, m->head_scales,
+                    s->logits, int8_columns};
+        thread_share(&c, tid, n);
+    }
 }
 
 // 0, or -1 when the shapes are not supported (the caller falls back to torch), -2 out of memory
