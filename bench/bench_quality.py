@@ -1,9 +1,9 @@
 """Agreement with bf16 (issue 18, item 5): what the rollout's quality gate would measure for an
-int4 canary (exact Q4_1 remap, group 32) and for a degraded one (re-quantized at group 64), on a
-fixed golden prompt set, beside each model's perplexity. The figures are xds_server.quality's
-(`agreement`, the gate's own code), the stable being bf16; greedy answers come from
-model_runtime.generate.greedy, the scores from model_runtime.records.teacher_forced (what a
-runtime's GET /score runs).
+int4 canary (exact Q4_1 remap, group 32), the same on int8 activations, and a degraded one
+(re-quantized at group 64), on a fixed golden prompt set, beside each model's perplexity. The
+figures are xds_server.quality's (`agreement`, the gate's own code), the stable being bf16;
+greedy answers come from model_runtime.generate.greedy, the scores from
+model_runtime.records.teacher_forced (what a runtime's GET /score runs).
 
 `python -m bench quality` (add --quick for a smoke run).
 """
@@ -38,7 +38,11 @@ GOLDEN = [
     "What is the largest ocean on Earth?",
     "Describe a cat in five words.",
 ]
-CANARIES = {"int4 (g32)": {}, "int4 g64 (broken)": {"group_size": 64}}
+CANARIES = {
+    "int4 (g32)": {},
+    "int4, int8 activations": {"activations": "int8"},
+    "int4 g64 (broken)": {"group_size": 64},
+}
 
 
 def main(quick: bool) -> str:
@@ -92,6 +96,7 @@ def main(quick: bool) -> str:
         "Token disagreement: the share of the bf16 answer's positions where the canary's "
         "teacher-forced choice differs from bf16's; first divergence: the mean position of the "
         "first differing token over answers that differ. A quality block of "
-        "max_token_disagreement 10 % and max_logprob_drift 0.1 separates the two canaries.",
+        "max_token_disagreement 10 % and max_logprob_drift 0.1 passes the int4 canaries (int4 "
+        "with int8 activations too: `meshlm serve --activations int8`) and fails the broken one.",
     ]
     return "\n".join(out)

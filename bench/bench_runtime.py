@@ -33,7 +33,7 @@ from model_runtime.engine import Engine, GenerateParams
 from model_runtime.gguf_loader import default_gguf_path
 from model_runtime.loader import load
 from model_runtime.omp import own_thread
-from model_runtime.perplexity import perplexity, stdlib_text
+from model_runtime.perplexity import decode_perplexity, perplexity, stdlib_text
 
 BY_CPU_KIND = True  # bench/__main__.py: one section per CPU kind
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
@@ -214,6 +214,11 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
         add("int4 Engine+lookup b1", e["decode_tps"])
         add("tokens int4 Engine+lookup", e["tokens"])
         add("int4 bare b8", bare(int4, 8)[0])
+        if "int4 a8" in models:  # int8 activations (meshlm serve --activations int8)
+            tps, toks = bare(models["int4 a8"], 1)
+            add("int4 a8 b1", tps)
+            add("tokens int4 a8", toks)
+            add("int4 a8 b8", bare(models["int4 a8"], 8)[0])
         own_thread(_step_rounds, int4, ids, n, add)
         add("int4 guard-off b1", bare(models["int4 guard-off"], 1)[0])
         for name in ("int4 torch-kernel", "int4 avx2"):  # the same model on other kernels
@@ -244,6 +249,33 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
         add("prefill bf16 bare", own_thread(_bare_prefill, bf16, prompt))
     r["lookup drafts"] = [tuple(drafts)]
     return r
+
+
+def _perplexity_rows(models: dict, win: int, n_win: int) -> list[str]:
+    text = stdlib_text()
+    ppl, rows = {}, []
+    for name in ("int4", "int4 a8", "bf16", "fp32"):
+        lm = models.get(name) or own_thread(load, precision=name)
+        ids = lm.tokenizer.encode(text)
+        ppl[name] = own_thread(perplexity, lm.model, ids, win, n_win)
+        served = None  # fp32 decodes slowly and like its forward
+        if name != "fp32":
+            served = own_thread(decode_perplexity, lm.model, ids, win, n_win)
+        ppl[name + " decode"] = served
+        label = "int4, int8 activations" if name == "int4 a8" else name
+        cells = [f"{ppl[name]:.3f}", "-" if served is None else f"{served:.3f}"]
+        rows.append(f"| {label} | {lm.info.weight_bytes / 2**20:.0f} | {cells[0]} | {cells[1]} |")
+    a8 = [ppl[f"int4 a8{k}"] / ppl[f"int4{k}"] - 1 for k in ("", " decode")]
+    rows += [
+        "",
+        f"int4 vs bf16 perplexity {100 * (ppl['int4'] / ppl['bf16'] - 1):+.2f} %; int4 with "
+        f"int8 vs bf16 activations {100 * a8[0]:+.2f} % ({100 * a8[1]:+.2f} % through decode "
+        "steps). int4 = exact Q4_1 -> int4pack g32 remap of every layer, output head int8 per "
+        "channel (an int4 g32 head costs ~+7 % perplexity). int8 activations hold a second copy "
+        "of the weights in their kernels' layout (counted).",
+        "",
+    ]
+    return rows
 
 
 def _load_with(env: str, value: str):
@@ -289,6 +321,8 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         ),
         ("ours", "bare, non-finite guard off", "int4", 1, "int4 guard-off b1", None),
         ("ours", "bare forward", "int4", 8, "int4 bare b8", None),
+        ("ours", "bare, int8 activations (`--activations int8`)", "int4", 1, "int4 a8 b1", None),
+        ("ours", "bare, int8 activations (`--activations int8`)", "int4", 8, "int4 a8 b8", None),
         ("ours", "bare, native decode step", "int4", 1, "int4 native step b1", None),
         ("ours", "bare, decode step in torch ops", "int4", 1, "int4 torch step b1", None),
         ("ours", "bare, native decode step", "int4", 8, "int4 native step b8", None),
@@ -329,6 +363,10 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         "int4 decode, b8 / b1 aggregate": _ratio(r, "int4 bare b8", "int4 bare b1"),
         "bf16 decode, b8 / b1 aggregate": _ratio(r, "bf16 bare b8", "bf16 bare b1"),
         "int4 decode b1, Engine / bare": _ratio(r, "int4 Engine b1", "int4 bare b1"),
+        "int4 decode, b8 / b1 aggregate, int8 activations": _ratio(r, "int4 a8 b8", "int4 a8 b1"),
+        "int4 decode b1, int8 activations / llama.cpp": _ratio(r, "int4 a8 b1", "llama.cpp b1"),
+        "int4 decode b1, int8 / bf16 activations": _ratio(r, "int4 a8 b1", "int4 bare b1"),
+        "int4 decode b8, int8 / bf16 activations": _ratio(r, "int4 a8 b8", "int4 bare b8"),
         "int4 decode b1, Engine+lookup / bare": _ratio(r, "int4 Engine+lookup b1", "int4 bare b1"),
         "int4 decode b1, native / torch's kernels": _ratio(
             r, "int4 bare b1", "int4 torch-kernel b1"
@@ -381,6 +419,9 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
     spec = _first_difference(r["tokens int4 bare"][0], r["tokens int4 Engine+lookup"][0])
     kept, drafted = r["lookup drafts"][0]
     lines[-1] += f"; Engine with lookup vs bare {spec} ({kept} of {drafted} drafts kept)"
+    if "tokens int4 a8" in r:
+        a8 = _first_difference(r["tokens int4 bare"][0], r["tokens int4 a8"][0])
+        lines[-1] += f"; int8 vs bf16 activations {a8}"
     if "tokens int4 torch-kernel" in r:
         tk = _first_difference(r["tokens int4 bare"][0], r["tokens int4 torch-kernel"][0])
         lines[-1] += f"; native vs torch's kernels {tk}"
@@ -443,6 +484,7 @@ def main(quick: bool) -> str:
     models = {
         "int4": own_thread(load, precision="int4"),
         "int4 guard-off": own_thread(load, precision="int4", nonfinite_guard=False),
+        "int4 a8": own_thread(load, precision="int4", activations="int8"),
         "bf16": own_thread(load, precision="bf16"),
     }
     # Which build of the native kernels ran (if any) is what kernels.choose says at load: the
@@ -496,22 +538,14 @@ def main(quick: bool) -> str:
         "(model_runtime/omp.py: a second OpenMP pool on 2 cores halves decode speed); "
         "sections measured before that ran beside a used Engine's pool and read low.",
         "",
-        f"| precision | weights MiB | perplexity ({n_win}x{win} tokens, pydoc_data/topics.py) |",
-        "|---|---|---|",
-    ]
-    text = stdlib_text()
-    ppl = {}
-    for prec in ("int4", "bf16", "fp32"):
-        lm = models.get(prec) or own_thread(load, precision=prec)
-        ppl[prec] = own_thread(perplexity, lm.model, lm.tokenizer.encode(text), win, n_win)
-        lines.append(f"| {prec} | {lm.info.weight_bytes / 2**20:.0f} | {ppl[prec]:.3f} |")
-    lines += [
+        f"Perplexity over {n_win}x{win} tokens of pydoc_data/topics.py: one forward a window "
+        "(prefill), and through decode steps (`perplexity.decode_perplexity`: each token fed "
+        "alone, as served; the windows decode as one batch).",
         "",
-        f"int4 vs bf16 perplexity {100 * (ppl['int4'] / ppl['bf16'] - 1):+.2f} %. int4 = exact "
-        "Q4_1 -> int4pack g32 remap of every layer, output head int8 per channel (an int4 g32 "
-        "head costs ~+7 % perplexity).",
-        "",
+        "| precision | weights MiB | perplexity | perplexity through decode steps |",
+        "|---|---|---|---|",
     ]
+    lines += _perplexity_rows(models, win, n_win)
     rates = (0.5, 2.0) if quick else (0.5, 1.5, 4.0)
     n_req, max_new = (6, 16) if quick else (24, 48)
     lines += [

@@ -29,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--activations",
         choices=("bf16", "int8"),
         default="bf16",
-        help="int4: what the decode step's linear layers multiply the weights with. int8 "
-        "(llama.cpp's Q8_0: groups of 32, VNNI where the CPU has it) decodes batches faster but "
-        "is not bit-identical to bf16 activations: roll it out as a canary under the quality gate",
+        help="int4: what the quantized layers multiply the weights with. int8 (llama.cpp's "
+        "Q8_0: groups of 32, VNNI where the CPU has it) is faster, batches most, but is not "
+        "bit-identical to bf16 activations: roll it out as a canary under the quality gate",
     )
     p.add_argument("--port", type=int, required=True, help="gRPC port (0 = any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")

@@ -13,7 +13,13 @@ from torch import nn
 from model_runtime import kernels, native_attention, native_step, sealed
 from model_runtime.gguf_loader import Q4_1, default_gguf_path, read_gguf
 from model_runtime.model import ModelArgs, Transformer, rope_table
-from model_runtime.quant import Int4Linear, Int8Linear, NonFiniteGuard, TiedInt8Embedding
+from model_runtime.quant import (
+    Int4Linear,
+    Int8Linear,
+    NonFiniteGuard,
+    TiedInt8Embedding,
+    use_int8_activations,
+)
 from model_runtime.tokenizer import Tokenizer
 
 PRECISIONS = ("int4", "bf16", "fp16", "fp32")
@@ -161,15 +167,6 @@ def _digest(data: bytes | Path) -> str:
     return h.hexdigest()[:12]
 
 
-def _int8_activations(model: Transformer, why: str | None) -> str:
-    """How Info's compute line names int8 activations."""
-    if why is not None:
-        return "int8 activations unused (they need the native step)"
-    build = native_step.build_of(model)
-    how = "VNNI" if kernels.has_vnni(build) else "no VNNI: two instructions a dot product"
-    return f"its linear layers on int8 activations ({how})"
-
-
 def load(
     source: str | None = None,
     *,
@@ -189,13 +186,12 @@ def load(
     int8 per channel (head_bits=8, default) or int4 too (head_bits=4, measurably worse).
     nonfinite_guard: check each layer's output, recompute it densely on inf/nan (counted);
     keep_dense keeps a dense copy of quantized weights for that instead of dequantizing.
-    activations: "bf16", or "int8" for int4 (the native decode step's linear layers take int8
-    activations, kernels/q8.c: faster batches, not bit-identical; prefill stays bf16)."""
+    activations: "bf16", or "int8" for int4 on the native kernels (its quantized layers take
+    activations quantized to int8, kernels/q8.c: faster, not bit-identical to bf16 ones)."""
     _dtype(precision, device)
     if activations not in ("bf16", "int8"):
         raise ValueError(f"activations must be bf16 or int8, got {activations!r}")
-    if activations == "int8" and precision != "int4":
-        raise ValueError(f"activations int8 is for precision int4, not {precision}")
+    compute = kernels.choose(precision, device, activations)
     path = default_gguf_path() if source is None else Path(source)
     if not path.exists():
         raise FileNotFoundError(f"model source {str(path)!r} does not exist")
@@ -219,11 +215,11 @@ def load(
         digest = _digest(path)
     if head_bits not in (4, 8):
         raise ValueError(f"head_bits must be 4 or 8, got {head_bits}")
-    compute = kernels.choose(precision, device)
     model = build_model(
         args, tensors, precision, device, group_size, keep_dense, head_bits, compute.dtype
     )
-    model.int8_activations = activations == "int8"
+    if activations == "int8":
+        use_int8_activations(model)
     guard = None
     if nonfinite_guard:
         guard = NonFiniteGuard()
@@ -233,8 +229,6 @@ def load(
         why = native_step.why_not(model)
         step = "one native call" if why is None else f"torch ops ({why})"
         description += f"; decode steps in {step}"
-        if activations == "int8":
-            description += f", {_int8_activations(model, why)}"
     elif device == "cpu":
         why = native_attention.why_not(model)
         attention = "one native call a layer" if why is None else f"torch's SDPA ({why})"

@@ -192,8 +192,6 @@ class Transformer(nn.Module):
         self.native_step: Callable | str | None = "auto"
         # its attention alone, where the step does not apply (native_attention.py): "auto" alike
         self.native_attention: Callable | str | None = "auto"
-        # the native step's linear layers take int8 activations (kernels/q8.c; loader.load)
-        self.int8_activations = False
         self.requires_grad_(False)
 
     @property

@@ -6,7 +6,8 @@ whose every linear layer uses the native int4 kernels (int4 at group 32 on AVX-5
 the tied int8 head, all of one build; the step runs that build's library (libstep.so or
 libstep_avx2.so: one source, the same bits). Anything else, and prefill (T > 1), stays on torch.
 MESHLM_NATIVE_STEP=0 turns it off for models loaded while it is set; `use(model, False)` turns it
-off for one model.
+off for one model. A model on int8 activations (quant.use_int8_activations) runs q8.c's kernels
+on its layers' copies of their weights in that layout.
 Attention's softmax is not bit-identical to torch's SDPA (see step.c); the bench compares the
 greedy ids of both paths.
 """
@@ -21,7 +22,7 @@ import torch
 
 from model_runtime import kernels
 from model_runtime.kernels.isas import library_path
-from model_runtime.quant import Int4Linear, Int8Linear, TiedInt8Embedding, pack_head_q8, pack_q8
+from model_runtime.quant import Int4Linear, Int8Linear, TiedInt8Embedding
 
 LIBRARY = library_path("step", "avx512")
 _P = ctypes.c_void_p
@@ -66,11 +67,6 @@ def library(build: str = "avx512") -> ctypes.CDLL:
     lib.native_step.restype = ctypes.c_int
     lib.native_attention.argtypes = [ctypes.POINTER(AttnArgs), ctypes.c_int]
     lib.native_attention.restype = ctypes.c_int
-    lib.int4mm_q8.argtypes = [_P, ctypes.c_int, ctypes.c_int, _P, _P, ctypes.c_int, _P]
-    lib.int4mm_q8.argtypes += [ctypes.c_int, ctypes.c_int]
-    lib.int4mm_q8.restype = ctypes.c_int
-    lib.int8mm_q8.argtypes = lib.int4mm_q8.argtypes
-    lib.int8mm_q8.restype = ctypes.c_int
     lib.step_set_gomp.argtypes = [_P, _P, _P, _P]
     gomp = kernels._gomp()
     if gomp is not None:  # else one thread
@@ -119,6 +115,8 @@ def why_not(model: torch.nn.Module) -> str | None:
             return "not every linear layer is a native int4 one"
         if any(q.isa != model.output.isa for q in lins):
             return "the layers were built for different native kernels"
+        if any((q.codes8 is None) != (model.output.head8 is None) for q in lins):
+            return "int8 activations on some layers only"
     return unbuilt(model.output.isa)
 
 
@@ -137,18 +135,17 @@ class NativeStep:
         a = model.args
         self.model = model
         self.rope = torch.view_as_real(model.freqs).contiguous()
-        # int8 activations for the linear layers and the head (kernels/q8.c): a second copy of
-        # their weights in its layouts
-        self.int8_activations = bool(getattr(model, "int8_activations", False))
+        # int8 activations (kernels/q8.c): the layers' weights in its layouts
+        self.int8_activations = model.output.head8 is not None
         self.held: list[torch.Tensor] = []
         layers = (_Layer * a.n_layers)()
         for i, blk in enumerate(model.layers):
             att, ff = blk.attention, blk.feed_forward
             for name, lin in (("wqkv", att.wqkv), ("wo", att.wo), ("w13", ff.w13), ("w2", ff.w2)):
-                codes8 = pack_q8(lin.packed) if self.int8_activations else None
                 ptrs = (lin.packed.data_ptr(), lin.scales_zeros.data_ptr())
-                setattr(layers[i], name, _Q4(*ptrs, 0 if codes8 is None else codes8.data_ptr()))
-                self.held += [lin.packed, lin.scales_zeros, codes8]
+                codes8 = 0 if lin.codes8 is None else lin.codes8.data_ptr()
+                setattr(layers[i], name, _Q4(*ptrs, codes8))
+                self.held += [lin.packed, lin.scales_zeros, lin.codes8]
             layers[i].attn_norm = blk.attention_norm.data_ptr()
             layers[i].ffn_norm = blk.ffn_norm.data_ptr()
             self.held += [blk.attention_norm, blk.ffn_norm]
@@ -157,7 +154,7 @@ class NativeStep:
         self.isa = head.isa  # the build of every layer (why_not)
         self.lib = library(self.isa)
         self.held += [head.q, head.scales, model.norm]
-        head8 = pack_head_q8(head.q) if self.int8_activations else None
+        head8 = head.head8
         self.held.append(head8)
         self.m = _Model(
             a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim, a.vocab_size,
@@ -170,7 +167,7 @@ class NativeStep:
         """step.c's model_t.q8: 0 bf16 activations, 1 int8, 2 int8 with VNNI's instruction."""
         if not self.int8_activations:
             return 0
-        return 2 if kernels.has_vnni(self.isa) else 1
+        return 2 if self.model.output.vnni else 1
 
     def __deepcopy__(self, memo) -> str:
         return "auto"

@@ -74,6 +74,9 @@ class Int4Linear(nn.Module):
         self.native = isa is not None  # packed/scales_zeros in the native kernel's layout
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
+        # int8 activations (use_int8_activations): the codes in kernels/q8.c's layout
+        self.register_buffer("codes8", None)
+        self.vnni = False
         # a dense copy is kept only for the non-finite guard (keep_dense=True)
         self.register_buffer("dense", dense)
         self.use_dense = False
@@ -120,18 +123,29 @@ class Int4Linear(nn.Module):
             w = self.dense if self.dense is not None else self.dequantize()
             return F.linear(x.float(), w.float()).to(x.dtype)
         shape = x.shape
-        return self._mm(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
+        x2 = x.reshape(-1, shape[-1])
+        if self.codes8 is not None:
+            lib = kernels.library(self.isa)
+            y = _native_mm(lib.int4mm_q8, x2, self.codes8, self.scales_zeros, self, self.vnni)
+        else:
+            y = self._mm(x2)
+        return y.view(*shape[:-1], self.out_features)
 
     def weight_bytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+        codes8 = 0 if self.codes8 is None else self.codes8.numel()
+        return (
+            self.packed.numel() * self.packed.element_size()
+            + self.scales_zeros.numel() * 2
+            + codes8
+        )
 
     def extra_repr(self) -> str:
         kernel = f"native {self.isa}" if self.native else "torch"
         return f"in={self.in_features}, out={self.out_features}, group={self.group_size}, {kernel}"
 
 
-def _native_mm(fn, x2: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, lin):
-    """y = fn(x2, weights, scales) of kernels/qmm.c for a [rows, in] bf16 input."""
+def _native_mm(fn, x2: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, lin, *more):
+    """y = fn(x2, weights, scales, *more) of kernels/qmm.c for a [rows, in] bf16 input."""
     x2 = x2.contiguous()
     if x2.dtype != torch.bfloat16:
         raise TypeError(f"the native kernels take bf16 activations, got {x2.dtype}")
@@ -141,7 +155,7 @@ def _native_mm(fn, x2: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor
         k, n = lin.in_features, lin.out_features
         rc = fn(
             x2.data_ptr(), m, k, weights.data_ptr(), scales.data_ptr(), n, y.data_ptr(),
-            torch.get_num_threads(),
+            torch.get_num_threads(), *more,
         )  # fmt: skip
         if rc:
             raise RuntimeError(f"native kernel refused shapes {tuple(x2.shape)} x {lin}")
@@ -169,6 +183,8 @@ class Int8Linear(nn.Module):
         self.native = native
         self.register_buffer("q", q)
         self.register_buffer("scales", scales)
+        self.register_buffer("head8", None)  # int8 activations: q in kernels/q8.c's layout
+        self.vnni = False
         self.register_buffer("dense", dense)
         self.use_dense = False
 
@@ -188,14 +204,18 @@ class Int8Linear(nn.Module):
             return F.linear(x.float(), w.float()).to(x.dtype)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.native:
+        if self.head8 is not None:
+            lib = kernels.library(self.isa)
+            y = _native_mm(lib.int8mm_q8, x2, self.head8, self.scales, self, self.vnni)
+        elif self.native:
             y = _native_mm(kernels.library(self.isa).int8mm_bf16, x2, self.q, self.scales, self)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales)
         return y.view(*shape[:-1], self.out_features)
 
     def weight_bytes(self) -> int:
-        return self.q.numel() + self.scales.numel() * 2
+        head8 = 0 if self.head8 is None else self.head8.numel()
+        return self.q.numel() + self.scales.numel() * 2 + head8
 
 
 class TiedInt8Embedding(nn.Module):
@@ -213,6 +233,21 @@ class TiedInt8Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.head[0]
         return h.q[tokens].to(h.scales.dtype) * h.scales[tokens].unsqueeze(-1)
+
+
+def use_int8_activations(model: nn.Module) -> None:
+    """Every native Int4Linear and Int8Linear of `model` takes int8 activations from now on
+    (kernels/q8.c: a second copy of its weights in that kernel's layout). Raises ValueError
+    where a quantized layer is not on the native kernels."""
+    for mod in model.modules():
+        if isinstance(mod, Int4Linear | Int8Linear):
+            if not mod.native or mod.in_features % 32:
+                raise ValueError(f"int8 activations need native layers of groups of 32: {mod}")
+            mod.vnni = kernels.has_vnni(mod.isa)
+            if isinstance(mod, Int4Linear):
+                mod.codes8 = pack_q8(mod.packed)
+            else:
+                mod.head8 = pack_head_q8(mod.q)
 
 
 def quantize_dense_linears(model: nn.Module, group_size: int, keep_dense: bool = False) -> None:

@@ -138,6 +138,9 @@ def _library(build: str) -> ctypes.CDLL:
     lib.int4mm_bf16.restype = ctypes.c_int
     lib.int8mm_bf16.argtypes = lib.int4mm_bf16.argtypes
     lib.int8mm_bf16.restype = ctypes.c_int
+    for q8 in (lib.int4mm_q8, lib.int8mm_q8):  # q8.c: one more argument, vnni
+        q8.argtypes = [*lib.int4mm_bf16.argtypes, ctypes.c_int]
+        q8.restype = ctypes.c_int
     lib.qmm_set_gomp.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     gomp = _gomp()
     if gomp is not None:  # else one thread
@@ -176,11 +179,20 @@ class Compute:
     description: str  # one line for the log, `meshlm serve` and the bench
 
 
-def choose(precision: str, device: str = "cpu") -> Compute:
+def choose(precision: str, device: str = "cpu", activations: str = "bf16") -> Compute:
     """The compute dtype for `precision` here. bf16 on a CPU without native bf16 matmuls runs
     as fp32 (the bf16 weights widened exactly, twice the memory): oneDNN emulates bf16 there,
     a 256-token prefill ~3.7x slower than fp32 (decode alike; `python -m bench runtime`
-    measures both). MESHLM_COMPUTE_DTYPE=bf16|fp32 overrides the choice for bf16 models."""
+    measures both). MESHLM_COMPUTE_DTYPE=bf16|fp32 overrides the choice for bf16 models.
+    activations "int8" (int4 only): the quantized layers take int8 activations (q8.c); raises
+    ValueError where the native kernels do not apply."""
+    if activations == "int8":
+        if precision != "int4":
+            raise ValueError(f"activations int8 is for precision int4, not {precision}")
+        if not applies() or device != "cpu":
+            raise ValueError(f"activations int8 need the native kernels: {why_not() or device}")
+        how = "VNNI" if has_vnni(isa()) else "no VNNI: two instructions a dot product"
+        return Compute(torch.bfloat16, f"int4 weights on {description()}, int8 activations ({how})")
     if precision == "fp16":
         return Compute(torch.float16, "fp16 weights and activations")
     if precision == "fp32":

@@ -1,6 +1,7 @@
-// int4 weights times int8 activations (opt-in: MESHLM_INT4_ACTIVATIONS=int8, issue 13), as
-// llama.cpp's Q4 x Q8 dot products: not torch's arithmetic, so not bit-identical to qmm.c. The
-// quality gate judges a version that uses it against bf16 (docs/ARCHITECTURE.md).
+// int4 weights times int8 activations (opt-in: `meshlm serve --activations int8`, issue 13), as
+// llama.cpp's Q4 x Q8 dot products: not torch's arithmetic, so not bit-identical to qmm.c's. The
+// quality gate judges a version that uses it against bf16 (docs/ARCHITECTURE.md). Included at
+// the end of qmm.c (its calls and threads), so step.c has it too.
 //
 // Activations: each row's groups of 32 as int8 q = round(x * 127 / max|x|) with d = max|x| / 127
 // (llama.cpp's Q8_0). Per output column and group, with w = (c - 8) s + z:

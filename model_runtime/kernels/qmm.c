@@ -283,3 +283,5 @@ int int8mm_bf16(const uint16_t *x, int M, int K, const int8_t *q, const uint16_t
     call_t c = {0, M, K, N, (const uint8_t *)q, scales, y, int8_columns};
     return run_call(&c, x, threads);
 }
+
+#include "q8.c"  // int8 activations: the same calls and threads

@@ -11,7 +11,6 @@
 // differ from SDPA's in the last bit.
 
 #include "qmm.c"
-#include "q8.c"
 
 #include <math.h>
 
