@@ -21,6 +21,10 @@ typedef struct {
     int vnni;         // 1: the CPU has VNNI (avx512_vnni for the AVX-512 build, avx_vnni for AVX2)
 } q8x_t;
 
+// bytes of weights ahead of the one read that a kernel asks the cache for: a batch's step
+// streams them slower than the prefetcher alone keeps up with (batch 8: +10 % tokens/s here)
+#define Q8_AHEAD 2048
+
 // x's K values (K % 32 == 0) as int8 groups
 static void quantize_q8(const float *x, int K, int8_t *q, float *d, float *sq) {
     for (int g = 0; g < K / GROUP; g++) {
@@ -47,8 +51,9 @@ static void quantize_q8(const float *x, int K, int8_t *q, float *d, float *sq) {
             vi is[R];                                                                             \
             for (int r = 0; r < R; r++) is[r] = vi_zero();                                        \
             for (int ch = 0; ch < GROUP / 8; ch++) {                                              \
-                vb b = vb_load(wp + (size_t)(g * (GROUP / 8) + ch) * 64);                         \
-                vb lo = vb_nibble_lo(b), hi = vb_nibble_hi(b);                                    \
+                const uint8_t *at = wp + (size_t)(g * (GROUP / 8) + ch) * 64;                     \
+                _mm_prefetch((const char *)at + Q8_AHEAD, _MM_HINT_T0);                           \
+                vb b = vb_load(at), lo = vb_nibble_lo(b), hi = vb_nibble_hi(b);                   \
                 for (int r = 0; r < R; r++) {                                                     \
                     int32_t x4[2];                                                                \
                     memcpy(x4, x->q + (size_t)r * K + g * GROUP + ch * 8, 8);                     \
@@ -108,7 +113,9 @@ static const q8_fn Q8[2][MAX_ROWS + 1] = {
             vi is[R];                                                                             \
             for (int r = 0; r < R; r++) is[r] = vi_set1(-128 * (int32_t)x->sq[r * KG + g]);       \
             for (int ch = 0; ch < GROUP / 4; ch++) {                                              \
-                vb b = vb_load(wp + (size_t)(g * (GROUP / 4) + ch) * 64);                         \
+                const uint8_t *at = wp + (size_t)(g * (GROUP / 4) + ch) * 64;                     \
+                _mm_prefetch((const char *)at + Q8_AHEAD, _MM_HINT_T0);                           \
+                vb b = vb_load(at);                                                               \
                 for (int r = 0; r < R; r++) {                                                     \
                     int32_t x4;                                                                   \
                     memcpy(&x4, x->q + (size_t)r * K + g * GROUP + ch * 4, 4);                    \
