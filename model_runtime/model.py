@@ -68,6 +68,13 @@ class KVCache(nn.Module):
         self.register_buffer("kv", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No inf or NaN in `t`, by one sum (an inf or NaN makes it non-finite) instead of a bool
+    tensor as large as `t`: 0.45 ms -> ~0.05 ms for a batch-8 step's logits. Finite values
+    whose sum overflowed would read as non-finite: a needless recompute, never a missed one."""
+    return bool(torch.isfinite(t.sum()))
+
+
 def rope_table(args: ModelArgs) -> torch.Tensor:
     """complex64 [context_length, head_dim // 2]."""
     hd = args.head_dim
@@ -221,7 +228,7 @@ class Transformer(nn.Module):
         if self.native_step is None or lay.last_idx is not None:
             return None
         logits = self.native_step(tokens, cache, lay)
-        if logits is not None and self.guard is not None and not bool(torch.isfinite(logits).all()):
+        if logits is not None and self.guard is not None and not all_finite(logits):
             return None  # the torch path redoes the step (same KV slots) and the guard repairs it
         return logits
 
@@ -255,7 +262,7 @@ class Transformer(nn.Module):
             mask.masked_fill_(lay.mask.logical_not(), float("-inf"))
         h0 = self.tok_embeddings(tokens)
         h = self._layers(h0, rope, cache, lay, mask, None, native)
-        if self.guard is not None and not bool(torch.isfinite(h).all()):
+        if self.guard is not None and not all_finite(h):
             # rare: run again checking every layer, so the guard can repair the one at fault
             # (the re-run rewrites the same KV slots)
             h = self._layers(h0, rope, cache, lay, mask, self.guard, native)
