@@ -13,6 +13,7 @@ import functools
 import pytest
 import torch
 
+from bench.bench_quality import GOLDEN
 from meshlm.launcher import _serving
 from meshlm.procs import Proc, wait_until
 from model_runtime import generate, kernels, native_step
@@ -29,7 +30,7 @@ from model_runtime.quant import (
 )
 from model_runtime.records import teacher_forced
 from sidecar.ports import free_port
-from tests.test_native_step import BS, STORY, _prefilled
+from tests.test_native_step import BS, STORY, _prefilled, compare_steps
 from xds_server.quality import Sample, agreement
 
 BUILDS = [b for b in kernels.BUILDS if kernels.runs(b)]
@@ -163,19 +164,15 @@ def test_int8_activation_steps_stay_close_to_bf16_activation_steps(int4_a8, smol
     tok = smollm_int4.tokenizer
     prompts = [tok.encode_chat(STORY), tok.encode("The history of the city goes back to Rome.")]
     kv, seqs, nxt = _prefilled(smollm_int4, prompts)
-    agree, worst = 0, 0.0
-    for _ in range(24):
-        lay = layout_decode(seqs, BS)
-        tokens = torch.tensor([[t] for t in nxt])
+
+    def step(tokens, lay):
         ours = a8(tokens, kv, lay)
         alone = a8(tokens[:1], kv, layout_decode(seqs[:1], BS))
         ref = ref_step(tokens, kv, lay)  # rewrites the slots with bf16 activations' K/V
         assert torch.equal(ours[0], alone[0])
-        worst = max(worst, float((ours - ref).abs().max()))
-        agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
-        nxt = [int(t) for t in ref.argmax(-1)]
-        for s in seqs:
-            s.written += 1
+        return ours, ref
+
+    worst, agree = compare_steps(seqs, nxt, 24, step)
     assert worst < 3.0, worst  # logits span ~40 (measured: ~1); garbage is off by tens
     assert agree >= 40, agree  # of 48
 
@@ -193,29 +190,13 @@ def test_prefill_takes_int8_activations_too(int4_a8, smollm_int4):
     assert float((a8.argmax(-1) == ref.argmax(-1)).float().mean()) > 0.8
 
 
-GOLDEN = [  # bench/bench_quality.py's first ones
-    "What is the capital of France? Answer with one word.",
-    "Name three primary colors.",
-    "What is 12 plus 7?",
-    "Write one sentence about the sea.",
-    "What do bees make?",
-    "Translate 'good morning' into French.",
-    "What is the opposite of hot?",
-    "Give a synonym for happy.",
-    "How many days are in a week?",
-    "What gas do plants take in?",
-    "Name a planet in our solar system.",
-    "What is water made of?",
-]
-
-
 @torch.inference_mode()
 def test_int8_activations_pass_the_quality_gate_against_bf16(int4_a8, smollm_bf16):
     """What a rollout's quality gate measures for an int4-a8 canary against a bf16 stable
     (xds_server.quality's own figures): within the thresholds docs/OPERATIONS.md suggests
     (token disagreement 10 %, logprob drift 0.1 nats; a group-64 int4 reads 26 % and 0.41)."""
     tok = smollm_bf16.tokenizer
-    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in GOLDEN]
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in GOLDEN[:12]]
     stable = generate.greedy(smollm_bf16, ids, 12)
     canary = generate.greedy(int4_a8, ids, 12)
     samples = []

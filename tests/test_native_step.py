@@ -97,6 +97,22 @@ def _prefilled(lm, prompts: list[list[int]], per_seq: int = 16):
     return kv, seqs, nxt
 
 
+def compare_steps(seqs, nxt: list[int], steps: int, step_fn) -> tuple[float, int]:
+    """Teacher-forced decode steps, the reference's greedy choices fed back: step_fn(tokens,
+    layout) -> (ours, ref) logits of every row. Returns the largest |ours - ref| and how many
+    rows and steps chose the same token."""
+    agree, worst = 0, 0.0
+    for _ in range(steps):
+        lay = layout_decode(seqs, BS)
+        ours, ref = step_fn(torch.tensor([[t] for t in nxt]), lay)
+        worst = max(worst, float((ours - ref).abs().max()))
+        agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
+        nxt = [int(t) for t in ref.argmax(-1)]
+        for s in seqs:
+            s.written += 1
+    return worst, agree
+
+
 @torch.inference_mode()
 def test_int4_decodes_natively_by_default_and_the_switch_turns_it_off(int4_default, monkeypatch):
     int4 = int4_default
@@ -257,10 +273,7 @@ def test_native_attention_matches_sdpa_and_keeps_rows_apart(precision, smollm_bf
         answered.append(y is not None)
         return y
 
-    agree, worst = 0, 0.0
-    for _ in range(16):
-        lay = layout_decode(seqs, BS)
-        tokens = torch.tensor([[t] for t in nxt])
+    def step(tokens, lay):
         with attention_only(m, counted):
             ours = m(tokens, kv, lay)
             alone = m(tokens[:1], kv, layout_decode(seqs[:1], BS))
@@ -268,11 +281,9 @@ def test_native_attention_matches_sdpa_and_keeps_rows_apart(precision, smollm_bf
             ref = m(tokens, kv, lay)  # rewrites the same slots with the same K/V
         if precision == "int4":  # oneDNN's bf16 matmuls round 1 and 2 rows differently
             assert torch.equal(ours[0], alone[0])
-        worst = max(worst, float((ours - ref).abs().max()))
-        agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
-        nxt = [int(t) for t in ref.argmax(-1)]
-        for s in seqs:
-            s.written += 1
+        return ours, ref
+
+    worst, agree = compare_steps(seqs, nxt, 16, step)
     assert answered == [True] * (16 * 2 * m.args.n_layers)  # every layer of both calls
     assert worst < 2.0, worst  # logits span ~40; bf16 steps there are 0.125-0.25
     assert agree >= 26, agree  # of 32 (a broken attention agrees on few; near-ties may flip)
