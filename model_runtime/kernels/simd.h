@@ -370,7 +370,9 @@ static inline vi vi_set1(int32_t v) {
     vi r = {_mm256_set1_epi32(v), _mm256_set1_epi32(v)};
     return r;
 }
-static inline vf vf_of_vi(vi v) { return vf_of(_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)); }
+static inline vf vf_of_vi(vi v) {
+    return vf_of(_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi));
+}
 static inline vf vf_abs(vf v) {
     const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     return vf_of(_mm256_and_ps(v.lo, m), _mm256_and_ps(v.hi, m));

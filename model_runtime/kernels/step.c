@@ -393,7 +393,8 @@ int native_step(const model_t *m, const step_t *s, int threads) {
     if (!gomp_parallel || !gomp_barrier || !omp_num_threads) threads = 1;
     size_t floats = (size_t)B * D + (size_t)B * in_w + (size_t)threads * (s->L + hd);
     size_t halves = (size_t)B * width + (size_t)B * D + (size_t)B * 2 * F;
-    size_t q8_floats = m->q8 ? (size_t)B * in_w / GROUP * 2 : 0, q8_bytes = m->q8 ? (size_t)B * in_w : 0;
+    size_t q8_floats = m->q8 ? (size_t)B * in_w / GROUP * 2 : 0;  // d and sum(q) a group
+    size_t q8_bytes = m->q8 ? (size_t)B * in_w : 0;
     float *mem = (float *)malloc((floats + q8_floats) * sizeof(float) + halves * sizeof(uint16_t) +
                                  q8_bytes);
     if (!mem) return -2;
