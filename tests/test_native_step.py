@@ -193,14 +193,17 @@ def test_a_row_decodes_the_same_alone_or_batched(int4):
 
 
 @torch.inference_mode()
-def test_a_step_gives_the_same_bits_on_any_thread_count(int4):
+@pytest.mark.parametrize("rows", [2, 1])
+def test_a_step_gives_the_same_bits_on_any_thread_count(int4, rows):
+    """Also across step.c's two attention kernels: one row's 3 K/V heads are 3 grouped tasks on
+    1 thread (each K/V head's 3 query heads together) and 9 per-head ones on 2 and 3."""
     m = int4.model
     nat = native_step.attach(m)
     if nat is None:
         assert native_step.why_not(m)  # the reason is said, torch's ops serve instead
         return
     prompts = [int4.tokenizer.encode_chat(STORY), int4.tokenizer.encode("Once upon a time")]
-    kv, seqs, nxt = _prefilled(int4, prompts)
+    kv, seqs, nxt = _prefilled(int4, prompts[:rows])
     lay = layout_decode(seqs, BS)
     threads = torch.get_num_threads()
     got = []

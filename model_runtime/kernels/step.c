@@ -73,7 +73,7 @@ typedef struct {
     uint16_t *qkv; // [B, (n_heads + 2 n_kv) head_dim]
     uint16_t *o;   // [B, dim]
     uint16_t *gu;  // [B, 2 hidden]
-    float *scratch;  // [n, L + head_dim] per thread
+    float *scratch;  // scratch_floats(L, head_dim) per thread
     int layer;       // native_attention's
     int8_t *xq;      // q8: xin quantized, [B, max(dim, hidden)] and its d, sum(q) [B, that / 32]
     float *xd, *xs;
@@ -254,6 +254,129 @@ static void attend(const team_arg_t *t, int layer, int b, int h, float *scratch)
     q8_row(t, b, m->n_heads * hd, h * hd, hd);
 }
 
+// The NH query heads h0 .. h0 + NH - 1 of one K/V head (head_dim 16 HD16) together: each
+// key's K and V rows are widened once for all of them instead of once a head (GQA: SmolLM2's
+// 9 query heads share 3 K/V heads). Per head the same operations in the same order as attend,
+// so the same bits.
+#define DEFINE_ATTEND(NAME, NH, HD16)                                                             \
+    static void NAME(const team_arg_t *t, int layer, int b, int h0, float *scratch) {             \
+        const model_t *m = t->m;                                                                  \
+        const step_t *s = t->s;                                                                   \
+        const int hd = 16 * HD16, L = s->L, g = h0 / (m->n_heads / m->n_kv);                      \
+        const int width = (m->n_heads + 2 * m->n_kv) * hd;                                        \
+        const size_t kvw = (size_t)2 * m->n_kv * hd;                                              \
+        const uint16_t *base = s->kv + (size_t)layer * s->n_slots * kvw;                          \
+        const int64_t *slots = s->gather + (size_t)b * L;                                         \
+        const uint8_t *mask = s->mask ? s->mask + (size_t)b * L : NULL;                           \
+        const float scale = 1.0f / sqrtf((float)hd);                                              \
+        float *sc[NH], mx[NH], sum[NH], bm[NH], nm[NH], corr[NH], bs[NH];                         \
+        vf q[NH][HD16], acc[NH][HD16];                                                            \
+        int nan[NH], live[NH];                                                                    \
+        for (int r = 0; r < NH; r++) {                                                            \
+            sc[r] = scratch + (size_t)r * L;                                                      \
+            const uint16_t *qr = t->qkv + (size_t)b * width + (h0 + r) * hd;                      \
+            for (int i = 0; i < HD16; i++) q[r][i] = vf_load_bf16(qr + 16 * i);                   \
+            for (int i = 0; i < HD16; i++) acc[r][i] = vf_zero();                                 \
+            mx[r] = -INFINITY, sum[r] = 0.0f, nan[r] = 0;                                         \
+        }                                                                                         \
+        for (int j0 = 0; j0 < L; j0 += KV_SPLIT) {                                                \
+            int j1 = j0 + KV_SPLIT < L ? j0 + KV_SPLIT : L;                                       \
+            for (int r = 0; r < NH; r++) bm[r] = -INFINITY;                                       \
+            for (int j = j0; j < j1; j++) {                                                       \
+                if (mask && !mask[j]) {                                                           \
+                    for (int r = 0; r < NH; r++) sc[r][j] = -INFINITY;                            \
+                    continue;                                                                     \
+                }                                                                                 \
+                const uint16_t *k = base + (size_t)slots[j] * kvw + (size_t)g * hd;               \
+                vf kk[HD16];                                                                      \
+                for (int i = 0; i < HD16; i++) kk[i] = vf_load_bf16(k + 16 * i);                  \
+                for (int r = 0; r < NH; r++) {                                                    \
+                    vf d = vf_zero();                                                             \
+                    for (int i = 0; i < HD16; i++) d = vf_fma(q[r][i], kk[i], d);                 \
+                    float v = vf_sum(d) * scale;                                                  \
+                    if (v > bm[r]) bm[r] = v;                                                     \
+                    if (v != v) nan[r] = 1, v = -INFINITY;                                        \
+                    sc[r][j] = v;                                                                 \
+                }                                                                                 \
+            }                                                                                     \
+            for (int r = 0; r < NH; r++) {                                                        \
+                nm[r] = bm[r] > mx[r] ? bm[r] : mx[r];                                            \
+                live[r] = nm[r] != -INFINITY;                                                     \
+                if (!live[r]) continue;                                                           \
+                corr[r] = mx[r] == -INFINITY ? 0.0f : expf(mx[r] - nm[r]);                        \
+                for (int i = 0; i < HD16; i++) acc[r][i] = vf_mul(acc[r][i], vf_set1(corr[r]));   \
+                vf lanes = vf_zero();                                                             \
+                for (int j = j0; j < j1; j += 16) {                                               \
+                    int cnt = j1 - j < 16 ? j1 - j : 16;                                          \
+                    vf p = exp_u20(vf_sub(vf_load_n(sc[r] + j, cnt, -INFINITY), vf_set1(nm[r]))); \
+                    lanes = vf_add(lanes, p);                                                     \
+                    vf_store_n(sc[r] + j, cnt, vf_rnd(p)); /* V is weighed by bf16 p */           \
+                }                                                                                 \
+                bs[r] = vf_sum_xor(lanes);                                                        \
+            }                                                                                     \
+            for (int j = j0; j < j1; j++) {                                                       \
+                if (mask && !mask[j]) continue;                                                   \
+                const uint16_t *v = base + (size_t)slots[j] * kvw + (size_t)(m->n_kv + g) * hd;   \
+                vf vv[HD16];                                                                      \
+                for (int i = 0; i < HD16; i++) vv[i] = vf_load_bf16(v + 16 * i);                  \
+                for (int r = 0; r < NH; r++) {                                                    \
+                    if (!live[r]) continue;                                                       \
+                    vf pv = vf_set1(sc[r][j]);                                                    \
+                    for (int i = 0; i < HD16; i++) acc[r][i] = vf_fma(pv, vv[i], acc[r][i]);      \
+                }                                                                                 \
+            }                                                                                     \
+            for (int r = 0; r < NH; r++) {                                                        \
+                if (!live[r]) continue;                                                           \
+                sum[r] = sum[r] * corr[r] + bs[r];                                                \
+                mx[r] = nm[r];                                                                    \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < NH; r++) {                                                            \
+            float inv = nan[r] ? NAN : sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;                      \
+            float *out = t->xin + (size_t)b * m->n_heads * hd + (h0 + r) * hd;                    \
+            for (int i = 0; i < HD16; i++) {                                                      \
+                uint16_t o[16];                                                                   \
+                vf_store_bf16(o, vf_mul(acc[r][i], vf_set1(inv)), 0xffff0000);                    \
+                vf_store(out + 16 * i, vf_load_bf16(o));                                          \
+            }                                                                                     \
+            q8_row(t, b, m->n_heads * hd, (h0 + r) * hd, hd);                                     \
+        }                                                                                         \
+    }
+
+// the shapes with a grouped kernel: query heads per K/V head x head_dim / 16
+DEFINE_ATTEND(attend_3x4, 3, 4)  // SmolLM2-135M
+DEFINE_ATTEND(attend_4x8, 4, 8)  // Llama 3 8B
+#define GQA_MAX 4                // scratch: scores of up to 4 heads a thread
+
+typedef void (*attend_fn)(const team_arg_t *, int, int, int, float *);
+
+static attend_fn grouped(const model_t *m) {
+    const int rep = m->n_heads / m->n_kv, hd16 = m->head_dim / 16;
+    if (rep == 3 && hd16 == 4) return attend_3x4;
+    if (rep == 4 && hd16 == 8) return attend_4x8;
+    return NULL;
+}
+
+// floats of scratch a thread: attend's scores and q, or a group's scores
+static size_t scratch_floats(int L, int hd) { return (size_t)GQA_MAX * ((size_t)L + hd); }
+
+// layer's attention, thread tid of n: (row, K/V head) tasks where a grouped kernel fits and there
+// are enough of them to keep every thread busy, else (row, query head) ones
+static void attend_layer(const team_arg_t *t, int layer, int tid, int n, float *scratch) {
+    const model_t *m = t->m;
+    const int B = t->s->B, rep = m->n_heads / m->n_kv;
+    attend_fn fn = grouped(m);
+    if (fn && B * m->n_kv >= 2 * n) {
+        int tasks = B * m->n_kv;
+        for (int k = tasks * tid / n; k < tasks * (tid + 1) / n; k++)
+            fn(t, layer, k / m->n_kv, (k % m->n_kv) * rep, scratch);
+        return;
+    }
+    int tasks = B * m->n_heads;
+    for (int k = tasks * tid / n; k < tasks * (tid + 1) / n; k++)
+        attend(t, layer, k / m->n_heads, k % m->n_heads, scratch);
+}
+
 // --- attention alone, for a decode step that runs in torch ops otherwise (a bf16 model):
 // torch's SDPA over the gathered cache costs ~4x this at batch 8
 
@@ -270,10 +393,7 @@ typedef struct {
 static void attention_team(void *arg) {
     const team_arg_t *t = (const team_arg_t *)arg;
     const int n = t->n > 1 ? omp_num_threads() : 1, tid = n > 1 ? omp_thread_num() : 0;
-    float *scratch = t->scratch + (size_t)tid * (t->s->L + t->m->head_dim);
-    int tasks = t->s->B * t->m->n_heads;
-    for (int k = tasks * tid / n; k < tasks * (tid + 1) / n; k++)
-        attend(t, t->layer, k / t->m->n_heads, k % t->m->n_heads, scratch);
+    attend_layer(t, t->layer, tid, n, t->scratch + tid * scratch_floats(t->s->L, t->m->head_dim));
 }
 
 // 0, or -1 when the shapes are not supported, -2 out of memory
@@ -288,7 +408,7 @@ int native_attention(const attn_t *a, int threads) {
     step_t s = {0};
     s.B = a->B, s.L = a->L, s.gather = a->gather, s.mask = a->mask;
     s.kv = (uint16_t *)a->kv, s.n_slots = a->n_slots;
-    float *scratch = (float *)malloc((size_t)threads * (a->L + hd) * sizeof(float));
+    float *scratch = (float *)malloc(threads * scratch_floats(a->L, hd) * sizeof(float));
     if (!scratch) return -2;
     team_arg_t t = {&m, &s, threads, 0, a->out, (uint16_t *)a->qkv, 0, 0, scratch, a->layer};
     if (threads == 1)
@@ -318,7 +438,7 @@ static void team(void *arg) {
     const int n = t->n > 1 ? omp_num_threads() : 1, tid = n > 1 ? omp_thread_num() : 0;
     const int B = s->B, D = m->dim;
     const int hd = m->head_dim, F = m->hidden, width = (m->n_heads + 2 * m->n_kv) * hd;
-    float *scratch = t->scratch + (size_t)tid * (s->L + hd);
+    float *scratch = t->scratch + tid * scratch_floats(s->L, hd);
     int r0, r1;
     rows_of(B, tid, n, &r0, &r1);
     for (int b = r0; b < r1; b++) {
@@ -333,9 +453,7 @@ static void team(void *arg) {
         barrier(n);
         for (int b = r0; b < r1; b++) rope_and_store(t, l, b);
         barrier(n);
-        int tasks = B * m->n_heads;
-        for (int k = tasks * tid / n; k < tasks * (tid + 1) / n; k++)
-            attend(t, l, k / m->n_heads, k % m->n_heads, scratch);
+        attend_layer(t, l, tid, n, scratch);
         barrier(n);
         matmul(t, tid, n, t->xin, m->n_heads * hd, D, &ly->wo, t->o);
         barrier(n);
@@ -391,7 +509,7 @@ int native_step(const model_t *m, const step_t *s, int threads) {
     int in_w = D > F ? D : F;
     if (m->n_heads * hd > in_w) in_w = m->n_heads * hd;
     if (!gomp_parallel || !gomp_barrier || !omp_num_threads) threads = 1;
-    size_t floats = (size_t)B * D + (size_t)B * in_w + (size_t)threads * (s->L + hd);
+    size_t floats = (size_t)B * D + (size_t)B * in_w + threads * scratch_floats(s->L, hd);
     size_t halves = (size_t)B * width + (size_t)B * D + (size_t)B * 2 * F;
     size_t q8_floats = m->q8 ? (size_t)B * in_w / GROUP * 2 : 0;  // d and sum(q) a group
     size_t q8_bytes = m->q8 ? (size_t)B * in_w : 0;
@@ -400,7 +518,7 @@ int native_step(const model_t *m, const step_t *s, int threads) {
     if (!mem) return -2;
     team_arg_t t = {m, s, threads, mem, mem + (size_t)B * D, 0, 0, 0, 0};
     t.scratch = t.xin + (size_t)B * in_w;
-    t.xd = t.scratch + (size_t)threads * (s->L + hd);  // q8's (0 floats without)
+    t.xd = t.scratch + threads * scratch_floats(s->L, hd);  // q8's (0 floats without)
     t.xs = t.xd + q8_floats / 2;
     t.qkv = (uint16_t *)(t.xs + q8_floats / 2);
     t.o = t.qkv + (size_t)B * width;
