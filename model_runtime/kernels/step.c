@@ -73,7 +73,7 @@ typedef struct {
     uint16_t *qkv; // [B, (n_heads + 2 n_kv) head_dim]
     uint16_t *o;   // [B, dim]
     uint16_t *gu;  // [B, 2 hidden]
-    float *scratch;  // scratch_floats(L, head_dim) per thread
+    float *scratch;  // scratch_floats(L) per thread
     int layer;       // native_attention's
     int8_t *xq;      // q8: xin quantized, [B, max(dim, hidden)] and its d, sum(q) [B, that / 32]
     float *xd, *xs;
@@ -169,12 +169,6 @@ static void rope_and_store(const team_arg_t *t, int layer, int b) {
     memcpy(dst, row + (size_t)m->n_heads * hd, kvw * sizeof(uint16_t));
 }
 
-static inline float dot_bf16(const float *q, const uint16_t *k, int hd) {
-    vf acc = vf_zero();
-    for (int i = 0; i < hd; i += 16) acc = vf_fma(vf_load(q + i), vf_load_bf16(k + i), acc);
-    return vf_sum(acc);
-}
-
 // torch's Vectorized<float>::exp_u20 (AVX-512 and AVX2 alike), which its flash attention uses
 // for the softmax
 static inline vf exp_u20(vf x) {
@@ -192,72 +186,11 @@ static inline vf exp_u20(vf x) {
     return vf_mul(vf_mul(y, p2), vf_set1(2.f));
 }
 
-// one (row, head): out = softmax(q k^T / sqrt(hd) + mask) v over the row's attended slots
-static void attend(const team_arg_t *t, int layer, int b, int h, float *scratch) {
-    const model_t *m = t->m;
-    const step_t *s = t->s;
-    const int hd = m->head_dim, L = s->L, g = h / (m->n_heads / m->n_kv);
-    const int width = (m->n_heads + 2 * m->n_kv) * hd;
-    const size_t kvw = (size_t)2 * m->n_kv * hd;
-    const uint16_t *base = s->kv + (size_t)layer * s->n_slots * kvw;
-    const int64_t *slots = s->gather + (size_t)b * L;
-    const uint8_t *mask = s->mask ? s->mask + (size_t)b * L : NULL;
-    float *sc = scratch, *q = scratch + L;
-    for (int i = 0; i < hd; i++) q[i] = bf(t->qkv[(size_t)b * width + h * hd + i]);
-    const float scale = 1.0f / sqrtf((float)hd);
-    vf acc[8];  // head_dim <= 128
-    for (int i = 0; i < hd / 16; i++) acc[i] = vf_zero();
-    float mx = -INFINITY, sum = 0.0f;
-    int nan = 0;  // a NaN score makes the output NaN, as in torch (the guard must see it)
-    for (int j0 = 0; j0 < L; j0 += KV_SPLIT) {
-        int j1 = j0 + KV_SPLIT < L ? j0 + KV_SPLIT : L;
-        float bm = -INFINITY;
-        for (int j = j0; j < j1; j++) {
-            if (mask && !mask[j]) {
-                sc[j] = -INFINITY;
-                continue;
-            }
-            sc[j] = dot_bf16(q, base + (size_t)slots[j] * kvw + (size_t)g * hd, hd) * scale;
-            if (sc[j] > bm) bm = sc[j];
-            if (sc[j] != sc[j]) nan = 1, sc[j] = -INFINITY;
-        }
-        float nm = bm > mx ? bm : mx;
-        if (nm == -INFINITY) continue;
-        float corr = mx == -INFINITY ? 0.0f : expf(mx - nm);
-        for (int i = 0; i < hd / 16; i++) acc[i] = vf_mul(acc[i], vf_set1(corr));
-        // p = exp(s - max) 16 at a time (the scores' tail padded with -inf), summed per lane
-        vf lanes = vf_zero();
-        for (int j = j0; j < j1; j += 16) {
-            int cnt = j1 - j < 16 ? j1 - j : 16;
-            vf p = exp_u20(vf_sub(vf_load_n(sc + j, cnt, -INFINITY), vf_set1(nm)));
-            lanes = vf_add(lanes, p);
-            vf_store_n(sc + j, cnt, p);
-        }
-        float bs = vf_sum_xor(lanes);
-        for (int j = j0; j < j1; j++) {
-            if (mask && !mask[j]) continue;
-            vf pv = vf_set1(rnd(sc[j]));
-            const uint16_t *v = base + (size_t)slots[j] * kvw + (size_t)(m->n_kv + g) * hd;
-            for (int i = 0; i < hd / 16; i++)
-                acc[i] = vf_fma(pv, vf_load_bf16(v + 16 * i), acc[i]);
-        }
-        sum = sum * corr + bs;
-        mx = nm;
-    }
-    float inv = nan ? NAN : sum > 0.0f ? 1.0f / sum : 0.0f;
-    float *out = t->xin + (size_t)b * m->n_heads * hd + h * hd;
-    for (int i = 0; i < hd / 16; i++) {
-        // q is free now
-        vf_store_bf16((uint16_t *)(q + 16 * i), vf_mul(acc[i], vf_set1(inv)), 0xffff0000);
-        for (int e = 0; e < 16; e++) out[16 * i + e] = bf(((uint16_t *)(q + 16 * i))[e]);
-    }
-    q8_row(t, b, m->n_heads * hd, h * hd, hd);
-}
-
-// The NH query heads h0 .. h0 + NH - 1 of one K/V head (head_dim 16 HD16) together: each
-// key's K and V rows are widened once for all of them instead of once a head (GQA: SmolLM2's
-// 9 query heads share 3 K/V heads). Per head the same operations in the same order as attend,
-// so the same bits.
+// One row and its NH query heads h0 .. h0 + NH - 1 of one K/V head (head_dim 16 HD16): per head
+// out = softmax(q k^T / sqrt(hd) + mask) v over the row's attended slots. The heads of a group
+// share each key's K and V rows, widened once for all of them (GQA: SmolLM2's 9 query heads
+// share 3 K/V heads); per head the operations and their order are those of NH = 1, so a head
+// gives the same bits alone or grouped.
 #define DEFINE_ATTEND(NAME, NH, HD16)                                                             \
     static void NAME(const team_arg_t *t, int layer, int b, int h0, float *scratch) {             \
         const model_t *m = t->m;                                                                  \
@@ -343,12 +276,23 @@ static void attend(const team_arg_t *t, int layer, int b, int h, float *scratch)
         }                                                                                         \
     }
 
+// one head, for every head_dim (16 to 128)
+DEFINE_ATTEND(attend_1x1, 1, 1)
+DEFINE_ATTEND(attend_1x2, 1, 2)
+DEFINE_ATTEND(attend_1x3, 1, 3)
+DEFINE_ATTEND(attend_1x4, 1, 4)
+DEFINE_ATTEND(attend_1x5, 1, 5)
+DEFINE_ATTEND(attend_1x6, 1, 6)
+DEFINE_ATTEND(attend_1x7, 1, 7)
+DEFINE_ATTEND(attend_1x8, 1, 8)
 // the shapes with a grouped kernel: query heads per K/V head x head_dim / 16
 DEFINE_ATTEND(attend_3x4, 3, 4)  // SmolLM2-135M
 DEFINE_ATTEND(attend_4x8, 4, 8)  // Llama 3 8B
 #define GQA_MAX 4                // scratch: scores of up to 4 heads a thread
 
 typedef void (*attend_fn)(const team_arg_t *, int, int, int, float *);
+static const attend_fn ONE_HEAD[9] = {0,          attend_1x1, attend_1x2, attend_1x3, attend_1x4,
+                                      attend_1x5, attend_1x6, attend_1x7, attend_1x8};
 
 static attend_fn grouped(const model_t *m) {
     const int rep = m->n_heads / m->n_kv, hd16 = m->head_dim / 16;
@@ -357,8 +301,8 @@ static attend_fn grouped(const model_t *m) {
     return NULL;
 }
 
-// floats of scratch a thread: attend's scores and q, or a group's scores
-static size_t scratch_floats(int L, int hd) { return (size_t)GQA_MAX * ((size_t)L + hd); }
+// floats of scratch a thread: a group's scores
+static size_t scratch_floats(int L) { return (size_t)GQA_MAX * L; }
 
 // layer's attention, thread tid of n: (row, K/V head) tasks where a grouped kernel fits and there
 // are enough of them to keep every thread busy, else (row, query head) ones
@@ -374,7 +318,7 @@ static void attend_layer(const team_arg_t *t, int layer, int tid, int n, float *
     }
     int tasks = B * m->n_heads;
     for (int k = tasks * tid / n; k < tasks * (tid + 1) / n; k++)
-        attend(t, layer, k / m->n_heads, k % m->n_heads, scratch);
+        ONE_HEAD[m->head_dim / 16](t, layer, k / m->n_heads, k % m->n_heads, scratch);
 }
 
 // --- attention alone, for a decode step that runs in torch ops otherwise (a bf16 model):
@@ -393,7 +337,7 @@ typedef struct {
 static void attention_team(void *arg) {
     const team_arg_t *t = (const team_arg_t *)arg;
     const int n = t->n > 1 ? omp_num_threads() : 1, tid = n > 1 ? omp_thread_num() : 0;
-    attend_layer(t, t->layer, tid, n, t->scratch + tid * scratch_floats(t->s->L, t->m->head_dim));
+    attend_layer(t, t->layer, tid, n, t->scratch + tid * scratch_floats(t->s->L));
 }
 
 // 0, or -1 when the shapes are not supported, -2 out of memory
@@ -408,7 +352,7 @@ int native_attention(const attn_t *a, int threads) {
     step_t s = {0};
     s.B = a->B, s.L = a->L, s.gather = a->gather, s.mask = a->mask;
     s.kv = (uint16_t *)a->kv, s.n_slots = a->n_slots;
-    float *scratch = (float *)malloc(threads * scratch_floats(a->L, hd) * sizeof(float));
+    float *scratch = (float *)malloc(threads * scratch_floats(a->L) * sizeof(float));
     if (!scratch) return -2;
     team_arg_t t = {&m, &s, threads, 0, a->out, (uint16_t *)a->qkv, 0, 0, scratch, a->layer};
     if (threads == 1)
@@ -438,7 +382,7 @@ static void team(void *arg) {
     const int n = t->n > 1 ? omp_num_threads() : 1, tid = n > 1 ? omp_thread_num() : 0;
     const int B = s->B, D = m->dim;
     const int hd = m->head_dim, F = m->hidden, width = (m->n_heads + 2 * m->n_kv) * hd;
-    float *scratch = t->scratch + tid * scratch_floats(s->L, hd);
+    float *scratch = t->scratch + tid * scratch_floats(s->L);
     int r0, r1;
     rows_of(B, tid, n, &r0, &r1);
     for (int b = r0; b < r1; b++) {
@@ -509,7 +453,7 @@ int native_step(const model_t *m, const step_t *s, int threads) {
     int in_w = D > F ? D : F;
     if (m->n_heads * hd > in_w) in_w = m->n_heads * hd;
     if (!gomp_parallel || !gomp_barrier || !omp_num_threads) threads = 1;
-    size_t floats = (size_t)B * D + (size_t)B * in_w + threads * scratch_floats(s->L, hd);
+    size_t floats = (size_t)B * D + (size_t)B * in_w + threads * scratch_floats(s->L);
     size_t halves = (size_t)B * width + (size_t)B * D + (size_t)B * 2 * F;
     size_t q8_floats = m->q8 ? (size_t)B * in_w / GROUP * 2 : 0;  // d and sum(q) a group
     size_t q8_bytes = m->q8 ? (size_t)B * in_w : 0;
@@ -518,7 +462,7 @@ int native_step(const model_t *m, const step_t *s, int threads) {
     if (!mem) return -2;
     team_arg_t t = {m, s, threads, mem, mem + (size_t)B * D, 0, 0, 0, 0};
     t.scratch = t.xin + (size_t)B * in_w;
-    t.xd = t.scratch + threads * scratch_floats(s->L, hd);  // q8's (0 floats without)
+    t.xd = t.scratch + threads * scratch_floats(s->L);  // q8's (0 floats without)
     t.xs = t.xd + q8_floats / 2;
     t.qkv = (uint16_t *)(t.xs + q8_floats / 2);
     t.o = t.qkv + (size_t)B * width;
