@@ -9,6 +9,15 @@ import torch
 from model_runtime.kvcache import SeqCache, layout_decode, layout_prefill
 from model_runtime.model import KVCache
 
+BLOCK = 16  # slots a cache block
+
+
+def paged_cache(model, n_seqs: int, max_len: int) -> tuple[KVCache, list[SeqCache]]:
+    """A cache of `n_seqs` sequences of up to `max_len` tokens, each its own run of blocks."""
+    per_seq = -(-max_len // BLOCK)
+    kv = KVCache(model.args, per_seq * BLOCK * n_seqs, model.dtype)
+    return kv, [SeqCache(list(range(i * per_seq, (i + 1) * per_seq))) for i in range(n_seqs)]
+
 
 @torch.inference_mode()
 def greedy(
@@ -21,10 +30,8 @@ def greedy(
     """Greedy continuation of each prompt (prefilled one by one, decoded as one batch).
     Returns the generated ids per prompt (without the stop token); appends the wall time of
     every decode step to `step_times` when given."""
-    model, bs = loaded.model, 16
-    per_seq = -(-(max(map(len, prompts)) + max_new_tokens) // bs)
-    kv = KVCache(model.args, per_seq * bs * len(prompts), model.dtype)
-    seqs = [SeqCache(list(range(i * per_seq, (i + 1) * per_seq))) for i in range(len(prompts))]
+    model, bs = loaded.model, BLOCK
+    kv, seqs = paged_cache(model, len(prompts), max(map(len, prompts)) + max_new_tokens)
     nxt = []
     for s, p in zip(seqs, prompts, strict=True):
         logits = model(torch.tensor([p]), kv, layout_prefill(s, 0, len(p), bs))

@@ -35,17 +35,15 @@ def decode_perplexity(model, token_ids: list[int], window: int, n_windows: int) 
     """Perplexity as served: each window's tokens fed one at a time through decode steps (the
     windows as one batch), so that a decode-only path counts (the native step, int8
     activations: kernels/q8.c), which `perplexity`'s one forward a window never runs."""
-    from model_runtime.kvcache import SeqCache, layout_decode, layout_prefill
-    from model_runtime.model import KVCache
+    from model_runtime.generate import BLOCK as bs
+    from model_runtime.generate import paged_cache
+    from model_runtime.kvcache import layout_decode, layout_prefill
 
     need = window * n_windows
     if len(token_ids) < need:
         raise ValueError(f"need {need} tokens, text has {len(token_ids)}")
     x = torch.tensor(token_ids[:need]).view(n_windows, window)
-    bs = 16
-    per_seq = -(-window // bs)
-    kv = KVCache(model.args, per_seq * bs * n_windows, model.dtype)
-    seqs = [SeqCache(list(range(i * per_seq, (i + 1) * per_seq))) for i in range(n_windows)]
+    kv, seqs = paged_cache(model, n_windows, window)
     first = []
     for s, row in zip(seqs, x, strict=True):  # the first token of each window
         first.append(model(row[:1].view(1, 1), kv, layout_prefill(s, 0, 1, bs))[0].float())

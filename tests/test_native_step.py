@@ -19,9 +19,8 @@ import pytest
 import torch
 
 from model_runtime import generate, kernels, native_attention, native_step
-from model_runtime.kvcache import SeqCache, layout_decode, layout_prefill
+from model_runtime.kvcache import layout_decode, layout_prefill
 from model_runtime.loader import load
-from model_runtime.model import KVCache
 
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 BS = 16
@@ -86,8 +85,7 @@ def undecided(model):
 
 def _prefilled(lm, prompts: list[list[int]], per_seq: int = 16):
     m = lm.model
-    kv = KVCache(m.args, per_seq * BS * len(prompts), m.dtype)
-    seqs = [SeqCache(list(range(i * per_seq, (i + 1) * per_seq))) for i in range(len(prompts))]
+    kv, seqs = generate.paged_cache(m, len(prompts), per_seq * BS)
     nxt = []
     with torch_ops(m):
         for s, p in zip(seqs, prompts, strict=True):
