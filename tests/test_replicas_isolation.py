@@ -13,6 +13,7 @@ import pytest
 
 from tests.etcd_support import EtcdCluster, wait_for
 from xds_server.control_plane import ControlPlane
+from xds_server.isolation import Isolation, SharedQuarantine
 from xds_server.mesh import parse_mesh
 from xds_server.store import EtcdStore
 from xds_server.store.replica import Replication
@@ -96,3 +97,43 @@ def test_two_replicas_tripping_one_class_at_once_keep_one_decision(replicas):
     # Both take the stored decision (the later writer's own is dropped), one route each.
     wait_for(lambda: since(a) == since(b) == [stored], 10)
     assert quarantined(a) == quarantined(b) == [POISON]
+
+
+def test_a_class_tripped_here_while_another_replicas_decision_comes_in_keeps_that_decision(
+    etcd,
+):
+    """The race behind a red CI run: b trips the class while its sync is reading a's decision
+    of it from the store. b's own decision was made without a's, so it is written over the
+    revision b had (none) and loses; before, b wrote it over the revision it had just read and
+    replaced a's."""
+    mesh = parse_mesh(DOC)
+    root = f"/t-{uuid.uuid4().hex}/"
+    stores = [EtcdStore(etcd.endpoints, root=root, timeout=1.0) for _ in range(2)]
+    try:
+        a, b = (Isolation(lambda: mesh) for _ in range(2))
+        a.share(SharedQuarantine(stores[0]))
+        shared_b = SharedQuarantine(stores[1])
+        b.share(shared_b)
+        for _ in range(4):
+            a.observe("llm", POISON, True, reason="at a")
+        a.sync()
+        (stored,) = stores[0].list("isolation/")[0]
+
+        read = shared_b.exchange
+
+        def tripped_while_reading(changes):
+            out = read(changes)
+            for _ in range(4):
+                assert b.observe("llm", POISON, True, reason="at b") in ("trip", None)
+            return out
+
+        shared_b.exchange = tripped_while_reading
+        b.sync()  # takes nothing of a's for the class: b changed it meanwhile
+        shared_b.exchange = read
+        b.sync()  # b's decision goes out, loses, and b takes a's
+        (after,) = stores[1].list("isolation/")[0]
+        assert (after.revision, after.json()["why"]) == (stored.revision, stored.json()["why"])
+        assert [t["why"] for t in b.status()["llm"]["quarantined"]] == [stored.json()["why"]]
+    finally:
+        for s in stores:
+            s.close()

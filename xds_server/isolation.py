@@ -205,7 +205,7 @@ class Isolation:
             dirty = {k: _copy(self._tripped.get(k)) for k in shared.dirty}
             shared.dirty.clear()
         try:
-            stored = shared.exchange(dirty)
+            stored, revs = shared.exchange(dirty)
         except Exception as e:  # StoreError: kept dirty, retried; the routes stay as they are
             with self._lock:
                 shared.dirty |= dirty.keys()
@@ -217,6 +217,10 @@ class Isolation:
         with self._lock:
             for k in shared.dirty:  # changed here meanwhile: ours goes out next time
                 stored.pop(k, None)
+                # ... over the revision our change was made on, not the one just read: a class
+                # this replica tripped while another's decision came in must not overwrite it
+                revs[k] = shared.revs.get(k, 0)
+            shared.revs = revs
             mine = {k: t for k, t in self._tripped.items() if k not in shared.dirty}
             if {k: _decision(t) for k, t in mine.items()} == {
                 k: _decision(t) for k, t in stored.items()
@@ -392,18 +396,23 @@ class SharedQuarantine:
         self.store, self._keys = store, keys
         self.dirty: set[tuple[str, str]] = set()  # changed here, not yet written
         self.error = ""  # the store's last error, "" once it answers
-        self._revs: dict[tuple[str, str], int] = {}
+        # the store's revision of each class as this replica last took it: what a change here
+        # was decided on, and so the only revision it may be written over
+        self.revs: dict[tuple[str, str], int] = {}
 
-    def exchange(self, changes: dict[tuple[str, str], Tripped | None]) -> dict:
-        """Write `changes` (None: released), each over the revision last read (a conflict
-        drops ours), then read them all: {(service, key): Tripped}."""
+    def exchange(
+        self, changes: dict[tuple[str, str], Tripped | None]
+    ) -> tuple[dict[tuple[str, str], Tripped], dict[tuple[str, str], int]]:
+        """Write `changes` (None: released), each over the revision taken (a conflict drops
+        ours), then read them all: {(service, key): Tripped} and each one's revision."""
         from xds_server.store.base import Check, Conflict, Delete, Put, encode
 
         for (service, key), t in changes.items():
             k = self._keys.quarantine(service, key)
             op = Delete(k) if t is None else Put(k, encode(_decision(t)))
             try:
-                self.store.txn([Check(k, revision=self._revs.get((service, key), 0))], [op])
+                rev = self.store.txn([Check(k, revision=self.revs.get((service, key), 0))], [op])
+                self.revs[(service, key)] = 0 if t is None else rev
             except Conflict:
                 log.info("isolation: class %s of %s was decided by another replica first",
                          key, service)  # fmt: skip
@@ -418,8 +427,7 @@ class SharedQuarantine:
                 continue
             out[(t.service, t.key)] = t
             revs[(t.service, t.key)] = e.revision
-        self._revs = revs
-        return out
+        return out, revs
 
 
 def _decision(t: Tripped) -> dict[str, Any]:
