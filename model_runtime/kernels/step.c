@@ -62,6 +62,10 @@ void step_set_gomp(void *parallel, void *thread_num, void *num_threads, void *ba
     gomp_barrier = (gomp_barrier_fn)barrier;
 }
 
+// keys ahead of the one read whose K the cache is asked for (and the key's V, read after the
+// scores): a key's K of one K/V head is 128 of its slot's 768 bytes, and with the hardware
+// prefetcher alone attention waited on memory (SmolLM2-135M, batch 8: 4.2 -> 2.2 M cycles a step)
+#define KV_AHEAD 16
 #define KV_SPLIT 512  // keys per block of torch's flash attention (kv_seq_len >= 512)
 
 typedef struct {
@@ -186,6 +190,11 @@ static inline vf exp_u20(vf x) {
     return vf_mul(vf_mul(y, p2), vf_set1(2.f));
 }
 
+// the hd bf16 values at p into the cache
+static inline void prefetch_row(const uint16_t *p, int hd) {
+    for (int c = 0; c < hd * 2; c += 64) _mm_prefetch((const char *)p + c, _MM_HINT_T0);
+}
+
 // One row and its NH query heads h0 .. h0 + NH - 1 of one K/V head (head_dim 16 HD16): per head
 // out = softmax(q k^T / sqrt(hd) + mask) v over the row's attended slots. The heads of a group
 // share each key's K and V rows, widened once for all of them (GQA: SmolLM2's 9 query heads
@@ -221,6 +230,9 @@ static inline vf exp_u20(vf x) {
                     continue;                                                                     \
                 }                                                                                 \
                 const uint16_t *k = base + (size_t)slots[j] * kvw + (size_t)g * hd;               \
+                if (j + KV_AHEAD < j1)                                                            \
+                    prefetch_row(base + (size_t)slots[j + KV_AHEAD] * kvw + (size_t)g * hd, hd);  \
+                prefetch_row(k + (size_t)m->n_kv * hd, hd); /* its V */                           \
                 vf kk[HD16];                                                                      \
                 for (int i = 0; i < HD16; i++) kk[i] = vf_load_bf16(k + 16 * i);                  \
                 for (int r = 0; r < NH; r++) {                                                    \
