@@ -35,7 +35,7 @@ from model_runtime.fair import FairQueue
 from model_runtime.kvcache import BlockPool, SeqCache, block_keys, layout_decode, layout_prefill
 from model_runtime.model import KVCache
 from model_runtime.omp import own_thread
-from model_runtime.sampling import generator_at, sample
+from model_runtime.sampling import generator_at, greedy_ids, sample
 from model_runtime.speculate import PromptLookup
 
 
@@ -517,7 +517,7 @@ class Engine:
                 tokens.append(t)
         lay = layout_decode(seqs, self.block_size).to(self.device)
         logits = self.model(torch.tensor(tokens, device=self.device).view(-1, 1), self.kv, lay)
-        greedy = logits.argmax(-1).tolist()
+        greedy = greedy_ids(logits)
         if any(r.params.temperature > 0 for r in reqs):
             logits = logits.cpu()
         row = 0

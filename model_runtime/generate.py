@@ -8,6 +8,7 @@ import torch
 
 from model_runtime.kvcache import SeqCache, layout_decode, layout_prefill
 from model_runtime.model import KVCache
+from model_runtime.sampling import greedy_ids
 
 BLOCK = 16  # slots a cache block
 
@@ -36,7 +37,7 @@ def greedy(
     for s, p in zip(seqs, prompts, strict=True):
         logits = model(torch.tensor([p]), kv, layout_prefill(s, 0, len(p), bs))
         s.written = len(p)
-        nxt.append(int(logits[0].argmax()))
+        nxt += greedy_ids(logits)
     out: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))
     stop_ids = loaded.tokenizer.stop_ids if stop else set()
@@ -50,7 +51,7 @@ def greedy(
         logits = model(
             torch.tensor([[nxt[i]] for i in live]), kv, layout_decode([seqs[i] for i in live], bs)
         )
-        for j, tok in enumerate(logits.argmax(-1).tolist()):
+        for j, tok in enumerate(greedy_ids(logits)):
             seqs[live[j]].written += 1
             nxt[live[j]] = tok
         if step_times is not None:

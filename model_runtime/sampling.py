@@ -18,6 +18,15 @@ def generator_at(gen: torch.Generator, seed: int, position: int) -> torch.Genera
     return gen.manual_seed(int.from_bytes(digest, "little"))
 
 
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """The argmax of every row of logits [B, V]: the first of equal maxima, a NaN before any
+    number, as torch's argmax. On the CPU numpy's: torch's reduction takes ~8x as long (the
+    logits of a batch-8 decode step of SmolLM2, 8 x 49152 float32: 233 -> 28 us)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def sample(
     logits: torch.Tensor,
     temperature: float,
@@ -27,7 +36,7 @@ def sample(
 ) -> int:
     """logits float32 [V] -> token id."""
     if temperature <= 0:
-        return int(logits.argmax())
+        return greedy_ids(logits.reshape(1, -1))[0]
     logits = logits / temperature
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
