@@ -198,6 +198,7 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
         own_thread(generate.greedy, lm, [ids] * 8, 4, stop=False)
     if peer is not None:
         peer.decode(ids, 4)
+        peer.decode_batch(ids, 4, 8)
     for i in range(rounds):
         prompt = text_ids[(i + 1) * p_len : (i + 2) * p_len]  # a fresh slice per round
         tps, toks = bare(int4, 1)
@@ -207,6 +208,9 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
             seconds, toks = peer.decode(ids, n)
             add("llama.cpp b1", (n - 1) / seconds)
             add("tokens llama.cpp", toks)
+            seconds, toks = peer.decode_batch(ids, n, 8)
+            add("llama.cpp b8", 8 * (n - 1) / seconds)
+            add("tokens llama.cpp b8", toks)
         e = _with_engine(int4, lambda engine: _engine_call(engine, ids, n))
         add("int4 Engine b1", e["decode_tps"])
         add("tokens int4 Engine", e["tokens"])
@@ -350,6 +354,7 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         ("ours", "bare, decode attention in torch's SDPA", "bf16", 1, "bf16 sdpa b1", None),
         ("ours", "bare, decode attention in torch's SDPA", "bf16", 8, "bf16 sdpa b8", None),
         ("llama.cpp", "`Llama.eval` + argmax", "Q4_1", 1, "llama.cpp b1", "prefill llama.cpp"),
+        ("llama.cpp", "8 sequences per `llama_decode` + argmax", "Q4_1", 8, "llama.cpp b8", None),
     ]
     for who, path, prec, batch, dec, pre in rows:
         if dec not in r:
@@ -363,6 +368,9 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         "int4 decode, b8 / b1 aggregate": _ratio(r, "int4 bare b8", "int4 bare b1"),
         "bf16 decode, b8 / b1 aggregate": _ratio(r, "bf16 bare b8", "bf16 bare b1"),
         "int4 decode b1, Engine / bare": _ratio(r, "int4 Engine b1", "int4 bare b1"),
+        "int4 decode b8, bare / llama.cpp": _ratio(r, "int4 bare b8", "llama.cpp b8"),
+        "int4 decode b8, int8 activations / llama.cpp": _ratio(r, "int4 a8 b8", "llama.cpp b8"),
+        "llama.cpp decode, b8 / b1 aggregate": _ratio(r, "llama.cpp b8", "llama.cpp b1"),
         "int4 decode, b8 / b1 aggregate, int8 activations": _ratio(r, "int4 a8 b8", "int4 a8 b1"),
         "int4 decode b1, int8 activations / llama.cpp": _ratio(r, "int4 a8 b1", "llama.cpp b1"),
         "int4 decode b1, int8 / bf16 activations": _ratio(r, "int4 a8 b1", "int4 bare b1"),
@@ -439,6 +447,8 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
     if peer is not None:
         peer_cmp = _first_difference(r["tokens int4 bare"][0], r["tokens llama.cpp"][0])
         lines[-1] += f"; ours vs llama.cpp {peer_cmp} (its kernels round activations to 8 bits)"
+        rows = _first_difference(r["tokens llama.cpp"][0], r["tokens llama.cpp b8"][0])
+        lines[-1] += f"; llama.cpp's first of 8 sequences vs its batch 1 {rows}"
     lines[-1] += "."
     return lines
 
