@@ -18,6 +18,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 
 def installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
@@ -102,7 +104,6 @@ class LlamaPeer:
 
 def _serve(gguf: str, threads: int) -> None:
     import llama_cpp
-    import numpy as np
 
     llm = llama_cpp.Llama(
         gguf, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False
@@ -169,8 +170,6 @@ class _Batched:
             raise RuntimeError("llama_decode failed")
 
     def _argmax(self, rows: int) -> list[int]:
-        import numpy as np
-
         logits = self.lc.llama_get_logits(self.ctx)
         return np.ctypeslib.as_array(logits, shape=(rows, self.n_vocab)).argmax(1).tolist()
 
