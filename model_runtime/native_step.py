@@ -68,6 +68,7 @@ def library(build: str = "avx512") -> ctypes.CDLL:
     lib.native_attention.argtypes = [ctypes.POINTER(AttnArgs), ctypes.c_int]
     lib.native_attention.restype = ctypes.c_int
     lib.step_set_gomp.argtypes = [_P, _P, _P, _P]
+    kernels.set_dot(lib, build)
     gomp = kernels._gomp()
     if gomp is not None:  # else one thread
         lib.step_set_gomp(

@@ -3,10 +3,9 @@
 torch's int4pack dequantizes a group as w = (q - 8) * scale + zero. A GGUF Q4_1 block stores
 w = q * d + m for 32 weights, so scale = d and zero = m + 8 d: the remap is exact at group 32.
 With bf16 activations (int4 at group 32), on CPUs with AVX-512 or AVX2 the int4 and int8 layers
-run the native kernels of model_runtime/kernels (faster; the int4 results bit-identical to
-torch's int4pack kernel, the int8 ones to its AVX-512 int8pack kernel and within one bf16
-rounding of its AVX2 one: kernels/__init__.py); else torch's. A layer keeps the build it was made
-with (`isa`).
+run the native kernels of model_runtime/kernels (faster; within one bf16 rounding of torch's
+int4pack and int8pack kernels, the same bits on every CPU: kernels/__init__.py); else torch's. A
+layer keeps the build it was made with (`isa`).
 """
 
 from __future__ import annotations

@@ -9,11 +9,14 @@ from model_runtime import generate
 from model_runtime.loader import load
 from model_runtime.perplexity import perplexity, stdlib_text
 
-# Prompts where the model is confident (top-1 margin is large at every step).
+# Prompts where the model is confident (top-1 margin is large at every step). "Name three
+# colors." was one until issue 13's kernels: its first token's two best logits tied in int4 (and
+# were one bf16 step apart in bf16), so which came first was rounding; "How many days are in a
+# week?" keeps a margin of 0.5 or more at every step in both precisions.
 CONFIDENT = [
     ("What is the capital of France? Answer with one word.", "The capital of France is Paris."),
     ("What is 2+2?", "The answer to this classic math problem is 4."),
-    ("Name three colors.", "1. Red\n2. Blue\n3. Green"),
+    ("How many days are in a week?", "A week is approximately 7 days."),
 ]
 # Perplexity on the first 2 x 256 tokens of pydoc_data/topics.py, measured on this machine:
 # bf16 12.91, int4 (exact Q4_1 remap, int8 head) 12.88, int4 re-quantized at g64 19.27.

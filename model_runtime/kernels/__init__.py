@@ -2,21 +2,18 @@
 
 `applies()` says whether quantized layers built now use them (else torch's kernels); `library()`
 loads them. One source, two builds (simd.h): AVX-512 F/BW (libqmm.so) and AVX2 + FMA + F16C
-(libqmm_avx2.so), the same fp32 arithmetic in both, so they give the same bits on every CPU:
-the bits of torch's AVX-512 int4pack and int8pack kernels. `isa()` picks the build for this CPU
-(x86-64 Linux only): AVX-512 where it has avx512f and avx512bw, else AVX2 where it has avx2, fma
-and f16c, else none; MESHLM_KERNEL_ISA=avx2 (or avx512) forces one and is refused where the CPU
-lacks it. Where torch dispatches its AVX2 kernels (an AVX2-only CPU, or ATEN_CPU_CAPABILITY=avx2)
-its int4pack kernel gives the same bits as its AVX-512 one and as ours (each output one fp32 FMA
-chain over k), but its int8pack kernel sums 8 lanes where the AVX-512 one sums 16: there the
-native int8 results are within one bf16 rounding of torch's, not bit-identical (measured on an
-AMD EPYC with AVX-512, torch 2.13, forcing its AVX2 dispatch: 2-9 of 4,096-36,864 outputs one
-bf16 step apart; an output near 0, where the terms cancel, may be more of its own steps apart,
-never 1e-4 of the largest output). The native kernels do not depend on which kernels torch
-dispatches, so they are used wherever the CPU has one of the two instruction sets.
-MESHLM_INT4_KERNEL=torch turns them off for the layers loaded while it is set (benchmarks compare
-the two in one process). They need no bf16 instructions (bf16 is widened by shifts), so the int4
-model keeps bf16 activations everywhere.
+(libqmm_avx2.so), the same fp32 arithmetic in both, so they give the same bits on every CPU; the
+AVX-512 build does two k steps of 16 outputs in one instruction where the CPU has avx512_bf16
+(`has_bf16_dot`, qmm.c: the same bits as its FMAs). `isa()` picks the build for this CPU (x86-64
+Linux only): AVX-512 where it has avx512f and avx512bw, else AVX2 where it has avx2, fma and f16c,
+else none; MESHLM_KERNEL_ISA=avx2 (or avx512) forces one and is refused where the CPU lacks it.
+The results are within one bf16 rounding of torch's int4pack and int8pack kernels (each adds the
+same exact products in another order: most outputs the same bits, an output near 0, where the
+terms cancel, may be more of its own bf16 steps apart, never 1e-4 of the largest output), and do
+not depend on which kernels torch dispatches, so they are used wherever the CPU has one of the
+two instruction sets. MESHLM_INT4_KERNEL=torch turns them off for the layers loaded while it is
+set (benchmarks compare the two in one process). The int4 model keeps bf16 activations
+everywhere.
 
 `choose()` picks a model's compute dtype for this CPU at load (issue 13): a bf16 model computes
 in fp32 where the CPU has no native bf16 matmuls.
@@ -89,6 +86,23 @@ def has_vnni(build: str) -> bool:
     return runs(build) and VNNI[build] in _cpu_flags()
 
 
+# the CPU flag for the bf16 dot-product instruction the int4 kernel uses where the CPU has it (the
+# AVX-512 build only; the same bits without it)
+BF16_DOT = {"avx512": "avx512_bf16", "avx2": None}
+
+
+def has_bf16_dot(build: str) -> bool:
+    """Whether `build`'s int4 kernel runs the dot-product instruction here (qmm.c)."""
+    return runs(build) and BF16_DOT[build] in _cpu_flags()
+
+
+def set_dot(lib: ctypes.CDLL, build: str, on: bool | None = None) -> None:
+    """Turn the dot-product instruction of a library built from qmm.c on (default: where this
+    CPU has it) or off; the results are the same bits either way."""
+    lib.qmm_set_dot.argtypes = [ctypes.c_int]
+    lib.qmm_set_dot(int(has_bf16_dot(build) if on is None else on and has_bf16_dot(build)))
+
+
 def description(build: str | None = None) -> str:
     """How the logs name a build: "native AVX2 kernels"."""
     return f"native {NAMES[build or isa()]} kernels"
@@ -142,6 +156,7 @@ def _library(build: str) -> ctypes.CDLL:
         q8.argtypes = [*lib.int4mm_bf16.argtypes, ctypes.c_int]
         q8.restype = ctypes.c_int
     lib.qmm_set_gomp.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    set_dot(lib, build)
     gomp = _gomp()
     if gomp is not None:  # else one thread
         lib.qmm_set_gomp(

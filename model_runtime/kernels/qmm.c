@@ -1,15 +1,22 @@
-// Quantized matmuls for the int4 model, bit-identical to torch's AVX-512 kernels. Written against
-// simd.h's 16-lane vectors: one source, built for AVX-512 (libqmm.so) and for AVX2 + FMA
-// (libqmm_avx2.so) with the same arithmetic, so both builds give the same bits.
+// Quantized matmuls for the int4 model. Written against simd.h's 16-lane vectors: one source,
+// built for AVX-512 (libqmm.so) and for AVX2 + FMA (libqmm_avx2.so) with the same arithmetic, so
+// both builds give the same bits.
 //
-// int4mm_bf16: y[M, N] = x[M, K] @ W.T for int4 weights in groups of 32 along K (w = (q - 8) * scale + zero),
-// x and y bfloat16: the same arithmetic as torch's AVX-512 `_weight_int4pack_mm_for_cpu`, so the
-// results are bit-identical to it. Every output is one fp32 FMA chain over k = 0 .. K-1 (the
-// weight dequantized by fma(q - 8, scale, zero), then acc = fma(x, w, acc)), rounded to bf16
-// (nearest even) at the end. What differs is the work around that chain: x is widened to fp32
-// once per call (torch widens and broadcasts it per weight column block and per row), a code
-// byte holds k and k + 1 of one column so one load feeds two k steps, and a block of up to 8
-// rows shares each dequantized weight vector. N is split across torch's OpenMP threads.
+// int4mm_bf16: y[M, N] = x[M, K] @ W.T for int4 weights in groups of 32 along K (w = (q - 8) *
+// scale + zero), x and y bfloat16. Per output and group g the kernel sums the exact products
+// x_k (q_k - 8) (a bf16 times a small integer: exact in fp32) in fp32, k + 1 then k for each
+// pair k = 0, 2, .. 30 of the group, and adds the group into the output's fp32 accumulator as
+//   acc = fma(sum_g, scale_g, fma(zero_g, xsum_g, acc))     (xsum_g: x summed over the group)
+// rounded to bf16 (nearest even) at the end. The pairs in that order are what AVX-512 BF16's
+// dot-product instruction (VDPBF16PS: the odd element's product, then the even one's, each
+// added with one rounding, Intel SDM) computes, so where the CPU has it (qmm_set_dot) one
+// instruction does two k steps of 16 outputs; elsewhere two FMAs do the same (a product that is
+// exact rounds once in both), and the results are the same bits. The instruction treats
+// denormal inputs as zero and flushes denormal results: the activations are flushed where they
+// are prepared (int4x_t), and a denormal group sum needs activations near 2^-126, which a
+// model's never are. Before this kernel (issue 13) each output was torch's int4pack FMA chain
+// with the weight dequantized per k: a matmul of 8 rows 1.5-1.7x slower than the dot products'
+// (AMD Zen 5), as fast as these FMAs, results within one bf16 rounding of these.
 //
 // Weight layout (built by quant.py), in blocks of 64 output columns (4 panels of 16), so that a
 // block's weights are one sequential stream: codes [N / 64][K / 2][64] bytes (byte c of row i:
@@ -28,8 +35,16 @@
 #define PREFETCH 32  // k pairs ahead (2 KiB of codes)
 #define MAX_ROWS 8
 
+// a call's activations (int4 and int8 weights), rows of K
 typedef struct {
-    const float *x;  // [rows, K] fp32
+    const float *x;      // [rows, K] fp32, each group of 32 split: x_k of its even k, then its odd
+                         // ones (bf16 values, denormals flushed to zero)
+    const uint16_t *xb;  // [rows, K] bf16, in order (flushed)
+    const float *xs;     // [rows, K / 32] each group's sum
+} int4x_t;
+
+typedef struct {
+    int4x_t x;
     int rows, K, N;
     const uint8_t *codes;
     const uint16_t *sz;
@@ -44,79 +59,115 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-// One block: R rows x C panels, panels [p0, p0 + C).
-#define DEFINE_BLOCK(NAME, R, C)                                                                  \
-    static void NAME(const job_t *j, int p0) {                                                    \
-        const int K = j->K, KG = K / GROUP;                                                       \
-        vf acc[R][C];                                                                             \
-        for (int r = 0; r < R; r++)                                                               \
-            for (int c = 0; c < C; c++) acc[r][c] = vf_zero();                                    \
-        const uint8_t *cp[C];                                                                     \
-        const uint16_t *sp[C];                                                                    \
-        for (int c = 0; c < C; c++) {                                                             \
-            int blk = (p0 + c) / 4, sub = (p0 + c) % 4;                                           \
-            cp[c] = j->codes + (size_t)blk * (K / 2) * BLOCK + sub * PANEL;                       \
-            sp[c] = j->sz + (size_t)blk * KG * 2 * BLOCK + sub * PANEL;                           \
+// K values x (bf16 values in fp32, K % 32 == 0) as int4x_t's row: xf split, xb, xs
+static void int4_prep(const float *x, int K, float *xf, uint16_t *xb, float *xs) {
+    for (int g = 0; g < K / GROUP; g++) {
+        const int at = g * GROUP;
+        vf a = vf_daz(vf_load(x + at)), b = vf_daz(vf_load(x + at + 16)), even, odd;
+        vf_store_bf16(xb + at, a, 0x7fc00000);  // bf16 values: exact
+        vf_store_bf16(xb + at + 16, b, 0x7fc00000);
+        vf_split_pairs(a, b, &even, &odd);
+        vf_store(xf + at, even);
+        vf_store(xf + at + 16, odd);
+        xs[g] = vf_sum(vf_add(even, odd));
+    }
+}
+
+// One k pair (k = g * 32 + kk) of 16 columns' codes at cp for R rows, into the group sums ga[r][c]:
+// FMAs (every build)
+#define PAIR_FMA(R, c, cp)                                                                        \
+    do {                                                                                          \
+        vu b_ = vu_load_u8(cp);                                                                   \
+        vf w0_ = vf_nibble_lo(b_), w1_ = vf_nibble_hi(b_);                                        \
+        for (int r = 0; r < R; r++) {                                                             \
+            const float *x_ = j->x.x + r * K + g * GROUP + kk / 2;  /* the group split */         \
+            ga[r][c] = vf_fma(vf_set1(x_[GROUP / 2]), w1_, ga[r][c]);                             \
+            ga[r][c] = vf_fma(vf_set1(x_[0]), w0_, ga[r][c]);                                     \
         }                                                                                         \
+    } while (0)
+
+// One block of 64 columns (4 panels) for R rows, CW panels at a time: group by group, the
+// panels' group sums in registers (R x CW independent sums, enough to hide the latency of the
+// instruction that adds into one), the block's accumulators (R > 3: partly on the stack) touched
+// once a group, the group's 1 KiB of codes read from L1 by the panels after the first CW.
+#define DEFINE_BLOCK(NAME, R, CW, ATTR, PAIR)                                                     \
+    static ATTR void NAME(const job_t *j, int blk) {                                              \
+        const int K = j->K, KG = K / GROUP;                                                       \
+        const uint8_t *cb = j->codes + (size_t)blk * (K / 2) * BLOCK;                             \
+        const uint16_t *sb = j->sz + (size_t)blk * KG * 2 * BLOCK;                                \
+        vf acc[R][4];                                                                             \
+        for (int r = 0; r < R; r++)                                                               \
+            for (int c = 0; c < 4; c++) acc[r][c] = vf_zero();                                    \
         for (int g = 0; g < KG; g++) {                                                            \
-            vf s[C], z[C];                                                                        \
-            for (int c = 0; c < C; c++) {                                                         \
-                s[c] = vf_load_bf16(sp[c] + g * 2 * BLOCK);                                       \
-                z[c] = vf_load_bf16(sp[c] + g * 2 * BLOCK + BLOCK);                               \
-            }                                                                                     \
-            for (int kk = 0; kk < GROUP; kk += 2) {                                               \
-                const int k = g * GROUP + kk;                                                     \
-                _mm_prefetch((const char *)(cp[0] + (size_t)(k / 2 + PREFETCH) * BLOCK), _MM_HINT_T0); \
-                for (int c = 0; c < C; c++) {                                                     \
-                    vu b = vu_load_u8(cp[c] + (size_t)(k / 2) * BLOCK);                           \
-                    vf w0 = vf_fma(vf_nibble_lo(b), s[c], z[c]);                                  \
-                    vf w1 = vf_fma(vf_nibble_hi(b), s[c], z[c]);                                  \
+            const uint8_t *cg = cb + (size_t)g * (GROUP / 2) * BLOCK;                             \
+            for (int c0 = 0; c0 < 4; c0 += CW) {                                                  \
+                vf ga[R][CW];                                                                     \
+                for (int r = 0; r < R; r++)                                                       \
+                    for (int c = 0; c < CW; c++) ga[r][c] = vf_zero();                            \
+                for (int kk = 0; kk < GROUP; kk += 2) {                                           \
+                    if (c0 == 0)                                                                  \
+                        _mm_prefetch((const char *)(cg + (size_t)(kk / 2 + PREFETCH) * BLOCK),    \
+                                     _MM_HINT_T0);                                                \
+                    for (int c = 0; c < CW; c++)                                                  \
+                        PAIR(R, c, cg + (size_t)(kk / 2) * BLOCK + (c0 + c) * PANEL);             \
+                }                                                                                 \
+                for (int c = 0; c < CW; c++) {                                                    \
+                    const uint16_t *sc = sb + g * 2 * BLOCK + (c0 + c) * PANEL;                   \
+                    vf s = vf_load_bf16(sc), z = vf_load_bf16(sc + BLOCK);                        \
                     for (int r = 0; r < R; r++)                                                   \
-                        acc[r][c] = vf_fma(vf_set1(j->x[r * K + k]), w0, acc[r][c]);              \
-                    for (int r = 0; r < R; r++)                                                   \
-                        acc[r][c] = vf_fma(vf_set1(j->x[r * K + k + 1]), w1, acc[r][c]);          \
+                        acc[r][c0 + c] = vf_fma(                                                  \
+                            ga[r][c], s, vf_fma(z, vf_set1(j->x.xs[r * KG + g]), acc[r][c0 + c]));\
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
         for (int r = 0; r < R; r++)                                                               \
-            for (int c = 0; c < C; c++)                                                           \
-                vf_store_bf16(j->y + (size_t)r * j->N + (p0 + c) * PANEL, acc[r][c], 0xffff0000); \
+            for (int c = 0; c < 4; c++)                                                           \
+                vf_store_bf16(j->y + (size_t)r * j->N + blk * BLOCK + c * PANEL, acc[r][c],      \
+                              0xffff0000);                                                        \
     }
-
-// Panels per block by rows: 16 accumulators at most, so that they stay in AVX-512's 32 registers
-// (the same on AVX2, where a vector takes 2 of its 16: fewer panels were no faster at 1 row and
-// up to 1.5x slower at 4 and 8)
-#define W1 4
-#define W2 4
-#define W3 4
-#define W4 4
-#define W5 2
-#define W6 2
-#define W7 2
-#define W8 2
-DEFINE_BLOCK(wide_1, 1, W1)
-DEFINE_BLOCK(wide_2, 2, W2)
-DEFINE_BLOCK(wide_3, 3, W3)
-DEFINE_BLOCK(wide_4, 4, W4)
-DEFINE_BLOCK(wide_5, 5, W5)
-DEFINE_BLOCK(wide_6, 6, W6)
-DEFINE_BLOCK(wide_7, 7, W7)
-DEFINE_BLOCK(wide_8, 8, W8)
-DEFINE_BLOCK(one_1, 1, 1)
-DEFINE_BLOCK(one_2, 2, 1)
-DEFINE_BLOCK(one_3, 3, 1)
-DEFINE_BLOCK(one_4, 4, 1)
-DEFINE_BLOCK(one_5, 5, 1)
-DEFINE_BLOCK(one_6, 6, 1)
-DEFINE_BLOCK(one_7, 7, 1)
-DEFINE_BLOCK(one_8, 8, 1)
+#define DEFINE_BLOCKS(P, ATTR, PAIR)                                                              \
+    DEFINE_BLOCK(P##1, 1, 4, ATTR, PAIR)                                                          \
+    DEFINE_BLOCK(P##2, 2, 4, ATTR, PAIR)                                                          \
+    DEFINE_BLOCK(P##3, 3, 2, ATTR, PAIR)                                                          \
+    DEFINE_BLOCK(P##4, 4, 2, ATTR, PAIR)                                                          \
+    DEFINE_BLOCK(P##5, 5, 1, ATTR, PAIR)                                                          \
+    DEFINE_BLOCK(P##6, 6, 1, ATTR, PAIR)                                                          \
+    DEFINE_BLOCK(P##7, 7, 1, ATTR, PAIR)                                                          \
+    DEFINE_BLOCK(P##8, 8, 1, ATTR, PAIR)
+DEFINE_BLOCKS(int4_fma_, , PAIR_FMA)
 
 typedef void (*block_fn)(const job_t *, int);
-static const block_fn WIDE[MAX_ROWS + 1] = {0,      wide_1, wide_2, wide_3, wide_4,
-                                            wide_5, wide_6, wide_7, wide_8};
-static const int WIDTH[MAX_ROWS + 1] = {0, W1, W2, W3, W4, W5, W6, W7, W8};
-static const block_fn ONE[MAX_ROWS + 1] = {0, one_1, one_2, one_3, one_4,
-                                           one_5, one_6, one_7, one_8};
+#define BLOCK_TABLE(P) {0, P##1, P##2, P##3, P##4, P##5, P##6, P##7, P##8}
+
+#ifdef SIMD_BF16_DOT
+// The same pairs with the dot-product instruction: 16 columns' codes of the pair as the bf16
+// words (q_k - 8, q_k+1 - 8) of each 32-bit lane, the row's x_k, x_k+1 broadcast
+#define PAIR_DOT(R, c, cp)                                                                        \
+    do {                                                                                          \
+        vpair w_ = vpair_codes(cp);                                                               \
+        for (int r = 0; r < R; r++) {                                                             \
+            uint32_t x2_;                                                                         \
+            memcpy(&x2_, j->x.xb + (size_t)r * K + g * GROUP + kk, 4);                            \
+            ga[r][c] = vf_dot_pair(ga[r][c], w_, x2_);                                            \
+        }                                                                                         \
+    } while (0)
+DEFINE_BLOCKS(int4_dot_, BF16_DOT, PAIR_DOT)
+static const block_fn BLOCKS[2][MAX_ROWS + 1] = {BLOCK_TABLE(int4_fma_), BLOCK_TABLE(int4_dot_)};
+#else
+static const block_fn BLOCKS[2][MAX_ROWS + 1] = {BLOCK_TABLE(int4_fma_), BLOCK_TABLE(int4_fma_)};
+#endif
+
+// 1: the int4 kernels use the dot-product instruction (the CPU has avx512_bf16; set once at load
+// by kernels/__init__.py, the same bits either way)
+static int use_dot;
+
+void qmm_set_dot(int on) {
+#ifdef SIMD_BF16_DOT
+    use_dot = on != 0;
+#else
+    (void)on;
+#endif
+}
 
 // One call: x widened, the weights, and `run` for output columns [a, b) of every row.
 typedef struct call {
@@ -126,81 +177,95 @@ typedef struct call {
     const uint16_t *sz;    // int4: scales and zeros; int8: [N] bf16 scales
     uint16_t *y;
     void (*run)(const struct call *, int a, int b);
-    const void *aux;  // run's own (q8.c: the quantized activations)
+    const void *aux;  // run's own: int4x_t, q8.c's quantized activations
 } call_t;
 
 static void int4_columns(const call_t *c, int a, int b) {
-    a /= PANEL, b /= PANEL;
+    const int4x_t *x = (const int4x_t *)c->aux;
+    const int KG = c->K / GROUP;
     for (int m0 = 0; m0 < c->M; m0 += MAX_ROWS) {
         int rows = c->M - m0 < MAX_ROWS ? c->M - m0 : MAX_ROWS;
-        job_t j = {c->x + (size_t)m0 * c->K, rows, c->K, c->N, c->codes, c->sz,
-                   c->y + (size_t)m0 * c->N};
-        int w = WIDTH[rows], p = a;
-        for (; p + w <= b; p += w) WIDE[rows](&j, p);
-        for (; p < b; p++) ONE[rows](&j, p);
+        job_t j = {{x->x + (size_t)m0 * c->K, x->xb + (size_t)m0 * c->K, x->xs + (size_t)m0 * KG},
+                   rows, c->K, c->N, c->codes, c->sz, c->y + (size_t)m0 * c->N};
+        for (int blk = a / BLOCK; blk < b / BLOCK; blk++) BLOCKS[use_dot][rows](&j, blk);
     }
 }
 
-// int8mm_bf16: y = x @ (W * scale).T for int8 weights [N, K] with one bf16 scale per output, as
-// torch's AVX-512 `_weight_int8pack_mm`: 16 fp32 lanes per output, lane l an FMA chain over
-// k = l, l + 16, ... of x * (float(q) * scale), the lanes summed as a tree (256-bit halves,
-// 128-bit halves, then pairs: GCC's _mm512_reduce_add_ps, which torch is built with), rounded to
-// bf16. Up to 8 rows share each widened weight vector. The trees of 16 outputs of a row run side
-// by side (vf_sums16): the same additions of the same pairs, 45 instructions instead of ~200.
+// int8mm_bf16: y = (x @ W.T) * scale for int8 weights [N, K] with one bf16 scale per output.
+// Per output 16 fp32 lanes: lane l sums, for each chunk of 32 k from k0, the exact products x q
+// of k0 + 2l + 1 then k0 + 2l (the dot-product instruction's pairs, as the int4 kernel's: one
+// instruction where the CPU has it, two FMAs elsewhere, the same bits); the lanes summed as a
+// tree (vf_sums16), times the scale, rounded to bf16. Up to 8 rows share each weight vector.
+// Before issue 13's dot products this was torch's `_weight_int8pack_mm` order (lane l over
+// k = l, l + 16, ..., the weight times its scale first): batch 8 1.4x slower.
 
-// R rows x C outputs from n0: the 16-lane accumulators into acc[r * 16 + n0 % 16 + i]
-#define DEFINE_INT8(NAME, R, C)                                                                   \
-    static void NAME(const call_t *c, int m0, int n0, vf *out) {                                  \
+#define CHUNK_FMA(R, h)                                                                           \
+    do {                                                                                          \
+        vf we_, wo_;                                                                              \
+        vf_i8_pairs(q + k, &we_, &wo_);                                                           \
+        for (int r = 0; r < R; r++) {                                                             \
+            const float *x_ = xa->x + (size_t)(m0 + r) * K + k;                                   \
+            acc[h][r] = vf_fma(vf_load(x_ + 16), wo_, acc[h][r]);                                 \
+            acc[h][r] = vf_fma(vf_load(x_), we_, acc[h][r]);                                      \
+        }                                                                                         \
+    } while (0)
+
+// R rows x output n: the 16-lane sums into out[r * 16 + n % 16]. Two sums a lane, of the even
+// and the odd chunks of 32 k, added at the end: one alone waited on the latency of the
+// instruction adding into it at 1 row (1.2x slower)
+#define DEFINE_INT8(NAME, R, ATTR, CHUNK)                                                         \
+    static ATTR void NAME(const call_t *c, int m0, int n, vf *out) {                              \
         const int K = c->K;                                                                       \
-        const float *x = c->x + (size_t)m0 * K;                                                   \
-        const int8_t *q = (const int8_t *)c->codes + (size_t)n0 * K;                              \
-        vf acc[R][C], s[C];                                                                       \
-        for (int i = 0; i < C; i++) {                                                             \
-            uint32_t u = (uint32_t)c->sz[n0 + i] << 16;                                           \
-            float f;                                                                              \
-            memcpy(&f, &u, 4);                                                                    \
-            s[i] = vf_set1(f);                                                                    \
+        const int4x_t *xa = (const int4x_t *)c->aux;                                              \
+        const int8_t *q = (const int8_t *)c->codes + (size_t)n * K;                               \
+        vf acc[2][R];                                                                             \
+        for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = vf_zero();                            \
+        int k = 0;                                                                                \
+        for (; k + 2 * GROUP <= K; k += GROUP) {                                                  \
+            CHUNK(R, 0);                                                                          \
+            k += GROUP;                                                                           \
+            CHUNK(R, 1);                                                                          \
         }                                                                                         \
-        for (int r = 0; r < R; r++)                                                               \
-            for (int i = 0; i < C; i++) acc[r][i] = vf_zero();                                    \
-        for (int k = 0; k < K; k += 16) {                                                         \
-            for (int i = 0; i < C; i++) {                                                         \
-                vf w = vf_mul(vf_load_i8(q + (size_t)i * K + k), s[i]);                           \
-                for (int r = 0; r < R; r++)                                                       \
-                    acc[r][i] = vf_fma(vf_load(x + (size_t)r * K + k), w, acc[r][i]);             \
-            }                                                                                     \
-        }                                                                                         \
-        for (int r = 0; r < R; r++)                                                               \
-            for (int i = 0; i < C; i++) out[r * 16 + n0 % 16 + i] = acc[r][i];                    \
+        if (k < K) CHUNK(R, 0);                                                                   \
+        for (int r = 0; r < R; r++) out[r * 16 + n % 16] = vf_add(acc[0][r], acc[1][r]);          \
     }
-
-// One output per call, whatever the rows: 2-2.8x faster for the 49152 x 576 head at 1 row than
-// 4 outputs per call (AMD Zen 4, 2 threads: AVX-512 1.0 ms vs 2.5, AVX2 1.2 vs 3.3), no slower at
-// 8 rows
-#define INT8_OUTPUTS 1
-DEFINE_INT8(int8_1, 1, INT8_OUTPUTS)
-DEFINE_INT8(int8_2, 2, INT8_OUTPUTS)
-DEFINE_INT8(int8_3, 3, INT8_OUTPUTS)
-DEFINE_INT8(int8_4, 4, INT8_OUTPUTS)
-DEFINE_INT8(int8_5, 5, INT8_OUTPUTS)
-DEFINE_INT8(int8_6, 6, INT8_OUTPUTS)
-DEFINE_INT8(int8_7, 7, INT8_OUTPUTS)
-DEFINE_INT8(int8_8, 8, INT8_OUTPUTS)
+#define DEFINE_INT8S(P, ATTR, CHUNK)                                                              \
+    DEFINE_INT8(P##1, 1, ATTR, CHUNK)                                                             \
+    DEFINE_INT8(P##2, 2, ATTR, CHUNK)                                                             \
+    DEFINE_INT8(P##3, 3, ATTR, CHUNK)                                                             \
+    DEFINE_INT8(P##4, 4, ATTR, CHUNK)                                                             \
+    DEFINE_INT8(P##5, 5, ATTR, CHUNK)                                                             \
+    DEFINE_INT8(P##6, 6, ATTR, CHUNK)                                                             \
+    DEFINE_INT8(P##7, 7, ATTR, CHUNK)                                                             \
+    DEFINE_INT8(P##8, 8, ATTR, CHUNK)
+DEFINE_INT8S(int8_fma_, , CHUNK_FMA)
 
 typedef void (*int8_fn)(const call_t *, int, int, vf *);
-static const int8_fn INT8[MAX_ROWS + 1] = {0,      int8_1, int8_2, int8_3, int8_4,
-                                           int8_5, int8_6, int8_7, int8_8};
+#define INT8_TABLE(P) {0, P##1, P##2, P##3, P##4, P##5, P##6, P##7, P##8}
+#ifdef SIMD_BF16_DOT
+#define CHUNK_DOT(R, h)                                                                           \
+    do {                                                                                          \
+        vpair w_ = vpair_i8(q + k);                                                               \
+        for (int r = 0; r < R; r++)                                                               \
+            acc[h][r] = vf_dot_pairs(acc[h][r], w_, xa->xb + (size_t)(m0 + r) * K + k);           \
+    } while (0)
+DEFINE_INT8S(int8_dot_, BF16_DOT, CHUNK_DOT)
+static const int8_fn INT8[2][MAX_ROWS + 1] = {INT8_TABLE(int8_fma_), INT8_TABLE(int8_dot_)};
+#else
+static const int8_fn INT8[2][MAX_ROWS + 1] = {INT8_TABLE(int8_fma_), INT8_TABLE(int8_fma_)};
+#endif
 
 static void int8_columns(const call_t *c, int a, int b) {
     vf acc[MAX_ROWS * 16];
     for (int m0 = 0; m0 < c->M; m0 += MAX_ROWS) {
         int rows = c->M - m0 < MAX_ROWS ? c->M - m0 : MAX_ROWS;
         for (int n16 = a; n16 < b; n16 += 16) {
-            for (int n = n16; n < n16 + 16; n += INT8_OUTPUTS) INT8[rows](c, m0, n, acc);
+            for (int n = n16; n < n16 + 16; n++) INT8[use_dot][rows](c, m0, n, acc);
+            const vf s = vf_load_bf16(c->sz + n16);
             for (int r = 0; r < rows; r++) {
                 // NaN as f32_to_bf16
-                vf_store_bf16(c->y + (size_t)(m0 + r) * c->N + n16, vf_sums16(acc + r * 16),
-                              0x7fc00000);
+                vf_store_bf16(c->y + (size_t)(m0 + r) * c->N + n16,
+                              vf_mul(vf_sums16(acc + r * 16), s), 0x7fc00000);
             }
         }
     }
@@ -259,29 +324,41 @@ static void dispatch(const call_t *c, int threads) {
     }
 }
 
-// Widen x to fp32, then run the call.
-static int run_call(call_t *c, const uint16_t *x, int threads) {
-    float *xf = widen(x, (size_t)c->M * c->K);
-    if (!xf) return -1;
-    c->x = xf;
-    dispatch(c, threads);
+// Run `run` over x [M, K] bf16 prepared (int4x_t) with the weights: 0, or -1 when out of memory.
+static int run_prepared(const uint16_t *x, int M, int K, const uint8_t *codes, const uint16_t *sz,
+                        int N, uint16_t *y, int threads, void (*run)(const call_t *, int, int)) {
+    const size_t n = (size_t)M * K;
+    float *xf = widen(x, n);
+    float *xs = (float *)malloc(n / GROUP * sizeof(float));
+    uint16_t *xb = (uint16_t *)malloc(n * sizeof(uint16_t));
+    int rc = -1;
+    if (xf && xs && xb) {
+        for (int r = 0; r < M; r++)  // in place: int4_prep reads a group before writing it
+            int4_prep(xf + (size_t)r * K, K, xf + (size_t)r * K, xb + (size_t)r * K,
+                      xs + (size_t)r * (K / GROUP));
+        int4x_t xa = {xf, xb, xs};
+        call_t c = {xf, M, K, N, codes, sz, y, run, &xa};
+        dispatch(&c, threads);
+        rc = 0;
+    }
     free(xf);
-    return 0;
+    free(xs);
+    free(xb);
+    return rc;
 }
 
-// Both return 0, or -1 when the shapes are not supported (the caller checks them first).
+// Both return 0, or -1 when the shapes are not supported (the caller checks them first) or out
+// of memory.
 int int4mm_bf16(const uint16_t *x, int M, int K, const uint8_t *codes, const uint16_t *sz, int N,
                 uint16_t *y, int threads) {
     if (M <= 0 || K % GROUP || N % BLOCK || threads < 1) return -1;
-    call_t c = {0, M, K, N, codes, sz, y, int4_columns};
-    return run_call(&c, x, threads);
+    return run_prepared(x, M, K, codes, sz, N, y, threads, int4_columns);
 }
 
 int int8mm_bf16(const uint16_t *x, int M, int K, const int8_t *q, const uint16_t *scales, int N,
                 uint16_t *y, int threads) {
-    if (M <= 0 || K % 16 || N % BLOCK || threads < 1) return -1;
-    call_t c = {0, M, K, N, (const uint8_t *)q, scales, y, int8_columns};
-    return run_call(&c, x, threads);
+    if (M <= 0 || K % GROUP || N % BLOCK || threads < 1) return -1;
+    return run_prepared(x, M, K, (const uint8_t *)q, scales, N, y, threads, int8_columns);
 }
 
 #include "q8.c"  // int8 activations: the same calls and threads

@@ -71,6 +71,27 @@ static inline vf vf_nibble_hi(vu b) { return vf_nibble_lo(_mm512_srli_epi32(b, 4
 static inline vf vf_load_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+// v with each denormal lane a zero of its sign (as DAZ reads it)
+static inline vf vf_daz(vf v) {
+    __m512i u = _mm512_castps_si512(v);
+    __mmask16 normal = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x7f800000));
+    return _mm512_castsi512_ps(
+        _mm512_mask_mov_epi32(_mm512_and_si512(u, _mm512_set1_epi32((int)0x80000000)), normal, u));
+}
+
+// the 32 lanes of a then b, split: `even` their lanes 0, 2, .. 30, `odd` 1, 3, .. 31
+static inline void vf_split_pairs(vf a, vf b, vf *even, vf *odd) {
+    const __m512i e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    *even = _mm512_permutex2var_ps(a, e, b);
+    *odd = _mm512_permutex2var_ps(a, _mm512_add_epi32(e, _mm512_set1_epi32(1)), b);
+}
+
+// 32 int8 as floats: lane l of `even` q[2l], of `odd` q[2l + 1]
+static inline void vf_i8_pairs(const int8_t *p, vf *even, vf *odd) {
+    __m512i d = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    *even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(d, 24), 24));
+    *odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(d, 8));
+}
 
 // floor(v) for |v| < 2^31
 static inline vf vf_floor(vf v) {
@@ -166,6 +187,38 @@ static inline vf vf_round(vf v) {  // to the nearest integer, ties to even
 // 16 integer-valued lanes in [-128, 127] as int8 at p
 static inline void vf_store_i8(int8_t *p, vf v) {
     _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+}
+
+// --- AVX-512 BF16's dot product (qmm.c's int4 kernel, where the CPU has avx512_bf16: the caller
+// checks): 16 lanes of a bf16 pair each
+#define SIMD_BF16_DOT 1
+#define BF16_DOT __attribute__((target("avx512bf16")))
+typedef __m512i vpair;
+// 16 code bytes (k in the low nibble, k + 1 in the high one) as the pairs (q_k - 8, q_k+1 - 8):
+// one word lookup in a table of (i % 16) - 8 as bf16, which reads the low 5 bits of each index
+static inline vpair vpair_codes(const uint8_t *p) {
+    static const uint16_t minus8[32] = {
+        0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
+        0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+        0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
+        0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0};
+    __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    d = _mm512_or_si512(d, _mm512_slli_epi32(d, 12));  // the high word's low 4 bits: k + 1's code
+    return _mm512_permutexvar_epi16(d, _mm512_loadu_si512((const void *)minus8));
+}
+// lane l = (acc + w_hi x_hi) + w_lo x_lo, each sum rounded (x2: the bf16 pair lo | hi << 16)
+static inline BF16_DOT vf vf_dot_pair(vf acc, vpair w, uint32_t x2) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_set1_epi32((int)x2));
+}
+// the same with lane l's own pair: the bf16 x[2l], x[2l + 1]
+static inline BF16_DOT vf vf_dot_pairs(vf acc, vpair w, const uint16_t *x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_loadu_si512((const void *)x));
+}
+// 32 int8 as bf16 (exact: |q| <= 128), in order
+static inline BF16_DOT vpair vpair_i8(const int8_t *p) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -271,6 +324,40 @@ static inline vf vf_load_i8(const int8_t *p) {
     __m128i b1 = _mm_loadl_epi64((const __m128i *)(p + 8));
     return vf_of(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)),
                  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)));
+}
+
+static inline __m256 daz8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i den = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7f800000)),
+                                     _mm256_setzero_si256());
+    __m256i sign = _mm256_and_si256(u, _mm256_set1_epi32((int)0x80000000));
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(u, sign, den));
+}
+static inline vf vf_daz(vf v) { return vf_of(daz8(v.lo), daz8(v.hi)); }
+
+// even and odd lanes of two 8-lane vectors, in order (shuffle_ps works within 128-bit halves)
+static inline __m256 even8(__m256 a, __m256 b) {
+    return _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+}
+static inline __m256 odd8(__m256 a, __m256 b) {
+    return _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+}
+static inline void vf_split_pairs(vf a, vf b, vf *even, vf *odd) {
+    *even = vf_of(even8(a.lo, a.hi), even8(b.lo, b.hi));
+    *odd = vf_of(odd8(a.lo, a.hi), odd8(b.lo, b.hi));
+}
+
+static inline __m256 i8_even(__m256i d) {
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(d, 24), 24));
+}
+static inline void vf_i8_pairs(const int8_t *p, vf *even, vf *odd) {
+    __m256i d0 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m256i d1 = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
+    *even = vf_of(i8_even(d0), i8_even(d1));
+    *odd = vf_of(_mm256_cvtepi32_ps(_mm256_srai_epi32(d0, 8)),
+                 _mm256_cvtepi32_ps(_mm256_srai_epi32(d1, 8)));
 }
 
 static inline vf vf_floor(vf v) { return vf_of(_mm256_floor_ps(v.lo), _mm256_floor_ps(v.hi)); }

@@ -5,7 +5,7 @@
 // The arithmetic follows model.py's rounding points: bf16 after rms_norm (fp32 normalize times the
 // weight), RoPE as torch's complex multiply of fp32 pairs (ac - bd, ad + bc: products
 // rounded, no FMA), K/V written to the paged cache, silu and mul and the residual adds each
-// rounded to bf16, and the matmuls are qmm.c's (bit-identical to torch's). Attention follows
+// rounded to bf16, and the matmuls are qmm.c's (as Int4Linear's and Int8Linear's). Attention follows
 // torch's CPU flash kernel (fp32 scores, softmax probabilities rounded to bf16 before they weigh
 // V, blocks of 512 keys) but its exp and dot-product order are not torch's, so its output may
 // differ from SDPA's in the last bit.
@@ -81,6 +81,12 @@ typedef struct {
     int layer;       // native_attention's
     int8_t *xq;      // q8: xin quantized, [B, max(dim, hidden)] and its d, sum(q) [B, that / 32]
     float *xd, *xs;
+    // bf16 activations: each thread's own int4x_t of the matmul input (prepared by every thread for itself:
+    // a few microseconds, no barrier): flushed [B, in_w] and group sums [B, in_w / 32] at
+    // pf + tid * pstride * (1 + 1/32), bf16 [B, in_w] at pb + tid * pstride
+    float *pf;
+    uint16_t *pb;
+    size_t pstride;
 } team_arg_t;
 
 static inline float bf(uint16_t v) {
@@ -126,6 +132,17 @@ static void rms_norm(const float *x, const uint16_t *w, int d, float eps, float 
     for (; i < d; i++) y[i] = rnd(x[i] * r * bf(w[i]));
 }
 
+// x [B, K] prepared for the int4 and int8 kernels in thread tid's own buffers
+static int4x_t prepared(const team_arg_t *t, int tid, const float *x, int K) {
+    float *xf = t->pf + tid * (t->pstride + t->pstride / GROUP), *xs = xf + t->pstride;
+    uint16_t *xb = t->pb + tid * t->pstride;
+    for (int b = 0; b < t->s->B; b++)
+        int4_prep(x + (size_t)b * K, K, xf + (size_t)b * K, xb + (size_t)b * K,
+                  xs + (size_t)b * (K / GROUP));
+    int4x_t xa = {xf, xb, xs};
+    return xa;
+}
+
 static void matmul(const team_arg_t *t, int tid, int n, const float *x, int K, int N,
                    const q4_t *w, uint16_t *y) {
     if (t->m->q8) {
@@ -134,7 +151,8 @@ static void matmul(const team_arg_t *t, int tid, int n, const float *x, int K, i
         thread_share(&c, tid, n);
         return;
     }
-    call_t c = {x, t->s->B, K, N, w->codes, w->sz, y, int4_columns};
+    int4x_t xa = prepared(t, tid, x, K);
+    call_t c = {xa.x, t->s->B, K, N, w->codes, w->sz, y, int4_columns, &xa};
     thread_share(&c, tid, n);
 }
 
@@ -444,8 +462,9 @@ static void team(void *arg) {
                     &xq};
         thread_share(&c, tid, n);
     } else {
-        call_t c = {t->xin, B, D, m->vocab, (const uint8_t *)m->head_q, m->head_scales,
-                    s->logits, int8_columns};
+        int4x_t xa = prepared(t, tid, t->xin, D);
+        call_t c = {xa.x, B, D, m->vocab, (const uint8_t *)m->head_q, m->head_scales,
+                    s->logits, int8_columns, &xa};
         thread_share(&c, tid, n);
     }
 }
@@ -465,8 +484,10 @@ int native_step(const model_t *m, const step_t *s, int threads) {
     int in_w = D > F ? D : F;
     if (m->n_heads * hd > in_w) in_w = m->n_heads * hd;
     if (!gomp_parallel || !gomp_barrier || !omp_num_threads) threads = 1;
+    const size_t pstride = (size_t)B * in_w;  // in_w % 32 == 0: the checks above
     size_t floats = (size_t)B * D + (size_t)B * in_w + threads * scratch_floats(s->L);
-    size_t halves = (size_t)B * width + (size_t)B * D + (size_t)B * 2 * F;
+    floats += threads * (pstride + pstride / GROUP);
+    size_t halves = (size_t)B * width + (size_t)B * D + (size_t)B * 2 * F + threads * pstride;
     size_t q8_floats = m->q8 ? (size_t)B * in_w / GROUP * 2 : 0;  // d and sum(q) a group
     size_t q8_bytes = m->q8 ? (size_t)B * in_w : 0;
     float *mem = (float *)malloc((floats + q8_floats) * sizeof(float) + halves * sizeof(uint16_t) +
@@ -476,10 +497,13 @@ int native_step(const model_t *m, const step_t *s, int threads) {
     t.scratch = t.xin + (size_t)B * in_w;
     t.xd = t.scratch + threads * scratch_floats(s->L);  // q8's (0 floats without)
     t.xs = t.xd + q8_floats / 2;
-    t.qkv = (uint16_t *)(t.xs + q8_floats / 2);
+    t.pf = t.xs + q8_floats / 2;
+    t.qkv = (uint16_t *)(t.pf + threads * (pstride + pstride / GROUP));
     t.o = t.qkv + (size_t)B * width;
     t.gu = t.o + (size_t)B * D;
-    t.xq = (int8_t *)(t.gu + (size_t)B * 2 * F);
+    t.pb = t.gu + (size_t)B * 2 * F;
+    t.pstride = pstride;
+    t.xq = (int8_t *)(t.pb + threads * pstride);
     if (threads == 1)
         team(&t);
     else
