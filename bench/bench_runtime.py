@@ -224,6 +224,12 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
             add("tokens int4 a8", toks)
             add("int4 a8 b8", bare(models["int4 a8"], 8)[0])
         own_thread(_step_rounds, int4, ids, n, add)
+        if _dot_product_here():  # the same kernels with FMAs for the dot product
+            with _without_dot_product():
+                tps, toks = bare(int4, 1)
+                add("int4 fma b1", tps)
+                add("tokens int4 fma", toks)
+                add("int4 fma b8", bare(int4, 8)[0])
         add("int4 guard-off b1", bare(models["int4 guard-off"], 1)[0])
         for name in ("int4 torch-kernel", "int4 avx2"):  # the same model on other kernels
             if name in models:
@@ -253,6 +259,25 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
         add("prefill bf16 bare", own_thread(_bare_prefill, bf16, prompt))
     r["lookup drafts"] = [tuple(drafts)]
     return r
+
+
+def _dot_product_here() -> bool:
+    build = kernels.isa() if kernels.applies() else None
+    return build is not None and kernels.has_bf16_dot(build)
+
+
+class _without_dot_product:
+    """The native kernels (qmm.c, step.c) with FMAs where they use the bf16 dot-product
+    instruction: what a CPU without avx512_bf16 runs, the same bits."""
+
+    def __enter__(self) -> None:
+        self.build = kernels.isa()
+        for lib in (kernels.library(self.build), native_step.library(self.build)):
+            kernels.set_dot(lib, self.build, False)
+
+    def __exit__(self, *exc) -> None:
+        for lib in (kernels.library(self.build), native_step.library(self.build)):
+            kernels.set_dot(lib, self.build)
 
 
 def _perplexity_rows(models: dict, win: int, n_win: int) -> list[str]:
@@ -347,6 +372,8 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
             "int4 torch-kernel b8",
             None,
         ),
+        ("ours", "bare, FMAs for the bf16 dot product", "int4", 1, "int4 fma b1", None),
+        ("ours", "bare forward, FMAs for the bf16 dot product", "int4", 8, "int4 fma b8", None),
         ("ours", "bare, native AVX2 build", "int4", 1, "int4 avx2 b1", "prefill int4 avx2"),
         ("ours", "bare forward, native AVX2 build", "int4", 8, "int4 avx2 b8", None),
         ("ours", "bare forward", "bf16", 1, "bf16 bare b1", "prefill bf16 bare"),
@@ -401,6 +428,8 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         "int4 decode, b8 / b1 aggregate, torch's kernels": _ratio(
             r, "int4 torch-kernel b8", "int4 torch-kernel b1"
         ),
+        "int4 decode b1, bf16 dot product / FMAs": _ratio(r, "int4 bare b1", "int4 fma b1"),
+        "int4 decode b8, bf16 dot product / FMAs": _ratio(r, "int4 bare b8", "int4 fma b8"),
         "int4 decode b1, native AVX2 build / AVX-512 build": _ratio(
             r, "int4 avx2 b1", "int4 bare b1"
         ),
@@ -433,6 +462,9 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
     if "tokens int4 torch-kernel" in r:
         tk = _first_difference(r["tokens int4 bare"][0], r["tokens int4 torch-kernel"][0])
         lines[-1] += f"; native vs torch's kernels {tk}"
+    if "tokens int4 fma" in r:
+        fm = _first_difference(r["tokens int4 bare"][0], r["tokens int4 fma"][0])
+        lines[-1] += f"; bf16 dot product vs FMAs {fm}"
     if "tokens int4 avx2" in r:
         a2 = _first_difference(r["tokens int4 bare"][0], r["tokens int4 avx2"][0])
         lines[-1] += f"; native AVX2 vs AVX-512 build {a2}"
