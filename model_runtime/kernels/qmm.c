@@ -13,7 +13,7 @@
 // instruction does two k steps of 16 outputs; elsewhere two FMAs do the same (a product that is
 // exact rounds once in both), and the results are the same bits. The instruction treats
 // denormal inputs as zero and flushes denormal results: the activations are flushed where they
-// are prepared (int4x_t), and a denormal group sum needs activations near 2^-126, which a
+// are prepared (acts_t), and a denormal group sum needs activations near 2^-126, which a
 // model's never are. Before this kernel (issue 13) each output was torch's int4pack FMA chain
 // with the weight dequantized per k: a matmul of 8 rows 1.5-1.7x slower than the dot products'
 // (AMD Zen 5), as fast as these FMAs, results within one bf16 rounding of these.
@@ -41,10 +41,10 @@ typedef struct {
                          // ones (bf16 values, denormals flushed to zero)
     const uint16_t *xb;  // [rows, K] bf16, in order (flushed)
     const float *xs;     // [rows, K / 32] each group's sum
-} int4x_t;
+} acts_t;
 
 typedef struct {
-    int4x_t x;
+    acts_t x;
     int rows, K, N;
     const uint8_t *codes;
     const uint16_t *sz;
@@ -59,8 +59,8 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
-// K values x (bf16 values in fp32, K % 32 == 0) as int4x_t's row: xf split, xb, xs
-static void int4_prep(const float *x, int K, float *xf, uint16_t *xb, float *xs) {
+// K values x (bf16 values in fp32, K % 32 == 0) as acts_t's row: xf split, xb, xs
+static void prep_acts(const float *x, int K, float *xf, uint16_t *xb, float *xs) {
     for (int g = 0; g < K / GROUP; g++) {
         const int at = g * GROUP;
         vf a = vf_daz(vf_load(x + at)), b = vf_daz(vf_load(x + at + 16)), even, odd;
@@ -178,11 +178,11 @@ typedef struct call {
     const uint16_t *sz;    // int4: scales and zeros; int8: [N] bf16 scales
     uint16_t *y;
     void (*run)(const struct call *, int a, int b);
-    const void *aux;  // run's own: int4x_t, q8.c's quantized activations
+    const void *aux;  // run's own: acts_t, q8.c's quantized activations
 } call_t;
 
 static void int4_columns(const call_t *c, int a, int b) {
-    const int4x_t *x = (const int4x_t *)c->aux;
+    const acts_t *x = (const acts_t *)c->aux;
     const int KG = c->K / GROUP;
     for (int m0 = 0; m0 < c->M; m0 += MAX_ROWS) {
         int rows = c->M - m0 < MAX_ROWS ? c->M - m0 : MAX_ROWS;
@@ -217,7 +217,7 @@ static void int4_columns(const call_t *c, int a, int b) {
 #define DEFINE_INT8(NAME, R, ATTR, CHUNK)                                                         \
     static ATTR void NAME(const call_t *c, int m0, int n, vf *out) {                              \
         const int K = c->K;                                                                       \
-        const int4x_t *xa = (const int4x_t *)c->aux;                                              \
+        const acts_t *xa = (const acts_t *)c->aux;                                                \
         const int8_t *q = (const int8_t *)c->codes + (size_t)n * K;                               \
         vf acc[2][R];                                                                             \
         for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = vf_zero();                            \
@@ -325,7 +325,7 @@ static void dispatch(const call_t *c, int threads) {
     }
 }
 
-// Run `run` over x [M, K] bf16 prepared (int4x_t) with the weights: 0, or -1 when out of memory.
+// Run `run` over x [M, K] bf16 prepared (acts_t) with the weights: 0, or -1 when out of memory.
 static int run_prepared(const uint16_t *x, int M, int K, const uint8_t *codes, const uint16_t *sz,
                         int N, uint16_t *y, int threads, void (*run)(const call_t *, int, int)) {
     const size_t n = (size_t)M * K;
@@ -334,10 +334,10 @@ static int run_prepared(const uint16_t *x, int M, int K, const uint8_t *codes, c
     uint16_t *xb = (uint16_t *)malloc(n * sizeof(uint16_t));
     int rc = -1;
     if (xf && xs && xb) {
-        for (int r = 0; r < M; r++)  // in place: int4_prep reads a group before writing it
-            int4_prep(xf + (size_t)r * K, K, xf + (size_t)r * K, xb + (size_t)r * K,
+        for (int r = 0; r < M; r++)  // in place: prep_acts reads a group before writing it
+            prep_acts(xf + (size_t)r * K, K, xf + (size_t)r * K, xb + (size_t)r * K,
                       xs + (size_t)r * (K / GROUP));
-        int4x_t xa = {xf, xb, xs};
+        acts_t xa = {xf, xb, xs};
         call_t c = {xf, M, K, N, codes, sz, y, run, &xa};
         dispatch(&c, threads);
         rc = 0;

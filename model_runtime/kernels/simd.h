@@ -217,7 +217,8 @@ static inline BF16_DOT vf vf_dot_pairs(vf acc, vpair w, const uint16_t *x) {
 // 32 int8 as bf16 (exact: |q| <= 128), in order
 static inline BF16_DOT vpair vpair_i8(const int8_t *p) {
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 

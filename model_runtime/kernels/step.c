@@ -5,10 +5,10 @@
 // The arithmetic follows model.py's rounding points: bf16 after rms_norm (fp32 normalize times the
 // weight), RoPE as torch's complex multiply of fp32 pairs (ac - bd, ad + bc: products
 // rounded, no FMA), K/V written to the paged cache, silu and mul and the residual adds each
-// rounded to bf16, and the matmuls are qmm.c's (as Int4Linear's and Int8Linear's). Attention follows
-// torch's CPU flash kernel (fp32 scores, softmax probabilities rounded to bf16 before they weigh
-// V, blocks of 512 keys) but its exp and dot-product order are not torch's, so its output may
-// differ from SDPA's in the last bit.
+// rounded to bf16, and the matmuls are qmm.c's (as Int4Linear's and Int8Linear's). Attention
+// follows torch's CPU flash kernel (fp32 scores, softmax probabilities rounded to bf16 before
+// they weigh V, blocks of 512 keys) but its exp and dot-product order are not torch's, so its
+// output may differ from SDPA's in the last bit.
 
 #include "qmm.c"
 
@@ -81,9 +81,9 @@ typedef struct {
     int layer;       // native_attention's
     int8_t *xq;      // q8: xin quantized, [B, max(dim, hidden)] and its d, sum(q) [B, that / 32]
     float *xd, *xs;
-    // bf16 activations: each thread's own int4x_t of the matmul input (prepared by every thread for itself:
-    // a few microseconds, no barrier): flushed [B, in_w] and group sums [B, in_w / 32] at
-    // pf + tid * pstride * (1 + 1/32), bf16 [B, in_w] at pb + tid * pstride
+    // bf16 activations: each thread's own acts_t of the matmul input (every thread prepares it
+    // for itself: a few microseconds, no barrier): split fp32 [B, in_w] and group sums
+    // [B, in_w / 32] at pf + tid * pstride * (1 + 1/32), bf16 [B, in_w] at pb + tid * pstride
     float *pf;
     uint16_t *pb;
     size_t pstride;
@@ -133,13 +133,13 @@ static void rms_norm(const float *x, const uint16_t *w, int d, float eps, float 
 }
 
 // x [B, K] prepared for the int4 and int8 kernels in thread tid's own buffers
-static int4x_t prepared(const team_arg_t *t, int tid, const float *x, int K) {
+static acts_t prepared(const team_arg_t *t, int tid, const float *x, int K) {
     float *xf = t->pf + tid * (t->pstride + t->pstride / GROUP), *xs = xf + t->pstride;
     uint16_t *xb = t->pb + tid * t->pstride;
     for (int b = 0; b < t->s->B; b++)
-        int4_prep(x + (size_t)b * K, K, xf + (size_t)b * K, xb + (size_t)b * K,
+        prep_acts(x + (size_t)b * K, K, xf + (size_t)b * K, xb + (size_t)b * K,
                   xs + (size_t)b * (K / GROUP));
-    int4x_t xa = {xf, xb, xs};
+    acts_t xa = {xf, xb, xs};
     return xa;
 }
 
@@ -151,7 +151,7 @@ static void matmul(const team_arg_t *t, int tid, int n, const float *x, int K, i
         thread_share(&c, tid, n);
         return;
     }
-    int4x_t xa = prepared(t, tid, x, K);
+    acts_t xa = prepared(t, tid, x, K);
     call_t c = {xa.x, t->s->B, K, N, w->codes, w->sz, y, int4_columns, &xa};
     thread_share(&c, tid, n);
 }
@@ -462,7 +462,7 @@ static void team(void *arg) {
                     &xq};
         thread_share(&c, tid, n);
     } else {
-        int4x_t xa = prepared(t, tid, t->xin, D);
+        acts_t xa = prepared(t, tid, t->xin, D);
         call_t c = {xa.x, B, D, m->vocab, (const uint8_t *)m->head_q, m->head_scales,
                     s->logits, int8_columns, &xa};
         thread_share(&c, tid, n);
