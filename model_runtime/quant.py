@@ -175,7 +175,7 @@ class Int8Linear(nn.Module):
         native = (
             scales.dtype == torch.bfloat16
             and self.out_features % NATIVE_BLOCK == 0
-            and self.in_features % 16 == 0
+            and self.in_features % 32 == 0  # kernels/qmm.c: chunks of 32
             and kernels.applies()
         )
         self.isa = kernels.isa() if native else None  # the native build or None: torch's

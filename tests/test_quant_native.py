@@ -218,6 +218,17 @@ def test_native_int8_head_is_as_torchs_and_adds_in_its_documented_order(head_wei
 
 
 @torch.inference_mode()
+def test_an_int8_layer_the_native_kernel_cannot_take_runs_on_torchs():
+    """The native int8 kernel takes the inputs in chunks of 32: a layer of 48 inputs keeps
+    torch's kernel (and its bits) rather than failing."""
+    w = torch.randn(128, 48, generator=torch.Generator().manual_seed(7))
+    head = Int8Linear.from_dense(w)
+    assert not head.native and head.isa is None
+    x = torch.randn(3, 48, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    assert torch.equal(head(x), torch.ops.aten._weight_int8pack_mm(x, head.q, head.scales))
+
+
+@torch.inference_mode()
 def test_a_head_row_comes_out_the_same_alone_batched_and_on_any_thread_count(head_weights, build):
     alone, batched = _alone_and_batched(Int8Linear.from_dense(head_weights), seed=5)
     assert torch.equal(alone, batched)

@@ -189,8 +189,8 @@ static inline void vf_store_i8(int8_t *p, vf v) {
     _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
 }
 
-// --- AVX-512 BF16's dot product (qmm.c's int4 kernel, where the CPU has avx512_bf16: the caller
-// checks): 16 lanes of a bf16 pair each
+// --- AVX-512 BF16's dot product (qmm.c's int4 and int8 kernels, where the CPU has avx512_bf16:
+// the caller checks): 16 lanes of a bf16 pair each
 #define SIMD_BF16_DOT 1
 #define BF16_DOT __attribute__((target("avx512bf16")))
 typedef __m512i vpair;
