@@ -88,6 +88,10 @@ class _Request:
     finished: bool = False
     seed: int = 0  # the base of every sampled token's generator (sampling.generator_at)
     n_resumed: int = 0  # tokens delivered before a resume (counted in n_generated)
+    # resume ids not yet in the KV cache: each goes in by a decode step of its own, as it did in
+    # the uninterrupted stream (a prefill computes them otherwise, so a near-tie could later
+    # break the other way and the resumed stream differ from the one it resumes)
+    forced: list[int] = field(default_factory=list)
     lookup: PromptLookup | None = None  # greedy streams when speculating
 
 
@@ -183,7 +187,8 @@ class Engine:
         gen = torch.Generator() if params.temperature > 0 else None
         req = _Request(request_id, params, on_event, time.monotonic(), gen, self.tok.detokenizer())
         req.seed = params.seed if params.seed is not None else secrets.randbits(64)
-        req.tokens = [*params.prompt_ids, *params.resume_ids]
+        req.tokens = list(params.prompt_ids)
+        req.forced = list(params.resume_ids)
         if self.speculate_lookup and params.temperature <= 0:
             req.lookup = PromptLookup()
         if params.resume_ids and self._replay(req):
@@ -467,10 +472,10 @@ class Engine:
                 req = entry.request
                 p = req.params
                 total = min(len(p.prompt_ids) + p.max_new_tokens, self.ctx)
-                keys = block_keys(req.tokens, self.block_size)  # the prompt + any resume ids
-                hit = self.pool.match_prefix(keys)
-                if len(hit) * self.block_size >= len(req.tokens):
-                    hit = hit[:-1]  # the last prompt token is always computed (its logits)
+                context = [*req.tokens, *req.forced]  # the prompt and any resume ids
+                hit = self.pool.match_prefix(block_keys(context, self.block_size))
+                if len(hit) * self.block_size >= len(context):
+                    hit = hit[:-1]  # the last token is always computed (its logits)
                 need = self._blocks_for(total) - len(hit)
                 if need > self.pool.available() - self.pool.unreferenced(hit):
                     break  # wait for blocks to be freed
@@ -481,7 +486,15 @@ class Engine:
                 req.cache.registered = len(hit)
                 self.prefix_hit_tokens += req.cache.written
                 req.admitted_at = time.monotonic()
-                self._prefilling.append(req)
+                cached = req.cache.written - len(req.tokens)  # resume ids already in the cache
+                if cached < 0:
+                    self._prefilling.append(req)
+                    continue
+                # The prompt is cached whole (a resume here): on from the cache by decode steps.
+                req.tokens += req.forced[:cached]
+                del req.forced[:cached]
+                self._force(req)
+                self._running.append(req)
 
     def _may_start(self, entry) -> bool:
         if not self.isolation or not entry.tenant:
@@ -492,7 +505,7 @@ class Engine:
     def _prefill_step(self, reqs: list[_Request]) -> None:
         req = reqs[0]
         c = req.cache
-        n_prompt = len(req.tokens)  # the prompt + any resume ids: nothing sampled yet
+        n_prompt = len(req.tokens)  # the prompt: nothing sampled yet
         start = c.written
         n = min(PREFILL_CHUNK, n_prompt - start)
         lay = layout_prefill(c, start, n, self.block_size).to(self.device)
@@ -503,7 +516,10 @@ class Engine:
         if c.written == n_prompt:
             self._prefilling.remove(req)
             self._running.append(req)
-            self._accept_token(req, logits[0].cpu())
+            if req.forced:
+                self._force(req)
+            else:
+                self._accept_token(req, logits[0].cpu())
 
     def _decode_step(self, reqs: list[_Request]) -> None:
         self._batch_size = len(reqs)
@@ -526,6 +542,9 @@ class Engine:
             for j in range(len(d) + 1):  # row + j: the model's choice after draft j - 1
                 r.cache.written += 1  # the K/V of the token before this choice is kept
                 self._register_full_blocks(r)
+                if r.forced:  # a resume id: the caller has it, the cache takes it next
+                    self._force(r)
+                    break
                 sampled = r.params.temperature > 0
                 chosen = None if sampled else greedy[row + j]
                 self._accept_token(r, logits[row + j], chosen)
@@ -541,7 +560,7 @@ class Engine:
 
     def _draft(self, r: _Request, batch: int) -> list[int]:
         """Prompt-lookup drafts for a greedy stream, no more than it can still emit."""
-        if r.lookup is None:
+        if r.lookup is None or r.forced:
             return []
         room = min(
             self.speculate_lookup,
@@ -558,6 +577,12 @@ class Engine:
             for i in range(c.registered, full):
                 self.pool.register(c.blocks[i], keys[i])
             c.registered = full
+
+    def _force(self, req: _Request) -> None:
+        """The next resume id is the stream's next token (already delivered: not emitted)."""
+        token = req.forced.pop(0)
+        req.tokens.append(token)
+        req.pending = token
 
     def _accept_token(self, req: _Request, logits: torch.Tensor, chosen: int | None = None):
         p = req.params

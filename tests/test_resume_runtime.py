@@ -5,13 +5,15 @@ when asked to avoid itself. Every comparison is with an uninterrupted stream com
 
 from __future__ import annotations
 
+import queue
+import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from model_runtime.client import Client
-from model_runtime.engine import Engine
+from model_runtime.engine import Engine, GenerateParams
 from model_runtime.service import REPLICA_HEADER, Runtime
 from schemas import codec
 from tests.runtime_fixtures import serving_runtime
@@ -201,3 +203,38 @@ def test_a_resume_reuses_the_prefix_cache_for_the_prompt_and_delivered_ids(
     # Every full block of prompt + delivered ids is reused; the last token is always computed.
     hits = runtime.engine.stats()["prefix_hit_tokens"] - before
     assert hits == block * ((n_context - 1) // block) > 0
+
+
+def _engine_ids(loaded, params: GenerateParams) -> list[int]:
+    """The token ids a fresh Engine (nothing in its prefix cache) sends for `params`."""
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    engine = Engine(loaded, max_batch=2)
+    engine.start()
+    try:
+        engine.submit(f"resume-{time.monotonic_ns()}", params, events.put)
+        ids: list[int] = []
+        while True:
+            ev = events.get(timeout=120)
+            ids += ev.token_ids
+            if ev.finish_reason is not None:
+                return ids
+    finally:
+        engine.shutdown(drain_timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "k"), [("Say hello in Spanish.", 1), ("Name a primary colour.", 5)]
+)
+def test_a_resume_where_nothing_is_cached_goes_on_as_the_uninterrupted_stream(
+    smollm_int4, prompt: str, k: int
+) -> None:
+    """A replica that never saw the stream: the delivered ids go into its cache by one decode
+    step each, as they went into the first replica's. Prefilled with the prompt instead, they
+    gave other logits than those steps, and on an AMD EPYC these two resume points then chose
+    another token at a near-tie (`meshlm demo --scenario stall` resumed a stream no replica
+    would have sent)."""
+    ids = smollm_int4.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    full = _engine_ids(smollm_int4, GenerateParams(ids, max_new_tokens=10))
+    assert len(full) > k
+    resumed = _engine_ids(smollm_int4, GenerateParams(ids, max_new_tokens=10, resume_ids=full[:k]))
+    assert resumed == full[k:]
