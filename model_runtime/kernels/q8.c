@@ -185,7 +185,7 @@ static int q8_call(const uint16_t *x, int M, int K, const uint8_t *codes, const 
             quantize_q8(xf + (size_t)r * K, K, q + (size_t)r * K, ds + (size_t)r * KG,
                         ds + (size_t)(M + r) * KG);
         q8x_t xq = {q, ds, ds + (size_t)M * KG, vnni != 0};
-        call_t c = {xf, M, K, N, codes, sz, y, run, &xq};
+        call_t c = {M, K, N, codes, sz, y, run, &xq};
         dispatch(&c, threads);
         rc = 0;
     }

@@ -170,9 +170,9 @@ void qmm_set_dot(int on) {
 #endif
 }
 
-// One call: x widened, the weights, and `run` for output columns [a, b) of every row.
+// One call: the weights, and `run` for output columns [a, b) of every row (the activations in
+// `aux`, prepared as `run` reads them).
 typedef struct call {
-    const float *x;
     int M, K, N;
     const uint8_t *codes;  // int4: the blocks above; int8: [N][K] int8
     const uint16_t *sz;    // int4: scales and zeros; int8: [N] bf16 scales
@@ -338,7 +338,7 @@ static int run_prepared(const uint16_t *x, int M, int K, const uint8_t *codes, c
             prep_acts(xf + (size_t)r * K, K, xf + (size_t)r * K, xb + (size_t)r * K,
                       xs + (size_t)r * (K / GROUP));
         acts_t xa = {xf, xb, xs};
-        call_t c = {xf, M, K, N, codes, sz, y, run, &xa};
+        call_t c = {M, K, N, codes, sz, y, run, &xa};
         dispatch(&c, threads);
         rc = 0;
     }

@@ -67,10 +67,6 @@ static inline vf vf_nibble_lo(vu b) {
 }
 static inline vf vf_nibble_hi(vu b) { return vf_nibble_lo(_mm512_srli_epi32(b, 4)); }
 
-// 16 int8 as floats
-static inline vf vf_load_i8(const int8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
 // v with each denormal lane a zero of its sign (as DAZ reads it)
 static inline vf vf_daz(vf v) {
     __m512i u = _mm512_castps_si512(v);
@@ -318,13 +314,6 @@ static inline vf vf_nibble_lo(vu b) {
 }
 static inline vf vf_nibble_hi(vu b) {  // bytes: nothing above the high 4 bits
     return vf_of(minus8(_mm256_srli_epi32(b.lo, 4)), minus8(_mm256_srli_epi32(b.hi, 4)));
-}
-
-static inline vf vf_load_i8(const int8_t *p) {
-    __m128i b0 = _mm_loadl_epi64((const __m128i *)p);
-    __m128i b1 = _mm_loadl_epi64((const __m128i *)(p + 8));
-    return vf_of(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0)),
-                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1)));
 }
 
 static inline __m256 daz8(__m256 v) {

@@ -147,12 +147,12 @@ static void matmul(const team_arg_t *t, int tid, int n, const float *x, int K, i
                    const q4_t *w, uint16_t *y) {
     if (t->m->q8) {
         q8x_t xq = {t->xq, t->xd, t->xs, t->m->q8 == 2};
-        call_t c = {x, t->s->B, K, N, w->codes8, w->sz, y, q8_columns, &xq};
+        call_t c = {t->s->B, K, N, w->codes8, w->sz, y, q8_columns, &xq};
         thread_share(&c, tid, n);
         return;
     }
     acts_t xa = prepared(t, tid, x, K);
-    call_t c = {xa.x, t->s->B, K, N, w->codes, w->sz, y, int4_columns, &xa};
+    call_t c = {t->s->B, K, N, w->codes, w->sz, y, int4_columns, &xa};
     thread_share(&c, tid, n);
 }
 
@@ -458,12 +458,12 @@ static void team(void *arg) {
     }
     if (m->q8) {
         q8x_t xq = {t->xq, t->xd, t->xs, m->q8 == 2};
-        call_t c = {t->xin, B, D, m->vocab, m->head8, m->head_scales, s->logits, head8_columns,
+        call_t c = {B, D, m->vocab, m->head8, m->head_scales, s->logits, head8_columns,
                     &xq};
         thread_share(&c, tid, n);
     } else {
         acts_t xa = prepared(t, tid, t->xin, D);
-        call_t c = {xa.x, B, D, m->vocab, (const uint8_t *)m->head_q, m->head_scales,
+        call_t c = {B, D, m->vocab, (const uint8_t *)m->head_q, m->head_scales,
                     s->logits, int8_columns, &xa};
         thread_share(&c, tid, n);
     }
