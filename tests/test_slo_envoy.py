@@ -175,6 +175,12 @@ def ticks(loop: SloController, n: int) -> None:
         loop.tick()
 
 
+def started(loop: SloController, timeout: float = 60.0) -> dict[str, Any]:
+    """The loop's status once its scale-out in flight completed (a replica starts off the
+    interval: the tick that decides it returns at once)."""
+    return eventually(lambda: (st := loop.status())["pending"] is None and st, timeout, "started")
+
+
 def test_slo_loop_sheds_tightens_scales_out_and_undoes_in_reverse() -> None:
     with world() as w:
         loop = SloController(w.cp, "llm", scaler=w.scaler)
@@ -196,16 +202,17 @@ def test_slo_loop_sheds_tightens_scales_out_and_undoes_in_reverse() -> None:
         eventually(lambda: w.outlier()["consecutive_gateway_failure"] == 3, 30, "tightened")
         assert w.outlier()["max_ejection_percent"] == 50
 
-        ticks(loop, 2)  # scale out: a new replica, added by EDS, serves calls
+        ticks(loop, 2)  # scale out: a new replica, added by EDS once it serves, takes calls
+        status = started(loop)
         (endpoint,) = w.scaler.running
-        assert loop.status()["replicas"] == [endpoint]
+        assert status["replicas"] == [endpoint]
         eventually(lambda: w.calls("gold", 10)["scaled-1"] > 0, 20, "the new replica serves")
         ticks(loop, 4)  # nothing left to take: still breached, nothing changes
-        assert len(loop.history) == 3
+        assert len(loop.history) == 4  # apply and ready for the scale-out
 
         w.metrics.ttft_ms = 200.0  # the SLO holds again
         ticks(loop, 2)
-        assert len(loop.history) == 3  # not yet: recovery takes 3 intervals
+        assert len(loop.history) == 4  # not yet: recovery takes 3 intervals
         ticks(loop, 1)  # scale in: out of EDS, then stopped
         assert w.scaler.stopped == [endpoint] and not w.scaler.running
         assert w.calls("gold", 10) == Counter(r1=10)
@@ -219,6 +226,7 @@ def test_slo_loop_sheds_tightens_scales_out_and_undoes_in_reverse() -> None:
             ("apply", "shed"),
             ("apply", "tighten_outlier"),
             ("apply", "scale_out"),
+            ("ready", "scale_out"),
             ("undo", "scale_out"),
             ("undo", "tighten_outlier"),
             ("undo", "shed"),

@@ -9,7 +9,6 @@ import os
 import shlex
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
@@ -108,17 +107,16 @@ def test_xds_server_scales_out_and_in_by_command_and_status_shows_why(tmp_path: 
             check=True,
         ).stdout
         assert "SLO  DEVIATION  IN FORCE" in status
-        assert (
-            f"apply scale_out: replica 127.0.0.1:{replica} added to v1 (TTFT p99 2000ms" in status
-        )
+        assert "apply scale_out: starting a replica of v1 (TTFT p99 2000ms" in status
+        assert f"ready scale_out: replica 127.0.0.1:{replica} added to v1 (" in status
         metrics.ttft_ms = 300.0
         # the command creates the file before it writes the address: wait for the address
         eventually(lambda: stopped.exists() and stopped.read_text(), 20, "scaled in by the command")
         assert stopped.read_text() == f"127.0.0.1:{replica}"
         # The undo is recorded once the command has returned: a moment after the file exists.
-        doc = eventually(lambda: (d := _get(admin + "/slo")["llm"])["history"][1:] and d, 10)
+        doc = eventually(lambda: (d := _get(admin + "/slo")["llm"])["history"][2:] and d, 10)
         assert doc["replicas"] == [] and doc["in_force"] == []
-        assert [h["direction"] for h in doc["history"]] == ["apply", "undo"]
+        assert [h["direction"] for h in doc["history"]] == ["apply", "ready", "undo"]
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=15)
@@ -126,27 +124,25 @@ def test_xds_server_scales_out_and_in_by_command_and_status_shows_why(tmp_path: 
     assert proc.returncode == 0, out
 
 
-def test_status_answers_while_a_scale_out_is_under_way(tmp_path: Path) -> None:
-    """A replica can take minutes to load its model: `GET /slo` must not wait for it."""
+def test_the_loop_keeps_measuring_while_a_scale_out_command_runs(tmp_path: Path) -> None:
+    """A replica can take minutes to load its model: neither `GET /slo` nor the next interval
+    waits for it; the replica is added by EDS when the command prints its endpoint."""
     go = tmp_path / "go"
     out = py(f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
              "print('127.0.0.1:9')")  # fmt: skip
     slo = {"ttft_p99": "1s", "intervals": 1, "actions": ["scale_out"], "min_requests": 0}
     mesh = parse_mesh({"services": {"llm": {"versions": {"v1": {"endpoints": []}}, "slo": slo}}})
     with ControlPlane(mesh, debounce=0.02) as cp:
+        ttft = [5.0]
         loop = SloController(
-            cp, "llm", scaler=CommandScaler(out, "true"), read=lambda: Reading(ttft_p99=5.0)
+            cp, "llm", scaler=CommandScaler(out, "true"), read=lambda: Reading(ttft_p99=ttft[0])
         )
-        ticking = threading.Thread(target=loop.tick)
-        ticking.start()
-        eventually(lambda: loop.status()["last"], 10, "the interval measured")
-        answered: list[dict] = []
-        asking = threading.Thread(target=lambda: answered.append(loop.status()))
-        asking.start()
-        asking.join(timeout=10)
-        assert answered and not go.exists() and ticking.is_alive()  # still scaling out
-        assert answered[0]["last"]["deviation"] == 4.0
+        assert loop.tick()["deviation"] == 4.0  # returns with the command still running
+        assert loop.status()["pending"]["version"] == "v1" and not go.exists()
+        ttft[0] = 3.0
+        assert loop.tick()["deviation"] == 2.0
+        assert loop.status()["last"]["deviation"] == 2.0 and loop.status()["replicas"] == []
         go.touch()
-        ticking.join(timeout=30)
-        assert loop.status()["replicas"] == ["127.0.0.1:9"]
+        eventually(lambda: loop.status()["replicas"] == ["127.0.0.1:9"], 30, "added")
         assert [str(e) for e in cp.mesh.services["llm"].versions["v1"].endpoints] == ["127.0.0.1:9"]
+        loop.close()

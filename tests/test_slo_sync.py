@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.test_slo_envoy import Metrics
+from tests.test_slo_envoy import Metrics, started
 from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
 from xds_server.control_plane import ControlPlane
@@ -61,8 +61,8 @@ def test_a_slo_block_applied_later_gets_a_loop_and_removing_it_undoes_its_action
         metrics.shutdown()
 
 
-class Replicas:
-    """A Scaler whose replicas are only an endpoint and a runtime metrics endpoint."""
+class ReplicasFake:
+    """A fake Scaler whose replicas are only an endpoint and a runtime metrics endpoint."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics, self.out = metrics, 0
@@ -83,10 +83,10 @@ def test_the_ttft_of_a_replica_the_loop_added_counts_in_its_readings() -> None:
     version.ttft_ms = replica.ttft_ms = 1000.0
     slo = {**SLO, "recover_intervals": 1}
     with ControlPlane(mesh_doc(version, slo, ["scale_out"]), debounce=0.02) as cp:
-        scaler = Replicas(replica)
+        scaler = ReplicasFake(replica)
         loop = SloController(cp, "llm", scaler=scaler)
         loop.tick()
-        assert scaler.out == 1 and loop.status()["replicas"] == ["127.0.0.1:10"]
+        assert started(loop)["replicas"] == ["127.0.0.1:10"] and scaler.out == 1
         version.ttft_ms = 100.0  # the first replica is fine, the added one is not
         last = loop.tick()
         assert last["reading"]["ttft_p99"] == 1.0 and last["deviation"] == 1.0

@@ -18,6 +18,18 @@ ratelimit.py), only when a higher priority class also uses the service; `tighten
 halves the outlier detection thresholds (xds_server/resources/clusters.py `tightened`);
 `scale_out` starts a replica through a `Scaler` and adds it by EDS (one per step, up to
 `slo.max_replicas`). Every step is logged with its reason and kept in `status()`.
+
+A replica takes a while to serve (a runtime loads its model: seconds to minutes), so a
+scale-out starts it off the interval, in a thread of its own (as Kubernetes' HPA and Flagger
+do): the loop keeps measuring and publishing every interval meanwhile. Stabilization: while a
+start is in flight (`status()["pending"]`) the loop takes no action, neither the next step nor
+an undo, and both hysteresis counts restart once it completes, as after every step: the next
+decision is made on intervals measured with the new replica serving. The history gets the
+`apply` when the start begins and a `ready` (added by EDS) or `failed` entry when it ends. A
+failed start leaves nothing in force, so its step is taken back (the level drops by one): the
+loop tries again after `slo.intervals` more breached intervals rather than counting a replica
+that never served. `close()` and `undo_all()` wait for a start in flight (bounded by the
+scaler's own timeout) and stop the replica it produced, so none is left running.
 """
 
 from __future__ import annotations
@@ -41,7 +53,7 @@ from xds_server.gates import (
     delta,
 )
 from xds_server.resources.names import outbound_cluster
-from xds_server.scaler import Scaler, ScalerError
+from xds_server.scaler import START_TIMEOUT_S, Scaler, ScalerError
 
 log = logging.getLogger("meshlm.slo")
 PRIORITY_ORDER = ("high", "normal", "low")
@@ -110,6 +122,15 @@ class Hysteresis:
             return -1
         return 0
 
+    def restart(self) -> None:
+        """Both runs start over: a step that completed later changed what is measured."""
+        self.breached = self.met = 0
+
+    def retract(self) -> None:
+        """The last step did not take effect (a replica that never served)."""
+        self.level = max(0, self.level - 1)
+        self.restart()
+
 
 def steps(slo: m.Slo) -> list[str]:
     """The actions in order, `scale_out` once per replica it may add."""
@@ -140,6 +161,24 @@ class SloMemory(Protocol):
     def save(self, service: str, doc: dict[str, Any]) -> None: ...
 
 
+@dataclass
+class _Start:
+    """A scale-out in flight: the thread starting a replica of `version`, and its outcome."""
+
+    version: str
+    since: float
+    reason: str
+    thread: threading.Thread | None = None
+    endpoint: str | None = None
+    error: str | None = None
+    cancelled: bool = False  # closed or undone meanwhile: stop the replica, do not add it
+
+    def doc(self) -> dict[str, Any]:
+        # cancelled: the loop is closing; the replica is stopped as soon as its start returns
+        return {"action": "scale_out", "version": self.version, "since": self.since,
+                "cancelled": self.cancelled}  # fmt: skip
+
+
 class SloController:
     """One service's loop: `tick()` measures one interval, decides and acts. The control
     plane (`cp`) is what set_slo_state / add_endpoint / remove_endpoint are called on."""
@@ -165,8 +204,9 @@ class SloController:
         self.last: dict[str, Any] = {}
         self._read = read or self._measure
         self._before: dict[str, dict[str, GrpcCounts]] = {}
-        self._tick = threading.Lock()  # one interval at a time (a scale-out can take minutes)
+        self._tick = threading.Lock()  # one interval (or a start's completion) at a time
         self._lock = threading.Lock()  # what status() reads: never held while acting
+        self._pending: _Start | None = None  # set and cleared under both locks
         if memory is not None:
             self._adopt(memory.load(service))
 
@@ -240,7 +280,9 @@ class SloController:
         with self._tick:
             reading = self._read()
             dev, what = deviation(self.slo, reading)
-            step = self.decide.observe(dev)
+            pending = self._pending
+            # Stabilization: no decision while a replica starts (see the module docstring).
+            step = 0 if pending is not None else self.decide.observe(dev)
             last = {
                 "time": self.clock(),
                 "reading": asdict(reading),
@@ -248,12 +290,14 @@ class SloController:
                 "worst": what,
                 "breached_intervals": self.decide.breached,
                 "met_intervals": self.decide.met,
+                "held": None if pending is None else f"a replica of {pending.version} is starting",
             }
             with self._lock:
                 self.last = last
             if step > 0:
                 action = self.plan[self.decide.level - 1]
-                self._record(action, "apply", self._apply(action), what, dev)
+                self._record(action, "apply", self._apply(action, self._why("apply", what, dev)),
+                             what, dev)  # fmt: skip
             elif step < 0:
                 action = self.plan[self.decide.level]
                 self._record(action, "undo", self._undo(action), what, dev)
@@ -262,20 +306,23 @@ class SloController:
             self._reassert()
             return last
 
+    def _why(self, direction: str, what: str, dev: float | None) -> str:
+        if direction == "apply":
+            return (f"{what}: {dev:+.0%} for {self.slo.intervals} intervals (threshold "
+                    f"{self.slo.deviation:+.0%})")  # fmt: skip
+        return f"SLO held for {self.slo.recover_intervals} intervals ({what})"
+
     def _record(self, action: str, direction: str, done: str, what: str, dev: float | None) -> None:
-        why = (
-            f"{what}: {dev:+.0%} for {self.slo.intervals} intervals (threshold "
-            f"{self.slo.deviation:+.0%})"
-            if direction == "apply"
-            else f"SLO held for {self.slo.recover_intervals} intervals ({what})"
-        )
+        self._log(action, direction, done, self._why(direction, what, dev))
+
+    def _log(self, action: str, direction: str, done: str, why: str) -> None:
         entry = {"time": self.clock(), "action": action, "direction": direction,
                  "level": self.decide.level, "reason": why, "done": done}  # fmt: skip
         with self._lock:
             self.history.append(entry)
         log.warning("slo %s: %s %s: %s; %s", self.service, direction, action, done, why)
 
-    def _apply(self, action: str) -> str:
+    def _apply(self, action: str, why: str) -> str:
         if action == "shed":
             tenants = lowest_priority_tenants(self.cp.mesh, self.service)
             self.state = m.SloState(tenants, self.state.outlier_tightened)
@@ -285,7 +332,7 @@ class SloController:
         if action == "tighten_outlier":
             self.state = m.SloState(self.state.shed_tenants, True)
             return "outlier detection tightened"
-        return self._scale_out()
+        return self._scale_out(why)
 
     def _undo(self, action: str) -> str:
         if action == "shed":
@@ -296,17 +343,76 @@ class SloController:
             return "outlier detection restored"
         return self._scale_in()
 
-    def _scale_out(self) -> str:
+    def _scale_out(self, why: str) -> str:
+        """Starts a replica off the interval (the tick lock is not held while it loads)."""
         if self.scaler is None:
             return "no scaler configured (meshlm xds-server --scaler)"
         version = _main_version(self.cp.mesh.services[self.service])
+        start = _Start(version, self.clock(), why)
+        start.thread = threading.Thread(
+            target=self._start_replica, args=(start, self.scaler),
+            name=f"slo-{self.service}-scale-out", daemon=True,
+        )  # fmt: skip
+        with self._lock:
+            self._pending = start
+        start.thread.start()
+        return f"starting a replica of {version}"
+
+    def _start_replica(self, start: _Start, scaler: Scaler) -> None:
         try:
-            endpoint = self.scaler.scale_out(self.service, version)
+            start.endpoint = scaler.scale_out(self.service, start.version)
         except ScalerError as e:
-            return f"scale-out failed: {e}"
-        self.replicas.append((version, endpoint))
-        self.cp.add_endpoint(self.service, version, endpoint)
-        return f"replica {endpoint} added to {version}"
+            start.error = str(e)
+        except Exception as e:  # a scaler's bug must not leave the loop held for ever
+            log.exception("slo %s: scale-out raised", self.service)
+            start.error = f"{type(e).__name__}: {e}"
+        with self._tick:
+            try:
+                self._started(start)
+            finally:
+                with self._lock:
+                    self._pending = None
+
+    def _started(self, start: _Start) -> None:
+        """The scaler returned: add the replica by EDS, or record why there is none."""
+        took = f"{self.clock() - start.since:.1f}s after: {start.reason}"
+        if start.cancelled:
+            self._log("scale_out", "stopped", self._discard(start), took)
+            return
+        if start.endpoint is None:
+            self.decide.retract()
+            self._log("scale_out", "failed", f"scale-out failed: {start.error}; not in force",
+                      took)  # fmt: skip
+        else:
+            self.decide.restart()
+            self._log("scale_out", "ready",
+                      f"replica {start.endpoint} added to {start.version}", took)  # fmt: skip
+            self.replicas.append((start.version, start.endpoint))
+            self.cp.add_endpoint(self.service, start.version, start.endpoint)
+        self._remember()
+
+    def _discard(self, start: _Start) -> str:
+        """A start that returned after close() or undo_all(): its replica is not kept."""
+        if start.endpoint is None:
+            return f"scale-out failed: {start.error} (the loop was closed meanwhile)"
+        failed = self._stop_replica(start.version, start.endpoint)
+        closed = f"replica {start.endpoint} started after the loop was closed"
+        return f"{closed}; stopping it failed: {failed}" if failed else f"{closed}: stopped"
+
+    def _join_start(self) -> None:
+        """Waits for a start in flight, marked cancelled first: it stops its replica itself."""
+        with self._tick, self._lock:
+            start = self._pending
+            if start is not None:
+                start.cancelled = True
+        if start is None or start.thread is None:
+            return
+        # The scaler's own start timeout, and time for it to stop a replica that missed it.
+        limit = getattr(self.scaler, "timeout", START_TIMEOUT_S) + 30.0
+        start.thread.join(limit)
+        if start.thread.is_alive():
+            log.error("slo %s: a replica of %s still starting after %.0fs: it is stopped "
+                      "when its start returns", self.service, start.version, limit)  # fmt: skip
 
     def _replica_metrics(self, endpoint: str) -> str | None:
         metrics_url = getattr(self.scaler, "metrics_url", None)
@@ -322,11 +428,19 @@ class SloController:
         ):
             # Out of EDS first: no new call reaches the replica while it stops.
             self.cp.remove_endpoint(self.service, version, endpoint)
+        failed = self._stop_replica(version, endpoint)
+        if failed:
+            return f"replica {endpoint} removed from {version}; stopping it failed: {failed}"
+        return f"replica {endpoint} removed from {version}"
+
+    def _stop_replica(self, version: str, endpoint: str) -> str | None:
+        """Why stopping it failed, or None."""
         try:
             self.scaler.scale_in(self.service, version, endpoint)  # type: ignore[union-attr]
         except ScalerError as e:
-            return f"replica {endpoint} removed from {version}; stopping it failed: {e}"
-        return f"replica {endpoint} removed from {version}"
+            log.warning("slo %s: stopping replica %s failed: %s", self.service, endpoint, e)
+            return str(e)
+        return None
 
     def _reassert(self) -> None:
         """A `meshlm apply` replaces the mesh: what is in force is put back at once."""
@@ -351,12 +465,14 @@ class SloController:
 
     def close(self) -> None:
         """Stop the replicas this loop started (the control plane is going away)."""
+        self._join_start()
         with self._tick:
             while self.replicas:
                 self._scale_in()
 
     def undo_all(self) -> None:
         """Its slo block was removed or changed: take back every action in force."""
+        self._join_start()
         with self._tick:
             while self.replicas:
                 self._scale_in()
@@ -368,6 +484,7 @@ class SloController:
 
     def status(self) -> dict[str, Any]:
         with self._lock:
+            pending = self._pending
             return {
                 "service": self.service,
                 "slo": asdict(self.slo),
@@ -375,6 +492,8 @@ class SloController:
                 "in_force": self.plan[: self.decide.level],
                 "state": asdict(self.state),
                 "replicas": [e for _, e in self.replicas],
+                # a scale-out in flight: no action is taken until it completes
+                "pending": None if pending is None else pending.doc(),
                 "last": self.last,
                 "history": list(self.history),
             }
