@@ -227,8 +227,11 @@ class Transformer(nn.Module):
             native_step.use(self, True)
         if self.native_step is None or lay.last_idx is not None:
             return None
-        logits = self.native_step(tokens, cache, lay)
-        if logits is not None and self.guard is not None and not all_finite(logits):
+        out = self.native_step(tokens, cache, lay)
+        if out is None:
+            return None
+        logits, finite = out
+        if not finite and self.guard is not None:
             return None  # the torch path redoes the step (same KV slots) and the guard repairs it
         return logits
 

@@ -48,7 +48,7 @@ class _Model(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("B", ctypes.c_int), ("L", ctypes.c_int), ("x", _P), ("pos", _P)]
+    _fields_ = [("B", ctypes.c_int), ("L", ctypes.c_int), ("tokens", _P), ("pos", _P)]
     _fields_ += [("write_slots", _P), ("gather", _P), ("mask", _P), ("kv", _P)]
     _fields_ += [("n_slots", ctypes.c_int64), ("logits", _P)]
 
@@ -173,29 +173,30 @@ class NativeStep:
     def __deepcopy__(self, memo) -> str:
         return "auto"
 
-    def __call__(self, tokens: torch.Tensor, cache, lay) -> torch.Tensor | None:
-        """Logits float32 [B, V] of one decode step, or None where step.c does not apply."""
+    def __call__(self, tokens: torch.Tensor, cache, lay) -> tuple[torch.Tensor, bool] | None:
+        """Logits float32 [B, V] of one decode step and whether all are finite, or None where
+        step.c does not apply (a token id out of range included: torch's path raises)."""
         B = tokens.shape[0]
         kv = cache.kv
         if kv.dtype != torch.bfloat16 or not kv.is_contiguous():
             return None
-        x = self.model.tok_embeddings(tokens.view(-1)).contiguous()
+        ids = tokens.view(-1).to(torch.int64).contiguous()
         pos = lay.input_pos.view(-1).contiguous()
         writes = lay.write_slots.contiguous()
         attended = attended_slots(lay, B)
         if attended is None:
             return None
         gather, mask = attended
-        logits = torch.empty(B, self.m.vocab, dtype=torch.bfloat16)
+        logits = torch.empty(B, self.m.vocab, dtype=torch.float32)
         s = _Step(
-            B, gather.shape[1], x.data_ptr(), pos.data_ptr(), writes.data_ptr(),
+            B, gather.shape[1], ids.data_ptr(), pos.data_ptr(), writes.data_ptr(),
             gather.data_ptr(), 0 if mask is None else mask.data_ptr(), kv.data_ptr(),
             kv.shape[1], logits.data_ptr(),
         )  # fmt: skip
         rc = self.lib.native_step(ctypes.byref(self.m), ctypes.byref(s), torch.get_num_threads())
         if rc == -2:
             raise MemoryError("native decode step: out of memory")
-        return logits.float() if rc == 0 else None
+        return None if rc < 0 else (logits, rc == 0)
 
 
 def attended_slots(lay, B: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:

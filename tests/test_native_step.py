@@ -142,6 +142,13 @@ def test_bf16_model_keeps_torchs_ops(smollm_bf16):
     assert native_step.attach(smollm_bf16.model) is None
 
 
+def _logits(nat, tokens, kv, lay) -> torch.Tensor:
+    """A native step's logits, which it says are all finite."""
+    logits, finite = nat(tokens, kv, lay)
+    assert finite and logits.dtype == torch.float32
+    return logits
+
+
 @torch.inference_mode()
 def test_native_step_matches_torchs_ops(int4):
     """Teacher-forced over 24 steps: layer 0's K/V bit-identical, logits within bf16 noise,
@@ -156,7 +163,7 @@ def test_native_step_matches_torchs_ops(int4):
     for _ in range(24):
         lay = layout_decode(seqs, BS)
         tokens = torch.tensor([nxt])
-        ours = nat(tokens, kv, lay)
+        ours = _logits(nat, tokens, kv, lay)
         slot = int(lay.write_slots[0])
         ours_kv0 = kv.kv[0, slot].clone()
         with torch_ops(m):
@@ -183,11 +190,35 @@ def test_a_row_decodes_the_same_alone_or_batched(int4):
     long = int4.tokenizer.encode("The history of the city goes back to the Romans. " * 12)
     kv, seqs, nxt = _prefilled(int4, [short, long])
     lay2 = layout_decode(seqs, BS)
-    both = nat(torch.tensor([[t] for t in nxt]), kv, lay2)
-    alone = nat(torch.tensor([[nxt[0]]]), kv, layout_decode(seqs[:1], BS))
+    both = _logits(nat, torch.tensor([[t] for t in nxt]), kv, lay2)
+    alone = _logits(nat, torch.tensor([[nxt[0]]]), kv, layout_decode(seqs[:1], BS))
     assert lay2.gather_slots.shape[1] > layout_decode(seqs[:1], BS).gather_slots.shape[1]
     assert torch.equal(both[0], alone[0])
     assert torch.isfinite(both).all()
+
+
+@torch.inference_mode()
+def test_a_nonfinite_logit_is_reported_and_a_bad_token_id_left_to_torch(int4):
+    """The step says when a logit is inf or NaN (the guard then redoes the step in torch ops);
+    a token id outside the vocabulary is not embedded natively: torch's path raises."""
+    m = int4.model
+    nat = native_step.attach(m)
+    if nat is None:
+        assert native_step.why_not(m)  # the reason is said, torch's ops serve instead
+        return
+    kv, seqs, nxt = _prefilled(int4, [int4.tokenizer.encode_chat(STORY)])
+    lay = layout_decode(seqs, BS)
+    saved = m.norm[:2].clone()
+    m.norm[:2] = torch.tensor([float("inf"), float("-inf")])  # the final norm's gain
+    try:
+        logits, finite = nat(torch.tensor([nxt]), kv, lay)
+    finally:
+        m.norm[:2] = saved
+    assert not finite and not torch.isfinite(logits).all()
+    assert nat(torch.tensor([[m.args.vocab_size]]), kv, lay) is None
+    with pytest.raises(IndexError):
+        m(torch.tensor([[m.args.vocab_size]]), kv, lay)
+    assert _logits(nat, torch.tensor([nxt]), kv, lay).isfinite().all()
 
 
 @torch.inference_mode()
@@ -208,7 +239,7 @@ def test_a_step_gives_the_same_bits_on_any_thread_count(int4, rows):
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            got.append(nat(torch.tensor([[t] for t in nxt]), kv, lay))
+            got.append(_logits(nat, torch.tensor([[t] for t in nxt]), kv, lay))
             got.append(kv.kv[:, lay.write_slots].clone())
     finally:
         torch.set_num_threads(threads)
@@ -233,7 +264,7 @@ def test_the_avx2_step_gives_the_avx512_steps_bits(smollm_int4):
         tokens = torch.tensor([[t] for t in nxt])
         got = []
         for step in steps:
-            got += [step(tokens, kv, lay), kv.kv[:, lay.write_slots].clone()]
+            got += [_logits(step, tokens, kv, lay), kv.kv[:, lay.write_slots].clone()]
         assert torch.equal(got[0], got[2]) and torch.equal(got[1], got[3])
         nxt = [int(t) for t in got[0].argmax(-1)]
         for s in seqs:

@@ -290,10 +290,17 @@ typedef struct {
     int n;
 } team_t;
 
-// thread i of n: its share of the 64-column blocks
+// thread i of n: its share [a, b) of N columns, in 64-column blocks
+static void share_of(int N, int i, int n, int *a, int *b) {
+    int blocks = N / BLOCK;
+    *a = blocks * i / n * BLOCK;
+    *b = blocks * (i + 1) / n * BLOCK;
+}
+
 static void thread_share(const call_t *c, int i, int n) {
-    int blocks = c->N / BLOCK;
-    c->run(c, blocks * i / n * BLOCK, blocks * (i + 1) / n * BLOCK);
+    int a, b;
+    share_of(c->N, i, n, &a, &b);
+    c->run(c, a, b);
 }
 
 static void team_share(void *arg) {

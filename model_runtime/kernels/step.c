@@ -42,14 +42,14 @@ typedef struct {
 
 typedef struct {
     int B, L;
-    const uint16_t *x;           // [B, dim] bf16 embeddings
+    const int64_t *tokens;       // [B] token ids (embedded from the tied int8 head)
     const int64_t *pos;          // [B] positions
     const int64_t *write_slots;  // [B]
     const int64_t *gather;       // [B, L] slots each row attends
     const uint8_t *mask;         // bool [B, L], NULL: every slot attended
     uint16_t *kv;                // [n_layers, n_slots, 2, n_kv, head_dim] bf16
     int64_t n_slots;
-    uint16_t *logits;  // [B, vocab] bf16
+    float *logits;  // [B, vocab] fp32: bf16 values, as torch's head then .float()
 } step_t;
 
 typedef void (*gomp_barrier_fn)(void);
@@ -87,6 +87,8 @@ typedef struct {
     float *pf;
     uint16_t *pb;
     size_t pstride;
+    uint16_t *head;  // [B, vocab] bf16 logits
+    int *nonfinite;  // set when a logit is inf or NaN
 } team_arg_t;
 
 static inline float bf(uint16_t v) {
@@ -405,6 +407,8 @@ static void silu_mul(const uint16_t *gu, int F, float *x) {
     }
 }
 
+static void widen_logits(const team_arg_t *t, int tid, int n);
+
 static void team(void *arg) {
     const team_arg_t *t = (const team_arg_t *)arg;
     const model_t *m = t->m;
@@ -415,8 +419,10 @@ static void team(void *arg) {
     float *scratch = t->scratch + tid * scratch_floats(s->L);
     int r0, r1;
     rows_of(B, tid, n, &r0, &r1);
-    for (int b = r0; b < r1; b++) {
-        for (int i = 0; i < D; i++) t->h[(size_t)b * D + i] = bf(s->x[(size_t)b * D + i]);
+    for (int b = r0; b < r1; b++) {  // TiedInt8Embedding: bf16(q * scale), the product exact
+        const int8_t *q = m->head_q + (size_t)s->tokens[b] * D;
+        const float scale = bf(m->head_scales[s->tokens[b]]);
+        for (int i = 0; i < D; i++) t->h[(size_t)b * D + i] = rnd((float)q[i] * scale);
         rms_norm(t->h + (size_t)b * D, m->layers[0].attn_norm, D, m->eps, t->xin + (size_t)b * D);
         q8_row(t, b, D, 0, D);
     }
@@ -458,18 +464,37 @@ static void team(void *arg) {
     }
     if (m->q8) {
         q8x_t xq = {t->xq, t->xd, t->xs, m->q8 == 2};
-        call_t c = {B, D, m->vocab, m->head8, m->head_scales, s->logits, head8_columns,
-                    &xq};
+        call_t c = {B, D, m->vocab, m->head8, m->head_scales, t->head, head8_columns, &xq};
         thread_share(&c, tid, n);
     } else {
         acts_t xa = prepared(t, tid, t->xin, D);
-        call_t c = {B, D, m->vocab, (const uint8_t *)m->head_q, m->head_scales,
-                    s->logits, int8_columns, &xa};
+        call_t c = {B, D, m->vocab, (const uint8_t *)m->head_q, m->head_scales, t->head,
+                    int8_columns, &xa};
         thread_share(&c, tid, n);
     }
+    widen_logits(t, tid, n);
 }
 
-// 0, or -1 when the shapes are not supported (the caller falls back to torch), -2 out of memory
+// this thread's columns of the head's bf16 logits as fp32 into the step's logits (no torch op
+// converts them after the step), and whether one is inf or NaN (x - x is NaN only for those:
+// no torch op sums them for the guard either)
+static void widen_logits(const team_arg_t *t, int tid, int n) {
+    const int V = t->m->vocab;
+    int a, e;
+    share_of(V, tid, n, &a, &e);
+    vf bad = vf_zero();
+    for (int b = 0; b < t->s->B; b++)
+        for (int i = a; i < e; i += 16) {
+            vf v = vf_load_bf16(t->head + (size_t)b * V + i);
+            vf_store(t->s->logits + (size_t)b * V + i, v);
+            bad = vf_add(bad, vf_sub(v, v));
+        }
+    float z = vf_sum(bad);
+    if (z != z) __atomic_store_n(t->nonfinite, 1, __ATOMIC_RELAXED);
+}
+
+// 0, or 1 when a logit is inf or NaN, -1 when the shapes or a token id are not supported (the
+// caller falls back to torch), -2 out of memory
 int native_step(const model_t *m, const step_t *s, int threads) {
     const int hd = m->head_dim;
     if (s->B <= 0 || s->L <= 0 || threads < 1 || hd % 16 || hd > 128 || m->n_heads % m->n_kv ||
@@ -478,7 +503,8 @@ int native_step(const model_t *m, const step_t *s, int threads) {
         m->vocab % BLOCK || (m->q8 && hd % GROUP))
         return -1;
     for (int b = 0; b < s->B; b++)
-        if (s->pos[b] < 0 || s->pos[b] >= m->ctx) return -1;
+        if (s->pos[b] < 0 || s->pos[b] >= m->ctx || s->tokens[b] < 0 || s->tokens[b] >= m->vocab)
+            return -1;
     const int B = s->B, D = m->dim, F = m->hidden;
     const int width = (m->n_heads + 2 * m->n_kv) * hd;
     int in_w = D > F ? D : F;
@@ -488,6 +514,7 @@ int native_step(const model_t *m, const step_t *s, int threads) {
     size_t floats = (size_t)B * D + (size_t)B * in_w + threads * scratch_floats(s->L);
     floats += threads * (pstride + pstride / GROUP);
     size_t halves = (size_t)B * width + (size_t)B * D + (size_t)B * 2 * F + threads * pstride;
+    halves += (size_t)B * m->vocab;
     size_t q8_floats = m->q8 ? (size_t)B * in_w / GROUP * 2 : 0;  // d and sum(q) a group
     size_t q8_bytes = m->q8 ? (size_t)B * in_w : 0;
     float *mem = (float *)malloc((floats + q8_floats) * sizeof(float) + halves * sizeof(uint16_t) +
@@ -503,11 +530,14 @@ int native_step(const model_t *m, const step_t *s, int threads) {
     t.gu = t.o + (size_t)B * D;
     t.pb = t.gu + (size_t)B * 2 * F;
     t.pstride = pstride;
-    t.xq = (int8_t *)(t.pb + threads * pstride);
+    t.head = t.pb + threads * pstride;
+    t.xq = (int8_t *)(t.head + (size_t)B * m->vocab);
+    int nonfinite = 0;
+    t.nonfinite = &nonfinite;
     if (threads == 1)
         team(&t);
     else
         gomp_parallel(team, &t, (unsigned)threads, 0);
     free(mem);
-    return 0;
+    return nonfinite;
 }
