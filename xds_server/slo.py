@@ -295,12 +295,11 @@ class SloController:
             with self._lock:
                 self.last = last
             if step > 0:
-                action = self.plan[self.decide.level - 1]
-                self._record(action, "apply", self._apply(action, self._why("apply", what, dev)),
-                             what, dev)  # fmt: skip
+                action, why = self.plan[self.decide.level - 1], self._why("apply", what, dev)
+                self._log(action, "apply", self._apply(action, why), why)
             elif step < 0:
                 action = self.plan[self.decide.level]
-                self._record(action, "undo", self._undo(action), what, dev)
+                self._log(action, "undo", self._undo(action), self._why("undo", what, dev))
             if step:
                 self._remember()
             self._reassert()
@@ -311,9 +310,6 @@ class SloController:
             return (f"{what}: {dev:+.0%} for {self.slo.intervals} intervals (threshold "
                     f"{self.slo.deviation:+.0%})")  # fmt: skip
         return f"SLO held for {self.slo.recover_intervals} intervals ({what})"
-
-    def _record(self, action: str, direction: str, done: str, what: str, dev: float | None) -> None:
-        self._log(action, direction, done, self._why(direction, what, dev))
 
     def _log(self, action: str, direction: str, done: str, why: str) -> None:
         entry = {"time": self.clock(), "action": action, "direction": direction,
@@ -375,7 +371,7 @@ class SloController:
 
     def _started(self, start: _Start) -> None:
         """The scaler returned: add the replica by EDS, or record why there is none."""
-        took = f"{self.clock() - start.since:.1f}s after: {start.reason}"
+        took = f"{self.clock() - start.since:.1f}s after the apply for {start.reason}"
         if start.cancelled:
             self._log("scale_out", "stopped", self._discard(start), took)
             return
