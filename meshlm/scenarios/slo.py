@@ -9,9 +9,10 @@ asks for stories as long as make its step STEP_LOAD times the replica's decode c
 `decode_capacity` measures first (CPUs differ 3x). Then free floods (inside its rate limit) for
 STEP_INTERVALS intervals: the runtime-wide TTFT p99 breaches the SLO; after `intervals`
 breached intervals the loop sheds free at the sidecars (a quarter of its rate), then scales
-out (`--scaler local`: another `meshlm serve` and its sidecar, added by EDS) if that was not
-enough. The step ends; after `recover_intervals` met intervals each action is undone, the last
-first.
+out (`--scaler local`: another `meshlm serve` and its sidecar, added by EDS once it serves) if
+that was not enough. The replica starts off the loop's interval: every interval is still
+measured while it loads (the timeline has no gap), and the loop acts again only once it serves.
+The step ends; after `recover_intervals` met intervals each action is undone, the last first.
 
 Interval lengths: the runtime's `--metrics-window` equals the loop's interval, so each interval
 reads the calls of that interval only. STEP_INTERVALS <= INTERVALS + RECOVER_INTERVALS: the
@@ -46,7 +47,8 @@ INTERVALS, RECOVER_INTERVALS = 2, 6
 STEP_INTERVALS = 8
 WATCH_INTERVALS = 2  # after the undo: no action may follow
 BASE_FACTOR, BASE_FLOOR_MS = 4.0, 400.0
-SERVE_ARGS = ["--precision", "int4", "--max-batch", "4", "--max-queue", "4",
+MAX_BATCH = MAX_QUEUE = 4
+SERVE_ARGS = ["--precision", "int4", "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE),
               "--metrics-window", f"{INTERVAL_S:g}"]  # fmt: skip
 KEYS = {"gold": "demo-gold-key-slo", "free": "demo-free-key-slo"}
 GOLD_RATE, GOLD_TOKENS = 1.0, 4
@@ -105,7 +107,7 @@ def scenario(workdir: Path | None, act: bool, say: Any) -> dict[str, Any]:
     with running(mesh, say) as stops:
         stops.callback(watch.stop)
         rt = next(iter(mesh.runtimes.values()))
-        capacity = decode_capacity(f"127.0.0.1:{rt.port}", slots=4)
+        capacity = decode_capacity(f"127.0.0.1:{rt.port}", slots=MAX_BATCH)
         free_tokens = flood_tokens(capacity, FREE_STEP_RATE, STEP_LOAD, FREE_TOKENS_RANGE)
         say(f"the replica decodes {capacity:.0f} tokens/s in 4 slots: free asks {free_tokens}")
         gold = _traffic(mesh, "gold", GOLD_RATE, GOLD_TOKENS)
@@ -241,7 +243,8 @@ class Watch:
         step_wall = self.t0_wall + (t_step - self.t0)
         end_wall = self.t0_wall + (t_end - self.t0)
         times = sorted(self.intervals)
-        # An action is recorded once done (a scale-out takes a while): at its interval's end.
+        # Each entry at the end of the interval it followed: an apply or undo at the interval
+        # that decided it, a scale-out's `ready` at the last interval before its replica served.
         done_at: dict[float, list[str]] = {}
         for h in history:
             at = max((t for t in times if t <= h["time"]), default=None)
