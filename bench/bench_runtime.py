@@ -193,6 +193,16 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
         drafts[1] += st["draft_tokens"]
         return e
 
+    def bare_b1() -> None:
+        tps, toks = bare(int4, 1)
+        add("int4 bare b1", tps)
+        add("tokens int4 bare", toks)
+
+    def engine_b1() -> None:
+        e = _with_engine(int4, lambda engine: _engine_call(engine, ids, n))
+        add("int4 Engine b1", e["decode_tps"])
+        add("tokens int4 Engine", e["tokens"])
+
     # Warm-up, not recorded: first-call allocations, the peer's first decode.
     for lm in (int4, bf16):
         own_thread(generate.greedy, lm, [ids] * 8, 4, stop=False)
@@ -201,9 +211,11 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
         peer.decode_batch(ids, 4, 8)
     for i in range(rounds):
         prompt = text_ids[(i + 1) * p_len : (i + 2) * p_len]  # a fresh slice per round
-        tps, toks = bare(int4, 1)
-        add("int4 bare b1", tps)
-        add("tokens int4 bare", toks)
+        # the Engine right beside the bare forward, first in every other round: their ratio is
+        # taken within a round, and the machine's speed drifts over seconds
+        pair = (bare_b1, engine_b1) if i % 2 == 0 else (engine_b1, bare_b1)
+        for measure in pair:
+            measure()
         if peer is not None:
             seconds, toks = peer.decode(ids, n)
             add("llama.cpp b1", (n - 1) / seconds)
@@ -211,9 +223,6 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
             seconds, toks = peer.decode_batch(ids, n, 8)
             add("llama.cpp b8", 8 * (n - 1) / seconds)
             add("tokens llama.cpp b8", toks)
-        e = _with_engine(int4, lambda engine: _engine_call(engine, ids, n))
-        add("int4 Engine b1", e["decode_tps"])
-        add("tokens int4 Engine", e["tokens"])
         e = _with_engine(int4, lookup, speculate_lookup=SPECULATE_K)
         add("int4 Engine+lookup b1", e["decode_tps"])
         add("tokens int4 Engine+lookup", e["tokens"])
