@@ -1,7 +1,8 @@
 """The int4 model's decode step as one native call (kernels/step.c, issue 13).
 
-A decode forward (every row one new token, over the paged cache) runs all layers, the final norm
-and the int8 head in C on torch's OpenMP team instead of ~2,500 torch ops. It applies to models
+A decode forward (every row one new token, over the paged cache) runs in C on torch's OpenMP
+team instead of ~2,500 torch ops: the embedding (from the tied int8 head), all layers, the final
+norm and the head, to fp32 logits and whether one is inf or NaN. It applies to models
 whose every linear layer uses the native int4 kernels (int4 at group 32 on AVX-512 or AVX2) with
 the tied int8 head, all of one build; the step runs that build's library (libstep.so or
 libstep_avx2.so: one source, the same bits). Anything else, and prefill (T > 1), stays on torch.
