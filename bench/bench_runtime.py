@@ -212,7 +212,10 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
     for i in range(rounds):
         prompt = text_ids[(i + 1) * p_len : (i + 2) * p_len]  # a fresh slice per round
         # the Engine right beside the bare forward, first in every other round: their ratio is
-        # taken within a round, and the machine's speed drifts over seconds
+        # taken within a round, and the machine's speed drifts over seconds. A short decode
+        # first, not recorded: whichever came first after the round before (a bf16 prefill)
+        # read ~25 % slow (AMD Zen 5: 277-299 vs ~400 tok/s for the same step later in the round)
+        own_thread(_bare_decode, int4, ids, 16, 1)
         pair = (bare_b1, engine_b1) if i % 2 == 0 else (engine_b1, bare_b1)
         for measure in pair:
             measure()
