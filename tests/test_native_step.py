@@ -142,6 +142,14 @@ def test_bf16_model_keeps_torchs_ops(smollm_bf16):
     assert native_step.attach(smollm_bf16.model) is None
 
 
+def _attached(lm):
+    """The model's native step, or None where it does not apply, which is then said."""
+    nat = native_step.attach(lm.model)
+    if nat is None:
+        assert native_step.why_not(lm.model)
+    return nat
+
+
 def _logits(nat, tokens, kv, lay) -> torch.Tensor:
     """A native step's logits, which it says are all finite."""
     logits, finite = nat(tokens, kv, lay)
@@ -153,11 +161,9 @@ def _logits(nat, tokens, kv, lay) -> torch.Tensor:
 def test_native_step_matches_torchs_ops(int4):
     """Teacher-forced over 24 steps: layer 0's K/V bit-identical, logits within bf16 noise,
     the same greedy choice on nearly every step."""
-    m = int4.model
-    nat = native_step.attach(m)
+    m, nat = int4.model, _attached(int4)
     if nat is None:
-        assert native_step.why_not(m)  # the reason is said, torch's ops serve instead
-        return
+        return  # torch's ops serve instead, the reason said
     kv, seqs, nxt = _prefilled(int4, [int4.tokenizer.encode_chat(STORY)])
     agree, worst = 0, 0.0
     for _ in range(24):
@@ -181,11 +187,9 @@ def test_native_step_matches_torchs_ops(int4):
 def test_a_row_decodes_the_same_alone_or_batched(int4):
     """Rows never mix: beside a longer prompt and its padding, a row's logits are bit-identical
     to its logits alone (what keeps batching and speculation token-identical)."""
-    m = int4.model
-    nat = native_step.attach(m)
+    nat = _attached(int4)
     if nat is None:
-        assert native_step.why_not(m)  # the reason is said, torch's ops serve instead
-        return
+        return  # torch's ops serve instead, the reason said
     short = int4.tokenizer.encode_chat(STORY)
     long = int4.tokenizer.encode("The history of the city goes back to the Romans. " * 12)
     kv, seqs, nxt = _prefilled(int4, [short, long])
@@ -201,11 +205,9 @@ def test_a_row_decodes_the_same_alone_or_batched(int4):
 def test_a_nonfinite_logit_is_reported_and_a_bad_token_id_left_to_torch(int4):
     """The step says when a logit is inf or NaN (the guard then redoes the step in torch ops);
     a token id outside the vocabulary is not embedded natively: torch's path raises."""
-    m = int4.model
-    nat = native_step.attach(m)
+    m, nat = int4.model, _attached(int4)
     if nat is None:
-        assert native_step.why_not(m)  # the reason is said, torch's ops serve instead
-        return
+        return  # torch's ops serve instead, the reason said
     kv, seqs, nxt = _prefilled(int4, [int4.tokenizer.encode_chat(STORY)])
     lay = layout_decode(seqs, BS)
     saved = m.norm[:2].clone()
@@ -226,11 +228,9 @@ def test_a_nonfinite_logit_is_reported_and_a_bad_token_id_left_to_torch(int4):
 def test_a_step_gives_the_same_bits_on_any_thread_count(int4, rows):
     """Also across step.c's two attention kernels: one row's 3 K/V heads are 3 grouped tasks on
     1 thread (each K/V head's 3 query heads together) and 9 per-head ones on 2 and 3."""
-    m = int4.model
-    nat = native_step.attach(m)
+    nat = _attached(int4)
     if nat is None:
-        assert native_step.why_not(m)  # the reason is said, torch's ops serve instead
-        return
+        return  # torch's ops serve instead, the reason said
     prompts = [int4.tokenizer.encode_chat(STORY), int4.tokenizer.encode("Once upon a time")]
     kv, seqs, nxt = _prefilled(int4, prompts[:rows])
     lay = layout_decode(seqs, BS)
