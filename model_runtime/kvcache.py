@@ -129,7 +129,7 @@ def _run(gather: np.ndarray, valid: np.ndarray) -> tuple[int, int] | None:
     stride = int(start[1] - start[0]) if len(start) > 1 else 0
     if stride < 0 or (np.diff(start) != stride).any():
         return None
-    offs = _offsets(gather.shape[1], 1)[0]
+    offs = np.arange(gather.shape[1])
     if not (np.where(valid, gather - start[:, None], offs) == offs).all():
         return None
     return int(start[0]), stride

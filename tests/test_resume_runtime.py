@@ -5,8 +5,6 @@ when asked to avoid itself. Every comparison is with an uninterrupted stream com
 
 from __future__ import annotations
 
-import queue
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -17,6 +15,7 @@ from model_runtime.engine import Engine, GenerateParams
 from model_runtime.service import REPLICA_HEADER, Runtime
 from schemas import codec
 from tests.runtime_fixtures import serving_runtime
+from tests.test_engine_scheduler import chat, run
 
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 SEEDED = {"temperature": 0.9, "top_k": 50, "top_p": 0.95, "seed": 7}
@@ -207,17 +206,10 @@ def test_a_resume_reuses_the_prefix_cache_for_the_prompt_and_delivered_ids(
 
 def _engine_ids(loaded, params: GenerateParams) -> list[int]:
     """The token ids a fresh Engine (nothing in its prefix cache) sends for `params`."""
-    events: queue.SimpleQueue = queue.SimpleQueue()
     engine = Engine(loaded, max_batch=2)
     engine.start()
     try:
-        engine.submit(f"resume-{time.monotonic_ns()}", params, events.put)
-        ids: list[int] = []
-        while True:
-            ev = events.get(timeout=120)
-            ids += ev.token_ids
-            if ev.finish_reason is not None:
-                return ids
+        return run(engine, [params])[0].ids
     finally:
         engine.shutdown(drain_timeout=5)
 
@@ -233,8 +225,9 @@ def test_a_resume_where_nothing_is_cached_goes_on_as_the_uninterrupted_stream(
     gave other logits than those steps, and on an AMD EPYC these two resume points then chose
     another token at a near-tie (`meshlm demo --scenario stall` resumed a stream no replica
     would have sent)."""
-    ids = smollm_int4.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-    full = _engine_ids(smollm_int4, GenerateParams(ids, max_new_tokens=10))
+    full = _engine_ids(smollm_int4, chat(smollm_int4, prompt, max_new_tokens=10))
     assert len(full) > k
-    resumed = _engine_ids(smollm_int4, GenerateParams(ids, max_new_tokens=10, resume_ids=full[:k]))
+    resumed = _engine_ids(
+        smollm_int4, chat(smollm_int4, prompt, max_new_tokens=10, resume_ids=full[:k])
+    )
     assert resumed == full[k:]
