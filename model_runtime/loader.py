@@ -229,10 +229,11 @@ def load(
         why = native_step.why_not(model)
         step = "one native call" if why is None else f"torch ops ({why})"
         description += f"; decode steps in {step}"
-    elif device == "cpu":
+    if device == "cpu":
         why = native_attention.why_not(model)
         attention = "one native call a layer" if why is None else f"torch's SDPA ({why})"
-        description += f"; decode attention in {attention}"
+        scope = "prefill attention" if precision == "int4" else "attention"
+        description += f"; {scope} in {attention}"
     g_size = group_size if precision == "int4" else None
     tag = precision if g_size in (None, 32) else f"{precision}-g{g_size}"
     tag += "-head4" if precision == "int4" and head_bits == 4 else ""

@@ -114,7 +114,7 @@ class Attention(nn.Module):
     def forward(
         self, x, rope, layer: int, cache: KVCache | None, lay: BatchLayout | None, mask, native=None
     ):
-        """`native`: native_attention.NativeAttention for a decode step (T = 1), or None."""
+        """`native`: native_attention.NativeAttention (decode steps, prefill chunks), or None."""
         B, T, _ = x.shape
         nq = self.n_heads + self.n_kv
         qkv = self.wqkv(x).view(B, T, nq + self.n_kv, self.hd)
@@ -131,7 +131,7 @@ class Attention(nn.Module):
             kv.index_copy_(
                 0, lay.write_slots, qkv[:, :, self.n_heads :].reshape(B * T, 2, -1, self.hd)
             )
-            if native is not None and T == 1:
+            if native is not None:
                 y = native(qkv, cache.kv, layer, lay)
                 if y is not None:
                     return self.wo(y)
@@ -197,7 +197,8 @@ class Transformer(nn.Module):
         # decode steps in one native call (native_step.py): "auto" until the first decode step
         # decides (the linears are swapped for quantized ones after construction)
         self.native_step: Callable | str | None = "auto"
-        # its attention alone, where the step does not apply (native_attention.py): "auto" alike
+        # attention alone, for prefill chunks and decode steps the step does not take
+        # (native_attention.py): "auto" alike
         self.native_attention: Callable | str | None = "auto"
         self.requires_grad_(False)
 
@@ -245,10 +246,11 @@ class Transformer(nn.Module):
         """tokens [B, T] -> logits float32 [B, T, V] (all_logits) or [B, V] (last position)."""
         B, T = tokens.shape
         native = None
-        if T == 1 and lay is not None and cache is not None and not all_logits:
-            logits = self._native_decode(tokens, cache, lay)
-            if logits is not None:
-                return logits
+        if lay is not None and cache is not None:
+            if T == 1 and not all_logits:
+                logits = self._native_decode(tokens, cache, lay)
+                if logits is not None:
+                    return logits
             if self.native_attention == "auto":
                 from model_runtime import native_attention
 

@@ -1,10 +1,17 @@
-"""Decode attention in one native call per layer (kernels/step.c `native_attention`), for models
-whose decode step otherwise runs in torch ops: a bf16 model on a CPU with the native kernels.
+"""Attention over the paged cache in one native call per layer (kernels/step.c
+`native_attention`): for a decode step that otherwise runs in torch ops (a bf16 model on a CPU
+with the native kernels), and for every prefill chunk.
 
 The same attention as the int4 model's native step (torch's CPU flash kernel's arithmetic: fp32
 scores, probabilities rounded to bf16 before they weigh V; its exp and dot-product order are not
 torch's, so an output may differ from SDPA's in the last bit). torch's SDPA over the gathered
 cache took ~31 % of a bf16 batch-8 decode step here. Off with MESHLM_NATIVE_STEP=0, like the step.
+
+Prefill: each row's output depends on its own query and keys alone, never on which rows share its
+chunk. torch's SDPA gave a prompt's row other bits when the prompt was prefilled from a prefix-cache
+hit (rows 16-34 of a 35-token prompt) than whole, and at a near-tie the stream then took another
+token: a greedy stream depended on what the replica had served before (the stall demo's resumed
+streams unlike any uninterrupted one).
 """
 
 from __future__ import annotations
@@ -30,8 +37,8 @@ def why_not(model: torch.nn.Module) -> str | None:
 
 
 class NativeAttention:
-    """Called by each layer's Attention on a decode step (T = 1) once the new K/V are in the
-    cache. Holds no tensors: a copy of the model shares it."""
+    """Called by each layer's Attention on a decode step or a prefill chunk once the new K/V are
+    in the cache. Holds no tensors: a copy of the model shares it."""
 
     def __init__(self, model: torch.nn.Module):
         a = model.args
@@ -43,25 +50,36 @@ class NativeAttention:
         return self
 
     def __call__(self, qkv: torch.Tensor, kv: torch.Tensor, layer: int, lay) -> torch.Tensor | None:
-        """qkv [B, 1, n_heads + 2 n_kv, hd] bf16 (q after RoPE), kv the whole cache -> the
-        attention output [B, 1, n_heads * hd] bf16, or None where it does not apply."""
-        B = qkv.shape[0]
+        """qkv [B, T, n_heads + 2 n_kv, hd] bf16 (q after RoPE) of a decode step (T = 1) or of
+        one sequence's prefill chunk (B = 1, `lay` from kvcache.layout_prefill), kv the whole
+        cache -> the attention output [B, T, n_heads * hd] bf16, or None where it does not apply."""
+        B, T = qkv.shape[:2]
         if kv.dtype != torch.bfloat16 or not (kv.is_contiguous() and qkv.is_contiguous()):
             return None
-        attended = native_step.attended_slots(lay, B)
-        if attended is None:
+        if T == 1:
+            attended = native_step.attended_slots(lay, B)
+            if attended is None:
+                return None
+            (gather, mask), keys0 = attended, 0
+        elif B == 1 and lay.gather_slots.shape[0] == 1:
+            # row t attends the chunk's first position's keys and its own: the layout's slots
+            # end with the chunk (layout_prefill)
+            gather, mask = lay.gather_slots.contiguous(), None
+            keys0 = gather.shape[1] - T + 1
+            if keys0 < 1 or int(lay.input_pos[0, 0]) != keys0 - 1:
+                return None
+        else:
             return None
-        gather, mask = attended
-        out = torch.empty(B, self.n_heads * self.hd, dtype=torch.float32)
+        out = torch.empty(B * T, self.n_heads * self.hd, dtype=torch.float32)
         a = native_step.AttnArgs(
-            B, gather.shape[1], self.n_heads, self.n_kv, self.hd, layer, qkv.data_ptr(),
+            B * T, gather.shape[1], self.n_heads, self.n_kv, self.hd, layer, qkv.data_ptr(),
             gather.data_ptr(), 0 if mask is None else mask.data_ptr(), kv.data_ptr(),
-            kv.shape[1], out.data_ptr(),
+            kv.shape[1], out.data_ptr(), keys0,
         )  # fmt: skip
         rc = self.lib.native_attention(ctypes.byref(a), torch.get_num_threads())
         if rc == -2:
             raise MemoryError("native attention: out of memory")
-        return out.to(torch.bfloat16).view(B, 1, -1) if rc == 0 else None
+        return out.to(torch.bfloat16).view(B, T, -1) if rc == 0 else None
 
 
 def attach(model: torch.nn.Module) -> NativeAttention | None:
@@ -69,5 +87,5 @@ def attach(model: torch.nn.Module) -> NativeAttention | None:
 
 
 def use(model: torch.nn.Module, on: bool) -> None:
-    """Turn native decode attention on (where it applies) or off for `model`."""
+    """Turn native attention on (where it applies) or off for `model`."""
     model.native_attention = attach(model) if on else None

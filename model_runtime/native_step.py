@@ -51,13 +51,13 @@ class _Model(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("B", ctypes.c_int), ("L", ctypes.c_int), ("tokens", _P), ("pos", _P)]
     _fields_ += [("write_slots", _P), ("gather", _P), ("mask", _P), ("kv", _P)]
-    _fields_ += [("n_slots", ctypes.c_int64), ("logits", _P)]
+    _fields_ += [("n_slots", ctypes.c_int64), ("logits", _P), ("keys0", ctypes.c_int)]
 
 
 class AttnArgs(ctypes.Structure):  # step.c attn_t (native_attention.py)
     _fields_ = [(name, ctypes.c_int) for name in ("B", "L", "n_heads", "n_kv", "head_dim", "layer")]
     _fields_ += [("qkv", _P), ("gather", _P), ("mask", _P), ("kv", _P)]
-    _fields_ += [("n_slots", ctypes.c_int64), ("out", _P)]
+    _fields_ += [("n_slots", ctypes.c_int64), ("out", _P), ("keys0", ctypes.c_int)]
 
 
 @functools.cache

@@ -133,6 +133,26 @@ def test_prefix_reuse_gives_identical_tokens_and_counts_hits(engine, smollm_bf16
     assert other.text == "The answer to this classic math problem is 4."
 
 
+def test_a_greedy_stream_does_not_depend_on_what_the_engine_served_before(smollm_int4):
+    """Prefilled whole on a fresh engine or from the system prompt's blocks another prompt left
+    cached: the same tokens (the stall demo once saw a stream that no uninterrupted call gave,
+    from a replica whose prefix cache held other prompts; prefill attention is native now)."""
+    target = chat(smollm_int4, "Say hello in Spanish.", max_new_tokens=10)
+    streams, hits = [], []
+    for before in ([], [chat(smollm_int4, PROMPTS[1], max_new_tokens=10)]):
+        e = Engine(smollm_int4, max_batch=4)
+        e.start()
+        try:
+            run(e, before)
+            hit = e.stats()["prefix_hit_tokens"]
+            streams.append(run(e, [target])[0].ids)
+            hits.append(e.stats()["prefix_hit_tokens"] - hit)
+        finally:
+            e.shutdown()
+    assert hits[0] == 0 and 0 < hits[1] < len(target.prompt_ids) - e.block_size
+    assert streams[0] == streams[1]
+
+
 def test_cancel_frees_blocks_and_reports_cancelled(engine, smollm_bf16):
     s = Stream()
     engine.submit(

@@ -124,10 +124,10 @@ def test_int4_decodes_natively_by_default_and_the_switch_turns_it_off(int4_defau
     why = native_step.why_not(lm.model)
     if why is None:
         assert isinstance(lm.model.native_step, native_step.NativeStep)
-        assert lm.info.compute.endswith("; decode steps in one native call")
+        assert "; decode steps in one native call; prefill attention in " in lm.info.compute
     else:  # another CPU: torch's ops, and the reason is given (Info's `compute` says it too)
         assert lm.model.native_step is None
-        assert lm.info.compute.endswith(f"; decode steps in torch ops ({why})")
+        assert f"; decode steps in torch ops ({why}); prefill attention in " in lm.info.compute
     monkeypatch.setenv("MESHLM_NATIVE_STEP", "0")
     with undecided(int4.model):
         off = copy.deepcopy(int4)
@@ -321,6 +321,55 @@ def test_native_attention_matches_sdpa_and_keeps_rows_apart(precision, smollm_bf
     assert agree >= 26, agree  # of 32 (a broken attention agrees on few; near-ties may flip)
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("precision", ["bf16", "int4"])
+def test_a_prompt_prefills_to_the_same_bits_in_any_chunks(precision, smollm_bf16, smollm_int4):
+    """Prefill attention native: a prompt's last logits and every K/V it writes are the same bits
+    prefilled whole, from a prefix-cache hit (16, 32: the engine's block boundaries), in chunks
+    that start anywhere, or on one thread, and within bf16 noise of SDPA's. Under SDPA a row got
+    other bits prefilled after a 16-token hit than whole, and a greedy stream took another token
+    at a near-tie (the stall demo's resumed stream unlike any uninterrupted one)."""
+    lm = smollm_bf16 if precision == "bf16" else smollm_int4
+    m = lm.model
+    nat = native_attention.attach(m)
+    if nat is None:
+        assert native_attention.why_not(m)
+        return  # torch's SDPA serves, the reason said (Info's `compute` too)
+    ids = lm.tokenizer.encode_chat(STORY)
+    splits = [[0], [0, 16], [0, 32], [0, 7, 23], [0, 16, len(ids) - 1]]
+    kv, seqs = generate.paged_cache(m, len(splits) + 2, len(ids))
+    slots = [s.slots_np(0, len(ids), BS) for s in seqs]
+    threads = torch.get_num_threads()
+
+    def prefill(i: int, starts: list[int], path) -> torch.Tensor:
+        with attention_only(m, path):  # a 1-token chunk, too, in native attention alone
+            for start, end in zip(starts, [*starts[1:], len(ids)], strict=True):
+                lay = layout_prefill(seqs[i], start, end - start, BS)
+                logits = m(torch.tensor([ids[start:end]]), kv, lay)
+        return logits
+
+    answered = []
+
+    def counted(*args):
+        y = nat(*args)
+        answered.append(y is not None)
+        return y
+
+    whole = [prefill(i, starts, counted) for i, starts in enumerate(splits)]
+    try:
+        torch.set_num_threads(1)
+        whole.append(prefill(len(splits), [0], counted))
+    finally:
+        torch.set_num_threads(threads)
+    sdpa = prefill(len(splits) + 1, [0], None)
+    assert all(answered) and len(answered) == sum(map(len, splits), 1) * m.args.n_layers
+    for i in range(1, len(whole)):
+        assert torch.equal(whole[i], whole[0]), i
+        assert torch.equal(kv.kv[:, slots[i]], kv.kv[:, slots[0]]), i
+    assert float((whole[0] - sdpa).abs().max()) < 2.0  # logits span ~40 (see above)
+    assert int(whole[0].argmax()) == int(sdpa.argmax())
+
+
 def test_a_bf16_model_decodes_with_native_attention_by_default(smollm_bf16, monkeypatch):
     ids = smollm_bf16.tokenizer.encode_chat(STORY)
     with undecided(smollm_bf16.model):
@@ -330,10 +379,10 @@ def test_a_bf16_model_decodes_with_native_attention_by_default(smollm_bf16, monk
     assert native_step.why_not(lm.model) is not None  # not an int4 model: no native step
     if why is None:
         assert isinstance(lm.model.native_attention, native_attention.NativeAttention)
-        assert lm.info.compute.endswith("; decode attention in one native call a layer")
+        assert lm.info.compute.endswith("; attention in one native call a layer")
     else:  # another CPU: torch's SDPA, and the reason is given (Info's `compute` too)
         assert lm.model.native_attention is None
-        assert lm.info.compute.endswith(f"; decode attention in torch's SDPA ({why})")
+        assert lm.info.compute.endswith(f"; attention in torch's SDPA ({why})")
     monkeypatch.setenv("MESHLM_NATIVE_STEP", "0")
     with undecided(smollm_bf16.model):
         off = copy.deepcopy(smollm_bf16)

@@ -50,6 +50,9 @@ typedef struct {
     uint16_t *kv;                // [n_layers, n_slots, 2, n_kv, head_dim] bf16
     int64_t n_slots;
     float *logits;  // [B, vocab] fp32: bf16 values, as torch's head then .float()
+    // prefill rows (native_attention alone): > 0, every row reads gather's first row, row b
+    // its first keys0 + b slots (causal; mask unused); 0, gather and mask as above
+    int keys0;
 } step_t;
 
 typedef void (*gomp_barrier_fn)(void);
@@ -228,8 +231,10 @@ static inline void prefetch_row(const uint16_t *p, int hd) {
         const int width = (m->n_heads + 2 * m->n_kv) * hd;                                        \
         const size_t kvw = (size_t)2 * m->n_kv * hd;                                              \
         const uint16_t *base = s->kv + (size_t)layer * s->n_slots * kvw;                          \
-        const int64_t *slots = s->gather + (size_t)b * L;                                         \
-        const uint8_t *mask = s->mask ? s->mask + (size_t)b * L : NULL;                           \
+        const int64_t *slots = s->gather + (s->keys0 ? 0 : (size_t)b * L);                        \
+        const uint8_t *mask = s->mask && !s->keys0 ? s->mask + (size_t)b * L : NULL;              \
+        /* keys past a row's last are skipped, not masked: the same bits (they add 0s) */        \
+        const int n_keys = s->keys0 ? s->keys0 + b : L;                                           \
         const float scale = 1.0f / sqrtf((float)hd);                                              \
         float *sc[NH], mx[NH], sum[NH], bm[NH], nm[NH], corr[NH], bs[NH];                         \
         vf q[NH][HD16], acc[NH][HD16];                                                            \
@@ -241,8 +246,8 @@ static inline void prefetch_row(const uint16_t *p, int hd) {
             for (int i = 0; i < HD16; i++) acc[r][i] = vf_zero();                                 \
             mx[r] = -INFINITY, sum[r] = 0.0f, nan[r] = 0;                                         \
         }                                                                                         \
-        for (int j0 = 0; j0 < L; j0 += KV_SPLIT) {                                                \
-            int j1 = j0 + KV_SPLIT < L ? j0 + KV_SPLIT : L;                                       \
+        for (int j0 = 0; j0 < n_keys; j0 += KV_SPLIT) {                                           \
+            int j1 = j0 + KV_SPLIT < n_keys ? j0 + KV_SPLIT : n_keys;                             \
             for (int r = 0; r < NH; r++) bm[r] = -INFINITY;                                       \
             for (int j = j0; j < j1; j++) {                                                       \
                 if (mask && !mask[j]) {                                                           \
@@ -337,20 +342,22 @@ static attend_fn grouped(const model_t *m) {
 static size_t scratch_floats(int L) { return (size_t)GQA_MAX * L; }
 
 // layer's attention, thread tid of n: (row, K/V head) tasks where a grouped kernel fits and there
-// are enough of them to keep every thread busy, else (row, query head) ones
+// are enough of them to keep every thread busy, else (row, query head) ones; a thread takes a
+// run of tasks, or every n-th of prefill rows (whose keys grow row by row)
 static void attend_layer(const team_arg_t *t, int layer, int tid, int n, float *scratch) {
     const model_t *m = t->m;
     const int B = t->s->B, rep = m->n_heads / m->n_kv;
     attend_fn fn = grouped(m);
-    if (fn && B * m->n_kv >= 2 * n) {
-        int tasks = B * m->n_kv;
-        for (int k = tasks * tid / n; k < tasks * (tid + 1) / n; k++)
+    const int grouped_tasks = fn && B * m->n_kv >= 2 * n;
+    const int tasks = B * (grouped_tasks ? m->n_kv : m->n_heads);
+    const int strided = t->s->keys0 > 0;
+    const int k0 = strided ? tid : tasks * tid / n, k1 = strided ? tasks : tasks * (tid + 1) / n;
+    for (int k = k0; k < k1; k += strided ? n : 1) {
+        if (grouped_tasks)
             fn(t, layer, k / m->n_kv, (k % m->n_kv) * rep, scratch);
-        return;
+        else
+            ONE_HEAD[m->head_dim / 16](t, layer, k / m->n_heads, k % m->n_heads, scratch);
     }
-    int tasks = B * m->n_heads;
-    for (int k = tasks * tid / n; k < tasks * (tid + 1) / n; k++)
-        ONE_HEAD[m->head_dim / 16](t, layer, k / m->n_heads, k % m->n_heads, scratch);
 }
 
 // --- attention alone, for a decode step that runs in torch ops otherwise (a bf16 model):
@@ -359,11 +366,12 @@ static void attend_layer(const team_arg_t *t, int layer, int tid, int n, float *
 typedef struct {
     int B, L, n_heads, n_kv, head_dim, layer;
     const uint16_t *qkv;     // [B, (n_heads + 2 n_kv) head_dim] bf16, q after RoPE
-    const int64_t *gather;   // [B, L] slots each row attends
+    const int64_t *gather;   // [B, L] slots each row attends ([L] with keys0)
     const uint8_t *mask;     // bool [B, L], NULL: every slot attended
     const uint16_t *kv;      // the cache [n_layers, n_slots, 2, n_kv, head_dim] bf16
     int64_t n_slots;
     float *out;              // [B, n_heads head_dim]: bf16 values
+    int keys0;               // prefill rows: step_t's
 } attn_t;
 
 static void attention_team(void *arg) {
@@ -376,13 +384,14 @@ static void attention_team(void *arg) {
 int native_attention(const attn_t *a, int threads) {
     const int hd = a->head_dim;
     if (a->B <= 0 || a->L <= 0 || threads < 1 || hd % 16 || hd > 128 || a->n_kv <= 0 ||
-        a->n_heads % a->n_kv || a->layer < 0)
+        a->n_heads % a->n_kv || a->layer < 0 || a->keys0 < 0 ||
+        (a->keys0 && a->keys0 + a->B - 1 > a->L))
         return -1;
     if (!gomp_parallel || !omp_num_threads) threads = 1;
     model_t m = {0};
     m.n_heads = a->n_heads, m.n_kv = a->n_kv, m.head_dim = hd;
     step_t s = {0};
-    s.B = a->B, s.L = a->L, s.gather = a->gather, s.mask = a->mask;
+    s.B = a->B, s.L = a->L, s.gather = a->gather, s.mask = a->mask, s.keys0 = a->keys0;
     s.kv = (uint16_t *)a->kv, s.n_slots = a->n_slots;
     float *scratch = (float *)malloc(threads * scratch_floats(a->L) * sizeof(float));
     if (!scratch) return -2;
