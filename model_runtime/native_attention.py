@@ -62,8 +62,8 @@ class NativeAttention:
                 return None
             (gather, mask), keys0 = attended, 0
         elif B == 1 and lay.gather_slots.shape[0] == 1:
-            # row t attends the chunk's first position's keys and its own: the layout's slots
-            # end with the chunk (layout_prefill)
+            # row t attends slots [0, start + t]: the layout's slots end with the chunk's
+            # (layout_prefill), so start = L - T
             gather, mask = lay.gather_slots.contiguous(), None
             keys0 = gather.shape[1] - T + 1
             if keys0 < 1 or int(lay.input_pos[0, 0]) != keys0 - 1:
