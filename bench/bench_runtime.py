@@ -254,7 +254,7 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
         add("bf16 bare b1", tps)
         add("tokens bf16 bare", toks)
         add("bf16 bare b8", bare(bf16, 8)[0])
-        if native_attention.why_not(bf16.model) is None:  # its decode attention in torch's SDPA
+        if native_attention.why_not(bf16.model) is None:  # its attention in torch's SDPA
             bf16.model.native_attention = None
             try:
                 tps, toks = bare(bf16, 1)
@@ -390,8 +390,8 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         ("ours", "bare forward, native AVX2 build", "int4", 8, "int4 avx2 b8", None),
         ("ours", "bare forward", "bf16", 1, "bf16 bare b1", "prefill bf16 bare"),
         ("ours", "bare forward", "bf16", 8, "bf16 bare b8", None),
-        ("ours", "bare, decode attention in torch's SDPA", "bf16", 1, "bf16 sdpa b1", None),
-        ("ours", "bare, decode attention in torch's SDPA", "bf16", 8, "bf16 sdpa b8", None),
+        ("ours", "bare, attention in torch's SDPA", "bf16", 1, "bf16 sdpa b1", None),
+        ("ours", "bare, attention in torch's SDPA", "bf16", 8, "bf16 sdpa b8", None),
         ("llama.cpp", "`Llama.eval` + argmax", "Q4_1", 1, "llama.cpp b1", "prefill llama.cpp"),
         ("llama.cpp", "8 sequences per `llama_decode` + argmax", "Q4_1", 8, "llama.cpp b8", None),
     ]
@@ -487,7 +487,7 @@ def _speed_section(r: dict, peer: LlamaPeer | None, n: int, p_len: int, rounds: 
         lines[-1] += f" (CPU ms per token, b1, prefill included: {cpu[0]} vs {cpu[1]})"
     if "tokens bf16 sdpa" in r:
         na = _first_difference(r["tokens bf16 bare"][0], r["tokens bf16 sdpa"][0])
-        lines[-1] += f"; bf16: native decode attention vs torch's SDPA {na}"
+        lines[-1] += f"; bf16: native attention vs torch's SDPA {na}"
     if peer is not None:
         peer_cmp = _first_difference(r["tokens int4 bare"][0], r["tokens llama.cpp"][0])
         lines[-1] += f"; ours vs llama.cpp {peer_cmp} (its kernels round activations to 8 bits)"

@@ -24,7 +24,7 @@ from model_runtime import kernels, native_step
 
 
 def why_not(model: torch.nn.Module) -> str | None:
-    """None when native attention applies to `model`'s decode steps, else why not."""
+    """Why native attention (decode steps, prefill chunks) does not apply to `model`, or None."""
     off = native_step.switched_off(model)
     if off is not None:
         return off
