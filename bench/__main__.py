@@ -6,8 +6,8 @@ states the machine, the command and the peer it compares against; the section is
 
 An area whose figures depend on the CPU's instruction sets (`BY_CPU_KIND = True` in its module:
 runtime, compute) keeps one section per CPU kind instead, `bench/results/<area>/<kind>.md`
-(bench.machine.cpu_kind: 'AVX2 (AMD EPYC)'); a run replaces only its own kind's section, and
-BENCHMARKS.md shows them all under the area's heading, each as '### <heading>: <kind>'.
+(bench.machine.cpu_kind: 'AVX2 (AMD EPYC family 25)'); a run replaces only its own kind's section,
+and BENCHMARKS.md shows them all under the area's heading, each as '### <heading>: <kind>'.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ def _area_text(area: str) -> str | None:
     index = "".join(f"- [{h.rpartition(': ')[2]}](#{anchor(h)})\n" for h in headings)
     intro = (
         f"## {title}\n\nOne section per kind of CPU (the instruction sets the kernels are chosen "
-        f"by, then the CPU's name): speed does not carry over between them. `python -m bench "
-        f"{area}` replaces only the section of the CPU it runs on.\n\n{index}\n"
+        "by, then the CPU's name, an AMD CPU's with its family): speed does not carry over "
+        f"between them. `python -m bench {area}` replaces only the section of the CPU it runs "
+        f"on.\n\n{index}\n"
     )
     return intro + "\n".join(sections)
 
@@ -71,7 +72,7 @@ def main() -> None:
         path = RESULTS / f"{area}.md"
         if getattr(mod, "BY_CPU_KIND", False):
             title, _, rest = section.partition("\n")
-            section = f"#{title}: {cpu_kind()}\n{rest}"  # '## T' -> '### T: AVX2 (AMD EPYC)'
+            section = f"#{title}: {cpu_kind()}\n{rest}"  # '## T' -> '### T: AVX2 (Intel Xeon)'
             path = RESULTS / area / f"{anchor(cpu_kind())}.md"
             path.parent.mkdir(exist_ok=True)
         path.write_text(section)
