@@ -21,6 +21,7 @@ from model_runtime import kernels
 from model_runtime.gguf_loader import Q4_1
 
 NATIVE_BLOCK = 64  # output columns per block of the native layout (kernels/qmm.c)
+_SHIFTS = torch.tensor([[0, 16], [4, 20], [8, 24], [12, 28]], dtype=torch.int32)  # [j, k % 2]
 
 
 def _pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype):
@@ -29,10 +30,12 @@ def _pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: t
     n, k = codes.shape
     group = k // scale.shape[1]
     if dtype == torch.bfloat16 and group == 32 and n % NATIVE_BLOCK == 0 and kernels.applies():
-        # panels of 16 columns: [panel, k / 2, column] bytes holding k (low nibble) and k + 1,
-        # then [panel, group, scale | zero, column] bf16
-        c = codes.to(torch.uint8).view(n // NATIVE_BLOCK, NATIVE_BLOCK, k // 2, 2)
-        packed = (c[..., 0] | (c[..., 1] << 4)).permute(0, 2, 1).contiguous()
+        # kernels/qmm.c's layout: [block, k / 8, panel, column] 32-bit lanes holding k + 2 j in
+        # bits 4 j and k + 2 j + 1 in bits 16 + 4 j (j < 4), as bytes [block, k / 2, 64]; then
+        # [block, group, scale | zero, column] bf16
+        c = codes.to(torch.int32).view(n // NATIVE_BLOCK, 4, 16, k // 8, 4, 2)
+        lanes = (c << _SHIFTS).sum(dim=(-2, -1), dtype=torch.int32).permute(0, 3, 1, 2)
+        packed = lanes.contiguous().view(torch.uint8).view(n // NATIVE_BLOCK, k // 2, NATIVE_BLOCK)
         sz = torch.stack([scale.to(dtype), zero.to(dtype)])  # [2, n, groups]
         sz = sz.view(2, n // NATIVE_BLOCK, NATIVE_BLOCK, -1).permute(1, 3, 0, 2).contiguous()
         return packed, sz, kernels.isa()
@@ -41,15 +44,22 @@ def _pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: t
     return packed, sz, None
 
 
+def native_codes(packed: torch.Tensor) -> torch.Tensor:
+    """The native int4 layout's codes (_pack) as uint8 [N, K]."""
+    blocks, halves, _ = packed.shape
+    lanes = packed.view(torch.int32).view(blocks, halves // 4, 4, 16, 1, 1)
+    c = (lanes >> _SHIFTS) & 15  # [block, k / 8, panel, column, j, k % 2]
+    return c.permute(0, 2, 3, 1, 4, 5).reshape(blocks * NATIVE_BLOCK, halves * 2).to(torch.uint8)
+
+
 def pack_q8(packed: torch.Tensor) -> torch.Tensor:
-    """The native int4 layout's codes [N / 64, K / 2, 64] in kernels/q8.c's layout for int8
-    activations: [N / 16, K / 8, 16, 4] bytes, byte j of lane c holding column c's codes at
-    k0 + j (low nibble) and k0 + 4 + j (high)."""
-    blocks, pairs, _ = packed.shape
-    n, k = blocks * NATIVE_BLOCK, pairs * 2
-    codes = torch.stack([packed & 15, packed >> 4], dim=-1)  # [N / 64, K / 2, 64, 2]
-    codes = codes.permute(0, 2, 1, 3).reshape(n // 16, 16, k // 8, 2, 4)
-    codes = codes.permute(0, 2, 1, 4, 3)  # [panel, chunk, lane, j, half]
+    """The native int4 layout's codes in kernels/q8.c's layout for int8 activations:
+    [N / 16, K / 8, 16, 4] bytes, byte j of lane c holding column c's codes at k0 + j (low
+    nibble) and k0 + 4 + j (high)."""
+    codes = native_codes(packed)
+    n, k = codes.shape
+    # [panel, chunk, lane, j, half]
+    codes = codes.view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 1, 4, 3)
     return (codes[..., 0] | (codes[..., 1] << 4)).contiguous()
 
 

@@ -14,7 +14,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 
 typedef __m512 vf;   // 16 x fp32
-typedef __m512i vu;  // 16 x uint32 (int4 code bytes)
+typedef __m512i vu;  // 16 x uint32 (int4 codes)
 
 static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
 static inline vf vf_set1(float f) { return _mm512_set1_ps(f); }
@@ -55,17 +55,14 @@ static inline void vf_store_bf16(uint16_t *p, vf v, uint32_t nan) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
 
-// 16 bytes, each zero-extended to a lane
-static inline vu vu_load_u8(const uint8_t *p) {
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-}
+// 64 bytes of int4 codes as 16 lanes of 32 bits
+static inline vu vu_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
 
-// the low and the high 4 bits of each byte, q, as the float q - 8 (a table lookup on 4 bits)
-static inline vf vf_nibble_lo(vu b) {
+// bits [shift, shift + 4) of each lane, q, as the float q - 8 (a table lookup on 4 bits)
+static inline vf vf_code(vu b, int shift) {
     const __m512 lut = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
-    return _mm512_permutexvar_ps(b, lut);
+    return _mm512_permutexvar_ps(_mm512_srli_epi32(b, (unsigned)shift), lut);
 }
-static inline vf vf_nibble_hi(vu b) { return vf_nibble_lo(_mm512_srli_epi32(b, 4)); }
 
 // v with each denormal lane a zero of its sign (as DAZ reads it)
 static inline vf vf_daz(vf v) {
@@ -190,17 +187,16 @@ static inline void vf_store_i8(int8_t *p, vf v) {
 #define SIMD_BF16_DOT 1
 #define BF16_DOT __attribute__((target("avx512bf16")))
 typedef __m512i vpair;
-// 16 code bytes (k in the low nibble, k + 1 in the high one) as the pairs (q_k - 8, q_k+1 - 8):
-// one word lookup in a table of (i % 16) - 8 as bf16, which reads the low 5 bits of each index
-static inline vpair vpair_codes(const uint8_t *p) {
+// bits [4 j, 4 j + 4) of each 16-bit word of b (vu_load), q, as the bf16 q - 8: one word lookup
+// in a table of (i % 16) - 8, which reads the low 5 bits of each index
+static inline vpair vpair_code(vu b, int j) {
     static const uint16_t minus8[32] = {
         0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
         0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
         0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
         0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0};
-    __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    d = _mm512_or_si512(d, _mm512_slli_epi32(d, 12));  // the high word's low 4 bits: k + 1's code
-    return _mm512_permutexvar_epi16(d, _mm512_loadu_si512((const void *)minus8));
+    return _mm512_permutexvar_epi16(_mm512_srli_epi16(b, (unsigned)(4 * j)),
+                                    _mm512_loadu_si512((const void *)minus8));
 }
 // lane l = (acc + w_hi x_hi) + w_lo x_lo, each sum rounded (x2: the bf16 pair lo | hi << 16)
 static inline BF16_DOT vf vf_dot_pair(vf acc, vpair w, uint32_t x2) {
@@ -299,21 +295,17 @@ static inline void vf_store_bf16(uint16_t *p, vf v, uint32_t nan) {
     _mm256_storeu_si256((__m256i *)p, _mm256_permute4x64_epi64(h, 0xD8));
 }
 
-static inline vu vu_load_u8(const uint8_t *p) {
-    vu r = {_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))};
+static inline vu vu_load(const uint8_t *p) {
+    vu r = {_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32))};
     return r;
 }
-// q - 8 for the low and the high 4 bits q (exact: small integers)
-static inline __m256 minus8(__m256i q) {
+// q - 8 for bits [shift, shift + 4) q (exact: small integers)
+static inline __m256 minus8(__m256i b, int shift) {
+    __m256i q = _mm256_and_si256(_mm256_srli_epi32(b, shift), _mm256_set1_epi32(15));
     return _mm256_sub_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(8.0f));
 }
-static inline vf vf_nibble_lo(vu b) {
-    const __m256i m = _mm256_set1_epi32(15);
-    return vf_of(minus8(_mm256_and_si256(b.lo, m)), minus8(_mm256_and_si256(b.hi, m)));
-}
-static inline vf vf_nibble_hi(vu b) {  // bytes: nothing above the high 4 bits
-    return vf_of(minus8(_mm256_srli_epi32(b.lo, 4)), minus8(_mm256_srli_epi32(b.hi, 4)));
+static inline vf vf_code(vu b, int shift) {
+    return vf_of(minus8(b.lo, shift), minus8(b.hi, shift));
 }
 
 static inline __m256 daz8(__m256 v) {
