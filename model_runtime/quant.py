@@ -34,6 +34,7 @@ def _pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: t
         # bits 4 j and k + 2 j + 1 in bits 16 + 4 j (j < 4), as bytes [block, k / 2, 64]; then
         # [block, group, scale | zero, column] bf16
         c = codes.to(torch.int32).view(n // NATIVE_BLOCK, 4, 16, k // 8, 4, 2)
+        # the shifted codes' bits do not overlap: their sum is their OR
         lanes = (c << _SHIFTS).sum(dim=(-2, -1), dtype=torch.int32).permute(0, 3, 1, 2)
         packed = lanes.contiguous().view(torch.uint8).view(n // NATIVE_BLOCK, k // 2, NATIVE_BLOCK)
         sz = torch.stack([scale.to(dtype), zero.to(dtype)])  # [2, n, groups]

@@ -89,14 +89,14 @@ static void prep_acts(const float *x, int K, float *xf, uint16_t *xb, float *xs)
         }                                                                                         \
     } while (0)
 
-// four k pairs (k = g * 32 + kk, .. + 7) of CW panels from c0 on, at cq: a 64-byte load a panel,
+// four k pairs (k = g * 32 + kk, .. + 7) of CW panels from cp on: a 64-byte load a panel,
 // then pair by pair each panel's. Every loop here unrolled, so that each shift is a constant and
 // each sum a register (left to the compiler, the FMAs' loop over panels stayed rolled, its sums
 // in memory: a matmul of 8 rows 1.8x slower).
-#define QUAD(R, CW, cq, PAIR)                                                                     \
+#define QUAD(R, CW, cp, PAIR)                                                                     \
     do {                                                                                          \
         vu b_[CW];                                                                                \
-        _Pragma("GCC unroll 4") for (int c = 0; c < CW; c++) b_[c] = vu_load((cq) + (c0 + c) * 64);\
+        _Pragma("GCC unroll 4") for (int c = 0; c < CW; c++) b_[c] = vu_load((cp) + c * 64);      \
         _Pragma("GCC unroll 4") for (int c = 0; c < CW; c++) PAIR(R, c, b_[c], 0);                \
         _Pragma("GCC unroll 4") for (int c = 0; c < CW; c++) PAIR(R, c, b_[c], 1);                \
         _Pragma("GCC unroll 4") for (int c = 0; c < CW; c++) PAIR(R, c, b_[c], 2);                \
@@ -126,7 +126,7 @@ static void prep_acts(const float *x, int K, float *xf, uint16_t *xb, float *xs)
                     const uint8_t *cq = cg + (size_t)(kk / 2) * BLOCK;                            \
                     for (int l = 0; l < 4 && c0 == 0; l++)                                        \
                         _mm_prefetch((const char *)(cq + (PREFETCH + l) * BLOCK), _MM_HINT_T0);   \
-                    QUAD(R, CW, cq, PAIR);                                                        \
+                    QUAD(R, CW, cq + c0 * 64, PAIR);                                              \
                 }                                                                                 \
                 for (int c = 0; c < CW; c++) {                                                    \
                     const uint16_t *sc = sb + g * 2 * BLOCK + (c0 + c) * PANEL;                   \
