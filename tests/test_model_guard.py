@@ -15,6 +15,8 @@ import torch
 
 from model_runtime import generate
 from model_runtime.engine import Engine, GenerateParams
+from model_runtime.model import all_finite
+from model_runtime.perplexity import stdlib_text
 from model_runtime.quant import Int4Linear
 from tests.runtime_fixtures import cached_model
 
@@ -64,3 +66,31 @@ def test_engine_reports_fallbacks(poisoned):
     assert events[-1].finish_reason == "stop"
     assert "".join(ev.text_delta for ev in events) == "The capital of France is Paris."
     assert e.stats()["nonfinite_fallbacks"] > 0
+
+
+def test_finite_fp16_states_whose_fp16_sum_overflows_read_as_finite():
+    h = torch.full((512, 576), 1000.0, dtype=torch.float16)
+    assert not torch.isfinite(h.sum())  # an fp16 sum of finite values: inf
+    assert all_finite(h)
+    for bad in (float("inf"), float("nan")):
+        h[7, 3] = bad
+        assert not all_finite(h)
+
+
+def test_an_fp16_prefill_runs_its_layers_once():
+    """SmolLM2's hidden states reach ~24k: their fp16 sum overflows on any prompt past a few
+    tokens, and a guard that read that as non-finite ran every fp16 prefill a second time
+    (CUDA's fp16 path; fp16 on the CPU here, built directly: load() keeps it for CUDA)."""
+    from model_runtime.gguf_loader import default_gguf_path, read_gguf
+    from model_runtime.loader import build_model
+
+    g = read_gguf(default_gguf_path())
+    model = build_model(g.args, g.tensors, "bf16", dtype=torch.float16)
+    checked = []
+    model.guard = lambda i, block, h_in, out, redo: checked.append(i) or out
+    text = cached_model("int4").tokenizer.encode(stdlib_text())
+    prompt = text[600:728]  # 128 tokens: their fp16 sum is inf, their float32 sum ~2e5
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt]))
+    assert torch.isfinite(logits).all()
+    assert checked == []  # no second, layer-by-layer pass
