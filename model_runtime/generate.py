@@ -16,7 +16,7 @@ BLOCK = 16  # slots a cache block
 def paged_cache(model, n_seqs: int, max_len: int) -> tuple[KVCache, list[SeqCache]]:
     """A cache of `n_seqs` sequences of up to `max_len` tokens, each its own run of blocks."""
     per_seq = -(-max_len // BLOCK)
-    kv = KVCache(model.args, per_seq * BLOCK * n_seqs, model.dtype)
+    kv = KVCache(model.args, per_seq * BLOCK * n_seqs, model.dtype, model.device)
     return kv, [SeqCache(list(range(i * per_seq, (i + 1) * per_seq))) for i in range(n_seqs)]
 
 
@@ -32,10 +32,11 @@ def greedy(
     Returns the generated ids per prompt (without the stop token); appends the wall time of
     every decode step to `step_times` when given."""
     model, bs = loaded.model, BLOCK
+    dev = model.device
     kv, seqs = paged_cache(model, len(prompts), max(map(len, prompts)) + max_new_tokens)
     nxt = []
     for s, p in zip(seqs, prompts, strict=True):
-        logits = model(torch.tensor([p]), kv, layout_prefill(s, 0, len(p), bs))
+        logits = model(torch.tensor([p], device=dev), kv, layout_prefill(s, 0, len(p), bs).to(dev))
         s.written = len(p)
         nxt += greedy_ids(logits)
     out: list[list[int]] = [[] for _ in prompts]
@@ -49,7 +50,9 @@ def greedy(
             break
         t0 = time.perf_counter()
         logits = model(
-            torch.tensor([[nxt[i]] for i in live]), kv, layout_decode([seqs[i] for i in live], bs)
+            torch.tensor([[nxt[i]] for i in live], device=dev),
+            kv,
+            layout_decode([seqs[i] for i in live], bs).to(dev),
         )
         for j, tok in enumerate(greedy_ids(logits)):
             seqs[live[j]].written += 1

@@ -21,7 +21,7 @@ def perplexity(model, token_ids: list[int], window: int, n_windows: int) -> floa
     need = window * n_windows
     if len(token_ids) < need:
         raise ValueError(f"need {need} tokens, text has {len(token_ids)}")
-    x = torch.tensor(token_ids[:need]).view(n_windows, window)
+    x = torch.tensor(token_ids[:need], device=model.device).view(n_windows, window)
     nll, count = 0.0, 0
     for row in x:  # one window at a time keeps peak memory at one [window, vocab] logits
         logits = model(row.view(1, -1), all_logits=True)[0, :-1]
@@ -42,15 +42,17 @@ def decode_perplexity(model, token_ids: list[int], window: int, n_windows: int) 
     need = window * n_windows
     if len(token_ids) < need:
         raise ValueError(f"need {need} tokens, text has {len(token_ids)}")
-    x = torch.tensor(token_ids[:need]).view(n_windows, window)
+    x = torch.tensor(token_ids[:need], device=model.device).view(n_windows, window)
     kv, seqs = paged_cache(model, n_windows, window)
     first = []
     for s, row in zip(seqs, x, strict=True):  # the first token of each window
-        first.append(model(row[:1].view(1, 1), kv, layout_prefill(s, 0, 1, bs))[0].float())
+        first.append(
+            model(row[:1].view(1, 1), kv, layout_prefill(s, 0, 1, bs).to(x.device))[0].float()
+        )
         s.written = 1
     nll = F.cross_entropy(torch.stack(first), x[:, 1], reduction="sum").item()
     for t in range(1, window - 1):  # one [n_windows, vocab] logits at a time
-        out = model(x[:, t : t + 1], kv, layout_decode(seqs, bs)).float()
+        out = model(x[:, t : t + 1], kv, layout_decode(seqs, bs).to(x.device)).float()
         for s in seqs:
             s.written += 1
         nll += F.cross_entropy(out.reshape(n_windows, -1), x[:, t + 1], reduction="sum").item()
