@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model_runtime import kernels, native_attention, native_step, sealed
+from model_runtime import cuda_graphs, kernels, native_attention, native_step, sealed
 from model_runtime.gguf_loader import Q4_1, default_gguf_path, read_gguf
 from model_runtime.model import ModelArgs, Transformer, rope_table
 from model_runtime.quant import (
@@ -229,6 +229,11 @@ def load(
         why = native_step.why_not(model)
         step = "one native call" if why is None else f"torch ops ({why})"
         description += f"; decode steps in {step}"
+    if device.startswith("cuda"):
+        why = cuda_graphs.why_not(model)
+        description += "; decode steps " + (
+            "replayed from CUDA graphs" if why is None else f"eager ({why})"
+        )
     if device == "cpu":
         why = native_attention.why_not(model)
         attention = "one native call a layer" if why is None else f"torch's SDPA ({why})"

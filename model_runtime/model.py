@@ -226,9 +226,14 @@ class Transformer(nn.Module):
 
     def _native_decode(self, tokens, cache: KVCache, lay: BatchLayout) -> torch.Tensor | None:
         if self.native_step == "auto":
-            from model_runtime import native_step
+            if self.device.type == "cuda":
+                from model_runtime import cuda_graphs
 
-            native_step.use(self, True)
+                cuda_graphs.use(self, True)
+            else:
+                from model_runtime import native_step
+
+                native_step.use(self, True)
         if self.native_step is None or lay.last_idx is not None:
             return None
         out = self.native_step(tokens, cache, lay)
@@ -247,7 +252,7 @@ class Transformer(nn.Module):
         all_logits: bool = False,
     ) -> torch.Tensor:
         """tokens [B, T] -> logits float32 [B, T, V] (all_logits) or [B, V] (last position)."""
-        B, T = tokens.shape
+        T = tokens.shape[1]
         native = None
         if lay is not None and cache is not None:
             if T == 1 and not all_logits:
@@ -259,6 +264,21 @@ class Transformer(nn.Module):
 
                 native_attention.use(self, True)
             native = self.native_attention
+        return self.ops_forward(tokens, cache, lay, all_logits, native, self.guard)
+
+    def ops_forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None,
+        lay: BatchLayout | None,
+        all_logits: bool,
+        native: Callable | None,
+        guard: LayerGuard | None,
+    ) -> torch.Tensor:
+        """`forward` in torch ops (native attention where `native` is given), without the
+        native or graph-replayed decode step; guard None checks nothing (no host sync: a CUDA
+        graph captures this)."""
+        B, T = tokens.shape
         rope = (
             self.freqs[:T].unsqueeze(0) if lay is None else self.freqs[lay.input_pos]
         ).unsqueeze(2)
@@ -270,10 +290,10 @@ class Transformer(nn.Module):
             mask.masked_fill_(lay.mask.logical_not(), float("-inf"))
         h0 = self.tok_embeddings(tokens)
         h = self._layers(h0, rope, cache, lay, mask, None, native)
-        if self.guard is not None and not all_finite(h):
+        if guard is not None and not all_finite(h):
             # rare: run again checking every layer, so the guard can repair the one at fault
             # (the re-run rewrites the same KV slots)
-            h = self._layers(h0, rope, cache, lay, mask, self.guard, native)
+            h = self._layers(h0, rope, cache, lay, mask, guard, native)
         if not all_logits:
             if lay is not None and lay.last_idx is not None:
                 h = h[torch.arange(B), lay.last_idx]
