@@ -2,7 +2,9 @@
 
 Each `bench/bench_<area>.py` has `main(quick: bool) -> str` returning a Markdown section that
 states the machine, the command and the peer it compares against; the section is also kept in
-`bench/results/<area>.md` so one area can be rerun without losing the others.
+`bench/results/<area>.md` so one area can be rerun without losing the others. An area that
+cannot measure on this machine (gpu, without a CUDA device) says why and returns None: its last
+section stays.
 
 An area whose figures depend on the CPU's instruction sets (`BY_CPU_KIND = True` in its module:
 runtime, compute) keeps one section per CPU kind instead, `bench/results/<area>/<kind>.md`
@@ -68,7 +70,10 @@ def main() -> None:
             subprocess.run(cmd, check=True)
             continue
         mod = importlib.import_module(f"bench.bench_{area}")
-        section = mod.main(quick=args.quick).rstrip() + "\n"
+        section = mod.main(quick=args.quick)
+        if section is None:  # nothing to measure here (it said why): keep its last section
+            continue
+        section = section.rstrip() + "\n"
         path = RESULTS / f"{area}.md"
         if getattr(mod, "BY_CPU_KIND", False):
             title, _, rest = section.partition("\n")
