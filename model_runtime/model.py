@@ -197,8 +197,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("freqs", rope_table(args), persistent=False)
         self.guard: LayerGuard | None = None
-        # decode steps in one native call (native_step.py): "auto" until the first decode step
-        # decides (the linears are swapped for quantized ones after construction)
+        # decode steps in one native call (native_step.py) or, on a CUDA device, replayed from
+        # a CUDA graph (cuda_graphs.py): "auto" until the first decode step decides (the
+        # linears are swapped for quantized ones, the model moved, after construction)
         self.native_step: Callable | str | None = "auto"
         # attention alone, for prefill chunks and decode steps the step does not take
         # (native_attention.py): "auto" alike
