@@ -121,22 +121,27 @@ class GraphStep:
         b.graph = graph
         self.captures += 1
 
-    def step_eager(self, tokens, cache: KVCache, lay: BatchLayout):
-        """The padded static step without a graph (any device): what a replay computes."""
+    def _prepared(self, tokens, cache: KVCache, lay: BatchLayout) -> _Bucket | None:
+        """The step's bucket, its inputs filled in; None where no bucket fits."""
         size = bucket(*lay.gather_slots.shape)
         if size is None:
             return None
         b = self._bucket(cache, size)
         self._fill(b, tokens, lay)
+        return b
+
+    def step_eager(self, tokens, cache: KVCache, lay: BatchLayout):
+        """The padded static step without a graph (any device): what a replay computes."""
+        b = self._prepared(tokens, cache, lay)
+        if b is None:
+            return None
         out = self._run(b, cache)[: tokens.shape[0]]
         return out, all_finite(out)
 
     def __call__(self, tokens, cache: KVCache, lay: BatchLayout):
-        size = bucket(*lay.gather_slots.shape)
-        if size is None:
+        b = self._prepared(tokens, cache, lay)
+        if b is None:
             return None
-        b = self._bucket(cache, size)
-        self._fill(b, tokens, lay)
         if b.graph is None:
             self._capture(b, cache)
         b.graph.replay()
