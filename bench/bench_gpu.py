@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import subprocess
+import threading
 import time
 
 import torch
@@ -86,16 +87,15 @@ def _hf_decode(model, ids: list[int], n: int, batch: int) -> tuple[float, list[i
 @torch.inference_mode()
 def _hf_prefill(model, prompt: list[int]) -> float:
     t0 = time.perf_counter()
-    model(input_ids=torch.tensor([prompt], device="cuda"), use_cache=True).logits[
-        :, -1
-    ].argmax().item()
+    logits = model(input_ids=torch.tensor([prompt], device="cuda"), use_cache=True).logits
+    logits[:, -1].argmax().item()  # waits for the GPU, as our prefill's argmax does
     return len(prompt) / (time.perf_counter() - t0)
 
 
 def _engine_concurrent(lm, ids: list[int], n: int, k: int) -> float:
-    """Aggregate decode tokens/s of k identical requests submitted at once to one Engine, warmed
-    up as served (model_runtime/warmup.py: on a GPU, it captures the graphs of batch 1..k)."""
-    import threading
+    """Tokens/s of k identical requests submitted at once to one Engine: all their tokens over
+    the wall time from submitting to the last token, prefills included. The Engine is warmed up
+    as served (model_runtime/warmup.py: on a GPU that captures the graphs of batch 1..k)."""
 
     def run(engine) -> float:
         warm_up(engine, lm.tokenizer)  # as `meshlm serve` does: decode at batch 1..k once
@@ -200,6 +200,41 @@ def _attention_rows() -> list[str]:
 def _median(xs: list[float]) -> str:
     med = statistics.median(xs)
     return f"{med:.0f}" if len(xs) == 1 else f"{med:.0f} ({min(xs):.0f}-{max(xs):.0f})"
+
+
+def _quality_lines(answers: dict, lms: list, win: int = 512, n_win: int = 6) -> list[str]:
+    """The capital-of-France answers (name -> ids), and perplexity of each (name, model)."""
+    tok = lms[0][1].tokenizer
+    text_ids = tok.encode(stdlib_text())
+    lines = [
+        "",
+        '"What is the capital of France? Answer with one word.", greedy:',
+        "",
+        "| model | answer | ids equal CPU int4's |",
+        "|---|---|---|",
+    ]
+    for name, a in answers.items():
+        lines.append(f"| {name} | {tok.decode(a)!r} | {a == answers['CPU int4']} |")
+    lines += [
+        "",
+        f"Perplexity over {n_win}x{win} tokens of pydoc_data/topics.py (one forward a window; "
+        "through decode steps, as served):",
+        "",
+        "| model | perplexity | through decode steps |",
+        "|---|---|---|",
+    ]
+    for name, lm in lms:
+        ppl = perplexity(lm.model, text_ids, win, n_win)
+        served = decode_perplexity(lm.model, text_ids, win, n_win)
+        lines.append(f"| {name} | {ppl:.3f} | {served:.3f} |")
+    gpu = [(n, lm) for n, lm in lms if not n.startswith("CPU") and lm.guard is not None]
+    fallbacks = ", ".join(f"{n} {lm.guard.fallbacks}" for n, lm in gpu)
+    return [
+        *lines,
+        "",
+        f"Layers the non-finite guard recomputed over the whole run: {fallbacks}.",
+        "",
+    ]
 
 
 def measure(quick: bool, device: str = "cuda", precisions=("fp16", "bf16")) -> list[str]:
@@ -338,29 +373,9 @@ def measure(quick: bool, device: str = "cuda", precisions=("fp16", "bf16")) -> l
             f"meshlm {main} against transformers {main}: "
             f"{_first_difference(streams[main], streams[f'transformers {main}'])}."
         )
-    lines += [
-        "",
-        '"What is the capital of France? Answer with one word.", greedy:',
-        "",
-        "| model | answer | ids equal CPU int4's |",
-        "|---|---|---|",
-    ]
-    for name, a in answers.items():
-        lines.append(f"| {name} | {tok.decode(a)!r} | {a == answers['CPU int4']} |")
-    lines += [
-        "",
-        f"Perplexity over {n_win}x{win} tokens of pydoc_data/topics.py (one forward a window; "
-        "through decode steps, as served):",
-        "",
-        "| model | perplexity | through decode steps |",
-        "|---|---|---|",
-    ]
-    for name, lm in [*models.items(), *((f"CPU {p}", m) for p, m in ref.items())]:
-        ppl = perplexity(lm.model, text_ids, win, n_win)
-        served = decode_perplexity(lm.model, text_ids, win, n_win)
-        lines.append(f"| {name} | {ppl:.3f} | {served:.3f} |")
-    fallbacks = ", ".join(f"{p} {m.guard.fallbacks}" for p, m in models.items() if m.guard)
-    lines += ["", f"Layers the non-finite guard recomputed over the whole run: {fallbacks}.", ""]
+    lines += _quality_lines(
+        answers, [*models.items(), *((f"CPU {p}", m) for p, m in ref.items())], win, n_win
+    )
     if device == "cuda":
         model = models[main].model
         model.native_step = None  # the eager step: graphs replay the same kernels
@@ -372,12 +387,13 @@ def measure(quick: bool, device: str = "cuda", precisions=("fp16", "bf16")) -> l
         model.native_step = graphs.get(main)
         step_us = 1e6 / med.get(f"{eager} b1", b1)
         replayed = f" Replayed from a graph it takes {1e6 / b1:.0f} us." if main in graphs else ""
+        mib = models[main].info.weight_bytes / 2**20
         lines += [
             f"Where an eager {main} batch-1 decode step goes (torch.profiler): {kernels:.0f} "
             f"CUDA kernels, {busy:.0f} us of GPU time in a {step_us:.0f} us step "
-            f"({100 * busy / step_us:.0f} %).{replayed} Its weights "
-            f"({models[main].info.weight_bytes / 2**20:.0f} MiB) read once at the H200's "
-            f"~4.3 TB/s would take ~{models[main].info.weight_bytes / 4.3e12 * 1e6:.0f} us.",
+            f"({100 * busy / step_us:.0f} %).{replayed} Its weights ({mib:.0f} MiB) read once at "
+            f"4.3 TB/s (an H200's measured copy bandwidth) would take ~{mib * 2**20 / 4.3e6:.0f} "
+            "us.",
             "",
         ]
         lines += _attention_rows()
