@@ -3,7 +3,8 @@
 Layer 3's q/k/v weights get +3e38 and -3e38 in two input columns whose RMSNorm gain is zero.
 The dense layer is unchanged in effect (those inputs are exactly 0), but re-quantizing the group
 needs a scale of (max - min) / 15 = inf, so the int4 kernel returns NaN. The guard must notice,
-recompute that layer densely, count it, and the answer must stay right.
+recompute that layer densely, count it, and the answer must stay right. And what sets the guard
+off: a float32 sum of a layer's output, so that finite fp16 states whose fp16 sum overflows do not.
 """
 
 from __future__ import annotations
