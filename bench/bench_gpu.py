@@ -14,6 +14,7 @@ nothing and leaves bench/results/gpu.md (the figures of the last GPU that ran it
 
 from __future__ import annotations
 
+import platform
 import statistics
 import subprocess
 import threading
@@ -217,8 +218,9 @@ def _quality_lines(answers: dict, lms: list, win: int = 512, n_win: int = 6) -> 
         lines.append(f"| {name} | {tok.decode(a)!r} | {a == answers['CPU int4']} |")
     lines += [
         "",
-        f"Perplexity over {n_win}x{win} tokens of pydoc_data/topics.py (one forward a window; "
-        "through decode steps, as served):",
+        f"Perplexity over {n_win}x{win} tokens of Python {platform.python_version()}'s "
+        "pydoc_data/topics.py (each Python release rewrites it: compare within this table; one "
+        "forward a window; through decode steps, as served):",
         "",
         "| model | perplexity | through decode steps |",
         "|---|---|---|",

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 
 def stdlib_text() -> str:
-    """`pydoc_data/topics.py` from the running Python's stdlib: the same text on every machine."""
+    """`pydoc_data/topics.py` from the running Python's stdlib: the same text on every machine
+    with the same Python version (each release rewrites it: SmolLM2's int4 perplexity over 6x512
+    tokens is 10.329 with 3.11.7's, 10.292 with 3.12.1's), so compare figures of one Python."""
     import pydoc_data
 
     return (Path(pydoc_data.__file__).parent / "topics.py").read_text()
