@@ -203,10 +203,10 @@ def _median(xs: list[float]) -> str:
     return f"{med:.0f}" if len(xs) == 1 else f"{med:.0f} ({min(xs):.0f}-{max(xs):.0f})"
 
 
-def _quality_lines(answers: dict, lms: list, win: int = 512, n_win: int = 6) -> list[str]:
-    """The capital-of-France answers (name -> ids), and perplexity of each (name, model)."""
+def _quality_lines(answers: dict, lms: list, text_ids: list[int], win: int, n_win: int) -> list:
+    """The capital-of-France answers (name -> ids), and perplexity of each (name, model) over
+    `text_ids` (the stdlib text's)."""
     tok = lms[0][1].tokenizer
-    text_ids = tok.encode(stdlib_text())
     lines = [
         "",
         '"What is the capital of France? Answer with one word.", greedy:',
@@ -279,9 +279,9 @@ def measure(quick: bool, device: str = "cuda", precisions=("fp16", "bf16")) -> l
             print(graph_error, flush=True)
             del graphs[p]
             models[p].model.native_step = None
-    answers = {}  # as served: GPU models with graphs where they apply
-    for name, lm in [*models.items(), *((f"CPU {p}", m) for p, m in ref.items())]:
-        answers[name] = generate.greedy(lm, [france], 16)[0]
+    lms = [*models.items(), *((f"CPU {p}", m) for p, m in ref.items())]
+    # as served: GPU models with graphs where they apply
+    answers = {name: generate.greedy(lm, [france], 16)[0] for name, lm in lms}
     variants = {p: (lm, graphs.get(p)) for p, lm in models.items()}
     if main in graphs:
         variants[f"{main} eager"] = (models[main], None)
@@ -375,9 +375,7 @@ def measure(quick: bool, device: str = "cuda", precisions=("fp16", "bf16")) -> l
             f"meshlm {main} against transformers {main}: "
             f"{_first_difference(streams[main], streams[f'transformers {main}'])}."
         )
-    lines += _quality_lines(
-        answers, [*models.items(), *((f"CPU {p}", m) for p, m in ref.items())], win, n_win
-    )
+    lines += _quality_lines(answers, lms, text_ids, win, n_win)
     if device == "cuda":
         model = models[main].model
         model.native_step = None  # the eager step: graphs replay the same kernels

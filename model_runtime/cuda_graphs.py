@@ -153,4 +153,3 @@ class GraphStep:
 def use(model: Transformer, on: bool) -> None:
     """Replay decode steps from CUDA graphs where they apply (on), or run them eagerly."""
     model.native_step = GraphStep(model) if on and why_not(model) is None else None
-    model.native_attention = None
