@@ -106,6 +106,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     return body
@@ -177,14 +179,14 @@ def _call(kind: str, body: dict, req: codec.GenerateRequest, max_default: int, m
         _unsupported(body, name, (None, 0))
     _unsupported(body, "logit_bias", (None, {}))
     req.model = model
-    req.max_new_tokens = _int(body, max_name, max_default)
+    req.max_new_tokens = _int(body, max_name, max_default, low=0)
     temperature = _number(body, "temperature", 1.0)
     if not 0 <= temperature <= 2:
         raise bad("temperature", f"{temperature} is outside [0, 2]")
     # Below the codec's floor logits / T overflow; the limit of sampling as T -> 0 is greedy.
     req.temperature = 0.0 if temperature < codec.MIN_TEMPERATURE else temperature
     req.top_p = _number(body, "top_p", 1.0)
-    req.top_k = _int(body, "top_k", 0)
+    req.top_k = _int(body, "top_k", 0, low=0)
     seed = body.get("seed")
     if seed is not None:
         if not _is_int(seed) or not -(1 << 63) <= seed < _UINT64:
@@ -255,12 +257,16 @@ def _typed(body: dict, name: str, kind: type, default: Any) -> Any:
     return v
 
 
-def _int(body: dict, name: str, default: int) -> int:
+def _int(body: dict, name: str, default: int, low: int = -(1 << 31)) -> int:
+    """An integer in [low, 2^31): the wire's int32, or its uint32 with `low` 0 (the codec
+    checks the field's own range after)."""
     v = body.get(name)
     if v is None:
         return default
-    if not _is_int(v) or not -(1 << 31) <= v < 1 << 31:
-        raise bad(name, f"{v!r} is not an integer")
+    if not _is_int(v):
+        raise bad(name, f"{repr(v)[:64]} is not an integer")
+    if not low <= v < 1 << 31:
+        raise bad(name, f"{v} is outside [{low}, 2^31)")
     return v
 
 

@@ -12,33 +12,39 @@ as an exception, and the client's disconnect as the end of the call (the engine 
 request's KV blocks, as on a gRPC cancel). As for gRPC, a stream's response headers leave with
 its first token, so a refusal before it (queue full, a bad value) is a plain HTTP error status.
 
-HTTP/1.1 with keep-alive (a stream's body is chunked), a bounded body, a bounded number of
-connections, a thread per connection; bind loopback, as the gRPC port: behind the mesh only the
-sidecar may reach the runtime.
+HTTP/1.1 with keep-alive (a stream's body is chunked) on model_runtime/http_bounds.py: exact
+framing (a body is read whole, content-length or chunked, or refused with the connection
+closed), a bounded body, a whole-request deadline, a bounded number of connections in all and
+per peer, a thread per connection. Route and readiness are checked before a body is read. Bind
+loopback, as the gRPC port: behind the mesh only the sidecar may reach the runtime (its inbound
+listener buffers each whole request before it comes here, so a slow body holds no slot).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import select
 import socket
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from model_runtime import openai_api as api
+from model_runtime.http_bounds import (
+    REQUEST_TIMEOUT_S,
+    BodyError,
+    BoundedHandler,
+    BoundedServer,
+    peer_closed,
+)
 from model_runtime.openai_api import ApiError
 from model_runtime.service import PROMPT_TOKENS_HEADER, TENANT_HEADER
 from schemas import codec
 from schemas.codec import Limits
 
 log = logging.getLogger(__name__)
-IDLE_TIMEOUT_S = 60.0  # a keep-alive connection's wait for its next request, and any read
 _BUSY_BODY = (
     b'{"error":{"message":"too many connections: retry later","type":"server_error",'
     b'"param":null,"code":"service_unavailable"}}'
@@ -53,17 +59,6 @@ class _Aborted(Exception):
     def __init__(self, status: str, message: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
-
-
-def _peer_closed(sock: socket.socket) -> bool:
-    """Whether the client closed its end (EOF or reset); data it sent ahead is not a close."""
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except (OSError, ValueError):
-        return True
 
 
 class _HttpCall:
@@ -98,7 +93,7 @@ class _HttpCall:
         return None  # HTTP carries no deadline
 
     def is_active(self) -> bool:
-        if not self.ended and _peer_closed(self._sock):
+        if not self.ended and peer_closed(self._sock):
             self.end()
         return not self.ended
 
@@ -119,17 +114,29 @@ class OpenAIServer:
         port: int = 0,
         host: str = "127.0.0.1",
         *,
-        max_connections: int = 128,
+        max_connections: int = 256,
+        max_connections_per_peer: int | None = None,
+        request_timeout: float = REQUEST_TIMEOUT_S,
         limits: Limits | None = None,
     ) -> None:
+        """`max_connections_per_peer`: half of `max_connections` unless set, so one client
+        address cannot hold every connection (the sidecar, the one peer behind the mesh, still
+        gets that half)."""
         self.runtime = runtime
         self.max_body = (limits or Limits()).max_buffer_bytes
         self.draining = False
         self.created = int(time.time())
         self._inflight = 0
         self._cond = threading.Condition()
-        handler = type("Handler", (_Handler,), {"api": self})
-        self.httpd = _Server((host, port), handler, max_connections)
+        handler = type("Handler", (_Handler,), {"api": self, "max_body": self.max_body})
+        self.httpd = BoundedServer(
+            (host, port),
+            handler,
+            max_connections=max_connections,
+            max_per_peer=max_connections_per_peer or max(1, max_connections // 2),
+            request_timeout=request_timeout,
+            busy=_BUSY,
+        )
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(
             target=self.httpd.serve_forever, name="openai-http", daemon=True
@@ -156,33 +163,9 @@ class OpenAIServer:
         self._thread.join(timeout=1)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
-        self._slots = threading.BoundedSemaphore(max_connections)
-        super().__init__(address, handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            with contextlib.suppress(OSError):
-                request.sendall(_BUSY)
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(BoundedHandler):
     server_version = "meshlm"
     disable_nagle_algorithm = True  # one small write per token
-    timeout = IDLE_TIMEOUT_S
     api: OpenAIServer
 
     def log_message(self, fmt: str, *args: Any) -> None:
@@ -236,46 +219,27 @@ class _Handler(BaseHTTPRequestHandler):
 
     # --- POST -------------------------------------------------------------------------------
 
-    def handle_expect_100(self) -> bool:
-        # Refuse an oversized body before the client sends it.
-        error = self._length_error()
-        if error is not None:
-            self.close_connection = True
-            self._reply_error(error)
-            return False
-        return super().handle_expect_100()
-
-    def _length_error(self) -> ApiError | None:
-        if self.headers.get("transfer-encoding"):
-            return ApiError(411, "send the body with a content-length (no chunked upload)")
-        raw = self.headers.get("content-length")
-        if raw is None:
-            return ApiError(411, "a content-length header is required")
-        if not raw.isdigit() or not raw.isascii():
-            return ApiError(400, f"content-length {raw[:32]!r} is not a length")
-        n = int(raw)
-        if n > self.api.max_body:
-            return ApiError(413, f"the body's {n} bytes exceed the limit of {self.api.max_body}")
-        return None
-
     def do_POST(self) -> None:
         path = urlsplit(self.path).path
         translate = {"/v1/chat/completions": api.chat_call, "/v1/completions": api.completion_call}
-        error = self._length_error()
-        if error is not None or path not in translate:
-            self.close_connection = True  # the body was not read
-            self._reply_error(
-                error or ApiError(404, f"no route for POST {path}", code="unknown_url")
-            )
-            return
-        raw = self.rfile.read(int(self.headers["content-length"]))
-        if len(raw) < int(self.headers["content-length"]):
-            self.close_connection = True  # the client went away
-            return
         service = self.api.runtime.service
-        if self.api.draining or service is None:
-            self.close_connection = self.api.draining
-            self._reply_error(_draining() if self.api.draining else _not_ready())
+        # Refusals known from the headers come before the body is read (and close).
+        error = self.length_error()
+        if error is not None:
+            error = ApiError(*error)
+        elif path not in translate:
+            error = ApiError(404, f"no route for POST {path}", code="unknown_url")
+        elif self.api.draining or service is None:
+            error = _draining() if self.api.draining else _not_ready()
+        if error is not None:
+            self.close_connection = True  # the body was not read
+            self._reply_error(error)
+            return
+        try:
+            raw = self.read_body()
+        except BodyError as e:
+            self.close_connection = True
+            self._reply_error(ApiError(e.status, e.message))
             return
         try:
             call = translate[path](api.parse_body(raw))
@@ -337,7 +301,7 @@ class _Output:
             return  # the client is gone: the service's stream ends at its next event
         if not self.call.stream:
             self.text.append(chunk.text_delta)
-            if _peer_closed(self.h.connection):
+            if peer_closed(self.h.connection):
                 self.ctx.end()
             return
         if not self.started:
