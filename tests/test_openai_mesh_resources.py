@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from envoy.config.rbac.v3 import rbac_pb2
+from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.filters.http.rbac.v3 import rbac_pb2 as rbac_filter_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
@@ -65,6 +66,29 @@ def test_the_inbound_listener_routes_v1_to_the_runtimes_http_port() -> None:
     ]
 
 
+def test_openai_requests_are_buffered_whole_and_every_request_has_a_deadline() -> None:
+    """The inbound sidecar holds an OpenAI request until its body is complete (the buffer
+    filter, off but on the /v1/ route), and bounds every request's headers and whole request:
+    a slow client is held by Envoy, never by the runtime. Real Envoys: test_openai_mesh_bounds."""
+    res = build_resources(mesh(), node(local_http_endpoint="127.0.0.1:8080"))
+    hcm = _inbound_hcm(res)
+    assert hcm.request_headers_timeout.seconds == 10 and hcm.request_timeout.seconds == 30
+    names = [f.name for f in hcm.http_filters]
+    assert names[-2:] == ["envoy.filters.http.buffer", "envoy.filters.http.router"]
+    assert hcm.http_filters[-2].disabled  # gRPC streams are not buffered
+    routes = res[t.ROUTE]["inbound|llm|v1"].virtual_hosts[0].routes
+    buffered = [r.name for r in routes if "envoy.filters.http.buffer" in r.typed_per_filter_config]
+    assert buffered and all("openai" in n for n in buffered)
+    per_route = buffer_pb2.BufferPerRoute()
+    routes[[r.name for r in routes].index(buffered[0])].typed_per_filter_config[
+        "envoy.filters.http.buffer"
+    ].Unpack(per_route)
+    assert per_route.buffer.max_request_bytes.value == 4 << 20  # the runtime's body limit
+    assert "envoy.filters.http.buffer" not in [
+        f.name for f in _inbound_filters(build_resources(mesh(), node()))
+    ]
+
+
 def test_without_an_http_endpoint_nothing_changes() -> None:
     res = build_resources(mesh(), node())
     assert HTTP_CLUSTER not in res[t.CLUSTER]
@@ -117,11 +141,15 @@ def test_callers_rbac_allows_the_openai_paths_of_the_callers_methods() -> None:
     assert not any("models" in p for p in paths)
 
 
-def _inbound_filters(res):
+def _inbound_hcm(res) -> hcm_pb2.HttpConnectionManager:
     hcm = hcm_pb2.HttpConnectionManager()
     lst = res[t.LISTENER]["inbound|llm|v1"]
     lst.filter_chains[0].filters[0].typed_config.Unpack(hcm)
-    return hcm.http_filters
+    return hcm
+
+
+def _inbound_filters(res):
+    return _inbound_hcm(res).http_filters
 
 
 def test_native_authz_rbac_allows_the_openai_paths_of_the_tenants_methods() -> None:

@@ -172,6 +172,10 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         local_reply=listeners.died_holding_the_call_reply(),
         grpc_stats=False,  # the gates read the callers' counters (issue 19: ~6 us a call)
         transport_socket=tls.inbound_transport_socket(mesh),
+        # A slow client is held here, never at the runtime: its whole request must arrive in
+        # time, and an OpenAI request reaches the runtime only once its body is complete.
+        body_filters=[listeners.buffer_filter(routes.OPENAI_MAX_BODY)] if http_cluster else [],
+        request_deadlines=True,
     )
 
 

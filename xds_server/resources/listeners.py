@@ -17,6 +17,7 @@ from envoy.config.core.v3 import (
 from envoy.config.listener.v3 import listener_components_pb2 as lc
 from envoy.config.listener.v3 import listener_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
+from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.filters.http.grpc_stats.v3 import config_pb2 as grpc_stats_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
@@ -27,11 +28,18 @@ from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
 )
 from google.protobuf import struct_pb2, wrappers_pb2
 
-from xds_server.resources.common import ads, duration, pack, socket_address
+from xds_server.resources.common import ads, duration, pack, socket_address, u32
 
 HCM = hcm_pb2.HttpConnectionManager
 HttpFilter = hcm_pb2.HttpFilter
 WASM_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+BUFFER_FILTER = "envoy.filters.http.buffer"
+# An inbound request's headers, and the whole request (headers and body), must arrive within
+# these: a client trickling bytes holds the sidecar's stream no longer (the runtime's own
+# server has the same deadline, model_runtime/http_bounds.py). The timer stops once the request
+# has gone upstream or the response has begun: long answers and token streams are not cut.
+REQUEST_HEADERS_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 30.0
 
 
 def grpc_stats_filter() -> HttpFilter:
@@ -39,6 +47,18 @@ def grpc_stats_filter() -> HttpFilter:
     # loop read, on caller sidecars only (xds_server/gates.py). No filter state: nothing reads it.
     cfg = grpc_stats_pb2.FilterConfig(stats_for_all_methods=wrappers_pb2.BoolValue(value=True))
     return HttpFilter(name="envoy.filters.http.grpc_stats", typed_config=pack(cfg))
+
+
+def buffer_filter(max_request_bytes: int) -> HttpFilter:
+    """Envoy holds a request until its whole body arrived (413 past `max_request_bytes`), and
+    only then picks an upstream connection: a slow body holds no connection of the runtime, and
+    the request goes upstream with a content-length. Off unless a route turns it on
+    (routes.inbound_route_config: the OpenAI HTTP API's; gRPC calls stream)."""
+    return HttpFilter(
+        name=BUFFER_FILTER,
+        typed_config=pack(buffer_pb2.Buffer(max_request_bytes=u32(max_request_bytes))),
+        disabled=True,
+    )
 
 
 def router_filter() -> HttpFilter:
@@ -214,16 +234,28 @@ def http_listener(
     local_reply: hcm_pb2.LocalReplyConfig | None = None,
     grpc_stats: bool = True,
     transport_socket: base_pb2.TransportSocket | None = None,
+    body_filters: Sequence[HttpFilter] = (),
+    request_deadlines: bool = False,
 ) -> listener_pb2.Listener:
     """`transport_socket`: mTLS for every connection (xds_server/resources/tls.py); a client
     that does not complete the handshake reaches no filter, and the upstream learns the
-    verified caller from `x-forwarded-client-cert`."""
+    verified caller from `x-forwarded-client-cert`. `body_filters` run after authz (a denied
+    request's body is never held). `request_deadlines`: REQUEST_HEADERS_TIMEOUT_S and
+    REQUEST_TIMEOUT_S for every request."""
     stats = [grpc_stats_filter()] if grpc_stats else []
+    deadlines = (
+        {
+            "request_headers_timeout": duration(REQUEST_HEADERS_TIMEOUT_S),
+            "request_timeout": duration(REQUEST_TIMEOUT_S),
+        }
+        if request_deadlines
+        else {}
+    )
     hcm = HCM(
         stat_prefix=stat_prefix,
         codec_type=HCM.AUTO,  # h2c prior knowledge for gRPC; HTTP/1.1 still answered
         rds=hcm_pb2.Rds(config_source=ads(), route_config_name=route_config_name),
-        http_filters=[*stats, *authz_filters, router_filter()],
+        http_filters=[*stats, *authz_filters, *body_filters, router_filter()],
         http2_protocol_options=protocol_pb2.Http2ProtocolOptions(),
         stream_idle_timeout=duration(stream_idle_timeout),
         common_http_protocol_options=protocol_pb2.HttpProtocolOptions(idle_timeout=duration(3600)),
@@ -233,6 +265,7 @@ def http_listener(
         ),
         local_reply_config=openai_local_reply(local_reply),
         **(forward_client_cert() if transport_socket else {}),
+        **deadlines,
         # No `tracing` block: W3C `traceparent`/`tracestate` are ordinary headers that Envoy
         # forwards unchanged hop to hop, so the runtime continues the client's trace.
     )

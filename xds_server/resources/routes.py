@@ -5,12 +5,14 @@ from __future__ import annotations
 from envoy.config.core.v3 import base_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
+from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.type.v3 import percent_pb2
 from google.protobuf import wrappers_pb2
 
+from schemas import codec
 from xds_server import mesh as m
-from xds_server.resources import names
+from xds_server.resources import listeners, names
 from xds_server.resources.common import duration, pack, u32
 
 QUARANTINED_MESSAGE = "request class quarantined: it broke runtimes (no isolation pool)"
@@ -21,6 +23,8 @@ QUARANTINED_MESSAGE = "request class quarantined: it broke runtimes (no isolatio
 ORCA_PATH = "/xds.service.orca.v3.OpenRcaService/StreamCoreMetrics"
 # The runtime's OpenAI-compatible HTTP API (issue 17, model_runtime/openai_http.py).
 OPENAI_PREFIX = "/v1/"
+# The most the inbound sidecar buffers of one OpenAI request: the runtime's own body limit.
+OPENAI_MAX_BODY = codec.DEFAULT_LIMITS.max_buffer_bytes
 
 
 def stable_and_canary(mesh: m.Mesh, svc: m.Service) -> tuple[str, str | None]:
@@ -264,13 +268,17 @@ def inbound_route_config(
     )
     openai = []
     if http_cluster is not None:
-        openai.append(
-            rc.Route(
-                name=f"{svc.name}-{version}-openai",
-                match=rc.RouteMatch(prefix=OPENAI_PREFIX),
-                route=_action(svc, cluster=http_cluster, retries=False),
-            )
+        r = rc.Route(
+            name=f"{svc.name}-{version}-openai",
+            match=rc.RouteMatch(prefix=OPENAI_PREFIX),
+            route=_action(svc, cluster=http_cluster, retries=False),
         )
+        # The whole request before the runtime sees it (listeners.buffer_filter).
+        whole = buffer_pb2.Buffer(max_request_bytes=u32(OPENAI_MAX_BODY))
+        r.typed_per_filter_config[listeners.BUFFER_FILTER].CopyFrom(
+            pack(buffer_pb2.BufferPerRoute(buffer=whole))
+        )
+        openai.append(r)
     if mirrored:  # a rollout's quality gate copies calls to this version now (issue 18)
         routes = [r for x in (*openai, route) for r in (_shadow_twin(x), x)]
     else:  # no copy is due here: whoever sends one forges it
