@@ -140,12 +140,14 @@ def test_slow_bodies_from_one_peer_leave_the_others_served(server, model) -> Non
         status, reply = _post(server.port, _chat_body(model, max_tokens=20))
         assert status == 200, reply
         assert reply["choices"][0]["message"]["content"] == ANSWER
-        # Each slow request ends: 503 at once (over its peer's share) or 408 at the deadline.
+        # Each slow request ends: 503 at once (over its peer's share; or a reset, as the server
+        # closes with the request unread) or 408 at the deadline.
         started = time.monotonic()
         answers = [_read_all(s).split(b"\r\n", 1)[0] for s in slow]
         assert set(answers) <= {
             b"HTTP/1.1 503 Service Unavailable",
             b"HTTP/1.1 408 Request Timeout",
+            b"",
         }
         assert b"HTTP/1.1 408 Request Timeout" in answers
         assert time.monotonic() - started < 25  # the deadline (3 s), not the idle timeout
