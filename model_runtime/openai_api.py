@@ -186,6 +186,8 @@ def _call(kind: str, body: dict, req: codec.GenerateRequest, max_default: int, m
     # Below the codec's floor logits / T overflow; the limit of sampling as T -> 0 is greedy.
     req.temperature = 0.0 if temperature < codec.MIN_TEMPERATURE else temperature
     req.top_p = _number(body, "top_p", 1.0)
+    if not 0 <= req.top_p <= 1:  # NaN too; the codec refuses 0 and packs a float32
+        raise bad("top_p", f"{req.top_p} is outside (0, 1]")
     req.top_k = _int(body, "top_k", 0, low=0)
     seed = body.get("seed")
     if seed is not None:
