@@ -163,6 +163,13 @@ class SyncStatus:
                 f"node.id is {len(node_id.encode())} bytes, over the limit of "
                 f"{lim.max_node_id_bytes} (max_node_id_bytes)",
             )
+        if not node_id.isprintable():
+            self.reject(
+                node_id,
+                "INVALID_ARGUMENT",
+                f"node.id {node_id[:64]!r} has a character that is not printable: ids are "
+                "printable text",
+            )
         if metadata_bytes > lim.max_metadata_bytes:
             self.reject(
                 node_id,
