@@ -8,10 +8,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from envoy.service.discovery.v3 import discovery_pb2
+
 from sidecar.ports import free_port
 from tests.test_admin_token import Xds, env  # noqa: F401  (the fixture)
-from tests.test_xds_support import AdsClient, sotw
+from tests.test_xds_support import AdsClient, llm_mesh, sotw, upstreams
 from xds_server import types as t
+from xds_server.control_plane import ControlPlane
 from xds_server.sync import Limits
 
 # Just under gRPC's 4 MiB message limit: ~480,000 distinct names of a few bytes each.
@@ -87,3 +90,33 @@ def test_too_many_or_too_long_names_are_refused_and_leave_no_memory(
         for c in clients:
             c.close()
         xds.stop()
+
+
+def test_delta_names_are_bounded_per_request_too() -> None:
+    """The delta path: too many names in one request, or one name too long, close the stream
+    before anything is stored (in-process control plane, real gRPC)."""
+    limit = Limits()
+    with upstreams("v1") as ups, ControlPlane(llm_mesh(ups), debounce=0.02) as cp:
+        for node, req, field in (
+            ("d-many", discovery_pb2.DeltaDiscoveryRequest(
+                type_url=t.ENDPOINT, resource_names_subscribe=NAMES[:limit.max_resource_names + 1]
+            ), "(max_resource_names)"),
+            ("d-long", discovery_pb2.DeltaDiscoveryRequest(
+                type_url=t.ENDPOINT, resource_names_subscribe=["x" * 2000]
+            ), "(max_resource_name_bytes)"),
+            ("d-known", discovery_pb2.DeltaDiscoveryRequest(
+                type_url=t.ENDPOINT, initial_resource_versions={"y" * 2000: "1"}
+            ), "(max_resource_name_bytes)"),
+        ):  # fmt: skip
+            c = AdsClient(cp.grpc_port, node, delta=True)
+            try:
+                c.send(req)
+                code, details = c.closed_with(30)
+                assert code.name == "INVALID_ARGUMENT" and field in details, (code, details)
+            finally:
+                c.close()
+        assert [r["node_id"] for r in cp.syncz()["rejected"]][-3:] == [
+            "d-many",
+            "d-long",
+            "d-known",
+        ]
