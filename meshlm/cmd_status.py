@@ -11,6 +11,7 @@ from typing import Any
 
 from meshlm import status_csds
 from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
+from meshlm.logs import escape
 from meshlm.watch import add_watch_argument, watch
 
 ORDER = ("CDS", "EDS", "LDS", "ECDS", "RDS")
@@ -154,13 +155,13 @@ def render(doc: dict[str, Any]) -> str:
         if ns.get("spiffe_id"):  # from its client certificate: ADS over mTLS (issue 14)
             name += f" {ns['spiffe_id']}"
         if ns.get("error"):
-            rows.append((name, "-", "-", "-", ns["error"]))
+            rows.append((name, "-", "-", "-", escape(ns["error"])))
         types = ns.get("types", {})
         for short in sorted(types, key=lambda s: ORDER.index(s) if s in ORDER else 99):
             ts = types[short]
             err = ""
             if ts.get("nack_error") and ts.get("nack_version") != ts.get("acked_version"):
-                err = f"NACK {ts['nack_version']}: {ts['nack_error']}"
+                err = escape(f"NACK {ts['nack_version']}: {ts['nack_error']}")
             rows.append((name, short, ts["sent_version"], ts["acked_version"], err))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4]

@@ -14,6 +14,7 @@ from envoy.admin.v3 import config_dump_shared_pb2 as cd
 from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
 from google.protobuf import json_format
 
+from meshlm.logs import escape
 from xds_server import types as t
 from xds_server.ca import CA_SERVER_NAME
 
@@ -77,7 +78,7 @@ def render(resp: csds_pb2.ClientStatusResponse) -> str:
                 for g in gs
             )
             status = ",".join(sorted(statuses))
-            err = worst.error_state.details.replace("\n", " ")
+            err = escape(worst.error_state.details)
             rows.append((config.node.id, short, str(len(gs)), worst.version_info, status, err))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     return "\n".join(

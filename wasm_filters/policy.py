@@ -42,11 +42,11 @@ OPENAI_PATHS: tuple[tuple[str, str], ...] = (
 PRIORITIES = ("high", "normal", "low")
 FILTER_CONFIG_VERSION = 1
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
-_CALLER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/(?:[A-Za-z0-9][A-Za-z0-9_.-]*|\*)$")
-_PATTERN_PART = re.compile(r"^[A-Za-z0-9_.*-]+$")
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
+_HEX64 = re.compile(r"^[0-9a-fA-F]{64}\Z")
+_CALLER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/(?:[A-Za-z0-9][A-Za-z0-9_.-]*|\*)\Z")
+_PATTERN_PART = re.compile(r"^[A-Za-z0-9_.*-]+\Z")
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?\Z")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, None: 1000}
 _TENANT_FIELDS = {"key_sha256", "allow", "roles", "rate_limit", "priority"}
 _RATE_FIELDS = {"max_tokens", "tokens_per_fill", "fill_interval"}

@@ -14,7 +14,7 @@ import collections
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -85,6 +85,7 @@ async def _close(context: grpc.aio.ServicerContext, e: NodeRejected) -> None:
     if level == logging.WARNING:
         _last_warning = now
     log.log(level, "ADS stream rejected: %s", e)
+    e.__traceback__ = None  # its frames hold the stream's last request
     await context.abort(grpc.StatusCode[e.code], str(e))
 
 
@@ -156,6 +157,9 @@ class _Stream:
         finally:
             unwatch()
             reader.cancel()
+            # Let go of the requests now: a rejected stream's frames outlive it in a traceback.
+            self._inbox.clear()
+            self.types.clear()
             if self.stream_id:  # a rejected stream never held its node id
                 self.sync.disconnect(self.node_id, self.stream_id)
 
@@ -199,6 +203,28 @@ class _Stream:
             self.sync.reject(node_id, "PERMISSION_DENIED", refused)
         self._claim_checked = mesh
 
+    def _check_names(self, tu: str, count: int, names: Iterable[str]) -> None:
+        """INVALID_ARGUMENT (closing the stream) for more than `max_resource_names` names of
+        one type or a name over `max_resource_name_bytes`; `count` is checked first, so an
+        oversized request costs no more than its own message."""
+        lim = self.sync.limits
+        if count > lim.max_resource_names:
+            self.sync.reject(
+                self.node_id or "",
+                "INVALID_ARGUMENT",
+                f"{t.SHORT[tu]}: more than {lim.max_resource_names} resource names "
+                "(max_resource_names)",
+            )
+        for n in names:
+            size = len(n.encode())
+            if size > lim.max_resource_name_bytes:
+                self.sync.reject(
+                    self.node_id or "",
+                    "INVALID_ARGUMENT",
+                    f"{t.SHORT[tu]}: a resource name of {size} bytes is over the limit of "
+                    f"{lim.max_resource_name_bytes} (max_resource_name_bytes)",
+                )
+
     def _unknown_type(self, tu: str, first: bool) -> bool:
         """True (and, for a first request, an empty answer queued) when this server does not
         serve `tu`: nothing is kept for it, so made-up type URLs cost no memory."""
@@ -239,6 +265,7 @@ class SotwStream(_Stream):
         tu = req.type_url
         if self._unknown_type(tu, first=not req.response_nonce):
             return
+        self._check_names(tu, len(req.resource_names), req.resource_names)
         ts = self.types.setdefault(tu, _TypeState())
         # A request that answers an older response than our latest is stale: ignore it
         # (envoy#10363); the reply to the latest one follows.
@@ -310,6 +337,8 @@ class DeltaStream(_Stream):
         tu = req.type_url
         if self._unknown_type(tu, first=not req.response_nonce):
             return
+        self._check_names(tu, len(req.resource_names_subscribe), req.resource_names_subscribe)
+        self._check_names(tu, len(req.initial_resource_versions), req.initial_resource_versions)
         ts = self.types.get(tu)
         if ts is None:
             ts = self.types[tu] = _TypeState()
@@ -328,12 +357,7 @@ class DeltaStream(_Stream):
                 ts.subscribed.discard(n)
                 ts.known.pop(n, None)  # a later subscribe must send it again
                 ts.absent_told.discard(n)
-        limit = self.sync.limits.max_resource_names
-        if len(ts.subscribed) > limit or len(ts.known) > limit:
-            raise NodeRejected(
-                "INVALID_ARGUMENT",
-                f"{t.SHORT[tu]}: more than {limit} resource names (max_resource_names)",
-            )
+        self._check_names(tu, max(len(ts.subscribed), len(ts.known)), ())
         if req.response_nonce:
             version = ts.nonces.pop(req.response_nonce, None)
             if version is None:

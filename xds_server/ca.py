@@ -37,7 +37,7 @@ from sidecar.private_files import read_private, write_private
 
 # spiffe://<trust domain>/ns/<namespace>/sa/<service account> (Istio's layout)
 _SEGMENT = r"[a-zA-Z0-9][a-zA-Z0-9_.-]*"
-_SPIFFE_ID = re.compile(rf"^spiffe://([a-z0-9][a-z0-9._-]*)/ns/({_SEGMENT})/sa/({_SEGMENT})$")
+_SPIFFE_ID = re.compile(rf"^spiffe://([a-z0-9][a-z0-9._-]*)/ns/({_SEGMENT})/sa/({_SEGMENT})\Z")
 
 ROOT_LIFETIME = 10 * 365 * 86400.0  # Istio's self-signed root: 10 years
 INTERMEDIATE_LIFETIME = 365 * 86400.0

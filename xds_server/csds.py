@@ -9,10 +9,10 @@ answer came, ERROR when it was NACKed (error_state carries the NACK's detail).
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+import re2
 from envoy.admin.v3 import config_dump_shared_pb2 as cd
 from envoy.config.core.v3 import base_pb2
 from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
@@ -23,6 +23,12 @@ from xds_server.cache import SnapshotCache
 from xds_server.sync import NodeSync, SyncStatus, TypeSync
 
 ConfigStatus = csds_pb2.ConfigStatus
+# Bounds on one request's work: matchers are tried on every connected node id, and a regex's
+# compiled size is capped as Envoy caps it (re2.max_program_size.error_level).
+MAX_NODE_MATCHERS = 64
+MAX_REGEX_PROGRAM_SIZE = 100
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # RE2 would print the (caller's) pattern to stderr
 
 
 class BadRequest(ValueError):
@@ -56,12 +62,20 @@ class CsdsServicer(csds_pb2_grpc.ClientStatusDiscoveryServiceServicer):
     def status(self, request: csds_pb2.ClientStatusRequest) -> csds_pb2.ClientStatusResponse:
         """One ClientConfig per connected sidecar the request's node matchers select (all when
         it has none)."""
+        if len(request.node_matchers) > MAX_NODE_MATCHERS:
+            raise BadRequest(
+                f"node_matchers: {len(request.node_matchers)} given, at most {MAX_NODE_MATCHERS}"
+            )
         matchers = [_matcher(i, m) for i, m in enumerate(request.node_matchers)]
+        # Match outside the ADS lock, then copy the chosen nodes' state under it.
+        with self.sync.cond:
+            connected = [nid for nid, ns in self.sync.nodes.items() if ns.connected]
+        chosen = [nid for nid in connected if not matchers or any(f(nid) for f in matchers)]
         with self.sync.cond:
             nodes = [
                 (ns.node_id, ns.group, ns.metadata, _copy_types(ns))
-                for ns in self.sync.nodes.values()
-                if ns.connected and (not matchers or any(f(ns.node_id) for f in matchers))
+                for ns in map(self.sync.nodes.get, chosen)
+                if ns is not None and ns.connected
             ]
         groups = self.cache.groups()
         out = csds_pb2.ClientStatusResponse()
@@ -160,12 +174,23 @@ def _matcher(i: int, m: node_pb2.NodeMatcher) -> Callable[[str], bool]:
     if kind == "contains":
         return lambda node_id: value in fold(node_id)
     if kind == "safe_regex":
-        try:
-            pattern = re.compile(value.regex)
-        except re.error as e:
-            raise BadRequest(f"{where}.node_id.safe_regex.regex: {e}") from None
-        return lambda node_id: pattern.fullmatch(node_id) is not None
+        return _regex(f"{where}.node_id.safe_regex.regex", value.regex)
     raise BadRequest(f"{where}.node_id: no match pattern set")
+
+
+def _regex(where: str, regex: str) -> Callable[[str], bool]:
+    """RE2, as Envoy's safe_regex is: linear in the node id, whatever the pattern."""
+    try:
+        pattern = re2.compile(regex, _RE2_OPTIONS)
+    except re2.error as e:
+        why = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) else e
+        raise BadRequest(f"{where}: not an RE2 regex: {why}") from None
+    if pattern.programsize > MAX_REGEX_PROGRAM_SIZE:
+        raise BadRequest(
+            f"{where}: program size {pattern.programsize} is over the limit of "
+            f"{MAX_REGEX_PROGRAM_SIZE}"
+        )
+    return lambda node_id: pattern.fullmatch(node_id) is not None
 
 
 def add_to_server(server: grpc.aio.Server, servicer: CsdsServicer) -> None:

@@ -42,7 +42,8 @@ class Limits:
     max_nodes: int = 10_000  # sidecars tracked, connected or recently departed
     max_node_id_bytes: int = 256
     max_metadata_bytes: int = 4096  # node.metadata, serialized (ours is under 1 KiB)
-    max_resource_names: int = 10_000  # names one stream may subscribe to per type (delta)
+    max_resource_names: int = 10_000  # names one stream may subscribe to per type
+    max_resource_name_bytes: int = 1024  # of each of those names
     max_error_chars: int = 1024  # of a NACK's error_detail kept in status
     forget_after: float = 600.0  # seconds a departed sidecar stays in status
     lagging_after: float = 30.0  # seconds un-ACKed before a sidecar no longer holds changes back
@@ -161,6 +162,13 @@ class SyncStatus:
                 "INVALID_ARGUMENT",
                 f"node.id is {len(node_id.encode())} bytes, over the limit of "
                 f"{lim.max_node_id_bytes} (max_node_id_bytes)",
+            )
+        if not node_id.isprintable():
+            self.reject(
+                node_id,
+                "INVALID_ARGUMENT",
+                f"node.id {node_id[:64]!r} has a character that is not printable: ids are "
+                "printable text",
             )
         if metadata_bytes > lim.max_metadata_bytes:
             self.reject(

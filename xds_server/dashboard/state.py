@@ -32,7 +32,7 @@ _ANALYSIS = ("step", "canary_weight", "outcome", "reason", "success_rate", "requ
 # The authz filter's tenant counters (wasm_filters/authz.zig); Envoy may prefix custom stats.
 # The filter runs on inbound listeners: only a sidecar listed in caller_sidecars that also has
 # one carries them (the control plane is told no other sidecar's admin URL).
-_TENANT_STAT = re.compile(r"meshlm_authz\.(allowed|denied\.forbidden|denied\.rate_limited)\.(.+)$")
+_TENANT_STAT = re.compile(r"meshlm_authz\.(allowed|denied\.forbidden|denied\.rate_limited)\.(.+)\Z")
 _TENANT_QUERY = "/stats?format=json&filter=" + urllib.parse.quote(r"meshlm_authz\.", safe="")
 
 

@@ -27,7 +27,7 @@ METHOD_PREFIX = "/meshlm.inference.v1.Inference/"
 HEALTH_PATHS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
 
 _SEGMENT = r"[a-zA-Z0-9][a-zA-Z0-9_.-]*"
-CALLER_ACCOUNT = re.compile(rf"^{_SEGMENT}/(?:{_SEGMENT}|\*)$")
+CALLER_ACCOUNT = re.compile(rf"^{_SEGMENT}/(?:{_SEGMENT}|\*)\Z")
 
 
 def parse_callers(raw: Any, path: str) -> tuple[Caller, ...] | None:

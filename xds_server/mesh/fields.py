@@ -16,13 +16,13 @@ class MeshError(ValueError):
     """A mesh file that cannot be used; the message names the field."""
 
 
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)\Z")
 
 
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
-_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
+_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*\Z")
 
 
 def parse_duration(value: Any, path: str) -> float:

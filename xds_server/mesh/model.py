@@ -16,7 +16,7 @@ from xds_server.mesh.fields import (
 )
 
 # x-meshlm-class: a hash of the request, never its text (issue 11).
-CLASS_KEY = re.compile(r"^[0-9a-f]{16}$")
+CLASS_KEY = re.compile(r"^[0-9a-f]{16}\Z")
 
 
 # Envoy's retry_on tokens (HTTP router + gRPC, see router filter docs, x-envoy-retry-grpc-on).

@@ -117,10 +117,10 @@ def parse_mesh(raw: Any) -> Mesh:
 
 
 # A SPIFFE trust domain (lower case) and the path segments of a service account.
-TRUST_DOMAIN = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+TRUST_DOMAIN = re.compile(r"^[a-z0-9][a-z0-9._-]*\Z")
 
 
-SERVICE_ACCOUNT = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*/[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
+SERVICE_ACCOUNT = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*/[a-zA-Z0-9][a-zA-Z0-9_.-]*\Z")
 
 
 # Workload certificates live 10 s (tests) to a day; 15 minutes by default (Istio: 24 h).

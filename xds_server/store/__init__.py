@@ -26,7 +26,7 @@ from xds_server.store.etcd import DEFAULT_TIMEOUT, EtcdStore
 from xds_server.store.file import FileStore
 
 USAGE = "etcd://HOST:PORT[,HOST:PORT...][/ROOT] or file:PATH"
-_ROOT = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
+_ROOT = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*\Z")
 
 
 def open_store(url: str, *, timeout: float = DEFAULT_TIMEOUT) -> Store:
