@@ -202,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
               flush=True)  # fmt: skip
     stop = termination_event()
     stop.wait()
+    print("xds-server: stopping: closing the sidecars' ADS streams", flush=True)
     if role is not None:
         role.stop()
     else:
@@ -211,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
     cp.stop()
     if written:
         admin_token.remove_token(admin.port, admin.token)
+    print("xds-server: stopped", flush=True)
     return 0
 
 
