@@ -180,8 +180,12 @@ def run(args: argparse.Namespace) -> int:
     )
     sv.start()
     stop.wait()
+    if not sv.failed:
+        print(f"sidecar {node_id}: draining: the listeners take no new connections, open calls "
+              "finish, then envoy stops", flush=True)  # fmt: skip
     sv.stop()
     if sv.failed:
         print(f"meshlm sidecar: {sv.failed}", file=sys.stderr)
         return 1
+    print(f"sidecar {node_id}: stopped", flush=True)
     return 0
