@@ -14,12 +14,13 @@ from xds_server.admin_token import TOKEN_ENV
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", required=True, help="mesh file (YAML)")
-    p.add_argument("--grpc-port", type=int, help="ADS port (default: control_plane.grpc_port)")
+    p.add_argument("--grpc-port", type=int, help="the gRPC port sidecars get their config "
+                   "from (ADS; default: control_plane.grpc_port)")  # fmt: skip
     p.add_argument("--admin-port", type=int, help="admin HTTP port (default: mesh file)")
     p.add_argument("--debounce", help="quiet time before a push, e.g. 100ms (default: mesh file)")
     p.add_argument("--token-file", help="file holding the bearer token for mutations (default: "
                    f"${TOKEN_ENV}, else a new one in a private file clients find)")  # fmt: skip
-    p.add_argument("--grpc-host", default="127.0.0.1", help="ADS listen address")
+    p.add_argument("--grpc-host", default="127.0.0.1", help="the address of that port")
     p.add_argument("--rollout-store", help="rollout state file, kept across restarts "
                    "(default: .meshlm/rollouts.json beside the mesh file)")  # fmt: skip
     p.add_argument("--scaler", choices=("none", "local", "command"), default="none",
@@ -32,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra `meshlm serve` arguments of a local scaler's replicas")  # fmt: skip
     p.add_argument("--isolation-store", help="quarantined request classes, kept across restarts "
                    "(default: .meshlm/isolation.json beside the mesh file)")  # fmt: skip
-    r = p.add_argument_group("replicas (issue 15)")
+    r = p.add_argument_group("several control planes sharing one state store")
     r.add_argument("--store", help="shared state store: etcd://HOST:PORT[,HOST:PORT...][/ROOT] "
                    "(run several xds-servers on it) or file:PATH; the mesh file seeds an empty "
                    "store (default: none, one control plane on its local files)")  # fmt: skip
@@ -41,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--replica-id", help="this replica's name (default: HOST-GRPC_PORT; with "
                    "--replicas: a prefix, default r: r1, r2...)")  # fmt: skip
     r.add_argument("--replicas", type=int, default=1, help="start this many replica processes "
-                   f"on --store, replica i's ADS and admin ports {REPLICA_PORT_STRIDE} * (i - 1) "
+                   f"on --store, replica i's gRPC and admin ports {REPLICA_PORT_STRIDE} * (i - 1) "
                    "above the first's; Ctrl-C stops them all")  # fmt: skip
 
 
