@@ -102,9 +102,14 @@ def _identity_agent(args: argparse.Namespace, node_id: str):  # -> IdentityAgent
 
     ttl = parse_duration(args.cert_ttl, "--cert-ttl") if args.cert_ttl else None
     state = args.identity_dir or run_dir() / f"sidecar-{node_id}"
+    token = args.join_token_file
+    if token:
+        from meshlm.cmd_identity import find_token_file
+
+        token = find_token_file(token)
     return IdentityAgent(
         state,
-        join_token_file=args.join_token_file,
+        join_token_file=token,
         ttl=ttl,
         on_event=lambda msg: print(f"sidecar {node_id}: {msg}", flush=True),
     )

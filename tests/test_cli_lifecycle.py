@@ -1,12 +1,15 @@
 """`meshlm xds-server` and `meshlm sidecar` as a first user runs them by hand, as real processes:
 a sidecar joins the mesh without the control plane logging a failed handshake, says what each of
 its ports is for, a call made to its inbound port by mistake says so, and Ctrl-C stops each one
-cleanly with a line saying so (the control plane with a sidecar still connected)."""
+cleanly with a line saying so (the control plane with a sidecar still connected). Join tokens
+go to the private run dir, not the folder the user is in."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +47,13 @@ def procs() -> Iterator[list[Proc]]:
         p.stop(timeout=10)
 
 
+def _meshlm(argv: list[str], env: dict, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "meshlm.cli", *argv],
+        cwd=cwd, env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
 def _interrupt(p: Proc, timeout: float = 30) -> tuple[int, str]:
     assert p.popen is not None
     p.popen.send_signal(signal.SIGINT)
@@ -69,9 +79,25 @@ def test_join_ports_and_ctrl_c_by_hand(tmp_path: Path, procs: list[Proc]) -> Non
     wait_until(lambda: "ADS over mTLS" in cp.tail(50), 60, "control plane up", cp)
     admin = f"https://127.0.0.1:{mesh['control_plane']['admin_port']}"
     token = tmp_path / "llm.token"
-    argv = f"identity token --service-account default/llm --admin {admin} --out {token}"
-    Proc.meshlm("token", argv.split(), tmp_path, env=env).start().popen.wait(60)
-    assert token.exists(), (tmp_path / "token.log").read_text()
+    # Join tokens stay out of the folder the user is in (a repository, say): without --out, or
+    # with a bare name, they go to the private run dir, and the command says where.
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    tokens = run / "meshlm" / "join-tokens"
+    for out, name in ((["--out", "llm.token"], "llm.token"), ([], "join-token-default-x.json")):
+        sa = "default/llm" if out else "default/x"
+        argv = ["identity", "token", "--service-account", sa, "--admin", admin, *out]
+        r = _meshlm(argv, env, cwd=repo)
+        assert r.returncode == 0, r.stderr
+        assert f"written to {tokens / name} (mode 0600" in r.stdout, r.stdout
+        assert (tokens / name).stat().st_mode & 0o777 == 0o600
+    assert list(repo.iterdir()) == []
+    # --out with a directory part is used as given.
+    given = tmp_path / "given.token"
+    argv = ["identity", "token", "--service-account", "default/x", "--admin", admin]
+    r = _meshlm([*argv, "--out", str(given)], env)
+    assert r.returncode == 0 and given.exists(), r.stderr
+    token = "llm.token"  # a bare name: the sidecar finds it in the run dir
     grpc_port = mesh["control_plane"]["grpc_port"]
     argv = (
         f"sidecar --xds 127.0.0.1:{grpc_port} --service llm --version v1 --inbound-port "
