@@ -5,7 +5,7 @@
 certificate: `meshlm sidecar --identity --join-token-file FILE`. The token is single use and is
 never printed. Without `--out`, or with a bare file name, the file goes to the private run dir's
 `join-tokens/` (never into the current folder, which may be a repository), where the sidecar
-also looks for a bare --join-token-file name; `--out` with a directory part is used as given.
+looks first for a bare --join-token-file name; `--out` with a directory part is used as given.
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ def token_file(out: str | None, service_account: str) -> tuple[Path, bool]:
 
 
 def find_token_file(given: str) -> str:
-    """A --join-token-file bare name not in the current folder: the run dir's, if there."""
-    if os.sep in given or os.path.exists(given):
+    """A --join-token-file bare name: the run dir's file of that name (where `token --out NAME`
+    writes it) if there is one, else the name in the current folder."""
+    if os.sep in given or given in (".", ".."):
         return given
     kept = run_dir() / TOKENS_DIR / given
     return str(kept) if kept.exists() else given

@@ -80,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "config stream, then go over mTLS. Required by a control plane whose mesh "
                    "has an identity block")  # fmt: skip
     i.add_argument("--join-token-file", help="for the first certificate: the file `meshlm "
-                   "identity token` wrote (0600)")  # fmt: skip
+                   "identity token` wrote (0600); a bare name is looked for in the run dir's "
+                   "join-tokens/ first, where that command puts it")  # fmt: skip
     i.add_argument("--identity-dir", help="private dir for the key, the certificate and the "
                    "socket Envoy reads them from "
                    "(default: the run dir's sidecar-NODE_ID)")  # fmt: skip
