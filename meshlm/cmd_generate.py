@@ -90,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
             detail += f"{args.target} has no route to {GENERATE} for {whom} ({hint})"
         elif e.code() == grpc.StatusCode.UNAVAILABLE and not tokens and _speaks_tls(args.target):
             detail += (
-                f"; {args.target} speaks TLS: a sidecar's inbound port, which takes only mTLS "
-                "from mesh workloads. Call through a caller sidecar instead: --target "
+                f"; {args.target} speaks TLS: a sidecar's inbound port takes only mTLS from "
+                "mesh workloads. Call through a caller sidecar instead: --target "
                 "127.0.0.1:PORT of its --outbound-port, with --authority SERVICE"
             )
         newline = "\n" if tokens else ""
