@@ -58,9 +58,12 @@ class AdminClient:
         token: str | None = None,
         token_source: str = "",
         cacert: str | None = None,
+        guessed: bool = False,
     ) -> None:
-        """Raises AdminError for a URL it cannot use or a root it cannot find."""
+        """Raises AdminError for a URL it cannot use or a root it cannot find. `guessed`: the
+        URL is the local default (no --admin), its scheme a guess while nothing answers."""
         self.url = url.rstrip("/")
+        self.guessed = guessed
         self.token, self.token_source = token, token_source
         u = urlsplit(self.url)
         if u.scheme not in ("http", "https") or not u.hostname:
@@ -91,7 +94,9 @@ class AdminClient:
         token, source = None, ""
         if hasattr(args, "token_file"):
             token, source = client_token(url, args.token_file)
-        return cls(url, token=token, token_source=source, cacert=args.cacert)
+        return cls(
+            url, token=token, token_source=source, cacert=args.cacert, guessed=not args.admin
+        )
 
     def request(
         self, method: str, path: str, body: Any = None, timeout: float = 30.0
@@ -125,13 +130,25 @@ class AdminClient:
             ) from None
         except (OSError, http.client.HTTPException) as e:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else e
-            raise AdminError(f"cannot reach the control plane at {self.url}: {reason}") from None
+            raise AdminError(self._unreachable(reason)) from None
         finally:
             conn.close()
         try:
             return status, json.loads(raw or b"null")
         except ValueError:
             return status, {"error": raw.decode(errors="replace") or f"HTTP {status}"}
+
+    def _unreachable(self, reason: object) -> str:
+        if not self.guessed:
+            return (
+                f"cannot reach the control plane at {self.url}: {reason} (is `meshlm "
+                "xds-server` running there, on that admin port?)"
+            )
+        return (
+            f"cannot reach the control plane at 127.0.0.1:{self._split.port} (the default "
+            f"admin port): {reason}. Is `meshlm xds-server` running? Another admin port: "
+            "--admin https://127.0.0.1:PORT (http:// for a mesh without identity)"
+        )
 
     def _check_peer(self, sock: Any) -> None:
         # The host name was checked in the handshake; a mesh root also signs every workload,

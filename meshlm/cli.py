@@ -25,7 +25,7 @@ token: from --token-file, else $MESHLM_ADMIN_TOKEN, else the local control plane
 
 # subcommand -> module with `add_arguments(parser)` and `run(args) -> int`
 COMMANDS: dict[str, tuple[str, str]] = {
-    "xds-server": ("meshlm.cmd_xds", "run the xDS control plane"),
+    "xds-server": ("meshlm.cmd_xds", "run the control plane that configures every sidecar"),
     "status": ("meshlm.cmd_status", "show sync status of every sidecar and rollout"),
     "apply": ("meshlm.cmd_apply", "push a changed mesh file to a running control plane"),
     "weights": ("meshlm.cmd_weights", "set a service's traffic split between its versions"),

@@ -12,7 +12,7 @@ from typing import Any
 
 from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
 from xds_server.admin_token import TokenError
-from xds_server.mesh import load_yaml, parse_mesh
+from xds_server.mesh import MeshError, load_yaml, parse_mesh
 from xds_server.resources.names import outbound_cluster
 
 
@@ -35,8 +35,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         with open(args.mesh, "rb") as f:
             body = f.read()
+        load_yaml(body, args.mesh)  # YAML errors name this file here, not the request body
         admin = AdminClient.from_args(args)
-    except (OSError, AdminError, TokenError) as e:
+    except (OSError, AdminError, TokenError, MeshError) as e:
         print(f"meshlm apply: {e}", file=sys.stderr)
         return 2
     path = f"/v1/mesh?timeout={args.timeout:g}"

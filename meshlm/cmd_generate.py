@@ -88,6 +88,12 @@ def run(args: argparse.Namespace) -> int:
             hint = "is --authority a service of the mesh, the target a runtime or sidecar?"
             detail = f"{detail}; " if detail else ""
             detail += f"{args.target} has no route to {GENERATE} for {whom} ({hint})"
+        elif e.code() == grpc.StatusCode.UNAVAILABLE and not tokens and _speaks_tls(args.target):
+            detail += (
+                f"; {args.target} speaks TLS: a sidecar's inbound port takes only mTLS from "
+                "mesh workloads. Call through a caller sidecar instead: --target "
+                "127.0.0.1:PORT of its --outbound-port, with --authority SERVICE"
+            )
         newline = "\n" if tokens else ""
         print(f"{newline}meshlm generate: {e.code().name}: {detail}", file=sys.stderr)
         return 1
@@ -102,3 +108,12 @@ def run(args: argparse.Namespace) -> int:
         resumed = f", resumed {len(stream.resumes)}x" if stream.resumes else ""
         print(f"[{tokens} tokens, finish {reason}, TTFT {ttft}{resumed}]", file=sys.stderr)
     return 0
+
+
+def _speaks_tls(target: str) -> bool:
+    from sidecar.supervisor import speaks_tls
+
+    host, _, port = target.rpartition(":")
+    if not port.isdigit():
+        return False
+    return bool(speaks_tls((host.strip("[]") or "127.0.0.1", int(port)), timeout=1.0))

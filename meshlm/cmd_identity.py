@@ -3,20 +3,23 @@
 
 `token --service-account NS/SA` writes a join token file (0600) for one sidecar's first
 certificate: `meshlm sidecar --identity --join-token-file FILE`. The token is single use and is
-never printed.
+never printed. Without `--out`, or with a bare file name, the file goes to the private run dir's
+`join-tokens/` (never into the current folder, which may be a repository), where the sidecar
+looks first for a bare --join-token-file name; `--out` with a directory part is used as given.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
-from sidecar.private_files import write_private
-from xds_server.admin_token import TokenError
+from sidecar.private_files import private_dir, write_private
+from xds_server.admin_token import TokenError, run_dir
 
 ACTIONS = ("token", "status", "rotate-root")
 
@@ -29,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("token")
     t.add_argument("--service-account", help="NAMESPACE/NAME the token grants")
     t.add_argument("--ttl", default="1h", help="how long the token can be used (default 1h)")
-    t.add_argument("--out", help="the join token file to write, 0600 (default: "
-                   "join-token-NAMESPACE-NAME.json here)")  # fmt: skip
+    t.add_argument("--out", help="the join token file to write, 0600: a path as given; a "
+                   "bare name goes to the private run dir's join-tokens/ (default: "
+                   "join-token-NAMESPACE-NAME.json there)")  # fmt: skip
     r = p.add_argument_group("rotate-root")
     r.add_argument("--activate-after", help="the new root signs after this (default: cert_ttl)")
     r.add_argument("--overlap", help="old roots stay trusted this long after (default: cert_ttl)")
@@ -70,11 +74,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.action == "token":
         sa = reply["service_account"]
-        out = Path(args.out or f"join-token-{sa.replace('/', '-')}.json")
+        out, as_given = token_file(args.out, sa)
         try:
-            write_private(out, json.dumps(reply, indent=1).encode(), "a join token", any_dir=True)
-        except OSError as e:
-            print(f"meshlm identity token: --out {out}: {e.strerror or e}", file=sys.stderr)
+            if not as_given:
+                private_dir(out.parent, _KEPT)
+            write_private(out, json.dumps(reply, indent=1).encode(), _KEPT, any_dir=as_given)
+        except (OSError, ValueError) as e:  # PrivateFileError: a run dir that is not private
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+            print(f"meshlm identity token: {out}: {reason}", file=sys.stderr)
             return 1
         until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(reply["expires_at"]))
         print(
@@ -86,6 +93,28 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(reply))
     return 0
+
+
+_KEPT = "join tokens"  # what the dir holds, for its errors
+TOKENS_DIR = "join-tokens"
+
+
+def token_file(out: str | None, service_account: str) -> tuple[Path, bool]:
+    """(the join token file to write, whether it is a path the user gave as it is)."""
+    if out and (os.sep in out or out in (".", "..")):
+        return Path(out), True
+    return run_dir() / TOKENS_DIR / (
+        out or f"join-token-{service_account.replace('/', '-')}.json"
+    ), False
+
+
+def find_token_file(given: str) -> str:
+    """A --join-token-file bare name: the run dir's file of that name (where `token --out NAME`
+    writes it) if there is one, else the name in the current folder."""
+    if os.sep in given or given in (".", ".."):
+        return given
+    kept = run_dir() / TOKENS_DIR / given
+    return str(kept) if kept.exists() else given
 
 
 def render(st: dict) -> str:

@@ -42,36 +42,48 @@ def _default_node_id(args: argparse.Namespace) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--xds", type=_hostports, required=True, help="control plane ADS HOST:PORT; "
-                   "with replicas, each one's, comma-separated (Envoy fails over)")  # fmt: skip
+    p.add_argument("--xds", type=_hostports, required=True, help="the control plane's gRPC "
+                   "HOST:PORT (its --grpc-port, where sidecars get their config); several "
+                   "control planes: each one's, comma-separated (Envoy fails over)")  # fmt: skip
     p.add_argument("--node-id", help="unique sidecar id (default: ROLE-HOST-PORT, "
                    "ROLE being SERVICE-VERSION or caller)")  # fmt: skip
     p.add_argument("--mesh", help="mesh file: --inbound-port defaults to the port of the "
                    "version's endpoint (callers reach a version through its sidecar)")  # fmt: skip
     p.add_argument("--service", help="the service whose runtime this sidecar fronts")
     p.add_argument("--version", help="the version of that service")
-    p.add_argument("--inbound-port", type=int, help="listener in front of the local runtime")
+    p.add_argument("--inbound-port", type=int, help="listener in front of the local runtime, "
+                   "for other workloads' sidecars (with --identity: mTLS from mesh workloads "
+                   "only)")  # fmt: skip
     p.add_argument("--local-endpoint", help="the local runtime HOST:PORT")
     p.add_argument("--local-http-endpoint", help="the local runtime's OpenAI HTTP API "
                    "HOST:PORT (meshlm serve --http-port); the inbound listener routes /v1/ "
                    "there, with the same authz (default: none, /v1/ goes nowhere)")  # fmt: skip
-    p.add_argument("--outbound-port", type=int, help="listener for calls to mesh services")
+    p.add_argument("--outbound-port", type=int, help="listener where local callers reach "
+                   "mesh services (meshlm generate --target 127.0.0.1:PORT --authority "
+                   "SERVICE)")  # fmt: skip
     p.add_argument("--listen-host", type=_ip, default="127.0.0.1", help="IP address the "
                    "listeners bind (0.0.0.0: reachable from other hosts or pods)")  # fmt: skip
-    p.add_argument("--admin-port", type=int, default=0, help="Envoy admin, loopback only")
-    p.add_argument("--delta", action="store_true", help="incremental xDS (DELTA_GRPC)")
+    p.add_argument("--admin-port", type=int, default=0, help="Envoy's admin port, loopback "
+                   "only (default: a free port)")  # fmt: skip
+    p.add_argument("--delta", action="store_true", help="get config changes as deltas "
+                   "rather than whole sets (incremental xDS)")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=1, help="Envoy worker threads")
-    p.add_argument("--max-heap-mb", type=int, default=256, help="overload manager heap limit")
-    p.add_argument("--lkg-file", help="where to keep the last-known-good config")
+    p.add_argument("--max-heap-mb", type=int, default=256, help="Envoy's memory limit: past it, "
+                   "Envoy refuses new calls rather than run out of memory")  # fmt: skip
+    p.add_argument("--lkg-file", help="where to keep the last config that "
+                   "worked: the sidecar boots from it while the control plane is down")  # fmt: skip
     p.add_argument("--keys-file", help="native authz: the control plane's 0600 keys_file, "
                    "read at a last-known-good boot (default: --mesh authz.keys_file)")  # fmt: skip
-    i = p.add_argument_group("workload identity (issue 14)")
-    i.add_argument("--identity", action="store_true", help="get a SPIFFE certificate from the "
-                   "mesh CA, renew it, serve it to Envoy by SDS (default, ROOTCA); ADS then "
-                   "goes over mTLS, as a control plane with identity requires")  # fmt: skip
+    i = p.add_argument_group("workload identity: mTLS certificates from the mesh CA")
+    i.add_argument("--identity", action="store_true", help="get this workload's certificate "
+                   "from the mesh CA and renew it; every call to and from the sidecar, and its "
+                   "config stream, then go over mTLS. Required by a control plane whose mesh "
+                   "has an identity block")  # fmt: skip
     i.add_argument("--join-token-file", help="for the first certificate: the file `meshlm "
-                   "identity token` wrote (0600)")  # fmt: skip
-    i.add_argument("--identity-dir", help="private dir for the key, certificate and SDS socket "
+                   "identity token` wrote (0600); a bare name is looked for in the run dir's "
+                   "join-tokens/ first, where that command puts it")  # fmt: skip
+    i.add_argument("--identity-dir", help="private dir for the key, the certificate and the "
+                   "socket Envoy reads them from "
                    "(default: the run dir's sidecar-NODE_ID)")  # fmt: skip
     i.add_argument("--cert-ttl", help="certificate lifetime to ask for, e.g. 15m (default and "
                    "most: the mesh's identity.cert_ttl)")  # fmt: skip
@@ -91,9 +103,14 @@ def _identity_agent(args: argparse.Namespace, node_id: str):  # -> IdentityAgent
 
     ttl = parse_duration(args.cert_ttl, "--cert-ttl") if args.cert_ttl else None
     state = args.identity_dir or run_dir() / f"sidecar-{node_id}"
+    token = args.join_token_file
+    if token:
+        from meshlm.cmd_identity import find_token_file
+
+        token = find_token_file(token)
     return IdentityAgent(
         state,
-        join_token_file=args.join_token_file,
+        join_token_file=token,
         ttl=ttl,
         on_event=lambda msg: print(f"sidecar {node_id}: {msg}", flush=True),
     )
@@ -180,8 +197,12 @@ def run(args: argparse.Namespace) -> int:
     )
     sv.start()
     stop.wait()
+    if not sv.failed:
+        print(f"sidecar {node_id}: draining: the listeners take no new connections, open calls "
+              "finish, then envoy stops", flush=True)  # fmt: skip
     sv.stop()
     if sv.failed:
         print(f"meshlm sidecar: {sv.failed}", file=sys.stderr)
         return 1
+    print(f"sidecar {node_id}: stopped", flush=True)
     return 0

@@ -9,19 +9,26 @@ import sys
 from pathlib import Path
 
 from meshlm.signals import termination_event
+from meshlm.state_dir import STATE_ENV, choose_state_dir
 from xds_server.admin_token import TOKEN_ENV
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", required=True, help="mesh file (YAML)")
-    p.add_argument("--grpc-port", type=int, help="ADS port (default: control_plane.grpc_port)")
+    p.add_argument("--grpc-port", type=int, help="the gRPC port sidecars get their config "
+                   "from (ADS; default: control_plane.grpc_port)")  # fmt: skip
     p.add_argument("--admin-port", type=int, help="admin HTTP port (default: mesh file)")
     p.add_argument("--debounce", help="quiet time before a push, e.g. 100ms (default: mesh file)")
     p.add_argument("--token-file", help="file holding the bearer token for mutations (default: "
                    f"${TOKEN_ENV}, else a new one in a private file clients find)")  # fmt: skip
-    p.add_argument("--grpc-host", default="127.0.0.1", help="ADS listen address")
+    p.add_argument("--grpc-host", default="127.0.0.1", help="the address of that port")
+    p.add_argument("--state-dir", help="where state is kept across restarts: the mesh CA's "
+                   f"root and join tokens, rollouts, quarantines (default: ${STATE_ENV}, else "
+                   "$XDG_STATE_HOME/meshlm/MESHFILE-HASH, $XDG_STATE_HOME being "
+                   "~/.local/state if unset; a .meshlm/ beside the mesh file that holds state "
+                   "from an earlier version is used where it is)")  # fmt: skip
     p.add_argument("--rollout-store", help="rollout state file, kept across restarts "
-                   "(default: .meshlm/rollouts.json beside the mesh file)")  # fmt: skip
+                   "(default: rollouts.json in the state dir)")  # fmt: skip
     p.add_argument("--scaler", choices=("none", "local", "command"), default="none",
                    help="how the SLO loop's scale_out adds replicas: local starts `meshlm "
                    "serve` + its sidecar; command runs --scale-out/in-command")  # fmt: skip
@@ -31,8 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scaler-serve-args", default="",
                    help="extra `meshlm serve` arguments of a local scaler's replicas")  # fmt: skip
     p.add_argument("--isolation-store", help="quarantined request classes, kept across restarts "
-                   "(default: .meshlm/isolation.json beside the mesh file)")  # fmt: skip
-    r = p.add_argument_group("replicas (issue 15)")
+                   "(default: isolation.json in the state dir)")  # fmt: skip
+    r = p.add_argument_group("several control planes sharing one state store")
     r.add_argument("--store", help="shared state store: etcd://HOST:PORT[,HOST:PORT...][/ROOT] "
                    "(run several xds-servers on it) or file:PATH; the mesh file seeds an empty "
                    "store (default: none, one control plane on its local files)")  # fmt: skip
@@ -41,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--replica-id", help="this replica's name (default: HOST-GRPC_PORT; with "
                    "--replicas: a prefix, default r: r1, r2...)")  # fmt: skip
     r.add_argument("--replicas", type=int, default=1, help="start this many replica processes "
-                   f"on --store, replica i's ADS and admin ports {REPLICA_PORT_STRIDE} * (i - 1) "
+                   f"on --store, replica i's gRPC and admin ports {REPLICA_PORT_STRIDE} * (i - 1) "
                    "above the first's; Ctrl-C stops them all")  # fmt: skip
 
 
@@ -96,7 +103,12 @@ def run(args: argparse.Namespace) -> int:
     # shared through the store, the file is unused then): one file written by several
     # processes would keep only the last writer's.
     own = f"-{replica_id}" if args.store else ""
-    state = Path(args.mesh).resolve().parent / ".meshlm"
+    state, chosen = choose_state_dir(args.mesh, args.state_dir)
+    try:  # it holds the CA's root key: private, as the dirs made inside it are
+        state.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"meshlm xds-server: state dir {state}: {e.strerror or e}", file=sys.stderr)
+        return 2
     isolation = args.isolation_store or state / f"isolation{own}.json"
     try:
         replication = _replication(args, mesh, source, replica_id)
@@ -156,10 +168,8 @@ def run(args: argparse.Namespace) -> int:
     def in_metrics(rollouts: RolloutController | None, slo: SloLoops | None) -> None:
         admin.metrics.rollouts, admin.metrics.slo = rollouts, slo  # in GET /metrics from now on
 
-    role = None
-    rollout_file = Path(
-        args.rollout_store or Path(args.mesh).resolve().parent / ".meshlm/rollouts.json"
-    )
+    role, restored = None, []
+    rollout_file = Path(args.rollout_store or state / "rollouts.json")
     if replication is None:  # one control plane on its local files, as before issue 15
         rollout_file.parent.mkdir(parents=True, exist_ok=True)
         rollouts = RolloutController(cp, str(rollout_file), configured_sources(cp))
@@ -168,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         admin.mounts["/rollouts"] = api(rollouts)
         admin.status = lambda: {"replica": None, "leading": True, "store": "local files"}
         in_metrics(rollouts, slo)
+        restored = _restored(rollouts, mesh, rollout_file)
     else:  # one of several: the leader runs the rollouts and the SLO loop
         _import_rollouts(replication.store, rollout_file)
         role = ReplicaRole(
@@ -191,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
         f"{f'; its CA in {ca_file}' if ca_file else ''}), debounce {cp.debounce * 1000:.0f} ms",
         flush=True,
     )
+    print(f"xds-server: state in {state} ({chosen})", flush=True)
+    for line in restored:
+        print(f"xds-server: {line}", flush=True)
     if warning := plaintext_warning(mesh):
         print(f"xds-server: warning: {warning}", file=sys.stderr, flush=True)
     if cp.identity:
@@ -202,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
               flush=True)  # fmt: skip
     stop = termination_event()
     stop.wait()
+    print("xds-server: stopping: closing the sidecars' ADS streams", flush=True)
     if role is not None:
         role.stop()
     else:
@@ -211,7 +226,25 @@ def run(args: argparse.Namespace) -> int:
     cp.stop()
     if written:
         admin_token.remove_token(admin.port, admin.token)
+    print("xds-server: stopped", flush=True)
     return 0
+
+
+def _restored(rollouts, mesh, path: Path) -> list[str]:  # rollouts: RolloutController
+    """A line per rollout read back from `path`: a restart keeps its weights, not the file's."""
+
+    def split(weights: dict[str, int]) -> str:
+        return " ".join(f"{v}={w}" for v, w in weights.items())
+
+    lines = []
+    for service, r in sorted(rollouts.status().items()):
+        svc = mesh.services.get(service)
+        filed = f"; the mesh file says {split(svc.route.weights)}" if svc else ""
+        lines.append(
+            f"rollout {service} restored from {path}: {r['state']}, weights "
+            f"{split(r['weights'])}{filed} (meshlm rollout status {service})"
+        )
+    return lines
 
 
 def _import_rollouts(store, path: Path) -> None:

@@ -178,7 +178,8 @@ class LocalMesh:
         mesh_file = self.workdir / "mesh.yaml"
         mesh_file.write_text(yaml.safe_dump(self.mesh, sort_keys=False))
         env = {"MESHLM_ADMIN_TOKEN": self.token, **self.control_plane_env}
-        args = ["xds-server", "--mesh", str(mesh_file)]
+        # Its CA and rollouts live and die with this mesh's work dir.
+        args = ["xds-server", "--mesh", str(mesh_file), "--state-dir", str(self.workdir / "state")]
         if self.scaler_serve_args is not None:  # its replicas inherit the environment
             args += ["--scaler", "local", "--scaler-serve-args", shlex.join(self.scaler_serve_args)]
             env["OMP_NUM_THREADS"] = str(self.torch_threads)

@@ -148,7 +148,7 @@ class IdentityAgent:
                     e = IdentityError(f"{type(e).__name__}: {e}")
                 left = (cur.not_after - now) / 4 if cur and cur.not_after > now else MAX_RETRY
                 delay = max(0.5, min(delay, left))
-                self.on_event(f"identity: {e}; trying again in {delay:.1f}s")
+                self.on_event(f"identity: {e}; trying again in {delay:.1f}s{_standing(cur, now)}")
                 self._stop.wait(delay)
                 delay = min(delay * 2, MAX_RETRY)
 
@@ -299,6 +299,24 @@ class IdentityAgent:
             )
         check_roots(ca["roots"], ca["root_sha256"], f"join token file {path}")
         return doc, token
+
+
+def _standing(cur: Credentials | None, now: float) -> str:
+    """What a failed renewal means for calls: a sidecar user wants to know how long it has."""
+    if cur is None:
+        return ""
+    if cur.not_after <= now:
+        return (
+            ". The certificate expired: calls to and from this sidecar fail until it gets a "
+            "new one, with a new join token in --join-token-file (meshlm identity token --out)"
+        )
+    until = time.strftime("%H:%M:%S", time.localtime(cur.not_after))
+    left = int(cur.not_after - now)
+    return (
+        f". The certificate is valid until {until} (in {left // 60}m{left % 60:02d}s): calls "
+        "keep working until then; after that they fail until a renewal succeeds (once it has "
+        "expired, only a new join token gets a certificate)"
+    )
 
 
 def check_roots(roots: Any, pins: Any, where: str) -> None:

@@ -12,6 +12,7 @@ from concurrent import futures
 from typing import TypeVar
 
 T = TypeVar("T")
+SETTLE_S = 1.0  # how long stop() lets tasks still running end by themselves before cancelling
 
 
 class LoopThread:
@@ -41,6 +42,10 @@ class LoopThread:
             await shutdown()
             me = asyncio.current_task()
             tasks = [t for t in asyncio.all_tasks() if t is not me]
+            # A stopped gRPC server may still be finishing its calls' tasks: cancelling one
+            # that awaits its handler makes grpc log "Exception not handled" with a traceback.
+            if tasks:
+                _, tasks = await asyncio.wait(tasks, timeout=SETTLE_S)
             for t in tasks:
                 t.cancel()
             # Let the cancelled tasks finish before the loop goes away.

@@ -35,6 +35,8 @@ from sidecar.envoy_process import EnvoyError, EnvoyProcess
 from sidecar.identity import IdentityAgent
 from sidecar.lkg import Keys, LastKnownGood, static_bootstrap
 
+OUTBOUND_LISTENER = "outbound"  # the control plane's name for it (xds_server/resources/names.py)
+
 log = logging.getLogger("meshlm.sidecar")
 
 
@@ -65,21 +67,39 @@ def reachable(address: tuple[str, int], timeout: float = 0.5) -> bool:
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
-def speaks_tls(address: tuple[str, int], timeout: float = 2.0) -> bool | None:
-    """Whether the server at `address` speaks TLS (True) or plaintext HTTP/2 (False); None when
-    it cannot tell (down, or it closed the connection). Only the protocol is asked, so nothing
-    is verified here: Envoy verifies its own connections."""
+# TLS record types a server answers a ClientHello with: handshake (its ServerHello), alert.
+_TLS_ANSWERS = (22, 21)
+
+
+def _client_hello() -> bytes:
+    """The bytes of a TLS ClientHello, made by an in-memory handshake that goes no further."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
+    outgoing = ssl.MemoryBIO()
+    tls = ctx.wrap_bio(ssl.MemoryBIO(), outgoing)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def speaks_tls(address: tuple[str, int], timeout: float = 2.0) -> bool | None:
+    """Whether the server at `address` speaks TLS (True) or plaintext HTTP/2 (False); None when
+    it cannot tell (down, or it closed the connection). Only the protocol is asked: a TLS
+    server answers a ClientHello with a handshake record, and the connection closes there,
+    before a server that requires client certificates would log a failed handshake."""
     try:
-        with socket.create_connection(address, timeout=timeout) as raw, ctx.wrap_socket(raw):
-            return True
-    except ssl.SSLError as e:
-        if "ALERT" in (e.reason or ""):  # it refused us (no client certificate...) in TLS
-            return True
+        conn = socket.create_connection(address, timeout=timeout)
     except OSError:
         return None
+    with conn:
+        try:
+            conn.sendall(_client_hello())
+            head = conn.recv(1)
+        except OSError:  # a plaintext server may reset a connection that does not speak h2
+            head = b""
+    if head and head[0] in _TLS_ANSWERS:
+        return True
     try:  # not TLS: a plaintext HTTP/2 server answers the preface with its SETTINGS
         with socket.create_connection(address, timeout=timeout) as s:
             s.sendall(_H2_PREFACE)
@@ -241,11 +261,22 @@ class Supervisor:
             found = []
             for ls in doc.get("listener_statuses", []):
                 sa = ls.get("local_address", {}).get("socket_address", {})
-                found.append(f"{ls.get('name')} {sa.get('address')}:{sa.get('port_value')}")
+                name = ls.get("name", "")
+                found.append(f"{name} {sa.get('address')}:{sa.get('port_value')}{self._for(name)}")
             listeners = ", ".join(found) or "none yet"
         except (OSError, ValueError) as e:
             listeners = f"unknown ({e})"
         return f"listeners: {listeners}; admin {self.envoy.admin_url}; log {self.envoy.log_path}"
+
+    def _for(self, listener: str) -> str:
+        """What a listener is for, in a few words."""
+        if listener == OUTBOUND_LISTENER:
+            return " (local callers: meshlm generate --target HOST:PORT --authority SERVICE)"
+        if listener.startswith("inbound|"):
+            if self.identity:
+                return " (mTLS from mesh workloads only: callers go through their sidecar)"
+            return " (callers' sidecars, in front of the local runtime)"
+        return ""
 
     def _keys(self) -> Keys | None:
         return self.keys() if self.keys else None

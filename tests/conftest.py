@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -32,6 +33,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return (yield)
     with lock.hold(alone=item.get_closest_marker("alone") is not None):
         return (yield)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _state_home(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Control planes keep state in $XDG_STATE_HOME/meshlm (meshlm/state_dir.py): the run's own,
+    never the user's, for every process a test starts."""
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state-home"))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -103,3 +103,20 @@ def test_policy_compile_refuses_a_duplicate_tenant(tmp_path: Path) -> None:
     mesh.write_text("tenants:\n" + line + line)
     r = meshlm("policy", "compile", "--mesh", str(mesh), "--service", "llm")
     assert_clear(r, 2, "tenants.acme: duplicate key 'acme' at line 3 (first at line 2)")
+
+
+def test_a_yaml_error_names_the_file_line_and_column(tmp_path: Path) -> None:
+    bad = tmp_path / "mesh.yaml"
+    bad.write_text("services:\n  llm: {versions: [\n")
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    admin = f"http://127.0.0.1:{free.getsockname()[1]}"  # nothing answers: apply checks first
+    try:
+        for argv in (("apply", "--mesh", str(bad), "--admin", admin),
+                     ("xds-server", "--mesh", str(bad)),
+                     ("policy", "compile", "--mesh", str(bad))):  # fmt: skip
+            r = meshlm(*argv)
+            assert_clear(r, 2, str(bad), "not valid YAML", f'in "{bad}", line 3, column 1')
+            assert "<byte string>" not in r.stderr and "<unicode string>" not in r.stderr
+    finally:
+        free.close()

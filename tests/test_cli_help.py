@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import re
 import subprocess
 import sys
 
@@ -51,3 +52,29 @@ def test_top_level_help_is_written_for_users() -> None:
     assert "imported lazily" not in r.stdout  # the module's docstring is for developers
     for name in COMMANDS:
         assert name in r.stdout
+
+
+def _texts(p: argparse.ArgumentParser, path: str) -> list[tuple[str, str]]:
+    """(where, text) of every group title, description and option help under `p`."""
+    out = [(path, p.description or "")]
+    out += [(f"{path} [{g.title}]", f"{g.title} {g.description or ''}") for g in p._action_groups]
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                out += _texts(sub, f"{path} {name}")
+        else:
+            out.append((f"{path} {'/'.join(a.option_strings) or a.dest}", a.help or ""))
+    return out
+
+
+def test_help_has_no_issue_numbers_or_unexplained_envoy_terms() -> None:
+    # Plain words for a first user: what the option does, not which issue added it, and no
+    # Envoy term (SDS, ROOTCA, DELTA_GRPC, overload manager) a user has to look up.
+    words = re.compile(r"\bissue \d|\bdefect \d|ROOTCA|DELTA_GRPC|\bby SDS\b|overload manager")
+    found = [
+        (where, text)
+        for name in COMMANDS
+        for where, text in _texts(command_parser(name), name)
+        if words.search(text)
+    ]
+    assert found == []

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from meshlm.state_dir import default_state_dir
 from sidecar.ports import free_port
 from tests.etcd_support import EtcdCluster, wait_for
 from xds_server.ca import MeshCA, key_pem, pem
@@ -206,9 +207,8 @@ def test_identity_on_etcd_needs_a_root_shared_by_every_replica(etcd, tmp_path, e
     # Join tokens are each replica's own (a sidecar enrolls at its first --xds replica's CA).
     code, doc = replicas[0].call("POST", "/identity/tokens", {"service_account": "default/llm"})
     assert code == 200, doc
-    assert sorted(p.name for p in (tmp_path / ".meshlm").iterdir() if "identity" in p.name) == [
-        "identity-i1"
-    ]
+    state = default_state_dir(tmp_path / "mesh.yaml")  # the replicas' env: this run's state home
+    assert sorted(p.name for p in state.iterdir() if "identity" in p.name) == ["identity-i1"]
 
 
 def test_sidecar_xds_lists_replicas_and_names_a_bad_one(env):

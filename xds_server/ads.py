@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 _USERS_OF_CLUSTERS = (t.LISTENER, t.EXTENSION_CONFIG, t.ROUTE)
 # Delta nonces a stream remembers while they are neither ACKed nor NACKed; older ones are stale.
 _MAX_OUTSTANDING_NONCES = 64
+_STOPPING = "control plane stopping"
 
 
 class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
@@ -44,30 +45,59 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self.cache = cache
         self.sync = sync
         self.trust_domain = trust_domain
+        self._streams: set[_Stream] = set()
+        self._closing = False
+        self._all_closed: asyncio.Event | None = None
 
     async def StreamAggregatedResources(
         self,
         request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
-        try:
-            stream = SotwStream(self.cache, self.sync, self._peer(context))
-            async for resp in stream.run(request_iterator):
-                yield resp
-        except NodeRejected as e:
-            await _close(context, e)
+        async for resp in self._serve(SotwStream, request_iterator, context):
+            yield resp
 
     async def DeltaAggregatedResources(
         self,
         request_iterator: AsyncIterator[discovery_pb2.DeltaDiscoveryRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[discovery_pb2.DeltaDiscoveryResponse]:
+        async for resp in self._serve(DeltaStream, request_iterator, context):
+            yield resp
+
+    async def close(self, timeout: float = 2.0) -> None:
+        """End every open stream with UNAVAILABLE (Envoy keeps its config and reconnects to
+        whichever control plane answers) and refuse new ones; returns once they ended, so the
+        gRPC server stops with no stream left for it to cancel."""
+        self._closing = True
+        if not self._streams:
+            return
+        self._all_closed = asyncio.Event()
+        for stream in list(self._streams):
+            stream.close()
         try:
-            stream = DeltaStream(self.cache, self.sync, self._peer(context))
-            async for resp in stream.run(request_iterator):
+            await asyncio.wait_for(self._all_closed.wait(), timeout)
+        except TimeoutError:
+            log.warning("ADS: %d stream(s) still open at stop", len(self._streams))
+
+    async def _serve(
+        self, kind: type[_Stream], requests: AsyncIterator, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator:
+        if self._closing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _STOPPING)
+        stream = kind(self.cache, self.sync, self._peer(context))
+        self._streams.add(stream)
+        try:
+            async for resp in stream.run(requests):
                 yield resp
         except NodeRejected as e:
             await _close(context, e)
+        finally:
+            self._streams.discard(stream)
+            if not self._streams and self._all_closed is not None:
+                self._all_closed.set()
+        if stream.closed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _STOPPING)
 
     def _peer(self, context: grpc.aio.ServicerContext) -> Peer | None:
         return peer_of(context, self.trust_domain) if self.trust_domain else None
@@ -125,7 +155,12 @@ class _Stream:
         self._error_shown = False
         self._wake = asyncio.Event()
         self._done = False
+        self.closed = False  # ended by close(): the control plane is stopping
         self._nonce = 0
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake.set()
 
     async def run(self, requests: AsyncIterator) -> AsyncIterator:
         loop = asyncio.get_running_loop()
@@ -135,6 +170,8 @@ class _Stream:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
+                if self.closed:
+                    break
                 while self._inbox:
                     self._handle(self._inbox.popleft())
                 if self._done:

@@ -175,6 +175,7 @@ class ControlPlane:
         async def shutdown() -> None:
             if self._tls_renewer:
                 self._tls_renewer.cancel()
+            await self._ads.close()  # sidecars see UNAVAILABLE "control plane stopping"
             if self.identity:
                 await self.identity.stop()
             await self._server.stop(grace)

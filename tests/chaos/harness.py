@@ -118,7 +118,8 @@ class Mesh:
 
     def start_control_plane(self) -> Proc:
         store = self.workdir / "rollouts.json"
-        args = ["xds-server", "--mesh", str(self.mesh_file), "--rollout-store", str(store)]
+        args = ["xds-server", "--mesh", str(self.mesh_file), "--rollout-store", str(store),
+                "--state-dir", str(self.workdir / "state")]  # fmt: skip
         proc = self.spawn("xds-server", args, env={"MESHLM_ADMIN_TOKEN": TOKEN})
         wait_until(lambda: self.admin("GET", "/debug/syncz")[0] == 200, 60, "control plane", proc)
         return proc

@@ -49,6 +49,9 @@ def load_yaml(text: str | bytes, source: str = "mesh") -> Any:
         _no_duplicate_keys(node, "", set())
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
+        for mark in (getattr(e, "context_mark", None), getattr(e, "problem_mark", None)):
+            if mark is not None:  # else it names "<byte string>", not the file
+                mark.name = source
         raise MeshError(f"{source}: not valid YAML: {e}") from None
     except RecursionError:
         raise MeshError(f"{source}: nested too deeply") from None
