@@ -191,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
         f"{f'; its CA in {ca_file}' if ca_file else ''}), debounce {cp.debounce * 1000:.0f} ms",
         flush=True,
     )
+    trust = f" (HTTPS with the mesh CA: trust {ca_file}, see the README)" if ca_file else ""
+    print(f"xds-server: dashboard at {admin.url}/dashboard/{trust}", flush=True)
     if warning := plaintext_warning(mesh):
         print(f"xds-server: warning: {warning}", file=sys.stderr, flush=True)
     if cp.identity:
