@@ -205,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"xds-server: state in {state} ({chosen})", flush=True)
     for line in restored:
         print(f"xds-server: {line}", flush=True)
+    trust = f" (HTTPS with the mesh CA: trust {ca_file}, see the README)" if ca_file else ""
+    print(f"xds-server: dashboard at {admin.url}/dashboard/{trust}", flush=True)
     if warning := plaintext_warning(mesh):
         print(f"xds-server: warning: {warning}", file=sys.stderr, flush=True)
     if cp.identity:

@@ -96,3 +96,31 @@ def test_streams_are_bounded_and_end_when_the_admin_server_stops(plane) -> None:
     finally:
         for s, _ in streams:
             s.close()
+
+
+def test_the_page_carries_its_first_state_and_a_sidecars_text_cannot_close_the_block(
+    plane,
+) -> None:
+    """`GET /dashboard/` holds the state as JSON in a data block; a NACK error (a sidecar's
+    words) that closes it and opens a script stays text inside it."""
+    cp, admin = plane
+    hostile = "</script><script>alert(1)</script><!--"
+    nacking = AdsClient(cp.grpc_port, "n3")
+    try:
+        nacking.send(sotw(t.CLUSTER))
+        r1 = nacking.recv()
+        nacking.send(sotw(t.CLUSTER, version=r1.version_info, nonce=r1.nonce))
+        cp.update_mesh(_mesh("v1", "v2", "v3"), timeout=0)
+        r2 = nacking.recv()
+        nacking.send(sotw(t.CLUSTER, version=r1.version_info, nonce=r2.nonce, error=hostile))
+        eventually(lambda: any(s["types"]["CDS"]["nack"] for s in _state(admin)["sidecars"]), 5)
+        with urllib.request.urlopen(admin.url + "/dashboard/", timeout=5) as r:
+            page = r.read().decode()
+    finally:
+        nacking.close()
+    _, _, rest = page.partition('<script type="application/json" id="first-state">')
+    block, _, tail = rest.partition("</script>")
+    assert "<" not in block and "alert" not in tail, page  # the block ends where the page says
+    doc = json.loads(block)
+    assert [s["types"]["CDS"]["nack_error"] for s in doc["sidecars"]] == [hostile]
+    assert set(doc["services"]["llm"]["versions"]) == {"v1", "v2", "v3"}

@@ -19,6 +19,7 @@ from tests.test_identity_support import identity_mesh, short_dir, tls_listener
 from xds_server.ca import MeshCA, key_pem, new_key, spiffe_id
 from xds_server.control_plane import ControlPlane
 from xds_server.discovery import configured_sources
+from xds_server.liveness import not_live_reason
 from xds_server.rollout_spec import RolloutSpec
 
 LLM = "spiffe://meshlm.local/ns/default/sa/llm"
@@ -69,3 +70,17 @@ def test_the_canary_of_an_mtls_mesh_is_live_when_it_proves_the_service_identity(
         with _tls_endpoint(port, MeshCA("meshlm.local"), "default/llm"):
             (seen,) = _live(cp)
         assert not seen.live and "handshake failed" in seen.detail, seen
+
+
+def test_a_canary_port_with_nothing_listening_is_named_so_on_an_mtls_mesh() -> None:
+    """The README's new user starts a rollout before the canary's runtime and sidecar: the
+    refusal says nothing listens there, not "mTLS handshake failed: Connection refused"."""
+    port = free_port()
+    with ControlPlane(identity_mesh(f"127.0.0.1:{port}")) as cp:
+        (seen,) = _live(cp)
+        assert not seen.live and seen.detail == "nothing listening", seen
+        reason = not_live_reason("v1", [seen])
+    assert reason == (
+        f"v1 has no live endpoint (nothing listening at 127.0.0.1:{port}): "
+        "is the v1 runtime and its sidecar running?"
+    )

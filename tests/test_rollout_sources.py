@@ -165,8 +165,10 @@ def test_rollout_of_a_canary_never_started_is_refused(plane: Plane, capsys, monk
     assert main(["rollout", "start", "chat", "--admin", plane.admin_url]) == 1
     err = capsys.readouterr().err
     assert "HTTP 409" in err and "chat: not started: canary v2 has no live endpoint" in err, err
-    assert f"127.0.0.1:{plane.dead_port}: UNAVAILABLE" in err
-    assert "start it (and its sidecar) first" in err
+    # Nothing listens at the canary's endpoint: said so, not as a gRPC or TLS error.
+    assert f"(nothing listening at 127.0.0.1:{plane.dead_port})" in err, err
+    assert "is the v2 runtime and its sidecar running?" in err
+    assert "UNAVAILABLE" not in err and "Connection refused" not in err
     assert "chat" not in plane.call("GET", "/rollouts")[1]  # nothing started, no weight moved
     assert plane.fake.hits == 0
 
@@ -225,6 +227,8 @@ def test_a_canary_that_dies_mid_rollout_is_rolled_back(tmp_path: Path) -> None:
         c.tick("llm", force=True)
         st = c.status("llm")
         assert st["state"] == "RolledBack" and st["weights"] == {"v1": 100, "v2": 0}
-        assert f"canary v2 has no live endpoint ({v2.address}: UNAVAILABLE" in st["message"]
+        assert (
+            f"canary v2 has no live endpoint (nothing listening at {v2.address})" in st["message"]
+        )
     finally:
         v2.stop()

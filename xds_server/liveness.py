@@ -4,7 +4,8 @@ endpoints, sent by the control plane itself, so no sidecar's word is taken for i
 An endpoint is live when it answers SERVING, or when an authz filter in front of it answers the
 unauthenticated probe with UNAUTHENTICATED / PERMISSION_DENIED: a sidecar that speaks gRPC is
 there, and the runtime behind it is judged by the gates on real calls. Connection refused,
-UNAVAILABLE (e.g. a sidecar whose runtime is gone), NOT_SERVING or no answer in time: not live.
+UNAVAILABLE (e.g. a sidecar whose runtime is gone), NOT_SERVING or no answer in time: not live;
+connection refused is said as "nothing listening".
 
 With mTLS (issue 14) an inbound listener drops a plaintext probe, and gRPC Python checks a
 server's certificate by host name, which a workload certificate (a URI SAN only) has not. So
@@ -27,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from xds_server.ca import load_chain_in_memory, uri_sans
 
 AUTHZ_DENIALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+_REFUSED = "connection refused"  # in gRPC's UNAVAILABLE details when nothing listens
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,11 @@ class EndpointHealth:
     endpoint: str
     live: bool
     detail: str
+    listening: bool = True  # False: the connection was refused
+
+
+def nothing_listening(endpoint: str) -> EndpointHealth:
+    return EndpointHealth(endpoint, False, "nothing listening", listening=False)
 
 
 def probe(endpoint: str, timeout: float = 1.0) -> EndpointHealth:
@@ -46,6 +53,8 @@ def probe(endpoint: str, timeout: float = 1.0) -> EndpointHealth:
             code = e.code()
             if code in AUTHZ_DENIALS:
                 return EndpointHealth(endpoint, True, f"answered {code.name} (authz in front)")
+            if code == grpc.StatusCode.UNAVAILABLE and _REFUSED in (e.details() or "").lower():
+                return nothing_listening(endpoint)
             return EndpointHealth(endpoint, False, f"{code.name}: {e.details() or ''}".rstrip())
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     return EndpointHealth(endpoint, resp.status == health_pb2.HealthCheckResponse.SERVING, status)
@@ -79,6 +88,8 @@ def probe_mtls(endpoint: str, how: MtlsProbe, timeout: float = 1.0) -> EndpointH
             how.context.wrap_socket(raw) as tls,
         ):
             der = tls.getpeercert(binary_form=True)
+    except ConnectionRefusedError:
+        return nothing_listening(endpoint)
     except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
         return EndpointHealth(endpoint, False, f"mTLS handshake failed: {e}")
     sans = uri_sans(x509.load_der_x509_certificate(der)) if der else []
@@ -113,10 +124,19 @@ class GrpcHealthSource:
 
 
 def not_live_reason(version: str, results: list[EndpointHealth]) -> str | None:
-    """None when some endpoint is live, else why the version counts as down."""
+    """None when some endpoint is live, else why the version counts as down (asking whether
+    its runtime and sidecar run when nothing listens at an endpoint)."""
     if any(r.live for r in results):
         return None
     if not results:
         return f"{version} has no endpoint in the mesh"
-    seen = "; ".join(f"{r.endpoint}: {r.detail}" for r in results)
+    seen = "; ".join(
+        f"{r.detail} at {r.endpoint}" if not r.listening else f"{r.endpoint}: {r.detail}"
+        for r in results
+    )
+    if any(not r.listening for r in results):
+        return (
+            f"{version} has no live endpoint ({seen}): "
+            f"is the {version} runtime and its sidecar running?"
+        )
     return f"{version} has no live endpoint ({seen})"

@@ -454,7 +454,10 @@ class RolloutController:
         first step sends calls to a dead port) and every gate's source must answer (else no
         interval could ever be judged)."""
         if src.live is not None:
-            down = not_live_reason(spec.canary, src.live.read())
+            seen = src.live.read()
+            down = not_live_reason(spec.canary, seen)
+            if down and any(not r.listening for r in seen):
+                return f"canary {down}"  # it asks whether they run
             if down:
                 return f"canary {down}; start it (and its sidecar) first"
         g = spec.gates

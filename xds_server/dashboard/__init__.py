@@ -1,13 +1,15 @@
-"""A live dashboard on the admin port (issue 16 item 5): `GET /dashboard/` is a static page
-(this folder's index.html, dashboard.js, dashboard.css: no build step, nothing fetched from
-elsewhere, so it works offline), `GET /dashboard/state` the state it shows as JSON, and
-`GET /dashboard/events` the same state as server-sent events, pushed within POLL seconds of a
-change (a `: keepalive` comment every KEEPALIVE seconds otherwise).
+"""A live dashboard on the admin port (issue 16 item 5): `GET /dashboard/` is a page (this
+folder's index.html, dashboard.js, dashboard.css: no build step, nothing fetched from
+elsewhere, so it works offline) that carries the state as of its serving, so it shows the mesh
+at once; `GET /dashboard/state` is that state as JSON, and `GET /dashboard/events` the same
+state as server-sent events, pushed within POLL seconds of a change (a `: keepalive` comment
+every KEEPALIVE seconds otherwise).
 
 The state is read while someone watches: one thread compares the in-memory state
 (state.live) every POLL seconds, another reads the sidecars' and runtimes' metrics
 (state.measured) every MEASURE_EVERY seconds; both end when the last page closes. The traffic
-split over time is recorded by the first of them, so it covers the time a page was open."""
+split over time is recorded at every push of the control plane's snapshot cache, watched or
+not, so a rollout run before a page opened is on its chart."""
 
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ KEEPALIVE = 10.0  # seconds
 MAX_SUBSCRIBERS = 8  # event streams at once: each holds one of the admin API's connections
 SPLIT_POINTS = 500  # traffic-split changes kept per service
 _STATIC = Path(__file__).parent
+# Where index.html takes the state it is served with: JSON in a data block, never run.
+_FIRST_STATE = b"<!-- first state -->"
+_JSON_IN_HTML = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"})
 _FILES = {
     "": ("index.html", "text/html; charset=utf-8"),
     "index.html": ("index.html", "text/html; charset=utf-8"),
@@ -58,14 +63,21 @@ class Dashboard:
         self._subscribers = 0
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self._record_splits()  # the split at start, then every pushed change
+        self._unwatch = cp.cache.watch(self._record_splits)
 
     # -- what the admin server serves --------------------------------------------------------
     def file(self, name: str) -> tuple[str, bytes] | None:
-        """(content type, body) of one of the page's files, or None."""
+        """(content type, body) of one of the page's files, or None; the page itself with
+        the state now in it."""
         if name not in _FILES:
             return None
         path, content_type = _FILES[name]
-        return content_type, (_STATIC / path).read_bytes()
+        body = (_STATIC / path).read_bytes()
+        if path == "index.html":
+            doc = json.dumps(self.snapshot(), default=str).translate(_JSON_IN_HTML)
+            body = body.replace(_FIRST_STATE, doc.encode())
+        return content_type, body
 
     def snapshot(self) -> dict[str, Any]:
         """The state now (read afresh when no page keeps it current)."""
@@ -110,6 +122,7 @@ class Dashboard:
         return lambda: self._seq != seen or self._closed
 
     def close(self) -> None:
+        self._unwatch()
         with self.cond:
             self._closed = True
             self.cond.notify_all()
@@ -137,15 +150,21 @@ class Dashboard:
             with self.cond:
                 self.cond.wait_for(lambda: self._closed, period)
 
+    def _record_splits(self) -> None:
+        """Add each service's weights where they changed (the cache calls it at every push,
+        from one thread or another: read under the lock, so the points keep their order)."""
+        with self.cond:
+            now = time.time()
+            for name, svc in self.cp.mesh.services.items():
+                points = self._splits.setdefault(name, deque(maxlen=SPLIT_POINTS))
+                weights = dict(svc.route.weights)
+                if not points or points[-1][1] != weights:
+                    points.append((now, weights))
+
     def _read_live(self) -> None:
         rollouts, slo = self.sources()
         doc = state.live(self.cp, rollouts, slo)
-        now = time.time()
         with self.cond:
-            for name, svc in doc["services"].items():
-                points = self._splits.setdefault(name, deque(maxlen=SPLIT_POINTS))
-                if not points or points[-1][1] != svc["weights"]:
-                    points.append((now, svc["weights"]))
             if doc != self._live:
                 self._live = doc
                 self._changed()

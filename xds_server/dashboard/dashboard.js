@@ -1,4 +1,5 @@
-// The meshlm dashboard: renders /dashboard/events (server-sent events, one JSON state each).
+// The meshlm dashboard: renders the state the page was served with (#first-state), then each
+// one of /dashboard/events (server-sent events, one JSON state each).
 // Text is set with textContent only: node ids and NACK errors come from sidecars.
 "use strict";
 
@@ -41,34 +42,49 @@ function splitBar(name, svc) {
   return bar;
 }
 
+// Where the chart starts: a little before the latest rollout began, so its steps fill the
+// chart however long the control plane ran before; else at the first recorded split.
+function chartStart(svc, now) {
+  const first = svc.splits[0][0], started = svc.rollout?.started;
+  if (started == null || started <= first) return first;
+  return Math.max(first, started - Math.max(0.1 * (now - started), 2));
+}
+
 // The weight of each version over time, as steps (a change holds until the next).
-function splitChart(svc, now) {
-  const W = 600, H = 90, pts = svc.splits;
-  const svg = svgEl("svg", { class: "chart", viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none" });
-  if (!pts.length) return svg;
-  const t0 = pts[0][0], span = Math.max(now - t0, 1);
+function splitChart(name, svc, now, t0) {
+  const W = 600, H = 90;
+  const svg = svgEl("svg", { class: "chart", id: `split-chart-${name}`, viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none" });
+  if (!svc.splits.length) return svg;
+  const before = svc.splits.filter(([t]) => t <= t0);
+  const pts = [[t0, before[before.length - 1][1]], ...svc.splits.slice(before.length)];
+  const span = Math.max(now - t0, 1);
   const x = (t) => ((t - t0) / span) * (W - 4) + 2, y = (w) => H - 4 - (w / 100) * (H - 8);
   for (const v of svc.versions) {
     let d = "";
+    const weights = [];
     pts.forEach(([t, ws], i) => {
       const w = ws[v] || 0;
+      if (weights[weights.length - 1] !== w) weights.push(w);
       d += i ? ` H${x(t).toFixed(1)} V${y(w).toFixed(1)}` : `M${x(t).toFixed(1)} ${y(w).toFixed(1)}`;
     });
     d += ` H${x(now).toFixed(1)}`;
-    svg.append(svgEl("path", { d, fill: "none", stroke: color(svc.versions, v), "stroke-width": 2 }));
+    svg.append(svgEl("path", { d, fill: "none", stroke: color(svc.versions, v), "stroke-width": 2,
+      "data-version": v, "data-weights": weights.join(" ") }));
   }
   return svg;
 }
 
 function rollout(r) {
   if (!r) return el("p", { class: "muted" }, "no rollout");
+  // Steps count from 1, as `meshlm rollout status` and the demo count them.
   const steps = r.steps.map((w, i) => (i === r.step ? `[${w}]` : w)).join(" → ");
+  const at = r.step >= 0 ? `, step ${r.step + 1}/${r.steps.length}` : "";
   const box = el("div", {},
-    el("p", {}, el("b", { class: `state-${r.state}` }, r.state), ` ${r.stable} → ${r.canary}, canary ${r.canary_weight}%, steps ${steps}`,
+    el("p", {}, el("b", { class: `state-${r.state}` }, r.state), ` ${r.from} → ${r.canary}, canary ${r.canary_weight}%${at}, steps ${steps}`,
       r.failures ? `, ${r.failures} failed interval(s)` : "", el("br"), el("span", { class: "muted" }, r.message)));
   if (r.analyses.length) {
     box.append(table(["step", "weight", "gate", "success", "calls", "TTFT p99", "TPOT p99", "reason"],
-      r.analyses.slice().reverse().map((a) => [a.step, `${a.canary_weight}%`,
+      r.analyses.slice().reverse().map((a) => [a.step + 1, `${a.canary_weight}%`,
         el("span", { class: a.outcome === "pass" ? "ok" : "bad" }, a.outcome),
         pct(a.success_rate), a.requests ?? "–", ms(a.ttft_p99), ms(a.tpot_p99), a.reason])));
   }
@@ -76,8 +92,9 @@ function rollout(r) {
 }
 
 function service(name, svc, now) {
-  const since = svc.splits.length ? new Date(svc.splits[0][0] * 1000).toLocaleTimeString() : "";
-  const card = el("div", { class: "service" }, el("h2", {}, name), splitBar(name, svc), splitChart(svc, now),
+  const t0 = svc.splits.length ? chartStart(svc, now) : null;
+  const since = t0 == null ? "" : new Date(t0 * 1000).toLocaleTimeString();
+  const card = el("div", { class: "service" }, el("h2", {}, name), splitBar(name, svc), splitChart(name, svc, now, t0),
     el("div", { class: "muted" }, `traffic split (0–100 %) since ${since}`));
   const m = svc.measured || {};
   card.append(el("h3", {}, "Per version (what the gates read)"),
@@ -123,11 +140,16 @@ function render(doc) {
   const tenants = Object.entries(doc.tenants).sort();
   document.getElementById("tenants").replaceWith(Object.assign(tenants.length
     ? table(["tenant", "allowed", "denied"], tenants.map(([t, c]) => [t, c.allowed, c.denied]))
-    : el("p", { class: "muted" }, "no tenant counters at the sidecars in caller_sidecars (the authz filter counts on inbound listeners)"), { id: "tenants" }));
+    : el("p", { class: "muted" }, TENANTS_NONE), { id: "tenants" }));
   document.getElementById("errors").replaceChildren(...(doc.errors.length
     ? [el("h2", {}, "Sources not read"), ...doc.errors.map((e) => el("p", { class: "bad" }, e))] : []));
   document.body.dataset.generation = doc.generation;
 }
+
+// Why the tenants table can be empty, in plain words.
+const TENANTS_NONE = "No per-tenant counts to show: API keys are checked, and calls counted " +
+  "per tenant, by the sidecar in front of each model, while this page reads the caller-side " +
+  "sidecars (caller_sidecars in the mesh file). Each runtime's /metrics counts calls per tenant.";
 
 let last = null;  // re-rendered every second: the split chart runs up to now
 
@@ -139,5 +161,6 @@ function connect() {
   events.onerror = () => { conn.textContent = "reconnecting"; conn.className = "bad"; };
 }
 
+render((last = JSON.parse(document.getElementById("first-state").textContent)));
 connect();
 setInterval(() => last && render(last), 1000);

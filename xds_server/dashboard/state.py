@@ -74,10 +74,12 @@ def _rollout(r: dict[str, Any]) -> dict[str, Any]:
     spec = r["spec"]
     return {
         "state": r["state"],
+        "started": r["history"][0]["time"] if r["history"] else None,
         "step": r["step"],
         "steps": list(spec.get("steps", [])),
         "canary": spec.get("canary"),
-        "stable": r["stable"],
+        "from": spec.get("stable"),  # the stable version when it started
+        "stable": r["stable"],  # the stable version now (the canary once promoted)
         "canary_weight": r["canary_weight"],
         "failures": r["failures"],
         "message": r["message"],
