@@ -14,8 +14,10 @@ import pytest
 from tests.etcd_support import EtcdCluster, wait_for
 from tests.test_health_control_plane import get, started  # noqa: F401 (a fixture)
 from tests.test_replicas_cli import Replica, env  # noqa: F401 (a fixture)
+from xds_server.isolation import SharedQuarantine
 from xds_server.store import EtcdStore, Put, encode
 from xds_server.store.base import decode
+from xds_server.store.leader import StoreRollouts
 
 
 def readyz(r: Replica) -> tuple[int, dict]:
@@ -73,3 +75,24 @@ def test_decode_refuses_a_value_past_its_bounds_naming_the_key(value: bytes) -> 
 
 def test_decode_counts_brackets_inside_strings_as_text() -> None:
     assert decode(json.dumps({"s": "[" * 1000}).encode(), "k") == {"s": "[" * 1000}
+
+
+def test_leader_and_quarantine_documents_are_checked_too() -> None:
+    """rollouts/* (read when a replica takes office) and isolation/* (read by every replica):
+    a value nested 50,000 deep or of the wrong types is logged and left out, never raised."""
+    with EtcdCluster(1) as etcd:
+        store = EtcdStore(etcd.endpoints, root=f"/t-{uuid.uuid4().hex}/")
+        deep = b"[" * 50_000 + b"]" * 50_000
+        good = {"service": "llm", "key": "k", "state": "open", "since": 1.0, "why": "5xx",
+                "cooldown": 5.0, "reopen_at": 2.0}  # fmt: skip
+        store.txn([], [
+            Put("rollouts/llm", deep),
+            Put("rollouts/other", encode({"service": "other", "spec": [1]})),
+            Put("isolation/llm/a", deep),
+            Put("isolation/llm/b", encode({**good, "key": ["b"]})),
+            Put("isolation/llm/c", encode({**good, "key": "k"})),  # under another's key
+            Put("isolation/llm/k", encode(good)),
+        ])  # fmt: skip
+        assert StoreRollouts(store, None).load() == {}
+        shared, _ = SharedQuarantine(store).exchange({})
+        assert list(shared) == [("llm", "k")]
