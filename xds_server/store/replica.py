@@ -228,7 +228,7 @@ class Replication:
                     check_live(doc, key)
                 good[key] = (e.revision, doc)
             except (ValueError, RecursionError) as err:  # MeshError is a ValueError
-                rejected[key] = str(err) if key in str(err) else f"{key}: {err}"
+                rejected[key] = str(err) if str(err).startswith(key) else f"{key}: {err}"
                 if known is not None:
                     good[key] = known
         if keys.MESH not in good:
@@ -242,7 +242,7 @@ class Replication:
             for i, (revision, doc) in enumerate(candidates):
                 try:
                     mesh = apply_live(mesh, key.removeprefix(keys.LIVE), doc)
-                except m.MeshError as err:
+                except ValueError as err:  # MeshError, or a key no service can have
                     if i == 0:
                         rejected[key] = str(err)
                     continue
