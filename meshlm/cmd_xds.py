@@ -40,9 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isolation-store", help="quarantined request classes, kept across restarts "
                    "(default: isolation.json in the state dir)")  # fmt: skip
     r = p.add_argument_group("several control planes sharing one state store")
-    r.add_argument("--store", help="shared state store: etcd://HOST:PORT[,HOST:PORT...][/ROOT] "
-                   "(run several xds-servers on it) or file:PATH; the mesh file seeds an empty "
-                   "store (default: none, one control plane on its local files)")  # fmt: skip
+    r.add_argument("--store", help="shared state store: etcds://HOST:PORT[,HOST:PORT...][/ROOT]"
+                   "?creds=DIR (TLS + etcd auth, as `meshlm etcd` prints it; or ca=, cert=, key=, "
+                   "user=, password_file= FILE; the password else from $MESHLM_ETCD_PASSWORD), "
+                   "etcd://... (plaintext, no auth: warned) (run several xds-servers on it) or "
+                   "file:PATH; the mesh file seeds an empty store (default: none, one control "
+                   "plane on its local files)")  # fmt: skip
     r.add_argument("--leader-ttl", type=float, default=30.0, help="seconds: the leader's "
                    "lease: a dead leader's successor leads within it (default 30)")  # fmt: skip
     r.add_argument("--replica-id", help="this replica's name (default: HOST-GRPC_PORT; with "
@@ -273,10 +276,12 @@ def _replication(args: argparse.Namespace, mesh, source, replica_id: str):
     from xds_server.store import open_store
     from xds_server.store.replica import Replication
 
-    if mesh.identity and not mesh.identity.root_cert_file and args.store.startswith("etcd://"):
+    etcd = args.store.startswith(("etcd://", "etcds://"))
+    if mesh.identity and not mesh.identity.root_cert_file and etcd:
         # Each replica would make a self-signed root of its own, and a sidecar enrolled by one
-        # would not trust another. The CA's key stays out of etcd (plaintext, no auth here):
-        # every replica is given the same root files and signs as an intermediate of it.
+        # would not trust another. The CA's key stays out of etcd (whoever can read the store
+        # would hold it): every replica is given the same root files and signs as an
+        # intermediate of it.
         raise ValueError(
             "--store etcd:// with an identity block needs a root shared by every replica: "
             "identity.root: {cert_file, key_file} (the same files on each; each replica signs "

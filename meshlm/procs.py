@@ -4,7 +4,6 @@ that stopping the mesh stops everything it started, Envoys included."""
 from __future__ import annotations
 
 import atexit
-import os
 import signal
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sidecar.child_env import child_env
 from sidecar.process_group import stop_group
 
 _ALL: list[Proc] = []
@@ -29,7 +29,7 @@ class Proc:
         self.name = name
         self.argv = argv
         self.log_path = logdir / f"{name}.log"
-        self.env = {**os.environ, **(env or {})}
+        self.env = child_env(env)  # a secret only where `env` names it
         self.popen: subprocess.Popen[bytes] | None = None
 
     @classmethod

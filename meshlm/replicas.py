@@ -27,9 +27,10 @@ def launch_replicas(args: argparse.Namespace, stride: int) -> int:
     n = args.replicas
     if not 1 <= n <= MAX_REPLICAS:
         return _usage(f"--replicas: 1 to {MAX_REPLICAS}, got {n}")
-    if not (args.store or "").startswith("etcd://"):
-        return _usage("--replicas needs --store etcd://HOST:PORT,... (replicas share their state "
-                      "through etcd; `meshlm etcd` starts a local one)")  # fmt: skip
+    if not (args.store or "").startswith(("etcd://", "etcds://")):
+        return _usage("--replicas needs --store etcd://HOST:PORT,... or etcds://... "
+                      "(replicas share their state through etcd; `meshlm etcd` starts a local "
+                      "one)")  # fmt: skip
     if args.isolation_store or args.rollout_store:
         # One file written by several processes keeps only the last writer's (each replica's
         # default is its own: .meshlm/isolation-<id>.json; rollouts live in the store).

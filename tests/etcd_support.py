@@ -48,11 +48,16 @@ class EtcdCluster(local_etcd.LocalEtcd):
     """`size` members on loopback; `with EtcdCluster(3) as c:` starts them and waits until
     every member is healthy; the exit stops them and removes their data."""
 
-    def __init__(self, size: int = 1) -> None:
+    def __init__(self, size: int = 1, *, secure: bool = False) -> None:
+        """`secure`: TLS and etcd auth, as `meshlm etcd` by default; plain HTTP without."""
         etcd_binary()
         ports = [free_port() for _ in range(2 * size)]
         super().__init__(
-            size, ports[:size], ports[size:], Path(tempfile.mkdtemp(prefix="meshlm-etcd-"))
+            size,
+            ports[:size],
+            ports[size:],
+            Path(tempfile.mkdtemp(prefix="meshlm-etcd-")),
+            secure=secure,
         )
 
     def __enter__(self) -> EtcdCluster:

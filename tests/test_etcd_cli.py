@@ -76,7 +76,7 @@ def test_meshlm_etcd_and_xds_server_replicas_serve_a_sidecar_and_stop_on_ctrl_c(
         line = wait_for(lambda: [x for x in (tmp_path / "etcd.log").read_text().splitlines()
                                  if x.startswith("store: ")], 30)  # fmt: skip
         url = line[0].removeprefix("store: ")
-        assert url == f"etcd://127.0.0.1:{etcd_port}"
+        assert url.startswith(f"etcds://127.0.0.1:{etcd_port}/meshlm?creds="), url
         data_dir = Path((tmp_path / "etcd.log").read_text().split("(data in ")[1].split(",")[0])
         assert data_dir.is_dir()
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import kubernetes_validate
 import pytest
@@ -217,11 +217,40 @@ def test_the_store_names_every_etcd_member_on_its_client_port():
     assert named("Service", service)["spec"]["clusterIP"] == "None"  # per-member DNS names
     server = named("Deployment", "meshlm-xds")["spec"]["template"]["spec"]["containers"][0]
     _, cp = meshlm_args(server)
-    hosts = cp.store.removeprefix("etcd://").split("/")[0].split(",")
+    url = urlsplit(cp.store)
+    assert url.scheme == "etcds", cp.store  # TLS and etcd's auth
+    hosts = url.netloc.split(",")
     members = [f"{etcd['metadata']['name']}-{i}.{service}:{client}" for i in range(3)]
     assert etcd["spec"]["replicas"] == 3 and hosts == members
     pdb = named("PodDisruptionBudget", "etcd")["spec"]
     assert pdb["minAvailable"] == 2  # a quorum of three
+
+
+def test_etcd_takes_only_tls_clients_and_the_control_plane_logs_in_with_files_of_a_secret():
+    etcd = named("StatefulSet", "etcd")["spec"]["template"]["spec"]
+    (member,) = etcd["containers"]
+    flags = dict(a.removeprefix("--").partition("=")[::2] for a in member["args"])
+    for name in ("listen-client-urls", "advertise-client-urls", "listen-peer-urls",
+                 "initial-advertise-peer-urls"):  # fmt: skip
+        assert all(u.startswith("https://") for u in flags[name].split(",")), name
+    assert "client-cert-auth" in flags and "peer-client-cert-auth" in flags
+    assert flags["initial-cluster"].count("=https://") == 3
+    assert urlsplit(flags["listen-metrics-urls"]).port != 2379  # probes: health only
+    secrets = {v["name"]: v["secret"]["secretName"] for v in etcd["volumes"] if "secret" in v}
+    mounts = {m["mountPath"]: m["name"] for m in member["volumeMounts"]}
+    for flag in ("cert-file", "key-file", "trusted-ca-file", "peer-cert-file", "peer-key-file",
+                 "peer-trusted-ca-file"):  # fmt: skip
+        volume = mounts[str(Path(flags[flag]).parent)]
+        assert secrets[volume] == "meshlm-etcd-members", flag
+
+    pod = named("Deployment", "meshlm-xds")["spec"]["template"]["spec"]
+    (server,) = [c for c in pod["containers"] if c["name"] == "xds-server"]
+    _, cp = meshlm_args(server)
+    query = parse_qs(urlsplit(cp.store).query)
+    assert set(query) == {"creds"}, query  # files only: no secret in the arguments
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
+    assert secrets[mounts[query["creds"][0]]] == "meshlm-etcd-client"
 
 
 def test_files_are_on_volumes_and_nothing_secret_or_privileged_is_in_the_manifests():
@@ -259,7 +288,7 @@ def test_the_control_plane_runs_with_the_manifests_arguments_and_passes_its_prob
     (tmp_path / "token").write_text("k8s-manifest-test-token-0123456789\n")
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
-    with EtcdCluster(1) as etcd:
+    with EtcdCluster(1, secure=True) as etcd:
         swap = {
             "/var/lib/meshlm/mesh.yaml": str(tmp_path / "mesh.yaml"),
             "/etc/meshlm/admin/token": str(tmp_path / "token"),
@@ -270,8 +299,11 @@ def test_the_control_plane_runs_with_the_manifests_arguments_and_passes_its_prob
         args = []
         for a in server["args"]:
             a = expand(a, server)
-            if a.startswith("--store="):
-                a = f"--store=etcd://{etcd.endpoints[0]}/meshlm"
+            if a.startswith("--store="):  # the manifest's URL, at the local members
+                url = urlsplit(a.removeprefix("--store="))
+                creds = parse_qs(url.query)["creds"][0]
+                query = url.query.replace(creds, str(etcd.pki.client))
+                a = f"--store={url.scheme}://{etcd.endpoints[0]}{url.path}?{query}"
             for old, new in swap.items():
                 a = a.replace(old, new)
             args.append(a)

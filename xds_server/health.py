@@ -12,6 +12,11 @@ the last good config, which is what it would have held anyway; marking every rep
 then would take them all out of a Service's endpoints and leave reconnecting sidecars with
 nothing. What pauses is writing (changes answer 503) and the leader's work (rollouts, SLO loop,
 which step down with the lease). A follower is ready like the leader: each serves ADS.
+
+A replica is not ready while what it serves is not what the store says: its watch loop failed
+(it tries again), or the store holds a document it refused (a value no admin request could have
+written: wrong shape, nested too deep). It serves the last good version all the same; the
+reason names the key and field, and readiness returns when the document is replaced.
 """
 
 from __future__ import annotations
@@ -46,6 +51,13 @@ def readiness(cp: ControlPlane) -> tuple[bool, dict[str, Any]]:
             if error
             else "answering"
         )
+        if status["watch_error"]:
+            why = f"the store watch failed ({status['watch_error']}): serving the last good config"
+            return False, {**detail, "reason": why}
+        if status["rejected"]:
+            refused = "; ".join(status["rejected"].values())
+            why = f"the store holds a document refused ({refused}): serving its last good version"
+            return False, {**detail, "reason": why, "rejected": status["rejected"]}
     return True, detail
 
 

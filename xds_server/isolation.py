@@ -422,12 +422,28 @@ class SharedQuarantine:
         for e in entries:
             try:
                 t = Tripped(**{k: v for k, v in e.json().items() if k in fields})
-            except (TypeError, ValueError, AttributeError):
-                log.error("isolation: %s: not a quarantined class; ignored", e.key)
+                _check_tripped(t, e.key, self._keys.quarantine)
+            except (TypeError, ValueError, AttributeError) as err:
+                log.error("isolation: %s: not a quarantined class (%s); ignored", e.key,
+                          str(err)[:200])  # fmt: skip
                 continue
             out[(t.service, t.key)] = t
             revs[(t.service, t.key)] = e.revision
         return out, revs
+
+
+def _check_tripped(t: Tripped, key: str, key_of: Callable[[str, str], str]) -> None:
+    """A decision read from the store, of the types a replica writes, under its own key;
+    ValueError if not (anyone who can write the store could have written it)."""
+    for f in dataclasses.fields(Tripped):
+        kind = {"str": str, "float": (int, float), "int": int}[str(f.type)]
+        value = getattr(t, f.name)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ValueError(f"{f.name}: expected {f.type}, got {type(value).__name__}")
+    if t.state not in ("open", "half_open", "pinned"):
+        raise ValueError(f"state: unknown {t.state!r}")
+    if key_of(t.service, t.key) != key:
+        raise ValueError(f"class {t.service}/{t.key} under another's key")
 
 
 def _decision(t: Tripped) -> dict[str, Any]:

@@ -17,7 +17,6 @@ loop reads beside the version's metrics_urls (None: not known).
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
 import signal
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sidecar.child_env import child_env
 from sidecar.ports import free_port
 from sidecar.private_files import write_private
 from xds_server.mesh import parse_endpoint
@@ -65,7 +65,7 @@ class CommandScaler:
     def _run(self, argv: list[str], env: dict[str, str]) -> str:
         try:
             done = subprocess.run(
-                argv, env={**os.environ, **env}, capture_output=True, text=True,
+                argv, env=child_env(env), capture_output=True, text=True,
                 timeout=self.timeout, check=False,
             )  # fmt: skip
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -115,7 +115,7 @@ class LocalScaler:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         with open(self.workdir / f"{name}.log", "ab") as log:
             return subprocess.Popen(
-                [sys.executable, "-m", "meshlm.cli", *args],
+                [sys.executable, "-m", "meshlm.cli", *args], env=child_env(),
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
 

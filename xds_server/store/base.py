@@ -56,7 +56,8 @@ class Entry:
     lease: int = 0
 
     def json(self) -> Any:
-        return json.loads(self.value)
+        """The value as JSON, parsed within bounds (decode); ValueError names the key."""
+        return decode(self.value, self.key)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,51 @@ class Fence:
 
     def check(self) -> Check:
         return Check(self.key, created=self.term)
+
+
+MAX_DOC = 4 << 20  # bytes, as the admin API's largest body: a mesh file with thousands of tenants
+MAX_DEPTH = 64  # levels of nesting; a mesh document has about ten
+
+
+def decode(value: bytes, key: str) -> Any:
+    """A store value as JSON, at most MAX_DOC bytes and MAX_DEPTH levels deep (anyone who can
+    write the store can write any value: no parser may recurse on it unbounded); ValueError
+    naming `key` otherwise."""
+    if len(value) > MAX_DOC:
+        raise ValueError(f"{key}: {len(value)} bytes, over the limit of {MAX_DOC}")
+    if _depth_over(value, MAX_DEPTH):
+        raise ValueError(f"{key}: nested deeper than {MAX_DEPTH} levels")
+    try:
+        return json.loads(value)
+    except RecursionError:  # (not reached: the depth is checked first)
+        raise ValueError(f"{key}: nested too deeply") from None
+    except ValueError as e:
+        raise ValueError(f"{key}: not JSON ({e})") from None
+
+
+def _depth_over(raw: bytes, limit: int) -> bool:
+    """Whether the JSON text `raw` opens more than `limit` brackets at once (strings skipped),
+    counted before anything parses it."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    depth, in_string, escaped = 0, False, False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > limit:
+                return True
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return False
 
 
 def encode(doc: Any) -> bytes:

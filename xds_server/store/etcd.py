@@ -5,6 +5,10 @@ does, and the control plane's callers are threads (a blocking client fits them);
 gRPC clients either fail with today's protobuf (etcd3) or are asyncio (aetcd). Keys and values
 are base64 in the JSON, 64-bit numbers decimal strings (the gateway's proto3 JSON mapping).
 
+With `access` (xds_server/store/etcd_access.py) it speaks HTTPS with a client certificate and
+authenticates as an etcd user: POST /v3/auth/authenticate gives a token, sent as the
+Authorization header of every call and taken again when etcd says it expired.
+
 Every call has a deadline (`timeout`): an endpoint that refuses the connection or has no raft
 leader is skipped for the next one; when none answers in time the call raises
 StoreUnavailable, never hangs. All keys live under `root`, so several meshes can share a
@@ -21,6 +25,7 @@ import json
 import math
 import queue
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -40,13 +45,21 @@ from xds_server.store.base import (
     Watch,
     conflict,
 )
+from xds_server.store.etcd_access import EtcdAccess
 
 DEFAULT_TIMEOUT = 2.0
 # gRPC codes the gateway passes on (google.rpc.Code)
-_DEADLINE_EXCEEDED, _NOT_FOUND, _UNAVAILABLE = 4, 5, 14
+_INVALID_ARGUMENT, _DEADLINE_EXCEEDED, _NOT_FOUND, _PERMISSION_DENIED = 3, 4, 5, 7
+_UNAVAILABLE, _UNAUTHENTICATED = 14, 16
 # Ask the member to end a watch when it loses its raft leader (etcd's rpctypes
 # MetadataRequireLeaderKey), so a watcher on a cut-off member hears it instead of silence.
 _REQUIRE_LEADER = {"Grpc-Metadata-hasleader": "true"}
+# What etcd says when a token is no good any more (expired, or auth changed since): take another.
+_STALE_TOKEN = ("invalid auth token", "auth store is old", "user name is empty")
+
+
+class AuthRefused(StoreError):
+    """etcd refused the credentials or the permission: the message says which."""
 
 
 class EtcdStore(Store):
@@ -56,20 +69,25 @@ class EtcdStore(Store):
         *,
         root: str = "/meshlm/",
         timeout: float = DEFAULT_TIMEOUT,
+        access: EtcdAccess | None = None,
     ) -> None:
-        """`endpoints`: "host:port" of the members' client URLs (plain HTTP)."""
+        """`endpoints`: "host:port" of the members' client URLs (HTTPS when `access` has TLS)."""
         if not endpoints:
             raise ValueError("etcd: no endpoint given")
         self.endpoints = [_host_port(e) for e in endpoints]
         self.root = root
         self.timeout = timeout
+        self.access = access or EtcdAccess()
         self._preferred = 0  # the endpoint that answered last
+        self._token: str | None = None
+        self._token_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"EtcdStore({self.describe()})"
 
     def describe(self) -> str:
-        return ",".join(f"{h}:{p}" for h, p in self.endpoints) + self.root.rstrip("/")
+        scheme = "etcds://" if self.access.tls else "etcd://"
+        return scheme + ",".join(f"{h}:{p}" for h, p in self.endpoints) + self.root.rstrip("/")
 
     # -- reads ----------------------------------------------------------------------------------
     def get(self, key: str) -> Entry | None:
@@ -144,8 +162,42 @@ class EtcdStore(Store):
 
     # -- the gateway ----------------------------------------------------------------------------
     def call(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict:
-        """POST `body` to the first endpoint that answers, within the deadline."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        """POST `body` to the first endpoint that answers, within the deadline, as the
+        access's user when it has one."""
+        waited = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + waited
+        try:
+            return self._call(path, body, deadline)
+        except StoreUnavailable as e:
+            raise StoreUnavailable(str(e).replace("in time", f"within {waited:g}s")) from None
+
+    def _call(self, path: str, body: dict[str, Any], deadline: float) -> dict:
+        if self.access.user is None:
+            return self._post(path, body, deadline, {})
+        token = self.token(deadline)
+        try:
+            return self._post(path, body, deadline, {"Authorization": token})
+        except AuthRefused as e:
+            if not any(s in str(e) for s in _STALE_TOKEN):
+                raise
+        return self._post(path, body, deadline, {"Authorization": self.token(deadline, token)})
+
+    def token(self, deadline: float, stale: str | None = None) -> str:
+        """The auth token, taken again when it is `stale` (or none was taken yet)."""
+        with self._token_lock:
+            if self._token is None or self._token == stale:
+                body = {"name": self.access.user, "password": self.access.password}
+                self._token = str(self._post("/v3/auth/authenticate", body, deadline, {})["token"])
+            return self._token
+
+    def connect(self, i: int, timeout: float) -> http.client.HTTPConnection:
+        host, port = self.endpoints[i]
+        if self.access.tls is not None:
+            return http.client.HTTPSConnection(host, port, timeout=timeout,
+                                               context=self.access.tls)  # fmt: skip
+        return http.client.HTTPConnection(host, port, timeout=timeout)
+
+    def _post(self, path: str, body: dict[str, Any], deadline: float, headers: dict) -> dict:
         data = json.dumps(body).encode()
         tried: list[str] = []
         # Passes over the members until one answers: during a raft election (a second or
@@ -155,14 +207,16 @@ class EtcdStore(Store):
             if left <= 0:
                 break
             host, port = self.endpoints[i]
-            conn = http.client.HTTPConnection(host, port, timeout=left)
+            conn = self.connect(i, left)
             try:
-                conn.request("POST", path, data, {"Content-Type": "application/json"})
+                conn.request("POST", path, data, {"Content-Type": "application/json", **headers})
                 resp = conn.getresponse()
                 status, raw = resp.status, resp.read()
             except TimeoutError:
                 tried.append(f"{host}:{port}: no answer")
                 break  # the deadline is spent (the request may have been applied)
+            except ssl.SSLCertVerificationError as e:  # no other member will differ
+                raise StoreError(f"etcd {host}:{port}: TLS: {e.verify_message or e}") from None
             except OSError as e:  # refused, reset: this member is down, try the next
                 tried.append(f"{host}:{port}: {e.strerror or e}")
                 continue
@@ -187,10 +241,13 @@ class EtcdStore(Store):
                 break  # (the request may yet be applied)
             if code == _NOT_FOUND and "lease" in message:
                 raise LeaseLost(f"etcd: {message}")
+            if code in (_INVALID_ARGUMENT, _PERMISSION_DENIED, _UNAUTHENTICATED) and (
+                "auth" in message or "permission" in message or "user" in message
+            ):
+                raise AuthRefused(f"etcd {host}:{port}{path}: {message}")
             raise StoreError(f"etcd {host}:{port}{path}: {message or f'HTTP {status}'}")
-        waited = self.timeout if timeout is None else timeout
         why = "; ".join(dict.fromkeys(tried)) or "no try"
-        raise StoreUnavailable(f"etcd {self.describe()}: no answer within {waited:g}s ({why})")
+        raise StoreUnavailable(f"etcd {self.describe()}: no answer in time ({why})")
 
     def _passes(self, deadline: float) -> Iterator[list[int]]:
         """The endpoints in order, again and again (a pause between passes) until `deadline`."""
@@ -234,6 +291,7 @@ class _EtcdWatch(Watch):
         self._conn: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()
         self._failed: StoreError | None = None
+        self._stale_token: str | None = None  # a token etcd refused: take another
         self._thread = threading.Thread(target=self._run, name="etcd-watch", daemon=True)
         self._thread.start()
 
@@ -298,22 +356,28 @@ class _EtcdWatch(Watch):
     def _stream(self, i: int, deadline: float) -> bool:
         """Read one watch stream until it ends; True when it had been created."""
         s = self._store
-        host, port = s.endpoints[i]
         full = (s.root + self._prefix).encode()
         create = {"key": _b64(full), "range_end": _b64(_range_end(full)),
                   "start_revision": str(self._next_rev)}  # fmt: skip
+        headers = {"Content-Type": "application/json", **_REQUIRE_LEADER}
+        if s.access.user is not None:
+            headers["Authorization"] = s.token(deadline, self._stale_token)
+            self._stale_token = None
         left = max(0.05, deadline - time.monotonic())
-        conn = http.client.HTTPConnection(host, port, timeout=left)
+        conn = s.connect(i, left)
         with self._lock:
             if self._closed.is_set():
                 return False
             self._conn = conn
         try:
             conn.request("POST", "/v3/watch", json.dumps({"create_request": create}).encode(),
-                         {"Content-Type": "application/json", **_REQUIRE_LEADER})  # fmt: skip
+                         headers)  # fmt: skip
             resp = conn.getresponse()
             if resp.status != 200:  # e.g. 503 "etcdserver: no leader"
-                raise OSError(f"HTTP {resp.status} {_message(resp.read())}".strip())
+                message = _message(resp.read())
+                if any(t in message for t in _STALE_TOKEN):
+                    self._stale_token = headers.get("Authorization")
+                raise OSError(f"HTTP {resp.status} {message}".strip())
             created = False
             while not self._closed.is_set():
                 line = resp.readline()
@@ -321,7 +385,13 @@ class _EtcdWatch(Watch):
                     return created  # the member went away
                 if not line.strip():
                     continue
-                result = json.loads(line).get("result") or {}
+                doc = json.loads(line)
+                if "error" in doc:  # refused before it was created (auth, permission)
+                    message = _message(line)
+                    if any(t in message for t in _STALE_TOKEN):
+                        self._stale_token = headers.get("Authorization")
+                    raise OSError(message or "watch refused")
+                result = doc.get("result") or {}
                 if result.get("created"):
                     created = True
                     conn.sock.settimeout(None)  # a watch is silent while nothing changes

@@ -1,5 +1,8 @@
 """Where the control plane's state lives in a store (issue 15), relative to the store's root
-(etcd: /meshlm/ unless the --store URL names another). Values are JSON (base.encode).
+(etcd: /meshlm/ unless the --store URL names another). Values are JSON (base.encode), read back
+within bounds (base.decode) and checked before use (documents.py, isolation, leader): anyone
+who can write the store can write any of these keys, so `meshlm etcd` gives only the meshlm
+user (TLS client certificate + password) access to the prefix.
 
 Desired state, written by whichever replica took the admin call (revision-checked):
   mesh                       the mesh as last applied: {"source": YAML text, ...}

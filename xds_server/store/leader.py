@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from xds_server.rollout import Rollout
 from xds_server.rollout_store import RolloutStore
 from xds_server.store import keys
 from xds_server.store.base import Check, Conflict, Delete, Put, Store, StoreError, encode
@@ -66,11 +67,16 @@ class StoreRollouts:
         entries, _ = self.store.list(keys.ROLLOUTS)
         out = {}
         for e in entries:
-            try:
-                out[e.key.removeprefix(keys.ROLLOUTS)] = json.loads(e.value)
-            except ValueError:
-                log.error("%s: not JSON; left as it is", e.key)
             self._revs[e.key] = e.revision
+            try:
+                doc = e.json()
+                Rollout.from_dict(doc)  # a record the controller cannot take: refused here
+                if doc["service"] != e.key.removeprefix(keys.ROLLOUTS):
+                    raise ValueError(f"service {doc['service']!r} under another's key")
+            except (KeyError, TypeError, ValueError, AttributeError) as err:
+                log.error("%s: not a rollout (%s); left as it is", e.key, str(err)[:200])
+                continue
+            out[e.key.removeprefix(keys.ROLLOUTS)] = doc
         return out
 
     def save(self, rollouts: dict[str, dict[str, Any]]) -> None:

@@ -34,6 +34,7 @@ from xds_server.store.base import (
     Check,
     Conflict,
     Delete,
+    Entry,
     Fence,
     LeaseLost,
     Put,
@@ -43,12 +44,14 @@ from xds_server.store.base import (
     Watch,
     encode,
 )
+from xds_server.store.documents import check_live, mesh_source
 
 if TYPE_CHECKING:
     from xds_server.control_plane import ControlPlane
 
 log = logging.getLogger("meshlm.replica")
 RELIST_EVERY = 5.0  # seconds between full re-reads, watch or not
+BACKOFF_MIN, BACKOFF_MAX = 0.5, 10.0  # seconds before the watch loop tries again
 _KEEP = 64  # (store revision, generation) pairs remembered for ACK summaries
 
 
@@ -71,34 +74,40 @@ def desired_mesh(source: Any, lives: dict[str, dict[str, Any]]) -> m.Mesh:
     the key and field of a document that is wrong."""
     mesh = m.parse_mesh(source)
     for name, doc in lives.items():
-        svc = mesh.services.get(name)
-        try:
-            eps = doc["endpoints"]
-            if svc is None or set(eps) != set(svc.versions):
-                continue  # left from before a mesh whose versions differ
-            path = f"{keys.live(name)}.endpoints"
-            versions = {
-                v: dataclasses.replace(
-                    ver, endpoints=tuple(parse_endpoint(e, f"{path}.{v}") for e in eps[v])
-                )
-                for v, ver in svc.versions.items()
-            }
-            services = {**mesh.services, name: dataclasses.replace(svc, versions=versions)}
-            mesh = dataclasses.replace(mesh, services=services).with_weights(name, doc["weights"])
-            if doc.get("pins"):
-                mesh = mesh.with_pins(name, *doc["pins"])
-            if doc.get("mirror"):
-                mesh = mesh.with_mirror(name, m.Mirror(**doc["mirror"]))
-            slo = doc.get("slo_state") or {}
-            state = m.SloState(
-                tuple(slo.get("shed_tenants") or ()), bool(slo.get("outlier_tightened"))
-            )
-            mesh = mesh.with_slo_state(name, state)
-        except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, m.MeshError):
-                raise
-            raise m.MeshError(f"{keys.live(name)}: not a live document ({e!r})") from None
+        mesh = apply_live(mesh, name, doc)
     return mesh
+
+
+def apply_live(mesh: m.Mesh, name: str, doc: Any) -> m.Mesh:
+    """`mesh` with the live document of service `name` over it, checked as an admin request
+    would be; MeshError names the key and field that is wrong."""
+    key = keys.live(name)
+    check_live(doc, key)
+    svc = mesh.services.get(name)
+    eps = doc["endpoints"]
+    if svc is None or set(eps) != set(svc.versions):
+        return mesh  # left from before a mesh whose versions differ
+    try:
+        versions = {
+            v: dataclasses.replace(
+                ver,
+                endpoints=tuple(parse_endpoint(e, f"{key}.endpoints.{v}") for e in eps[v]),
+            )
+            for v, ver in svc.versions.items()
+        }
+        services = {**mesh.services, name: dataclasses.replace(svc, versions=versions)}
+        mesh = dataclasses.replace(mesh, services=services).with_weights(name, doc["weights"])
+        if doc.get("pins"):
+            mesh = mesh.with_pins(name, *doc["pins"])
+        if doc.get("mirror"):
+            mesh = mesh.with_mirror(name, m.Mirror(**doc["mirror"]))
+        slo = doc.get("slo_state") or {}
+        shed, tightened = slo.get("shed_tenants") or (), slo.get("outlier_tightened", False)
+        return mesh.with_slo_state(name, m.SloState(tuple(shed), tightened))
+    except m.MeshError as e:
+        raise e if str(e).startswith(key) else m.MeshError(f"{key}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise m.MeshError(f"{key}: not a live document ({e!r})") from None
 
 
 class Replication:
@@ -120,6 +129,9 @@ class Replication:
         self.publish_every, self.lease_ttl = publish_every, lease_ttl
         self.revision = 0  # the store revision the staged state was read at
         self.error = ""  # the last store error, "" once it answers again
+        self.rejected: dict[str, str] = {}  # key -> why its document was refused
+        self.broken = ""  # why the watch loop failed, "" once it runs again
+        self._good: dict[str, tuple[int, Any]] = {}  # key -> (revision, last good document)
         self._cp: ControlPlane | None = None
         self._revs: dict[str, int] = {}  # mesh/live key -> revision, as staged
         self._staged: list[tuple[int, int]] = []  # (store revision, cache generation)
@@ -147,7 +159,13 @@ class Replication:
             t.join(timeout=5)
 
     def status(self) -> dict[str, Any]:
-        return {"replica": self.id, "revision": self.revision, "store_error": self.error}
+        return {
+            "replica": self.id,
+            "revision": self.revision,
+            "store_error": self.error,
+            "rejected": dict(self.rejected),
+            "watch_error": self.broken,
+        }
 
     # -- desired state --------------------------------------------------------------------------
     def _seed(self) -> None:
@@ -162,7 +180,9 @@ class Replication:
             self.store.txn([Check(keys.MESH, revision=0)], ops)
 
     def reload(self) -> None:
-        """Read the desired state and stage it when it moved since last staged."""
+        """Read the desired state and stage it when it moved since last staged. A document
+        that is wrong is refused (logged with its key and field, named by status() until it is
+        replaced) and its last good version stands in for it."""
         cp = self._cp
         entries, rev = self.store.list("")
         docs = {e.key: e for e in entries if e.key == keys.MESH or e.key.startswith(keys.LIVE)}
@@ -171,19 +191,67 @@ class Replication:
             if revs == self._revs:
                 self.revision = max(self.revision, rev)
                 return
-            try:
-                lives = {
-                    k.removeprefix(keys.LIVE): e.json() for k, e in docs.items() if k != "mesh"
-                }
-                mesh = desired_mesh(docs[keys.MESH].json()["source"], lives)
-                gen = cp._stage_desired(mesh)
-            except (KeyError, ValueError) as e:  # MeshError is one; keep the last good
-                log.error("replica %s: store revision %d not staged: %s", self.id, rev, e)
-                self._revs = revs  # not again until it moves
+            self._revs = revs  # not again until it moves
+            mesh, rejected = self._desired(docs)
+            if mesh is not None:
+                try:
+                    gen = cp._stage_desired(mesh)
+                except ValueError as e:  # a connected sidecar cannot take it
+                    rejected["(desired state)"] = str(e)
+                    mesh = None
+            for key, why in rejected.items():
+                if self.rejected.get(key) != why:
+                    log.error("replica %s: store revision %d: %s refused: %s (keeping its "
+                              "last good version)", self.id, rev, key, why)  # fmt: skip
+            self.rejected = rejected
+            if mesh is None:
                 return
-            self._revs, self.revision = revs, rev
+            self.revision = rev
             self._remember(rev, gen)
         log.info("replica %s: staged store revision %d", self.id, rev)
+
+    def _desired(self, docs: dict[str, Entry]) -> tuple[m.Mesh | None, dict[str, str]]:
+        """The desired mesh from `docs` (None: no good mesh document ever), and the documents
+        refused: key -> why. Each refused document's last good version is used instead."""
+        rejected: dict[str, str] = {}
+        good: dict[str, tuple[int, Any]] = {}
+        for key, e in docs.items():
+            known = self._good.get(key)
+            if known is not None and known[0] == e.revision:
+                good[key] = known
+                continue
+            try:
+                doc = e.json()
+                if key == keys.MESH:
+                    m.parse_mesh(mesh_source(doc, key))
+                else:
+                    check_live(doc, key)
+                good[key] = (e.revision, doc)
+            except (ValueError, RecursionError) as err:  # MeshError is a ValueError
+                rejected[key] = str(err) if str(err).startswith(key) else f"{key}: {err}"
+                if known is not None:
+                    good[key] = known
+        if keys.MESH not in good:
+            rejected.setdefault(keys.MESH, f"{keys.MESH}: absent")
+            return None, rejected
+        mesh = m.parse_mesh(good[keys.MESH][1]["source"])
+        for key in sorted(k for k in good if k != keys.MESH):
+            candidates = [good[key]]
+            if key in self._good and self._good[key] != good[key]:
+                candidates.append(self._good[key])
+            for i, (revision, doc) in enumerate(candidates):
+                try:
+                    mesh = apply_live(mesh, key.removeprefix(keys.LIVE), doc)
+                except ValueError as err:  # MeshError, or a key no service can have
+                    if i == 0:
+                        rejected[key] = str(err)
+                    continue
+                good[key] = (revision, doc)
+                break
+            else:
+                del good[key]
+        self._good = good
+        return mesh, rejected
 
     def change(
         self,
@@ -277,8 +345,11 @@ class Replication:
         del self._staged[:-_KEEP]
 
     def _follow(self) -> None:
-        """Watch the store; reload on a change of the desired state and every RELIST_EVERY."""
+        """Watch the store; reload on a change of the desired state and every RELIST_EVERY.
+        Never ends before stop(): an unexpected error is logged, named by status() (readiness
+        says so) and the loop starts over after a pause that grows to BACKOFF_MAX."""
         next_list = time.monotonic() + RELIST_EVERY
+        pause = BACKOFF_MIN
         while not self._stop.is_set():
             try:
                 if self._watch is None:
@@ -291,14 +362,29 @@ class Replication:
                     self.reload()
                     next_list = time.monotonic() + RELIST_EVERY
                 self._ok()
+                if self.broken:
+                    log.warning("replica %s: the store watch runs again", self.id)
+                    self.broken = ""
+                pause = BACKOFF_MIN
+                continue
             except StoreError as e:
                 if self._stop.is_set():
                     return
                 self._failed(e)
-                if self._watch is not None:
-                    self._watch.close()
-                    self._watch = None
-                self._stop.wait(0.5)
+                pause = BACKOFF_MIN  # the store's own deadline paced it already
+            except Exception as e:  # a bug or a value nothing expected: never die of it
+                why = f"{type(e).__name__}: {str(e)[:300]}"
+                if why != self.broken:
+                    log.exception("replica %s: store watch failed (serving the last good "
+                                  "config; trying again)", self.id)  # fmt: skip
+                self.broken = why
+                self._revs = {}  # read everything again next time
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
+            self._stop.wait(pause)
+            if self.broken:
+                pause = min(BACKOFF_MAX, pause * 2)
 
     # -- ACKs across replicas -------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
