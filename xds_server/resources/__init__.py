@@ -149,6 +149,7 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         tuple(f.name for f in authz),
         http_cluster=http_cluster,
         mirrored=mirror is not None and mirror.version == ver.name,
+        orca_callers=rbac.orca_callers(svc, mesh.identity.trust_domain if mesh.identity else ""),
     )
     out[t.ROUTE][rc.name] = rc
     lname = names.inbound_listener(svc.name, ver.name)
