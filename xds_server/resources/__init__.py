@@ -132,6 +132,9 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         )
     out[t.CLUSTER][cname] = clusters.cluster(cname, svc)
     out[t.ENDPOINT][cname] = endpoints.load_assignment(cname, local)
+    orca = names.inbound_orca_cluster(svc.name, ver.name)
+    out[t.CLUSTER][orca] = clusters.orca_cluster(orca, svc)
+    out[t.ENDPOINT][orca] = endpoints.load_assignment(orca, local)
     http_cluster = None
     if http:
         # The OpenAI HTTP API (issue 17): no gRPC health probe there (the gRPC cluster's

@@ -272,7 +272,7 @@ def inbound_route_config(
     orca = rc.Route(
         name=f"{svc.name}-{version}-orca",
         match=rc.RouteMatch(path=ORCA_PATH),
-        route=_action(svc, cluster=cluster, retries=False),
+        route=_action(svc, cluster=names.inbound_orca_cluster(svc.name, version), retries=False),
     )
     off = pack(rc.FilterConfig(disabled=True))
     for f in authz_filters:
