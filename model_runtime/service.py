@@ -59,6 +59,12 @@ PRIORITY_NAMES = {"low": -1, "normal": 0, "default": 0, "high": 1}
 _POLL_S = 0.25  # how often a waiting stream re-checks deadline and liveness
 _CANCELLED = object()  # wakes a stream whose RPC ended (client cancel, deadline, drain)
 HEALTH_WORKERS = 4  # workers beside calls and report streams, for health checks
+# The gRPC port is for the runtime's own sidecar (a few HTTP/2 connections) and local tools;
+# grpc-core closes a connection past the bound as it arrives, one that has not spoken HTTP/2
+# within the handshake timeout, and one without a call for GRPC_MAX_IDLE_S (Envoy reconnects).
+GRPC_MAX_CONNECTIONS = 64
+GRPC_HANDSHAKE_TIMEOUT_S = 10
+GRPC_MAX_IDLE_S = 300
 
 
 class _Abort(Exception):
@@ -474,6 +480,9 @@ class Runtime:
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", max_msg),
+                ("grpc.max_allowed_incoming_connections", GRPC_MAX_CONNECTIONS),
+                ("grpc.server_handshake_timeout_ms", GRPC_HANDSHAKE_TIMEOUT_S * 1000),
+                ("grpc.max_connection_idle_ms", GRPC_MAX_IDLE_S * 1000),
             ],
             maximum_concurrent_rpcs=pool,
         )
