@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -23,6 +24,7 @@ from model_runtime.service import GRPC_HANDSHAKE_TIMEOUT_S, GRPC_MAX_CONNECTIONS
 from model_runtime.telemetry import (
     METRICS_IDLE_TIMEOUT_S,
     METRICS_MAX_CONNECTIONS,
+    METRICS_READ_DEADLINE_S,
     MetricsServer,
     Telemetry,
 )
@@ -114,6 +116,26 @@ def test_the_metrics_port_bounds_connections_and_closes_idle_ones() -> None:
             url = f"http://127.0.0.1:{m.port}/metrics"
             with urllib.request.urlopen(url, timeout=10) as r:
                 assert r.status == 200
+
+
+def test_the_metrics_port_cuts_a_request_that_trickles_in() -> None:
+    """A byte every second keeps a socket timeout from firing; the request's deadline holds."""
+    with MetricsServer(Telemetry()) as m, idle_connections(m.port, 1) as (sock,):
+        started = time.monotonic()
+        cut = False
+        for byte in b"GET /metrics HTTP/1.1\r\nhost: x\r\nx-slow: " + b"a" * 120:
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                cut = True
+                break
+            if closed_by_server([sock]):
+                cut = True
+                break
+            if time.monotonic() - started > METRICS_READ_DEADLINE_S + 10:
+                break
+            time.sleep(1)
+        assert cut and time.monotonic() - started < METRICS_READ_DEADLINE_S + 10
 
 
 @contextlib.contextmanager
