@@ -66,8 +66,8 @@ SAMPLE_S = 0.05  # how often the streams in the runtime are counted
 UTILIZATION_FLOOR = 0.01
 UTILIZATION_SCALE = 0.01  # what application_utilization carries (weights x100, see above)
 # One stream per caller sidecar and balanced cluster; replicas of one workload share its ID.
-MAX_STREAMS = 32
-MAX_STREAMS_PER_PEER = 8
+MAX_STREAMS = 64
+MAX_STREAMS_PER_PEER = 16
 CLIENT_CERT_HEADER = "x-forwarded-client-cert"
 _URI = re.compile(r'(?:^|;)URI="?([^;",]*)')
 

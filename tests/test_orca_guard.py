@@ -31,6 +31,7 @@ from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
+from xds_server.resources.clusters import ORCA_MAX_REQUESTS
 from xds_server.resources.routes import ORCA_PATH
 
 KEY = "test-acme-key-orca-91c3"
@@ -242,3 +243,7 @@ def test_with_callers_only_the_listed_workloads_sidecars_get_load_reports() -> N
         cp.stop()
         replica.stop()
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_the_inbound_orca_breaker_is_the_runtimes_bound() -> None:
+    assert ORCA_MAX_REQUESTS == MAX_STREAMS

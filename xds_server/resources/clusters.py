@@ -116,7 +116,7 @@ def shadow_cluster(
 # An inbound sidecar's report streams to its runtime (ORCA, least_loaded): a cluster of their
 # own, so they never hold a slot of the calls' circuit breaker; its breaker is the runtime's own
 # bound on report streams (model_runtime/orca.py MAX_STREAMS).
-ORCA_MAX_REQUESTS = 32
+ORCA_MAX_REQUESTS = 64
 
 
 def orca_cluster(name: str, svc: m.Service) -> cluster_pb2.Cluster:
