@@ -69,6 +69,10 @@ class EngineFull(Exception):
     """Admission control refused the request (queue full, shutting down)."""
 
 
+class TasksFull(EngineFull, RuntimeError):
+    """Engine.run refused a task: MAX_TASKS wait already."""
+
+
 @dataclass
 class _Request:
     rid: str
@@ -97,6 +101,11 @@ class _Request:
 
 PREFILL_CHUNK = 256
 _TPOT_WINDOW = 32
+# Forwards outside the batch (Engine.run: a /score) stall every stream while they run: at most
+# MAX_TASKS wait, one runs between two steps, and while streams run, tasks take at most
+# TASK_SHARE of the engine's time (after a task of d seconds the next waits d / share - d).
+MAX_TASKS = 4
+TASK_SHARE = 0.25
 
 
 class Engine:
@@ -156,6 +165,7 @@ class Engine:
         self._waiting = FairQueue(fair=tenant_isolation)
         self._cancels: set[str] = set()
         self._tasks: collections.deque[tuple[Callable[[], Any], Future]] = collections.deque()
+        self._tasks_after = 0.0  # monotonic time before which no task runs beside streams
         self._known: dict[str, _Request] = {}
         self._prefilling: list[_Request] = []
         self._running: list[_Request] = []
@@ -225,13 +235,19 @@ class Engine:
         """`fn()` on the engine's thread between two steps, its result or its exception: a
         forward outside the batch (a /score, model_runtime/records.py) never runs on the model
         beside a prefill or decode step. Inline where no engine thread runs. RuntimeError once
-        the engine stops; TimeoutError if it has not started `fn` within `timeout` seconds."""
+        the engine stops; TasksFull (a RuntimeError) at once when MAX_TASKS wait already;
+        TimeoutError if it has not started `fn` within `timeout` seconds."""
         fut: Future = Future()
         with self._lock:
             if self._stop:
                 raise RuntimeError("the engine has stopped")
             if self._thread is None:
                 inline = True
+            elif len(self._tasks) >= MAX_TASKS:
+                raise TasksFull(
+                    f"engine tasks: {len(self._tasks)} wait already (at most {MAX_TASKS}, one "
+                    "runs between two decode steps); try again later"
+                )
             else:
                 inline = False
                 self._tasks.append((fn, fut))
@@ -246,17 +262,24 @@ class Engine:
             raise
 
     def _run_tasks(self) -> None:
+        """One waiting task, unless streams run and the tasks' share of time is spent."""
+        busy = bool(self._running or self._prefilling)
+        if busy and time.monotonic() < self._tasks_after:
+            return
         while True:
             with self._lock:
                 if not self._tasks:
                     return
                 fn, fut = self._tasks.popleft()
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # the caller gets it; the engine goes on
-                fut.set_exception(e)
+            if fut.set_running_or_notify_cancel():  # else cancelled by run()'s timeout
+                break
+        t0 = time.monotonic()
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # the caller gets it; the engine goes on
+            fut.set_exception(e)
+        now = time.monotonic()
+        self._tasks_after = now + (now - t0) * (1 / TASK_SHARE - 1)
 
     def _fail_tasks(self) -> None:
         with self._lock:

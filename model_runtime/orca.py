@@ -34,11 +34,20 @@ cpu_utilization is not reported: the runtime shares its cores with other process
 replica slowed by anything but its own CPU (a sleep, a neighbour) would show less of it and look
 idle. named_metrics: utilization (unscaled, over the window); queue_length, running (streams) and
 kv_used (fraction of KV blocks in use) as of the report.
+
+Who may open a stream: the caller's sidecar refuses the method to clients, and an inbound
+sidecar lets through only the mesh's workloads (its `callers`, when listed). Here each stream
+holds a worker of the report pool, which the runtime sizes beside the pool that serves calls
+(model_runtime/service.py), so streams are bounded: MAX_STREAMS in all, MAX_STREAMS_PER_PEER per
+caller, known by the SPIFFE ID its sidecar put in `x-forwarded-client-cert` from the mTLS
+handshake. Without identity the callers cannot be told apart and only the total holds. A stream
+past a bound is refused with RESOURCE_EXHAUSTED; Envoy retries it with backoff.
 """
 
 from __future__ import annotations
 
 import collections
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -56,6 +65,19 @@ WINDOW_S = 10.0  # both rps and utilization average over this (longer than most 
 SAMPLE_S = 0.05  # how often the streams in the runtime are counted
 UTILIZATION_FLOOR = 0.01
 UTILIZATION_SCALE = 0.01  # what application_utilization carries (weights x100, see above)
+# One stream per caller sidecar and balanced cluster; replicas of one workload share its ID.
+MAX_STREAMS = 64
+MAX_STREAMS_PER_PEER = 16
+CLIENT_CERT_HEADER = "x-forwarded-client-cert"
+_URI = re.compile(r'(?:^|;)URI="?([^;",]*)')
+
+
+def peer_of(metadata: dict[str, str]) -> str:
+    """The caller's SPIFFE ID from its sidecar's `x-forwarded-client-cert` (its last element:
+    the hop that reached this runtime's sidecar), or "" where there is none."""
+    xfcc = str(metadata.get(CLIENT_CERT_HEADER, "")).rsplit(",", 1)[-1]
+    m = _URI.search(xfcc)
+    return m.group(1) if m else ""
 
 
 class Sample(NamedTuple):
@@ -142,12 +164,20 @@ class _Sampler:
 class OrcaService:
     """`engine()` returns the engine, or None while the model loads (then all figures are 0)."""
 
-    def __init__(self, engine: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        engine: Callable[[], Any],
+        *,
+        max_streams: int = MAX_STREAMS,
+        max_per_peer: int = MAX_STREAMS_PER_PEER,
+    ) -> None:
         self._engine = engine
         self._sampler = _Sampler(engine)
+        self.max_streams, self.max_per_peer = max_streams, max_per_peer
         self._closed = False
         self._lock = threading.Lock()
-        self._streams: set[threading.Event] = set()  # one per open stream, set when it must end
+        # one per open stream: its peer, and an event set when it must end
+        self._streams: dict[threading.Event, str] = {}
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -193,10 +223,15 @@ class OrcaService:
         asked = request.report_interval.ToTimedelta().total_seconds()
         interval = min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, asked or DEFAULT_INTERVAL_S))
         ended = threading.Event()
+        peer = peer_of(dict(context.invocation_metadata()))
         with self._lock:
-            if self._closed or not context.add_callback(ended.set):
-                return
-            self._streams.add(ended)
+            refused = self._full(peer)
+            if not refused:
+                if self._closed or not context.add_callback(ended.set):
+                    return
+                self._streams[ended] = peer
+        if refused:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         self._sampler.start()
         try:
             while not ended.is_set():
@@ -204,4 +239,15 @@ class OrcaService:
                 ended.wait(interval)
         finally:
             with self._lock:
-                self._streams.discard(ended)
+                self._streams.pop(ended, None)
+
+    def _full(self, peer: str) -> str:
+        """Why a new stream of `peer` is refused, or "" (under the lock)."""
+        if len(self._streams) >= self.max_streams:
+            return f"load reports: {self.max_streams} streams are open, this runtime's most"
+        if peer and sum(p == peer for p in self._streams.values()) >= self.max_per_peer:
+            return (
+                f"load reports: {peer} has {self.max_per_peer} streams open, the most one "
+                "caller may hold here"
+            )
+        return ""

@@ -19,7 +19,10 @@ Served on the runtime's loopback metrics port (model_runtime/telemetry.py Metric
                                            ask next, "more": whether more matched than were sent}
         RECORD = {"seq": n, "shadow": bool, "token_ids": [...], "finish_reason": "stop"|"length"}
     GET /score?request_id=a&token_ids=1,2,3   {"logprobs": [...], "argmax": [...]}
-/score's forward runs on the engine's thread between two steps (Engine.run), never beside one.
+/score's forward runs on the engine's thread between two steps (Engine.run), never beside one;
+every stream waits while it runs, so it is bounded: prompt + token_ids of at most
+SCORE_MAX_FORWARD_TOKENS (400 beyond), and the engine's own bounds on waiting tasks (503 when
+full) and on their share of its time.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from urllib.parse import parse_qs
 DEFAULT_CAPACITY = 1024
 MAX_IDS = 256  # ids per /records query
 MAX_SCORE_TOKENS = 8192  # a GET line of ~16 KB at most
+SCORE_MAX_FORWARD_TOKENS = 2048  # prompt + continuation in one /score forward
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,13 @@ class Records:
     """Thread-safe; `model` (set once a model serves) scores continuations, on the thread of
     `engine` (its `run(fn)`) when one is set."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self, capacity: int = DEFAULT_CAPACITY, max_forward_tokens: int = SCORE_MAX_FORWARD_TOKENS
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"records capacity: expected >= 1, got {capacity}")
         self.capacity = capacity
+        self.max_forward_tokens = max_forward_tokens
         self.model: Any = None
         self.engine: Any = None
         self.instance = secrets.token_hex(8)
@@ -123,6 +130,12 @@ class Records:
         room = self.model.args.context_length - len(rec.prompt_ids)
         if len(token_ids) > room:
             raise ValueError(f"token_ids: {len(token_ids)} ids overrun the context ({room} left)")
+        if len(rec.prompt_ids) + len(token_ids) > self.max_forward_tokens:
+            raise ValueError(
+                f"token_ids: the prompt's {len(rec.prompt_ids)} tokens and {len(token_ids)} ids "
+                f"pass the {self.max_forward_tokens} tokens one /score may run (a forward that "
+                "pauses every stream)"
+            )
         model, prompt = self.model, list(rec.prompt_ids)
         if self.engine is None:
             return teacher_forced(model, prompt, token_ids)

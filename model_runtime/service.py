@@ -3,7 +3,8 @@
     /meshlm.inference.v1.Inference/Generate   GenerateRequest -> stream TokenChunk
     /meshlm.inference.v1.Inference/Info       InfoRequest     -> ModelInfo
     /grpc.health.v1.Health/{Check,Watch}      NOT_SERVING until a model serves, and on drain
-    /xds.service.orca.v3.OpenRcaService/StreamCoreMetrics   ORCA load reports (orca.py)
+    /xds.service.orca.v3.OpenRcaService/StreamCoreMetrics   ORCA load reports (orca.py), in
+                                                            workers of their own, bounded
 
 A mirrored copy of a call (issue 18) arrives with `x-meshlm-shadow: 1`, which only the canary's
 sidecar sets (for authorities suffixed `-shadow`). It must be greedy (else it is refused before
@@ -57,6 +58,13 @@ REQUEST_ID_HEADER = "x-request-id"  # Envoy's; copied to a mirror's shadow
 PRIORITY_NAMES = {"low": -1, "normal": 0, "default": 0, "high": 1}
 _POLL_S = 0.25  # how often a waiting stream re-checks deadline and liveness
 _CANCELLED = object()  # wakes a stream whose RPC ended (client cancel, deadline, drain)
+HEALTH_WORKERS = 4  # workers beside calls and report streams, for health checks
+# The gRPC port is for the runtime's own sidecar (a few HTTP/2 connections) and local tools;
+# grpc-core closes a connection past the bound as it arrives, one that has not spoken HTTP/2
+# within the handshake timeout, and one without a call for GRPC_MAX_IDLE_S (Envoy reconnects).
+GRPC_MAX_CONNECTIONS = 64
+GRPC_HANDSHAKE_TIMEOUT_S = 10
+GRPC_MAX_IDLE_S = 300
 
 
 class _Abort(Exception):
@@ -459,17 +467,26 @@ class Runtime:
         self.engine: Any = None
         self.health = health.HealthServicer()
         max_msg = (limits or Limits()).max_buffer_bytes
-        # One worker per open stream: size the pool for the engine's batch plus its queue.
+        self.orca = OrcaService(lambda: self.engine)
+        # One worker per open stream. Calls (Generate, Info) may hold `max_workers` of them,
+        # sized for the engine's batch plus its queue; ORCA report streams, which Envoy keeps
+        # open for good, have a reserve of their own beside them (orca.py bounds their count),
+        # and health checks a few more: no number of report streams takes a worker from calls.
+        self.max_workers = max_workers
+        self._calls = threading.BoundedSemaphore(max_workers)
+        pool = max_workers + self.orca.max_streams + HEALTH_WORKERS
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+            futures.ThreadPoolExecutor(max_workers=pool, thread_name_prefix="grpc"),
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", max_msg),
+                ("grpc.max_allowed_incoming_connections", GRPC_MAX_CONNECTIONS),
+                ("grpc.server_handshake_timeout_ms", GRPC_HANDSHAKE_TIMEOUT_S * 1000),
+                ("grpc.max_connection_idle_ms", GRPC_MAX_IDLE_S * 1000),
             ],
-            maximum_concurrent_rpcs=max_workers,
+            maximum_concurrent_rpcs=pool,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.orca = OrcaService(lambda: self.engine)
         self.server.add_generic_rpc_handlers((self.orca.handler(),))
         self.server.add_generic_rpc_handlers(
             (
@@ -523,17 +540,32 @@ class Runtime:
     def _unavailable(self, context: grpc.ServicerContext) -> None:
         context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
 
+    def _call_slot(self, context: grpc.ServicerContext) -> None:
+        if not self._calls.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"concurrent calls: {self.max_workers} are in flight, this runtime's most",
+            )
+
     def _generate(self, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        if self.service is None:
-            self._unavailable(context)
-        assert self.service is not None
-        return self.service.generate(request, context)
+        self._call_slot(context)
+        try:
+            if self.service is None:
+                self._unavailable(context)
+            assert self.service is not None
+            yield from self.service.generate(request, context)
+        finally:
+            self._calls.release()
 
     def _info(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        if self.service is None:
-            self._unavailable(context)
-        assert self.service is not None
-        return self.service.info(request, context)
+        self._call_slot(context)
+        try:
+            if self.service is None:
+                self._unavailable(context)
+            assert self.service is not None
+            return self.service.info(request, context)
+        finally:
+            self._calls.release()
 
     def shutdown(self, grace: float = 30.0) -> None:
         """Drain: NOT_SERVING, refuse new calls, let in-flight streams finish within `grace`,

@@ -26,11 +26,12 @@ import json
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -270,9 +271,76 @@ def _latency(rows: list[tuple], method: str) -> dict[str, dict]:
     return out
 
 
+# The metrics port serves scrapers and the quality gate (a few connections at once); one thread
+# per connection, so both the number and the idle time of connections are bounded.
+METRICS_MAX_CONNECTIONS = 16
+METRICS_IDLE_TIMEOUT_S = 5.0
+METRICS_READ_DEADLINE_S = 10.0  # for a whole request to arrive (a trickle resets the timeout)
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+    b"Content-Length: 30\r\n\r\ntoo many metrics connections\r\n"
+)
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """One thread per connection, at most `max_connections`; the others get 503 and close. A
+    connection whose request has not arrived by its deadline (`reading`) is shut down by the
+    serving thread, which looks every half second."""
+
+    daemon_threads = True
+    request_queue_size = 64  # listen backlog (socketserver's default of 5 drops bursts)
+
+    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self._reading: dict[socket.socket, float] = {}  # connection -> its request's deadline
+        super().__init__(address, handler)
+
+    def reading(self, connection: socket.socket, until: float | None) -> None:
+        """`connection` reads a request until `until` (monotonic s); None: it is read."""
+        with self._lock:
+            if until is None:
+                self._reading.pop(connection, None)
+            else:
+                self._reading[connection] = until
+
+    def service_actions(self) -> None:  # serve_forever() calls this every half second
+        now = time.monotonic()
+        with self._lock:
+            late = [c for c, until in self._reading.items() if until <= now]
+            for c in late:
+                del self._reading[c]
+        for c in late:
+            with suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.setblocking(False)
+                request.send(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class MetricsServer:
     """`GET /metrics` (Prometheus text) and `GET /metrics.json` on loopback; a thread of its
-    own. Use as a context manager or stop()."""
+    own, and one per connection: at most METRICS_MAX_CONNECTIONS (503 beyond), each closed
+    after METRICS_IDLE_TIMEOUT_S without a byte or when a request has not arrived whole within
+    METRICS_READ_DEADLINE_S. Use as a context manager or stop()."""
 
     def __init__(
         self, telemetry: Telemetry, port: int = 0, host: str = "127.0.0.1", records: Any = None
@@ -288,7 +356,19 @@ class MetricsServer:
         }
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = METRICS_IDLE_TIMEOUT_S  # on every recv and send of the socket
+
+            def handle_one_request(self) -> None:
+                until = time.monotonic() + METRICS_READ_DEADLINE_S
+                self.server.reading(self.connection, until)
+                try:
+                    super().handle_one_request()
+                finally:
+                    self.server.reading(self.connection, None)
+
             def do_GET(self) -> None:
+                # read in time; a /score may then wait on the engine
+                self.server.reading(self.connection, None)
                 path, _, query = self.path.partition("?")
                 if path in queried:
                     status, body = records.page(path, query)
@@ -313,8 +393,7 @@ class MetricsServer:
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug("metrics http: " + fmt, *args)
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _BoundedServer((host, port), Handler, METRICS_MAX_CONNECTIONS)
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self._thread.start()

@@ -54,8 +54,10 @@ def test_stall_header_round_trip_and_bad_values() -> None:
 
 
 def _routes(mesh: dict) -> tuple[list, object]:
+    """The service's routes after the first, which refuses clients' ORCA calls."""
     vhost = outbound_route_config(parse_mesh(mesh)).virtual_hosts[0]
-    return list(vhost.routes), vhost
+    assert vhost.routes[0].name == "llm-orca-refused"
+    return list(vhost.routes)[1:], vhost
 
 
 def test_route_with_stall_block() -> None:

@@ -141,7 +141,10 @@ def trip(iso: Isolation) -> None:
 
 
 def routes_of(iso: Isolation, live) -> list:
-    return outbound_route_config(iso.overlay(live)).virtual_hosts[0].routes
+    """The service's routes after the first, which refuses clients' ORCA calls."""
+    routes = outbound_route_config(iso.overlay(live)).virtual_hosts[0].routes
+    assert routes[0].name == "llm-orca-refused"
+    return routes[1:]
 
 
 def test_half_open_after_the_cooldown_then_release_after_good_probes() -> None:

@@ -534,9 +534,10 @@ def test_mtls_off_keeps_hops_plaintext_and_strict_refuses_a_runtime_off_loopback
         "cluster outbound|llm|v1": True,
         "listener outbound": False,
     }
-    # The inbound listener is mTLS; its cluster (the hop to the runtime on loopback) is not.
+    # The inbound listener is mTLS; its clusters (the hop to the runtime on loopback) are not.
     assert _tls_where(strict, local) == {
         "cluster inbound|llm|v1": False,
+        "cluster inbound|llm|v1|orca": False,
         "listener inbound|llm|v1": True,
     }
     with pytest.raises(ResourceError) as e:

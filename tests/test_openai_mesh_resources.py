@@ -60,7 +60,7 @@ def test_the_inbound_listener_routes_v1_to_the_runtimes_http_port() -> None:
     routes = res[t.ROUTE]["inbound|llm|v1"].virtual_hosts[0].routes
     routes = [r for r in routes if not r.name.endswith("-shadow")]  # test_quality_mirror_spec
     assert [(r.match.prefix or r.match.path, r.route.cluster) for r in routes] == [
-        ("/xds.service.orca.v3.OpenRcaService/StreamCoreMetrics", "inbound|llm|v1"),
+        ("/xds.service.orca.v3.OpenRcaService/StreamCoreMetrics", "inbound|llm|v1|orca"),
         ("/v1/", HTTP_CLUSTER),
         ("/", "inbound|llm|v1"),
     ]

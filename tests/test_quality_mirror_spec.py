@@ -97,9 +97,9 @@ def test_mirroring_copies_only_safe_marked_calls_to_a_shadow_cluster_with_a_brea
     res = caller(Mirror("v2", 12.5))
     vhost = res[t.ROUTE]["outbound"].virtual_hosts[0]
     names = [r.name for r in vhost.routes]
-    assert names == ["llm-canary-always", "llm-canary-never-mirror", "llm-canary-never",
-                     "llm-weighted-mirror", "llm-weighted"]  # fmt: skip
-    for r in vhost.routes:
+    assert names == ["llm-orca-refused", "llm-canary-always", "llm-canary-never-mirror",
+                     "llm-canary-never", "llm-weighted-mirror", "llm-weighted"]  # fmt: skip
+    for r in vhost.routes[1:]:
         policies = list(r.route.request_mirror_policies)
         if not r.name.endswith("-mirror"):
             assert not policies and "x-meshlm-mirror" not in [h.name for h in r.match.headers]

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
+from envoy.config.route.v3 import route_components_pb2
 from envoy.extensions.filters.http.rbac.v3 import rbac_pb2 as rbac_filter_pb2
 from envoy.extensions.filters.http.wasm.v3 import wasm_pb2 as wasm_filter_pb2
 from google.protobuf import wrappers_pb2
@@ -22,6 +23,7 @@ from xds_server import types as t
 from xds_server.mesh import MeshError, parse_mesh
 from xds_server.node import NodeInfo
 from xds_server.resources import build_resources, names
+from xds_server.resources.routes import ORCA_PATH
 
 TD = "td.example"
 GEN = "/meshlm.inference.v1.Inference/Generate"
@@ -144,10 +146,19 @@ def test_callers_compile_to_rbac_policies_first_on_the_inbound_listener() -> Non
     paths = [p.url_path.path.exact for p in chat.permissions[0].or_rules.rules]
     assert GEN in paths and INFO not in paths and HEALTH in paths
     assert batch.permissions[0].any
-    # The ORCA route skips the tenant filters and this one alike (load figures only).
+    # The ORCA route skips the tenant filters (Envoy sends no key on it), but only the listed
+    # workloads' sidecars may open it, whatever methods they may call.
     (rc,) = res[t.ROUTE].values()
     orca = rc.virtual_hosts[0].routes[0]
-    assert "meshlm.callers" in orca.typed_per_filter_config
+    assert orca.match.path == ORCA_PATH
+    per_route = rbac_filter_pb2.RBACPerRoute()
+    assert orca.typed_per_filter_config["meshlm.callers"].Unpack(per_route)
+    (policy,) = per_route.rbac.rules.policies.values()
+    assert per_route.rbac.rules.action == rules.ALLOW and policy.permissions[0].any
+    names_ = [p.authenticated.principal_name for p in policy.principals]
+    assert [n.exact or n.prefix for n in names_] == [CHAT, f"spiffe://{TD}/ns/b/sa/"]
+    disabled = route_components_pb2.FilterConfig()
+    assert orca.typed_per_filter_config[names.AUTHZ_FILTER].Unpack(disabled) and disabled.disabled
 
 
 def test_no_callers_no_rbac_and_empty_callers_an_rbac_that_allows_nobody() -> None:

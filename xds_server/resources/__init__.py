@@ -132,6 +132,9 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         )
     out[t.CLUSTER][cname] = clusters.cluster(cname, svc)
     out[t.ENDPOINT][cname] = endpoints.load_assignment(cname, local)
+    orca = names.inbound_orca_cluster(svc.name, ver.name)
+    out[t.CLUSTER][orca] = clusters.orca_cluster(orca, svc)
+    out[t.ENDPOINT][orca] = endpoints.load_assignment(orca, local)
     http_cluster = None
     if http:
         # The OpenAI HTTP API (issue 17): no gRPC health probe there (the gRPC cluster's
@@ -149,6 +152,7 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         tuple(f.name for f in authz),
         http_cluster=http_cluster,
         mirrored=mirror is not None and mirror.version == ver.name,
+        orca_callers=rbac.orca_callers(svc, mesh.identity.trust_domain if mesh.identity else ""),
     )
     out[t.ROUTE][rc.name] = rc
     lname = names.inbound_listener(svc.name, ver.name)

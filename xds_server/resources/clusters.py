@@ -113,6 +113,25 @@ def shadow_cluster(
     return c
 
 
+# An inbound sidecar's report streams to its runtime (ORCA, least_loaded): a cluster of their
+# own, so they never hold a slot of the calls' circuit breaker; its breaker is the runtime's own
+# bound on report streams (model_runtime/orca.py MAX_STREAMS).
+ORCA_MAX_REQUESTS = 64
+
+
+def orca_cluster(name: str, svc: m.Service) -> cluster_pb2.Cluster:
+    """The inbound cluster's twin for the ORCA route: the same runtime, no health checks or
+    outlier detection (the calls' cluster has them), a breaker of its own."""
+    c = cluster(name, svc, active_health=False)
+    c.ClearField("outlier_detection")
+    c.circuit_breakers.CopyFrom(
+        circuit_breakers(
+            m.CircuitBreakers(max_requests=ORCA_MAX_REQUESTS, max_pending_requests=8, max_retries=0)
+        )
+    )
+    return c
+
+
 def least_loaded() -> cluster_pb2.LoadBalancingPolicy:
     """Envoy's client_side_weighted_round_robin on ORCA out-of-band reports: weight = qps /
     utilization, so a host that reports more utilization per request gets fewer."""

@@ -38,6 +38,11 @@ def inbound_http_cluster(service: str, version: str) -> str:
     return f"inbound|{service}|{version}|http"
 
 
+def inbound_orca_cluster(service: str, version: str) -> str:
+    """The runtime's gRPC port again, for ORCA report streams alone (their own breaker)."""
+    return f"inbound|{service}|{version}|orca"
+
+
 def inbound_listener(service: str, version: str) -> str:
     return f"inbound|{service}|{version}"
 

@@ -48,6 +48,20 @@ def callers_filter(svc: m.Service, trust_domain: str) -> hcm_pb2.HttpFilter | No
     return hcm_pb2.HttpFilter(name=FILTER_NAME, typed_config=pack(cfg))
 
 
+def orca_callers(svc: m.Service, trust_domain: str) -> rbac_filter_pb2.RBACPerRoute | None:
+    """The callers filter on the ORCA route: every listed workload, whatever its methods (its
+    sidecar balances over this service's hosts by their load reports), and no one else. None
+    when the service lists no callers (the listener takes any workload of the trust domain)."""
+    if svc.callers is None:
+        return None
+    principals = [_principal(c.principal(trust_domain, caller)) for caller in svc.callers]
+    policy = rbac_pb2.Policy(principals=principals, permissions=[rbac_pb2.Permission(any=True)])
+    rules = rbac_pb2.RBAC(action=rbac_pb2.RBAC.ALLOW, policies={"orca:callers": policy})
+    if not principals:  # `callers: []`: nobody
+        rules.policies.clear()
+    return rbac_filter_pb2.RBACPerRoute(rbac=rbac_filter_pb2.RBAC(rules=rules))
+
+
 def _principal(spiffe_id: str) -> rbac_pb2.Principal:
     if spiffe_id.endswith("*"):
         match = string_pb2.StringMatcher(prefix=spiffe_id[:-1])

@@ -9,18 +9,23 @@ from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.type.v3 import percent_pb2
 from google.protobuf import wrappers_pb2
+from google.protobuf.message import Message
 
 from schemas import codec
 from xds_server import mesh as m
-from xds_server.resources import listeners, names
+from xds_server.resources import listeners, names, rbac
 from xds_server.resources.common import duration, pack, u32
 
 QUARANTINED_MESSAGE = "request class quarantined: it broke runtimes (no isolation pool)"
 
 # The one method a caller-side Envoy's least_loaded balancer calls on every host it balances
 # over (out-of-band ORCA, xds/service/orca/v3/orca.proto): it reaches the runtime through its
-# inbound sidecar without tenant authz, since Envoy sends no API key on it.
-ORCA_PATH = "/xds.service.orca.v3.OpenRcaService/StreamCoreMetrics"
+# inbound sidecar without tenant authz, since Envoy sends no API key on it. Envoy opens it on
+# the cluster's own connections, never through a listener: a client's call to the service is
+# refused by its caller sidecar.
+ORCA_SERVICE_PREFIX = "/xds.service.orca.v3.OpenRcaService/"
+ORCA_PATH = ORCA_SERVICE_PREFIX + "StreamCoreMetrics"
+ORCA_REFUSED_MESSAGE = "load reports (OpenRcaService) are for the mesh's sidecars, not for clients"
 # The runtime's OpenAI-compatible HTTP API (issue 17, model_runtime/openai_http.py).
 OPENAI_PREFIX = "/v1/"
 # The most the inbound sidecar buffers of one OpenAI request: the runtime's own body limit.
@@ -77,7 +82,7 @@ def _shadow_authority() -> rc.HeaderMatcher:
 
 def _service_vhost(mesh: m.Mesh, svc: m.Service) -> rc.VirtualHost:
     # Quarantined classes first: neither a canary pin nor the split may reach the main pool.
-    routes = [_quarantine_route(svc, q) for q in svc.quarantined]
+    routes = [_refuse_orca(svc), *(_quarantine_route(svc, q) for q in svc.quarantined)]
     stable, canary = stable_and_canary(mesh, svc)
     if svc.stall is not None:
         routes += _version_pins(svc, {stable, canary} - {None})
@@ -88,6 +93,18 @@ def _service_vhost(mesh: m.Mesh, svc: m.Service) -> rc.VirtualHost:
         # follows response headers, so a streamed answer is never sent twice.
         routes += _split_routes(svc, stable, canary, OPENAI_PREFIX)
     return _vhost(svc, [*routes, *_split_routes(svc, stable, canary, "/")])
+
+
+def _refuse_orca(svc: m.Service) -> rc.Route:
+    """403 (gRPC PERMISSION_DENIED) for a client's call to OpenRcaService: key-less, it would
+    pass the inbound sidecar's ORCA route and hold a report stream on a runtime."""
+    return rc.Route(
+        name=f"{svc.name}-orca-refused",
+        match=rc.RouteMatch(prefix=ORCA_SERVICE_PREFIX),
+        direct_response=rc.DirectResponseAction(
+            status=403, body=base_pb2.DataSource(inline_string=ORCA_REFUSED_MESSAGE)
+        ),
+    )
 
 
 def _split_routes(svc: m.Service, stable: str, canary: str | None, prefix: str) -> list[rc.Route]:
@@ -246,21 +263,26 @@ def inbound_route_config(
     *,
     http_cluster: str | None = None,
     mirrored: bool = False,
+    orca_callers: Message | None = None,
 ) -> route_pb2.RouteConfiguration:
     """`authz_filters`: the listener's tenant filters (authz, rate limits), turned off on the
     ORCA route only. That route carries read-only load figures (utilization, rps, queue and KV
     use) of this runtime, no tenant data; every other path still passes every filter.
+    `orca_callers`: where the service lists `callers`, the RBAC filter's config on the ORCA
+    route (rbac.orca_callers): the listed workloads' sidecars, on that one method.
     `http_cluster`: the runtime's OpenAI HTTP API (issue 17), which takes every /v1/ path (the
     gRPC paths are /<package>.<Service>/<Method>, never /v1/)."""
     cluster = names.inbound_cluster(svc.name, version)
     orca = rc.Route(
         name=f"{svc.name}-{version}-orca",
         match=rc.RouteMatch(path=ORCA_PATH),
-        route=_action(svc, cluster=cluster, retries=False),
+        route=_action(svc, cluster=names.inbound_orca_cluster(svc.name, version), retries=False),
     )
     off = pack(rc.FilterConfig(disabled=True))
     for f in authz_filters:
         orca.typed_per_filter_config[f].CopyFrom(off)
+    if orca_callers is not None:
+        orca.typed_per_filter_config[rbac.FILTER_NAME].CopyFrom(pack(orca_callers))
     route = rc.Route(
         name=f"{svc.name}-{version}-local",
         match=rc.RouteMatch(prefix="/"),
