@@ -1,4 +1,4 @@
-"""A live dashboard on the admin port (issue 16 item 5): `GET /dashboard/` is a page (this
+"""A live dashboard on the admin port: `GET /dashboard/` is a page (this
 folder's index.html, dashboard.js, dashboard.css: no build step, nothing fetched from
 elsewhere, so it works offline) that carries the state as of its serving, so it shows the mesh
 at once; `GET /dashboard/state` is that state as JSON, and `GET /dashboard/events` the same
