@@ -9,7 +9,7 @@ import sys
 from urllib.parse import quote
 
 from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
-from meshlm.cmd_apply import failure
+from meshlm.cmd_apply import acked_line, failure
 from xds_server.admin_token import TokenError
 
 
@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"meshlm weights: {failure(code, reply, admin)}", file=sys.stderr)
         return 1
     split = " ".join(f"{v}={w}" for v, w in weights.items())
-    acked = ", ".join(reply.get("acked") or []) or "no sidecar"
-    print(f"{args.service}: {split} (version {reply.get('version')}), ACKed by {acked}")
+    if reply.get("changed") is False:
+        print(f"{args.service}: {split}: {acked_line(reply)}")
+    else:
+        print(f"{args.service}: {split} (version {reply.get('version')}), {acked_line(reply)}")
     return 0

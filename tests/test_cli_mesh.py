@@ -136,6 +136,23 @@ def test_apply_names_the_weights_it_did_not_apply(rig: Rig, tmp_path: Path) -> N
     assert r.returncode == 0 and "not applied" not in r.stdout, r.stdout
 
 
+def test_a_change_that_changes_nothing_says_so(rig: Rig, tmp_path: Path) -> None:
+    """Not "ACKed by no sidecar", which reads like a failure."""
+    url = ("--admin", rig.admin.url)
+    assert rig.cp.set_weights("llm", {"v1": 100, "v2": 0}, timeout=20).ok
+    r = rig.meshlm("weights", "llm", "v1=100", "v2=0", *url)
+    assert r.returncode == 0, r.stderr
+    assert "llm: v1=100 v2=0: nothing changed" in r.stdout and "no sidecar" not in r.stdout
+    path = tmp_path / "mesh.yaml"
+    path.write_text(yaml.safe_dump(rig.mesh_file({"v1": 100, "v2": 0})))
+    r = rig.meshlm("apply", "--mesh", str(path), *url)
+    assert r.returncode == 0 and r.stdout.startswith("nothing changed"), r.stdout
+    # A real change still names who ACKed it.
+    r = rig.meshlm("weights", "llm", "v1=50", "v2=50", *url)
+    assert "ACKed by caller-cli" in r.stdout and "nothing changed" not in r.stdout, r.stdout
+    assert rig.cp.set_weights("llm", {"v1": 100, "v2": 0}, timeout=20).ok
+
+
 def test_generate_header_reaches_the_route(rig: Rig) -> None:
     assert rig.cp.set_weights("llm", {"v1": 100, "v2": 0}, timeout=20).ok
     assert rig.cp.set_pins("llm", "v1", "v2", timeout=20).ok
