@@ -49,12 +49,21 @@ def run(args: argparse.Namespace) -> int:
     if code >= 400 or not isinstance(reply, dict):
         print(f"meshlm apply: {failure(code, reply, admin)}", file=sys.stderr)
         return 1
-    print(
-        f"applied version {reply['version']}, ACKed by {', '.join(reply['acked']) or 'no sidecar'}"
-    )
+    if reply.get("changed") is False:
+        print(acked_line(reply))
+    else:
+        print(f"applied version {reply['version']}, {acked_line(reply)}")
     for line in not_applied(body, admin):
         print(line)
     return 0
+
+
+def acked_line(reply: dict[str, Any]) -> str:
+    """What a change's reply says: nothing changed, or which sidecars ACKed it."""
+    if reply.get("changed") is False:
+        return f"nothing changed: the control plane already held this (version {reply['version']})"
+    acked = ", ".join(reply.get("acked") or []) or "no sidecar (none it touches is connected)"
+    return f"ACKed by {acked}"
 
 
 def not_applied(body: bytes, admin: AdminClient) -> list[str]:

@@ -56,9 +56,11 @@ def show(admin: AdminClient, as_json: bool, cacert: str | None = None) -> int:
         print(json.dumps(doc, indent=1))
         return 0
     # A control plane without rollouts mounted, an older one, one without the SLO loop: {}.
-    rollouts, isolation, slo = ({} for _ in range(3))
+    rollouts, isolation, slo, traffic = ({} for _ in range(4))
     with contextlib.suppress(AdminError):
         rollouts = _get(admin, "/rollouts")
+    with contextlib.suppress(AdminError):
+        traffic = _get(admin, "/traffic")
     with contextlib.suppress(AdminError):
         isolation = _get(admin, "/isolation")
     with contextlib.suppress(AdminError):
@@ -66,6 +68,8 @@ def show(admin: AdminClient, as_json: bool, cacert: str | None = None) -> int:
     if replica := render_replica(admin, cacert):
         print(replica)
     print(render(doc))
+    if traffic.get("stranded"):
+        print("\n" + "\n".join(s["message"] for s in traffic["stranded"]))
     if rollouts:
         print("\n" + render_rollouts(rollouts))
     if any(s.get("quarantined") for s in isolation.values()):

@@ -1,6 +1,8 @@
 """`meshlm weights SERVICE v1=80 v2=20`: set a service's traffic split through the control
 plane's admin API (POST /v1/services/SERVICE/weights); returns once every affected sidecar ACKed,
-or names those that did not, as the API does."""
+or names those that did not, as the API does. Weights that send traffic to a version with no
+endpoint in the mesh are refused unless --force; to one with no live endpoint they are set, with
+a warning."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import sys
 from urllib.parse import quote
 
 from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
-from meshlm.cmd_apply import failure
+from meshlm.cmd_apply import acked_line, failure
 from xds_server.admin_token import TokenError
 
 
@@ -23,6 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_admin_client_arguments(p)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for ACKs")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="set the weights even where a version given traffic has no endpoint in the mesh",
+    )
 
 
 def parse_weights(items: list[str]) -> dict[str, int]:
@@ -46,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"meshlm weights: {e}", file=sys.stderr)
         return 2
     path = f"/v1/services/{quote(args.service, safe='')}/weights?timeout={args.timeout:g}"
+    path += "&force=1" if args.force else ""
     try:
         code, reply = admin.request("POST", path, weights, timeout=args.timeout + 10)
     except AdminError as e:
@@ -54,7 +62,11 @@ def run(args: argparse.Namespace) -> int:
     if code >= 400 or not isinstance(reply, dict):
         print(f"meshlm weights: {failure(code, reply, admin)}", file=sys.stderr)
         return 1
+    for warning in reply.get("warnings") or []:
+        print(f"meshlm weights: warning: {warning}", file=sys.stderr)
     split = " ".join(f"{v}={w}" for v, w in weights.items())
-    acked = ", ".join(reply.get("acked") or []) or "no sidecar"
-    print(f"{args.service}: {split} (version {reply.get('version')}), ACKed by {acked}")
+    if reply.get("changed") is False:
+        print(f"{args.service}: {split}: {acked_line(reply)}")
+    else:
+        print(f"{args.service}: {split} (version {reply.get('version')}), {acked_line(reply)}")
     return 0

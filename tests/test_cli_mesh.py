@@ -18,9 +18,11 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health, health_pb2_grpc
 
 from model_runtime.client import GENERATE
 from schemas import codec
+from sidecar.ports import free_port
 from tests.test_xds_support import eventually, sidecar
 from xds_server.admin import AdminServer
 from xds_server.control_plane import ControlPlane
@@ -78,6 +80,7 @@ def rig(tmp_path_factory) -> Iterator[Rig]:
     for name in ("v1", "v2"):
         s = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         s.add_generic_rpc_handlers((_Named(name),))
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), s)  # live
         servers[name] = (s, s.add_insecure_port("127.0.0.1:0"))
         s.start()
     addresses = {n: f"127.0.0.1:{p}" for n, (_, p) in servers.items()}
@@ -134,6 +137,59 @@ def test_apply_names_the_weights_it_did_not_apply(rig: Rig, tmp_path: Path) -> N
     path.write_text(yaml.safe_dump(rig.mesh_file({"v1": 0, "v2": 100})))
     r = rig.meshlm("apply", "--mesh", str(path), "--admin", rig.admin.url)
     assert r.returncode == 0 and "not applied" not in r.stdout, r.stdout
+
+
+def test_a_change_that_changes_nothing_says_so(rig: Rig, tmp_path: Path) -> None:
+    """Not "ACKed by no sidecar", which reads like a failure."""
+    url = ("--admin", rig.admin.url)
+    assert rig.cp.set_weights("llm", {"v1": 100, "v2": 0}, timeout=20).ok
+    r = rig.meshlm("weights", "llm", "v1=100", "v2=0", *url)
+    assert r.returncode == 0, r.stderr
+    assert "llm: v1=100 v2=0: nothing changed" in r.stdout and "no sidecar" not in r.stdout
+    path = tmp_path / "mesh.yaml"
+    path.write_text(yaml.safe_dump(rig.mesh_file({"v1": 100, "v2": 0})))
+    r = rig.meshlm("apply", "--mesh", str(path), *url)
+    assert r.returncode == 0 and r.stdout.startswith("nothing changed"), r.stdout
+    # A real change still names who ACKed it.
+    r = rig.meshlm("weights", "llm", "v1=50", "v2=50", *url)
+    assert "ACKed by caller-cli" in r.stdout and "nothing changed" not in r.stdout, r.stdout
+    assert rig.cp.set_weights("llm", {"v1": 100, "v2": 0}, timeout=20).ok
+
+
+def test_weights_to_a_version_that_cannot_take_traffic(rig: Rig) -> None:
+    """No endpoint in the mesh at all: refused (409, as a rollout's start) unless --force. An
+    endpoint where nothing answers (its sidecar stopped): set, with a warning, and `meshlm
+    status` says so while it lasts."""
+    doc = rig.mesh_file({"v1": 100, "v2": 0})
+    versions = doc["services"]["llm"]["versions"]
+    versions["v3"] = {"endpoints": []}
+    versions["v4"] = {"endpoints": [f"127.0.0.1:{free_port()}"]}  # nothing listens there
+    doc["services"]["llm"]["route"]["weights"] = {"v1": 100, "v2": 0, "v3": 0, "v4": 0}
+    url = ("--admin", rig.admin.url)
+    try:
+        assert rig.cp.update_mesh(parse_mesh(doc), timeout=20).ok
+        r = rig.meshlm("weights", "llm", "v1=90", "v3=10", *url)
+        assert r.returncode == 1 and "HTTP 409" in r.stderr, r.stderr
+        assert "traffic to llm/v3 (10 %) has nowhere to go: v3 has no endpoint" in r.stderr
+        assert "--force" in r.stderr
+        assert rig.cp.mesh.services["llm"].route.weights["v3"] == 0
+        r = rig.meshlm("weights", "llm", "v1=90", "v3=10", "--force", *url)
+        assert r.returncode == 0 and "ACKed by caller-cli" in r.stdout, r.stderr
+        assert "warning: traffic to llm/v3 (10 %) has nowhere to go" in r.stderr
+        r = rig.meshlm("weights", "llm", "v1=90", "v4=10", *url)
+        assert r.returncode == 0 and "ACKed by caller-cli" in r.stdout, r.stderr
+        assert "warning: traffic to llm/v4 (10 %) has nowhere to go: v4 has no live endpoint" in (
+            r.stderr
+        )
+        assert "warning: traffic to llm/v1" not in r.stderr  # v1 answers its probe
+        r = rig.meshlm("status", *url, token=False)
+        assert r.returncode == 0 and "traffic to llm/v4 (10 %) has nowhere to go" in r.stdout
+        r = rig.meshlm("weights", "llm", "v1=100", "v4=0", *url)
+        assert r.returncode == 0 and not r.stderr, r.stderr
+        r = rig.meshlm("status", *url, token=False)
+        assert r.returncode == 0 and "nowhere to go" not in r.stdout, r.stdout
+    finally:
+        assert rig.cp.update_mesh(parse_mesh(rig.mesh_file({"v1": 100, "v2": 0})), timeout=20).ok
 
 
 def test_generate_header_reaches_the_route(rig: Rig) -> None:

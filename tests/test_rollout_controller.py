@@ -130,6 +130,10 @@ def test_too_little_traffic_halts_fake_metrics(rig) -> None:
     st = c.status("llm")
     assert st["state"] == "Progressing" and st["canary_weight"] == 5
     assert "not enough traffic" in st["message"]
+    # ...and says what to do about it.
+    assert "20 calls to the canary in 1s at 5 % take about 400 calls/s in all" in st["message"]
+    assert "`x-canary: always`" in st["message"] and "--min-requests" in st["message"]
+    assert "higher first step (--steps " in st["message"]
     assert st["failures"] == 0
     assert canary_weights(cp) == [5]
     assert {a["outcome"] for a in st["analyses"]} == {"halt"}

@@ -167,6 +167,17 @@ def test_example_mesh_loads() -> None:
     assert mesh.tenants
 
 
+def test_the_example_rollout_progresses_at_calls_sent_by_hand() -> None:
+    """At ~2.5 calls/s every analysed step sees min_requests canary calls per interval, with
+    room: the expected count is at least 1.8 x min_requests (a Poisson shortfall is then rare,
+    and costs an interval, never the rollout)."""
+    mesh = load_mesh(Path(__file__).resolve().parent.parent / "examples" / "mesh.yaml")
+    ro = mesh.rollouts["llm"]
+    need = ro.gates["min_requests"]
+    for step in ro.steps[:-1]:  # the last step is the promotion, not analysed
+        assert 2.5 * ro.interval * step / 100 >= 1.8 * need, (step, ro.interval, need)
+
+
 # -- issue 9 defect 13: one strict validator at load ---------------------------------------
 
 DUPLICATED = """\

@@ -4,9 +4,10 @@
   GET  /debug/syncz                               sync status per sidecar and type, convergence
   GET  /metrics                                   Prometheus text (xds_server/metrics.py)
   GET  /debug/config_dump                         the snapshots being served
-  POST /v1/services/{s}/weights                   {"v1": 90, "v2": 10}
+  POST /v1/services/{s}/weights                   {"v1": 90, "v2": 10}; ?force=1 (see below)
   POST /v1/services/{s}/versions/{v}/endpoints    {"add": "host:port"} or {"remove": "host:port"}
   POST /v1/mesh                                   a whole mesh file (YAML); keeps live weights
+  GET  /traffic                                   versions given traffic that cannot take it
   GET  /isolation                                 quarantined request classes per service
   POST /isolation/{s}/{class}/release|pin         end a quarantine / hold one until released
   GET  /identity, POST /identity/tokens           the mesh CA; join tokens (xds_server/identity.py)
@@ -14,7 +15,10 @@
 
 Mutations need `Authorization: Bearer <token>` and answer once every affected sidecar ACKed
 (200), or a sidecar NACKed (409), or the timeout passed (504, naming the sidecars still behind);
-`?timeout=SECONDS` (default 10). Other APIs (rollouts) are mounted under their own prefix.
+`?timeout=SECONDS` (default 10). Weights that send traffic to a version with no endpoint in the
+mesh are refused (409) unless `?force=1`; to one whose endpoints answer no probe they are set,
+with a `warnings` list in the reply (xds_server/traffic_check.py). Other APIs (rollouts) are
+mounted under their own prefix.
 
 With an `identity` block in the mesh the port serves HTTPS only, with a certificate of the mesh
 CA (xds_server/admin_tls.py; clients find the root in the run dir); a plain HTTP request gets a
@@ -44,7 +48,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
-from xds_server import health
+from xds_server import health, traffic_check
 from xds_server.admin_tls import AdminTLS, drop_ca
 from xds_server.control_plane import ApplyResult, ControlPlane
 from xds_server.dashboard import Busy, Dashboard
@@ -84,6 +88,7 @@ class AdminServer:
         self.dashboard = Dashboard(cp, lambda: (self.metrics.rollouts, self.metrics.slo))
         # GET /isolation, POST /isolation/{service}/{class}/release|pin (issue 11)
         self.mounts.setdefault("/isolation", cp.isolation.handle)
+        self.mounts.setdefault("/traffic", traffic_check.handle(cp))
         if cp.identity:  # GET /identity, POST /identity/tokens|rotate-root (issue 14)
             self.mounts.setdefault("/identity", cp.identity.handle)
         self.host = host
@@ -162,7 +167,7 @@ class AdminServer:
         service = parts[2]
         try:
             if len(parts) == 4 and parts[3] == "weights":
-                return _outcome(self.cp.set_weights(service, doc, timeout=timeout))
+                return self._set_weights(service, doc, timeout, query)
             if len(parts) == 6 and parts[3] == "versions" and parts[5] == "endpoints":
                 version = parts[4]
                 if set(doc) == {"add"}:
@@ -177,6 +182,22 @@ class AdminServer:
         except StoreError as e:  # replicas: the store refused or did not answer
             return _store_error(e)
         return 404, {"error": f"no such endpoint: {method} {url.path}"}
+
+    def _set_weights(
+        self, service: str, weights: dict, timeout: float, query: dict[str, list[str]]
+    ) -> tuple[int, Any]:
+        """Weights, refused (409) while they send traffic to a version with no endpoint at all
+        unless `?force=1`; a version whose endpoints answer no probe is a warning."""
+        force = query.get("force", ["0"])[0].lower() in ("1", "true", "yes")
+        stranded = traffic_check.stranded(self.cp, service, weights)
+        refused = [s.message for s in stranded if s.no_endpoint]
+        if refused and not force:
+            why = "; ".join(refused)
+            return 409, {"error": f"{why}; to set them anyway: meshlm weights --force (?force=1)"}
+        status, reply = _outcome(self.cp.set_weights(service, weights, timeout=timeout))
+        if stranded:
+            reply["warnings"] = [s.message for s in stranded]
+        return status, reply
 
     def _dashboard(self, rest: list[str]) -> tuple[int, Any]:
         if rest == ["state"]:

@@ -58,11 +58,13 @@ class ApplyResult:
     errors: dict[str, str] = field(default_factory=dict)  # node -> NACK error
     lagging: list[str] = field(default_factory=list)  # left out: un-ACKed for lagging_after
     revision: int = 0  # the store revision written (replicas on a store, issue 15)
+    changed: bool = True  # False: the desired state was already so (a no-op change)
 
     def to_json(self) -> dict:
         out = {
             "version": self.version,
             "ok": self.ok,
+            "changed": self.changed,
             "acked": self.acked,
             "missing": self.missing,
             "errors": self.errors,
@@ -391,8 +393,25 @@ class ControlPlane:
         """Stage `edit(live mesh)` under the mutation lock, then wait for ACKs without it, so
         a slow sidecar (or a caller that left) never blocks the next change."""
         timeout = check_timeout(timeout)  # before anything is staged
+        changed: list[bool] = []
+
+        def noted(live: m.Mesh) -> m.Mesh | None:
+            new = edit(live)
+            if new is not None:
+                counts = membership.inbound_sidecars(self.sync)
+                mine = membership.overlay(self.isolation.overlay(new), counts)
+                changed[:] = [mine != membership.overlay(live, counts)]
+            return new
+
         if self.replication is not None:
-            return self._change_replicated(edit, timeout, source)
+            r = self._change_replicated(noted, timeout, source)
+        else:
+            r = self._change_here(noted, timeout)
+        return dataclasses.replace(r, changed=changed[-1]) if r and changed else r
+
+    def _change_here(
+        self, edit: Callable[[m.Mesh], m.Mesh | None], timeout: float
+    ) -> ApplyResult | None:
         with self._mutate:
             mesh = edit(self.mesh)
             if mesh is None:

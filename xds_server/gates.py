@@ -533,6 +533,21 @@ def _ms(s: float | None) -> str:
     return "n/a" if s is None else f"{s * 1000:.0f}ms"
 
 
+NOT_ENOUGH_TRAFFIC = "halted: not enough traffic"
+
+
+def traffic_hint(gates: Gates, weight: int, interval: float, canary_header: str) -> str:
+    """What to do about an interval that halted on too little traffic at `weight` %."""
+    rate = gates.min_requests / (interval * weight / 100) if weight > 0 and interval > 0 else 0
+    need = f" take about {rate:.3g} calls/s in all" if rate else " need more calls"
+    return (
+        f"{gates.min_requests} calls to the canary in {interval:g}s at {weight} %{need}: send "
+        f"more, send test calls to the canary with the header `{canary_header}: always`, or "
+        f"start the rollout again with a lower --min-requests or a higher first step "
+        f"(--steps 25,50,100)"
+    )
+
+
 def evaluate(
     gates: Gates,
     counts: GrpcCounts | None,
@@ -564,7 +579,7 @@ def evaluate(
             )
         return Verdict(
             HALT,
-            f"halted: not enough traffic ({counts.total} requests to the canary, "
+            f"{NOT_ENOUGH_TRAFFIC} ({counts.total} requests to the canary, "
             f"min_requests {gates.min_requests})",
             m,
         )

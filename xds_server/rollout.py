@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from xds_server.gates import (
     FAIL,
     HALT,
+    NOT_ENOUGH_TRAFFIC,
     PASS,
     GrpcCounts,
     LatencySnapshot,
@@ -34,6 +35,7 @@ from xds_server.gates import (
     evaluate,
     evaluate_metrics,
     metrics_problem,
+    traffic_hint,
 )
 from xds_server.liveness import not_live_reason
 from xds_server.mesh import Mirror
@@ -549,8 +551,19 @@ class RolloutController:
         else:
             assert v.outcome == HALT
             r.message = f"{v.reason}; staying at {r.canary_weight} %"
+            if v.reason.startswith(NOT_ENOUGH_TRAFFIC) and r.spec.gates.provider is None:
+                header = self._canary_header(r.spec.service)
+                hint = traffic_hint(r.spec.gates, r.canary_weight, r.spec.interval, header)
+                r.message += f"; {hint}"
         self._new_interval(r)  # stay at this weight: never beyond the current step
         self._save()
+
+    def _canary_header(self, service: str) -> str:
+        """The header that pins a version (a control plane holding no mesh, a test fake: the
+        mesh file's default)."""
+        mesh = getattr(self.cp, "mesh", None)
+        svc = mesh.services.get(service) if mesh is not None else None
+        return svc.route.canary_header if svc is not None else "x-canary"
 
     def _count_traffic(self, r: Rollout, v: Verdict) -> None:
         n = int(v.measurements.get("requests", 0))

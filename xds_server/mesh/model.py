@@ -392,6 +392,17 @@ class Mesh:
     rate_limits: RateLimits = field(default_factory=RateLimits)
     caller_sidecars: tuple[CallerSidecar, ...] = ()
     identity: Identity | None = None
+    # Where a caller sidecar sends an OpenAI call (/v1/) whose Host names no service; None: the
+    # only service when there is one (`openai_default`).
+    default_service: str | None = None
+
+    @property
+    def openai_default(self) -> str | None:
+        """The service that takes /v1/ calls whose Host names none: `default_service`, else the
+        mesh's only service, else None (such a call gets a 404 naming the services)."""
+        if self.default_service is not None:
+            return self.default_service
+        return next(iter(self.services)) if len(self.services) == 1 else None
 
     # -- mutations return a new, validated Mesh ------------------------------------------
     def with_weights(self, service: str, weights: dict[str, int]) -> Mesh:

@@ -80,6 +80,7 @@ def parse_mesh(raw: Any) -> Mesh:
             "rate_limits",
             "caller_sidecars",
             "identity",
+            "default_service",
         },
     )
     services_raw = _mapping(top.get("services"), "services")
@@ -113,7 +114,21 @@ def parse_mesh(raw: Any) -> Mesh:
         rate_limits=_rate_limits(top.get("rate_limits")),
         caller_sidecars=_caller_sidecars(top.get("caller_sidecars")),
         identity=identity,
+        default_service=_default_service(top.get("default_service"), services),
     )
+
+
+def _default_service(raw: Any, services: dict[str, Service]) -> str | None:
+    """`default_service: llm`: where a caller sidecar sends an OpenAI call (/v1/) whose Host
+    names no service (the openai SDK sends the model name in the body, not a Host)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, str) or raw not in services:
+        raise MeshError(
+            f"default_service: expected the name of a service of this mesh "
+            f"({', '.join(services)}), got {raw!r}"
+        )
+    return raw
 
 
 # A SPIFFE trust domain (lower case) and the path segments of a service account.

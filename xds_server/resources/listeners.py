@@ -127,8 +127,11 @@ OPENAI_REFUSALS = {
     503: ("server_error", "service_unavailable"),
     504: ("server_error", "timeout"),
 }
-# Envoy's 404 for no route has an empty body: say what found none.
-NO_ROUTE_MESSAGE = "no route for %REQ(:METHOD)% %REQ(:PATH)% at %REQ(:AUTHORITY)%"
+# Say what found no route; the caller sidecar's 404 body (routes.no_service_message) says how
+# to name a service.
+NO_ROUTE_MESSAGE = (
+    "no route for %REQ(:METHOD)% %REQ(:PATH)% at %REQ(:AUTHORITY)%: %LOCAL_REPLY_BODY%"
+)
 
 
 def _openai_error_format(status: int) -> substitution_format_string_pb2.SubstitutionFormatString:

@@ -57,18 +57,53 @@ def outbound_route_config(mesh: m.Mesh) -> route_pb2.RouteConfiguration:
     return route_pb2.RouteConfiguration(
         name=names.OUTBOUND_ROUTE,
         virtual_hosts=[
-            *(_service_vhost(mesh, s) for s in mesh.services.values()),
-            _forged_shadow_vhost(),
+            *(_vhost(s, _service_routes(mesh, s)) for s in mesh.services.values()),
+            _unmatched_vhost(mesh),
         ],
     )
 
 
-def _forged_shadow_vhost() -> rc.VirtualHost:
-    """A caller's call to `<service>-shadow` is refused (403: gRPC PERMISSION_DENIED) before it
-    could reach a runtime as a shadow (uncharged by the rate limits, out of the gates' figures).
-    Any other unknown authority still finds no route (404), as before."""
-    return rc.VirtualHost(
-        name="forged-shadow", domains=["*"], routes=[_refuse_shadow("forged-shadow")]
+def _unmatched_vhost(mesh: m.Mesh) -> rc.VirtualHost:
+    """Any :authority that names no service. A caller's call to `<service>-shadow` is refused
+    (403: gRPC PERMISSION_DENIED) before it could reach a runtime as a shadow (uncharged by the
+    rate limits, out of the gates' figures). An OpenAI call (/v1/) goes to the mesh's default
+    service (the openai SDK names the model in the body, never a Host), by that service's own
+    routes. Anything else gets a 404 that names the services and how to pick one."""
+    routes = [_refuse_shadow("forged-shadow")]
+    default = mesh.openai_default
+    if default is not None:
+        svc = mesh.services[default]
+        for route in _service_routes(mesh, svc, OPENAI_PREFIX):
+            route.name = f"{DEFAULT_ROUTE_PREFIX}{route.name}"
+            if route.HasField("route"):  # the runtime's sidecar sees the service's name
+                route.route.host_rewrite_literal = svc.name
+            routes.append(route)
+    routes.append(
+        rc.Route(
+            name="no-service",
+            match=rc.RouteMatch(prefix="/"),
+            direct_response=rc.DirectResponseAction(
+                status=404, body=base_pb2.DataSource(inline_string=no_service_message(mesh))
+            ),
+        )
+    )
+    return rc.VirtualHost(name="unmatched", domains=["*"], routes=routes)
+
+
+# The default service's routes in the unmatched virtual host: its own route names, prefixed.
+DEFAULT_ROUTE_PREFIX = "default-service-"
+
+
+def no_service_message(mesh: m.Mesh) -> str:
+    """The caller sidecar's 404 for an authority that names no service of the mesh."""
+    names_ = list(mesh.services)
+    default = mesh.openai_default
+    taken = f"; default_service {default} takes OpenAI /v1/ calls only" if default else ""
+    return (
+        f"the Host header (gRPC: :authority) names no service of this mesh (services: "
+        f"{', '.join(names_)}{taken}): name one there (the openai SDK: "
+        f'default_headers={{"Host": "{names_[0]}"}}), or name the service OpenAI /v1/ calls '
+        "go to as default_service in the mesh file"
     )
 
 
@@ -80,19 +115,24 @@ def _shadow_authority() -> rc.HeaderMatcher:
     return rc.HeaderMatcher(name=":authority", string_match=match)
 
 
-def _service_vhost(mesh: m.Mesh, svc: m.Service) -> rc.VirtualHost:
+def _service_routes(mesh: m.Mesh, svc: m.Service, prefix: str = "/") -> list[rc.Route]:
+    """A service's routes for paths under `prefix`: "/" (all: its own virtual host) or
+    OPENAI_PREFIX (its OpenAI calls only, as the default service)."""
     # Quarantined classes first: neither a canary pin nor the split may reach the main pool.
-    routes = [_refuse_orca(svc), *(_quarantine_route(svc, q) for q in svc.quarantined)]
+    routes = [_quarantine_route(svc, q, prefix) for q in svc.quarantined]
+    if prefix == "/":
+        routes.insert(0, _refuse_orca(svc))
     stable, canary = stable_and_canary(mesh, svc)
     if svc.stall is not None:
-        routes += _version_pins(svc, {stable, canary} - {None})
-    if svc.stall is not None or (svc.retry_policy and svc.retry_policy.per_try_timeout):
+        routes += _version_pins(svc, {stable, canary} - {None}, prefix)
+    openai_apart = svc.stall is not None or (svc.retry_policy and svc.retry_policy.per_try_timeout)
+    if prefix == "/" and openai_apart:
         # The OpenAI HTTP API (issue 17): a completion without `stream` sends its headers with
         # the whole answer, so a per-try (idle) timeout would cut every long one and run it
         # again; its calls get the same split and retries without per-try limits. No retry
         # follows response headers, so a streamed answer is never sent twice.
         routes += _split_routes(svc, stable, canary, OPENAI_PREFIX)
-    return _vhost(svc, [*routes, *_split_routes(svc, stable, canary, "/")])
+    return [*routes, *_split_routes(svc, stable, canary, prefix)]
 
 
 def _refuse_orca(svc: m.Service) -> rc.Route:
@@ -194,7 +234,7 @@ def _vhost(svc: m.Service, routes: list[rc.Route]) -> rc.VirtualHost:
     return vhost
 
 
-def _version_pins(svc: m.Service, pinned: set[str]) -> list[rc.Route]:
+def _version_pins(svc: m.Service, pinned: set[str], prefix: str = "/") -> list[rc.Route]:
     """`x-meshlm-version: V` pins a resumed stream to the version that served it. Only the
     versions a caller reaches anyway (weight above 0, or the x-canary pins) get a pin route; any
     other value falls through to the usual routes."""
@@ -203,7 +243,7 @@ def _version_pins(svc: m.Service, pinned: set[str]) -> list[rc.Route]:
         rc.Route(
             name=f"{svc.name}-resume-{v}",
             match=rc.RouteMatch(
-                prefix="/",
+                prefix=prefix,
                 headers=[rc.HeaderMatcher(name=m.VERSION_HEADER, string_match=_exact(v))],
             ),
             route=_action(svc, cluster=names.outbound_cluster(svc.name, v)),
@@ -228,9 +268,10 @@ def quarantine_route_name(service: str, key: str) -> str:
     return f"{service}-isolation-{key}"
 
 
-def _quarantine_route(svc: m.Service, q: m.Quarantine) -> rc.Route:
+def _quarantine_route(svc: m.Service, q: m.Quarantine, prefix: str = "/") -> rc.Route:
     match = rc.RouteMatch(
-        prefix="/", headers=[rc.HeaderMatcher(name=names.CLASS_HEADER, string_match=_exact(q.key))]
+        prefix=prefix,
+        headers=[rc.HeaderMatcher(name=names.CLASS_HEADER, string_match=_exact(q.key))],
     )
     if q.probe_percent:
         # Half-open: the route takes all but probe_percent of the class; the rest falls through
