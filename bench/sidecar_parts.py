@@ -118,17 +118,23 @@ def bootstrap(res: dict[str, Any], parts: Iterable[str], *, xds_port: int) -> di
         del hcm.early_header_mutation_extensions[:]
     if "local_reply" not in on:
         hcm.ClearField("local_reply_config")
-    cluster = _one(res, t.CLUSTER)
-    route = _one(res, t.ROUTE) if "route" in on else _bare_route(cluster.name)
+    # The calls' cluster: an inbound sidecar also has the ORCA streams' twin ("...|orca"),
+    # which only the real route names.
+    (calls,) = (n for n in res[t.CLUSTER] if not n.endswith("|orca"))
+    route = _one(res, t.ROUTE) if "route" in on else _bare_route(calls)
     hcm.ClearField("rds")
     hcm.route_config.CopyFrom(route)
     listener_out.filter_chains[0].filters[0].typed_config.Pack(hcm)
+    wanted = res[t.CLUSTER] if "route" in on else {calls: res[t.CLUSTER][calls]}
     return {
         "node": {"id": "sidecar-parts", "cluster": "meshlm"},
         "static_resources": {
             "listeners": [_json(listener_out)],
             "clusters": [
-                _static(cluster, _one(res, t.ENDPOINT), real="cluster" in on),
+                *(
+                    _static(c, res[t.ENDPOINT][name], real="cluster" in on)
+                    for name, c in wanted.items()
+                ),
                 static_cluster(XDS_CLUSTER, "127.0.0.1", xds_port),
             ],
         },

@@ -18,6 +18,7 @@ import yaml
 
 from meshlm.procs import Proc, wait_until
 from sidecar.ports import free_port
+from tests.test_identity_support import short_dir
 
 
 def _mesh(inbound: int) -> dict:
@@ -62,8 +63,7 @@ def _interrupt(p: Proc, timeout: float = 30) -> tuple[int, str]:
 
 
 def test_join_ports_and_ctrl_c_by_hand(tmp_path: Path, procs: list[Proc]) -> None:
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
+    run = short_dir()  # the sidecar's SDS socket lives below it: a unix socket path holds 107 bytes
     env = {
         "XDG_RUNTIME_DIR": str(run),
         "XDG_STATE_HOME": str(tmp_path / "state"),

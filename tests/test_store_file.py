@@ -99,7 +99,7 @@ def test_a_watch_that_falls_behind_the_history_is_compacted(tmp_path):
         ("etcd://localhost", "etcd endpoint 'localhost': expected HOST:PORT"),
         ("etcd://h:1,h:x", "etcd endpoint 'h:x': expected HOST:PORT"),
         ("etcd://h:1/a b", "root 'a b': letters, digits"),
-        ("http://h:2379", "unknown kind (expected etcd://HOST:PORT"),
+        ("http://h:2379", "unknown kind (expected etcds://HOST:PORT"),
         ("file:", "no path"),
     ],
 )
