@@ -26,13 +26,11 @@ import json
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from contextlib import contextmanager
 from typing import Any
 
 from opentelemetry import trace
@@ -43,6 +41,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from model_runtime import otlp
+from model_runtime.http_bounds import BoundedHandler, BoundedServer
 from model_runtime.prometheus import (
     CONTENT_TYPE,
     E2E_BUCKETS,
@@ -275,65 +274,11 @@ def _latency(rows: list[tuple], method: str) -> dict[str, dict]:
 # per connection, so both the number and the idle time of connections are bounded.
 METRICS_MAX_CONNECTIONS = 16
 METRICS_IDLE_TIMEOUT_S = 5.0
-METRICS_READ_DEADLINE_S = 10.0  # for a whole request to arrive (a trickle resets the timeout)
+METRICS_READ_DEADLINE_S = 10.0  # for a whole request to arrive, from its first byte
 _BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n"
     b"Content-Length: 30\r\n\r\ntoo many metrics connections\r\n"
 )
-
-
-class _BoundedServer(ThreadingHTTPServer):
-    """One thread per connection, at most `max_connections`; the others get 503 and close. A
-    connection whose request has not arrived by its deadline (`reading`) is shut down by the
-    serving thread, which looks every half second."""
-
-    daemon_threads = True
-    request_queue_size = 64  # listen backlog (socketserver's default of 5 drops bursts)
-
-    def __init__(self, address: tuple[str, int], handler: type, max_connections: int) -> None:
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._lock = threading.Lock()
-        self._reading: dict[socket.socket, float] = {}  # connection -> its request's deadline
-        super().__init__(address, handler)
-
-    def reading(self, connection: socket.socket, until: float | None) -> None:
-        """`connection` reads a request until `until` (monotonic s); None: it is read."""
-        with self._lock:
-            if until is None:
-                self._reading.pop(connection, None)
-            else:
-                self._reading[connection] = until
-
-    def service_actions(self) -> None:  # serve_forever() calls this every half second
-        now = time.monotonic()
-        with self._lock:
-            late = [c for c, until in self._reading.items() if until <= now]
-            for c in late:
-                del self._reading[c]
-        for c in late:
-            with suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            try:
-                request.setblocking(False)
-                request.send(_BUSY)
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
 
 
 class MetricsServer:
@@ -355,20 +300,11 @@ class MetricsServer:
             ),
         }
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(BoundedHandler):
             timeout = METRICS_IDLE_TIMEOUT_S  # on every recv and send of the socket
-
-            def handle_one_request(self) -> None:
-                until = time.monotonic() + METRICS_READ_DEADLINE_S
-                self.server.reading(self.connection, until)
-                try:
-                    super().handle_one_request()
-                finally:
-                    self.server.reading(self.connection, None)
+            body_methods = frozenset()  # GETs alone: a body is refused, never read as a request
 
             def do_GET(self) -> None:
-                # read in time; a /score may then wait on the engine
-                self.server.reading(self.connection, None)
                 path, _, query = self.path.partition("?")
                 if path in queried:
                     status, body = records.page(path, query)
@@ -393,7 +329,14 @@ class MetricsServer:
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug("metrics http: " + fmt, *args)
 
-        self.httpd = _BoundedServer((host, port), Handler, METRICS_MAX_CONNECTIONS)
+        self.httpd = BoundedServer(
+            (host, port),
+            Handler,
+            max_connections=METRICS_MAX_CONNECTIONS,
+            max_per_peer=METRICS_MAX_CONNECTIONS,  # a loopback port: every peer is local
+            request_timeout=METRICS_READ_DEADLINE_S,
+            busy=_BUSY,
+        )
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self._thread.start()

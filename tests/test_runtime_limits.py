@@ -138,6 +138,21 @@ def test_the_metrics_port_cuts_a_request_that_trickles_in() -> None:
         assert cut and time.monotonic() - started < METRICS_READ_DEADLINE_S + 10
 
 
+def test_the_metrics_port_never_reads_a_body_as_the_next_request() -> None:
+    """A GET whose body is another request is refused and its connection closed, as on the
+    OpenAI port: no bytes of one request become another."""
+    smuggled = b"GET /metrics.json HTTP/1.1\r\nhost: x\r\n\r\n"
+    head = f"GET /metrics HTTP/1.1\r\nhost: x\r\ncontent-length: {len(smuggled)}\r\n\r\n"
+    with MetricsServer(Telemetry()) as m, idle_connections(m.port, 1) as (sock,):
+        sock.sendall(head.encode() + smuggled)
+        sock.settimeout(10)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400"), answer[:80]
+        assert answer.count(b"HTTP/1.1 ") == 1  # the smuggled GET got no answer
+
+
 @contextlib.contextmanager
 def decoding(engine: Engine, ids: list[int]) -> Iterator[None]:
     """Streams decode on `engine` throughout the block: each one that ends is replaced."""
