@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from xds_server.gates import GrpcCounts, LatencyReading, MeasurementError, Sources
+from xds_server.mesh import parse_mesh
 from xds_server.rollout import RolloutController, RolloutError
 from xds_server.rollout_spec import RolloutSpecError, parse_rollout
 from xds_server.rollout_store import RolloutStore, RolloutStoreError
@@ -95,6 +96,11 @@ def rig(tmp_path: Path):
         return RolloutController(cp, str(store), lambda spec: Sources(grpc_src, lat), autorun=False)
 
     return cp, grpc_src, lat, store, controller
+
+
+def mesh_weighted(weights: dict[str, int]):
+    versions = {v: {"endpoints": ["127.0.0.1:1"]} for v in weights}
+    return parse_mesh({"services": {"llm": {"versions": versions, "route": {"weights": weights}}}})
 
 
 def canary_weights(cp: FakeControlPlane) -> list[int]:
@@ -243,6 +249,20 @@ def test_manual_promote_skips_to_100_then_canary_is_stable_fake_metrics(rig) -> 
     # a new rollout of the same canary is refused: it is stable already
     with pytest.raises(RolloutError):
         c.start({"service": "llm", **SPEC})
+
+
+def test_a_promoted_canary_weighted_back_down_can_roll_out_again_fake_metrics(rig) -> None:
+    """`meshlm weights llm v1=100 v2=0` after v2 was promoted: v2 serves nothing, so a new
+    rollout of it starts; while it serves everything, it is refused as stable already."""
+    cp, _, _, _, make = rig
+    c = make()
+    c.start({"service": "llm", **SPEC})
+    c.promote("llm")
+    cp.mesh = mesh_weighted({"v1": 0, "v2": 100})
+    with pytest.raises(RolloutError, match="already stable"):
+        c.start({"service": "llm", **SPEC})
+    cp.mesh = mesh_weighted({"v1": 100, "v2": 0})
+    assert c.start({"service": "llm", **SPEC})["state"] == "Progressing"
 
 
 def test_ack_timeout_pauses_with_lagging_sidecars_and_does_not_count_fake_metrics(rig) -> None:

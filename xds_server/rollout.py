@@ -194,7 +194,7 @@ class RolloutController:
             old = self._rollouts.get(spec.service)
             if old is not None and old.state not in TERMINAL:
                 raise RolloutError(f"{spec.service}: a rollout is already {old.state}")
-            if old is not None and old.stable == spec.canary:
+            if old is not None and old.stable == spec.canary and self._serves_all(spec):
                 raise RolloutError(f"{spec.service}: {spec.canary} is already stable")
             src = self.sources_factory(spec)
             g = spec.gates
@@ -557,6 +557,14 @@ class RolloutController:
                 r.message += f"; {hint}"
         self._new_interval(r)  # stay at this weight: never beyond the current step
         self._save()
+
+    def _serves_all(self, spec: RolloutSpec) -> bool:
+        """Whether the live weights send all of the service's traffic to `spec.canary`: a
+        version promoted once and since weighted back down (`meshlm weights`) can roll out
+        again. Without a mesh (a test fake), the last rollout's word stands."""
+        mesh = getattr(self.cp, "mesh", None)
+        svc = mesh.services.get(spec.service) if mesh is not None else None
+        return svc is None or svc.route.weights.get(spec.canary) == 100
 
     def _canary_header(self, service: str) -> str:
         """The header that pins a version (a control plane holding no mesh, a test fake: the
