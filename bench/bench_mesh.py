@@ -31,9 +31,9 @@ import grpc
 from bench import h2load, mtls_hop
 from bench import sidecar_parts as parts
 from bench.machine import describe
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from wasm_filters.policy import hash_key
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
@@ -553,7 +553,7 @@ Envoy in front of the gRPC OK upstream, both bare (router only), so the transpor
 is the only difference. mTLS: the control plane's own TLS contexts (xds_server/resources/tls.py:
 TLS 1.3, ALPN h2, the service's SPIFFE ID checked by the caller, a client certificate of the
 trust domain required by the inbound listener), certificates (EC P-256) of the mesh CA
-(xds_server/ca.py) read by SDS from a unix socket as a sidecar's agent serves them. "New
+(xds_server/identity/ca.py) read by SDS from a unix socket as a sidecar's agent serves them. "New
 connection per call": the caller's cluster has `max_requests_per_connection: 1`, so every call
 opens a connection to the inbound Envoy (with mTLS a handshake: {run.handshakes[1]:,} of the
 {run.handshakes[0]:,} made resumed a TLS session, Envoy's default of one session kept per

@@ -1,7 +1,7 @@
 """Agreement with bf16 (issue 18, item 5): what the rollout's quality gate would measure for an
 int4 canary (exact Q4_1 remap, group 32), the same on int8 activations, and a degraded one
 (re-quantized at group 64), on a fixed golden prompt set, beside each model's perplexity. The
-figures are xds_server.quality's (`agreement`, the gate's own code), the stable being bf16;
+figures are xds_server.rollout.quality's (`agreement`, the gate's own code), the stable being bf16;
 greedy answers come from model_runtime.generate.greedy, the scores from
 model_runtime.records.teacher_forced (what a runtime's GET /score runs).
 
@@ -18,7 +18,7 @@ from model_runtime.generate import greedy
 from model_runtime.loader import load
 from model_runtime.perplexity import perplexity, stdlib_text
 from model_runtime.records import teacher_forced
-from xds_server.quality import Sample, agreement
+from xds_server.rollout.quality import Sample, agreement
 
 GOLDEN = [
     "What is the capital of France? Answer with one word.",
@@ -74,7 +74,8 @@ def main(quick: bool) -> str:
         f"{describe()}. `python -m bench quality{' --quick' if quick else ''}`: "
         f"{len(prompts)} golden prompts (bench/bench_quality.py GOLDEN), {n_new} greedy tokens "
         f"each from bf16; the canary's figures as the rollout's quality gate computes them "
-        f"(xds_server/quality.py). Perplexity: {n_win}x{win} tokens of pydoc_data/topics.py. "
+        f"(xds_server/rollout/quality.py). Perplexity: {n_win}x{win} tokens of "
+        f"pydoc_data/topics.py. "
         f"Load average {load0[0]:.1f} at start, {load1[0]:.1f} at end; "
         f"{time.monotonic() - t0:.0f} s.",
         "",

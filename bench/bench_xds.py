@@ -48,9 +48,9 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def convergence(n_envoys: int, changes: int, debounce: float) -> dict:
+    from mesh_common.ports import free_port
     from sidecar.bootstrap import ads_bootstrap
     from sidecar.envoy_process import EnvoyProcess
-    from sidecar.ports import free_port
     from xds_server.control_plane import ControlPlane
     from xds_server.mesh import parse_mesh
 

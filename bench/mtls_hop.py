@@ -5,7 +5,8 @@ sidecar) and an inbound Envoy in front of the upstream, both bare (router only, 
 sidecar_parts.py) so that the transport between them is the only difference. With mTLS both
 ends take the control plane's own TLS contexts (xds_server/resources/tls.py: TLS 1.3, h2, SAN
 checks) and read their certificates by SDS from a unix socket, as a sidecar's identity agent
-serves them (sidecar/sds.py); the certificates come from the mesh CA (xds_server/ca.py), with no
+serves them (sidecar/sds.py); the certificates come from the mesh CA (xds_server/identity/ca.py),
+with no
 control plane. `new_connection_per_call`: the caller's cluster closes each upstream connection
 after one call (`max_requests_per_connection: 1`), so every call pays a handshake.
 """
@@ -23,7 +24,7 @@ from bench import sidecar_parts as parts
 from sidecar.bootstrap import with_sds
 from sidecar.sds import SdsServer, SecretStore
 from xds_server import mesh as m
-from xds_server.ca import MeshCA, key_pem, new_key, spiffe_id
+from xds_server.identity.ca import MeshCA, key_pem, new_key, spiffe_id
 from xds_server.resources import tls
 
 TRUST_DOMAIN = "meshlm.local"

@@ -53,7 +53,7 @@ def _proc_cpu(pids: list[int]) -> float:
 
 @contextlib.contextmanager
 def _etcd(tmp: Path):
-    from sidecar.ports import free_port
+    from mesh_common.ports import free_port
     from xds_server.store.local_etcd import LocalEtcd
 
     # Plain HTTP, as the recorded figures were measured (TLS + auth is `meshlm etcd`'s default).
@@ -71,8 +71,8 @@ def _control_planes(kind: str, tmp: Path, cluster):
     """One replica on a file store ("file"), or REPLICAS on the etcd `cluster` ("etcd")."""
     from xds_server.control_plane import ControlPlane
     from xds_server.mesh import parse_mesh
+    from xds_server.replica.replication import Replication
     from xds_server.store import EtcdStore, FileStore
-    from xds_server.store.replica import Replication
 
     root = f"/bench-{uuid.uuid4().hex[:8]}/"
     cps, stores = [], []
@@ -95,9 +95,9 @@ def _control_planes(kind: str, tmp: Path, cluster):
 
 @contextlib.contextmanager
 def _envoys(cps: list):
+    from mesh_common.ports import free_port
     from sidecar.bootstrap import ads_bootstrap
     from sidecar.envoy_process import EnvoyProcess
-    from sidecar.ports import free_port
 
     envoys = []
     try:
@@ -144,7 +144,7 @@ def _rounds(setups: dict, rounds: int, per_round: int, expect: int, pids: list[i
 
 def _failover(cluster, tmp: Path, rounds: int) -> list[float]:
     """Seconds from SIGKILL of the leading replica process to the other's leader work running."""
-    from sidecar.ports import free_port
+    from mesh_common.ports import free_port
 
     mesh = tmp / "failover" / "mesh.yaml"
     mesh.parent.mkdir()

@@ -1,6 +1,6 @@
 """The client of the control plane's admin API, shared by `meshlm apply|rollout|identity|status`
-and the local mesh launcher: which URL, which token (xds_server/admin_token.py), which root the
-server's certificate must chain to when the URL is https:// (xds_server/admin_tls.py), and one
+and the local mesh launcher: which URL, which token (xds_server/admin/token.py), which root the
+server's certificate must chain to when the URL is https:// (xds_server/admin/tls.py), and one
 JSON request.
 
 A control plane whose mesh has `identity` serves HTTPS only. Its root is found without flags for
@@ -18,10 +18,10 @@ import ssl
 from typing import Any
 from urllib.parse import urlsplit
 
-from sidecar.private_files import PrivateFileError
-from xds_server.admin_tls import ca_path, read_ca
-from xds_server.admin_token import LOOPBACK_NAMES, TOKEN_ENV, client_token
-from xds_server.ca import CONTROL_PLANE_SA, parse_spiffe_id
+from mesh_common.private_files import PrivateFileError
+from xds_server.admin.tls import ca_path, read_ca
+from xds_server.admin.token import LOOPBACK_NAMES, TOKEN_ENV, client_token
+from xds_server.identity.ca import CONTROL_PLANE_SA, parse_spiffe_id
 
 DEFAULT_PORT = 18001  # control_plane.admin_port's default
 

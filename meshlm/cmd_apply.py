@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
-from xds_server.admin_token import TokenError
+from xds_server.admin.token import TokenError
 from xds_server.mesh import MeshError, load_yaml, parse_mesh
 from xds_server.resources.names import outbound_cluster
 

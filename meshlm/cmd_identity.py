@@ -1,5 +1,5 @@
 """`meshlm identity token|status|rotate-root`: the mesh CA through the control plane's admin API
-(`/identity`, see xds_server/identity.py).
+(`/identity`, see xds_server/identity/workload.py).
 
 `token --service-account NS/SA` writes a join token file (0600) for one sidecar's first
 certificate: `meshlm sidecar --identity --join-token-file FILE`. The token is single use and is
@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+from mesh_common.private_files import private_dir, write_private
 from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
-from sidecar.private_files import private_dir, write_private
-from xds_server.admin_token import TokenError, run_dir
+from xds_server.admin.token import TokenError, run_dir
 
 ACTIONS = ("token", "status", "rotate-root")
 

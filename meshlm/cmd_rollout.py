@@ -1,5 +1,5 @@
 """`meshlm rollout start|status|pause|resume|abort|promote SERVICE`: steer a canary rollout
-through the control plane's admin HTTP API (`/rollouts`, see xds_server/rollout_api.py)."""
+through the control plane's admin HTTP API (`/rollouts`, see xds_server/rollout/api.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
 from meshlm.watch import add_watch_argument, watch
-from xds_server.admin_token import TokenError
+from xds_server.admin.token import TokenError
 
 ACTIONS = ("start", "status", "pause", "resume", "abort", "promote")
 

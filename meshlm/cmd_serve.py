@@ -175,12 +175,12 @@ def _replica_id(value: str) -> str:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     log = logging.getLogger("meshlm.serve")
+    from mesh_common.listen import listen_error
     from model_runtime.faults import Faults
     from model_runtime.openai_http import OpenAIServer
     from model_runtime.otlp import OtlpConfigError
     from model_runtime.service import Runtime
     from model_runtime.telemetry import MetricsServer
-    from xds_server.listen import listen_error
 
     try:
         faults = Faults(

@@ -98,7 +98,7 @@ def native_keys(keys_file: str) -> Callable[[], dict[str, list[str]]]:
 
 def _identity_agent(args: argparse.Namespace, node_id: str):  # -> IdentityAgent
     from sidecar.identity import IdentityAgent
-    from xds_server.admin_token import run_dir
+    from xds_server.admin.token import run_dir
     from xds_server.mesh import parse_duration
 
     ttl = parse_duration(args.cert_ttl, "--cert-ttl") if args.cert_ttl else None
@@ -117,10 +117,10 @@ def _identity_agent(args: argparse.Namespace, node_id: str):  # -> IdentityAgent
 
 
 def run(args: argparse.Namespace) -> int:
+    from mesh_common.ports import free_port
     from sidecar.bootstrap import ads_bootstrap
     from sidecar.lkg import LastKnownGood
     from sidecar.overload import with_overload_manager
-    from sidecar.ports import free_port
     from sidecar.supervisor import Supervisor
 
     if args.service and not args.version:

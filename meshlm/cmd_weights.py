@@ -12,7 +12,7 @@ from urllib.parse import quote
 
 from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
 from meshlm.cmd_apply import acked_line, failure
-from xds_server.admin_token import TokenError
+from xds_server.admin.token import TokenError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

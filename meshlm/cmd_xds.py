@@ -10,7 +10,7 @@ from pathlib import Path
 
 from meshlm.signals import termination_event
 from meshlm.state_dir import STATE_ENV, choose_state_dir
-from xds_server.admin_token import TOKEN_ENV
+from xds_server.admin.token import TOKEN_ENV
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,17 +61,17 @@ REPLICA_PORT_STRIDE = 10
 
 
 def run(args: argparse.Namespace) -> int:
-    from xds_server import admin_token
-    from xds_server.admin import AdminServer
+    from xds_server.admin import token as admin_token
+    from xds_server.admin.api import AdminServer
     from xds_server.control_plane import ControlPlane
-    from xds_server.discovery import configured_sources
     from xds_server.mesh import MeshError, load_yaml, parse_duration, parse_mesh
+    from xds_server.replica.serve import ReplicaRole, default_replica_id
     from xds_server.resources.tls import plaintext_warning
-    from xds_server.rollout import RolloutController
-    from xds_server.rollout_api import RolloutAPI, spec_from_mesh
-    from xds_server.slo import SloLoops
+    from xds_server.rollout.api import RolloutAPI, spec_from_mesh
+    from xds_server.rollout.controller import RolloutController
+    from xds_server.rollout.sources import configured_sources
+    from xds_server.slo.loop import SloLoops
     from xds_server.store import StoreError
-    from xds_server.store.serve import ReplicaRole, default_replica_id
 
     if args.replicas != 1:
         from meshlm.replicas import launch_replicas
@@ -254,9 +254,9 @@ def _restored(rollouts, mesh, path: Path) -> list[str]:  # rollouts: RolloutCont
 
 def _import_rollouts(store, path: Path) -> None:
     """The rollouts of this mesh's single control plane, read once into an empty store."""
-    from xds_server.rollout_store import RolloutStoreError
+    from xds_server.replica.leader import import_rollouts
     from xds_server.store import StoreError
-    from xds_server.store.leader import import_rollouts
+    from xds_server.store.state_file import RolloutStoreError
 
     if not path.exists():
         return
@@ -273,8 +273,8 @@ def _replication(args: argparse.Namespace, mesh, source, replica_id: str):
     """A replica's link to the store (None without --store); ValueError says what is wrong."""
     if not args.store:
         return None
+    from xds_server.replica.replication import Replication
     from xds_server.store import open_store
-    from xds_server.store.replica import Replication
 
     etcd = args.store.startswith(("etcd://", "etcds://"))
     if mesh.identity and not mesh.identity.root_cert_file and etcd:
@@ -292,10 +292,10 @@ def _replication(args: argparse.Namespace, mesh, source, replica_id: str):
     return Replication(store, replica_id, source)
 
 
-def _scaler(args: argparse.Namespace, cp):  # -> xds_server.scaler.Scaler | None
+def _scaler(args: argparse.Namespace, cp):  # -> xds_server.slo.scaler.Scaler | None
     import shlex
 
-    from xds_server.scaler import CommandScaler, LocalScaler, control_plane_join_tokens
+    from xds_server.slo.scaler import CommandScaler, LocalScaler, control_plane_join_tokens
 
     if args.scaler == "local":  # its sidecars enrol with join tokens of cp's mesh CA
         return LocalScaler(

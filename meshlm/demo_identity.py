@@ -19,7 +19,7 @@ from typing import Any
 from cryptography import x509
 
 from sidecar.identity import CREDENTIALS_FILE
-from xds_server.ca import spki_sha256, uri_sans
+from xds_server.identity.ca import spki_sha256, uri_sans
 
 
 class CertWatch:

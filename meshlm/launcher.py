@@ -22,12 +22,12 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mesh_common.ports import free_port
+from mesh_common.private_files import write_private
 from meshlm.admin_client import AdminClient, local_url
 from meshlm.crashloop import CrashLoopBackoff
 from meshlm.demo_identity import CertWatch
 from meshlm.procs import Proc, wait_until
-from sidecar.ports import free_port
-from sidecar.private_files import write_private
 
 SERVICE = "llm"
 MESH_ID_ENV = "MESHLM_MESH_ID"

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sidecar.child_env import child_env
-from sidecar.process_group import stop_group
+from mesh_common.child_env import child_env
+from mesh_common.process_group import stop_group
 
 _ALL: list[Proc] = []
 

@@ -14,9 +14,9 @@ import sys
 import threading
 from pathlib import Path
 
+from mesh_common.process_group import stop_group
 from meshlm.signals import termination_event
 from sidecar.envoy_process import _die_with
-from sidecar.process_group import stop_group
 
 MAX_REPLICAS = 9
 # Set per replica by the launcher, never passed through.

@@ -15,8 +15,8 @@ from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
 from google.protobuf import json_format
 
 from meshlm.logs import escape
-from xds_server import types as t
-from xds_server.ca import CA_SERVER_NAME
+from xds_server.identity.ca import CA_SERVER_NAME
+from xds_server.xds import type_urls as t
 
 ORDER = ("CDS", "EDS", "LDS", "ECDS", "RDS")
 
@@ -36,7 +36,8 @@ def _channel(target: str, args: argparse.Namespace) -> grpc.Channel:
         raise ValueError("--cert, --key and --cacert go together (mTLS to the ADS port)")
     with open(args.cert, "rb") as c, open(args.key, "rb") as k, open(args.cacert, "rb") as r:
         creds = grpc.ssl_channel_credentials(r.read(), k.read(), c.read())
-    # The ADS port's certificate names the CA's server name, not an address (xds_server/ca.py).
+    # The ADS port's certificate names the CA's server name, not an address
+    # (xds_server/identity/ca.py).
     override = [("grpc.ssl_target_name_override", CA_SERVER_NAME)]
     return grpc.secure_channel(target, creds, options=override)
 

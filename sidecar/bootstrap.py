@@ -13,7 +13,8 @@ from sidecar.sds import DEFAULT, ROOTCA, SDS_CLUSTER, secret_ref
 XDS_CLUSTER = "xds_cluster"
 _HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _UPSTREAM_TLS = "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
-# The control plane's service account (xds_server/ca.py CONTROL_PLANE_SA; istiod's in Istio).
+# The control plane's service account (xds_server/identity/ca.py CONTROL_PLANE_SA; istiod's in
+# Istio).
 CONTROL_PLANE_SA = "meshlm-system/control-plane"
 
 

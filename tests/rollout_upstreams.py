@@ -8,7 +8,7 @@ from concurrent import futures
 
 import grpc
 
-from sidecar.ports import free_port
+from mesh_common.ports import free_port
 
 METHOD = "/meshlm.Llm/Generate"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sidecar.ports import free_port
+from mesh_common.ports import free_port
 from tests.test_xds_support import eventually
 
 TOKEN = "admin-http-test-token"
@@ -155,8 +155,8 @@ def test_a_posted_mesh_cannot_point_keys_file_anywhere(port: int, tmp_path: Path
 
 def test_a_keys_file_that_is_not_yaml_is_named_not_quoted(tmp_path: Path) -> None:
     from xds_server.mesh import parse_mesh
-    from xds_server.node import NodeInfo
     from xds_server.resources import build_resources
+    from xds_server.xds.node import NodeInfo
 
     secret = tmp_path / "keys.yaml"
     secret.write_text("acme: [hunter2\n")

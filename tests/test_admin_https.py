@@ -20,11 +20,11 @@ import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from mesh_common.ports import free_port
 from meshlm.cli import main as meshlm
-from sidecar.ports import free_port
 from tests.test_admin_token import MESH, Xds
 from tests.test_xds_support import eventually
-from xds_server.ca import MeshCA, spki_sha256
+from xds_server.identity.ca import MeshCA, spki_sha256
 
 CONTROL_PLANE_ID = "spiffe://meshlm.local/ns/meshlm-system/sa/control-plane"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sidecar.ports import free_port
+from mesh_common.ports import free_port
 from tests.test_xds_support import eventually
 
 MESH = {

@@ -13,22 +13,22 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
+from mesh_common.ports import free_port
 from meshlm import cmd_status
 from sidecar import bootstrap
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.identity import IdentityAgent
-from sidecar.ports import free_port
 from sidecar.supervisor import Supervisor
 from tests.test_identity_support import join_token_file, short_dir
 from tests.test_xds_support import AdsClient, eventually, sotw, upstreams
 from wasm_filters.policy import hash_key
-from xds_server import ca as ca_mod
-from xds_server import membership
-from xds_server import types as t
 from xds_server.control_plane import ControlPlane
+from xds_server.identity import ca as ca_mod
 from xds_server.mesh import Mesh, parse_mesh
-from xds_server.ratelimit import DOMAIN
+from xds_server.ratelimit import shares as membership
+from xds_server.ratelimit.service import DOMAIN
+from xds_server.xds import type_urls as t
 
 TD = "meshlm.local"
 CALLER = f"spiffe://{TD}/ns/default/sa/caller"

@@ -13,8 +13,8 @@ import pytest
 from bench import mtls_hop
 from bench import sidecar_parts as parts
 from bench.bench_mesh import Way, _wait_ok
+from mesh_common.ports import free_port
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.test_identity_support import short_dir
 
 HANDSHAKES = r"ssl\.handshake$"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from mesh_common.ports import free_port
 from meshlm.caller import Caller, Stall, StreamLost
 from meshlm.procs import Proc, wait_until
 from model_runtime.client import Client
@@ -21,7 +22,6 @@ from model_runtime.service import Runtime
 from schemas import codec
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.runtime_fixtures import serving_runtime
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import VERSION_HEADER, parse_mesh

@@ -1,6 +1,6 @@
 """meshlm's secrets (the admin token above all) stay with the process that holds them: a
 scaler's command, a replica the LocalScaler starts, a process of the local mesh and an etcd
-member get the environment less those names (sidecar/child_env.py)."""
+member get the environment less those names (mesh_common/child_env.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from mesh_common.child_env import SECRETS
 from meshlm.procs import Proc
-from sidecar.child_env import SECRETS
-from xds_server.scaler import CommandScaler, LocalScaler
+from xds_server.slo.scaler import CommandScaler, LocalScaler
 
 SECRET_ENV = {name: f"secret-{i}" for i, name in enumerate(sorted(SECRETS))}
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mesh_common.ports import free_port
 from meshlm.procs import Proc, wait_until
-from sidecar.ports import free_port
 from tests.test_identity_support import short_dir
 
 

@@ -20,15 +20,15 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2_grpc
 
+from mesh_common.ports import free_port
 from model_runtime.client import GENERATE
 from schemas import codec
-from sidecar.ports import free_port
 from tests.test_xds_support import eventually, sidecar
-from xds_server.admin import AdminServer
+from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
-from xds_server.rollout import RolloutController
-from xds_server.rollout_api import RolloutAPI
+from xds_server.rollout.api import RolloutAPI
+from xds_server.rollout.controller import RolloutController
 
 TOKEN = "cli-test-token"
 

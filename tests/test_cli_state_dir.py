@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mesh_common.ports import free_port
 from meshlm.procs import Proc, wait_until
-from sidecar.ports import free_port
-from xds_server.rollout import SUCCEEDED, Rollout
-from xds_server.rollout_spec import parse_rollout
-from xds_server.rollout_store import RolloutStore
+from xds_server.rollout.controller import SUCCEEDED, Rollout
+from xds_server.rollout.spec import parse_rollout
+from xds_server.store.state_file import RolloutStore
 
 
 def _mesh_file(folder: Path) -> Path:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from mesh_common.ports import free_port
 from meshlm.client import (
     Caller,
     InvalidArgument,
@@ -18,7 +19,6 @@ from meshlm.client import (
     Unauthenticated,
     Unavailable,
 )
-from sidecar.ports import free_port
 from tests.client_support import CHAT, Guarded, guarded_runtime
 
 

@@ -30,10 +30,10 @@ from tests.test_xds_support import (
     upstreams,
     with_unvalidated_endpoint,
 )
-from xds_server import ca as ca_mod
-from xds_server import types as t
 from xds_server.control_plane import ControlPlane
+from xds_server.identity import ca as ca_mod
 from xds_server.mesh import parse_mesh
+from xds_server.xds import type_urls as t
 
 SYNCED, ERROR = csds_pb2.ConfigStatus.SYNCED, csds_pb2.ConfigStatus.ERROR
 

@@ -16,8 +16,8 @@ from envoy.type.matcher.v3 import node_pb2, regex_pb2, string_pb2
 
 from tests import test_ads_mtls as mtls
 from tests.test_xds_support import AdsClient, eventually, sotw, upstreams
-from xds_server import types as t
 from xds_server.control_plane import ControlPlane
+from xds_server.xds import type_urls as t
 
 VICTIM = "a" * 29  # (a+)+b on this takes Python's backtracking re 2**29 steps
 

@@ -10,10 +10,10 @@ from concurrent import futures
 
 import grpc
 
+from mesh_common.ports import free_port
 from meshlm.traffic import TenantLoad, Traffic
 from model_runtime.service import SERVICE
 from schemas import codec
-from sidecar.ports import free_port
 
 CALLS = 40  # more than the old pool of 16 workers
 

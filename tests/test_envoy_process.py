@@ -4,8 +4,8 @@ import urllib.request
 
 import pytest
 
+from mesh_common.ports import free_port
 from sidecar.envoy_process import EnvoyError, EnvoyProcess
-from sidecar.ports import free_port
 
 HCM = (
     "type.googleapis.com/envoy.extensions.filters.network."

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import yaml
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.etcd_support import wait_for
 from tests.rollout_upstreams import Upstream
 from tests.test_replicas_sync import routed

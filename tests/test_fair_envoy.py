@@ -11,12 +11,12 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
+from mesh_common.ports import free_port
 from model_runtime.client import Client
 from model_runtime.engine import Engine
 from model_runtime.service import TENANT_HEADER, Runtime
 from schemas import codec
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from wasm_filters import testbed, xds
 from wasm_filters.policy import hash_key, parse_policy
 

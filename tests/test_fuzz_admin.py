@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.test_xds_support import upstreams
-from xds_server.admin import AdminServer
+from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane
-from xds_server.discovery import configured_sources
 from xds_server.mesh import parse_mesh
-from xds_server.rollout import RolloutController
-from xds_server.rollout_api import RolloutAPI, spec_from_mesh
+from xds_server.rollout.api import RolloutAPI, spec_from_mesh
+from xds_server.rollout.controller import RolloutController
+from xds_server.rollout.sources import configured_sources
 
 TOKEN = "fuzz-admin-token-0123456789"
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))

@@ -21,15 +21,15 @@ from pathlib import Path
 import grpc
 import pytest
 
+from mesh_common.ports import free_port
 from model_runtime.client import Client
 from model_runtime.faults import Faults
 from model_runtime.telemetry import MetricsServer
-from sidecar.ports import free_port
 from tests.runtime_fixtures import serving_runtime
 from tests.test_rollout_envoy import caller_mesh, sources, wait_terminal
-from xds_server.gates import HALT, PrometheusSource, evaluate_metrics
-from xds_server.rollout import RolloutController, RolloutError
-from xds_server.rollout_spec import PrometheusProvider, parse_rollout
+from xds_server.rollout.controller import RolloutController, RolloutError
+from xds_server.rollout.gates import HALT, PrometheusSource, evaluate_metrics
+from xds_server.rollout.spec import PrometheusProvider, parse_rollout
 
 # /meshlm.inference.v1.Inference/Generate's grpc_stats, as Envoy's tag extraction names them
 SUCCESS = (

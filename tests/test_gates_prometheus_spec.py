@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from xds_server.mesh import MeshError, parse_mesh
-from xds_server.promql import QueryError, duration, render, single_value
-from xds_server.rollout_spec import (
+from xds_server.rollout.promql import QueryError, duration, render, single_value
+from xds_server.rollout.spec import (
     MetricGate,
     PrometheusProvider,
     RolloutSpec,

@@ -17,13 +17,13 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sidecar.ports import free_port
+from mesh_common.ports import free_port
 from tests.etcd_support import EtcdCluster, wait_for
 from tests.test_replicas_cli import MESH, Replica, env  # noqa: F401 (env: a fixture)
-from xds_server.admin import AdminServer
+from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane
-from xds_server.health import ADS_SERVICE
 from xds_server.mesh import parse_mesh
+from xds_server.xds.health import ADS_SERVICE
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 

@@ -10,8 +10,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.x509.verification import PolicyBuilder, Store
 
 from tests.test_identity_support import mode
-from xds_server.ca import CaError, MeshCA, NotGranted, key_pem, new_key, pem, uri_sans
-from xds_server.identity import JoinTokens, Refused
+from xds_server.identity.ca import CaError, MeshCA, NotGranted, key_pem, new_key, pem, uri_sans
+from xds_server.identity.workload import JoinTokens, Refused
 from xds_server.mesh import MeshError, parse_mesh
 
 CALLER = "spiffe://meshlm.local/ns/default/sa/caller"

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from mesh_common.private_files import write_private
 from sidecar.identity import IdentityAgent
-from sidecar.private_files import write_private
 from tests.test_identity_support import identity_mesh, join_token_file, short_dir
-from xds_server.ca import MeshCA, pem
 from xds_server.control_plane import ControlPlane
+from xds_server.identity.ca import MeshCA, pem
 
 CALLER = "spiffe://meshlm.local/ns/default/sa/caller"
 

@@ -17,10 +17,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 
 from meshlm.cli import main as meshlm
 from tests.test_identity_support import identity_mesh, mode
-from xds_server.admin import AdminServer
-from xds_server.ca import CA_SERVER_NAME, MeshCA, key_pem, new_key, uri_sans
+from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane
-from xds_server.identity import METHOD, SERVICE
+from xds_server.identity.ca import CA_SERVER_NAME, MeshCA, key_pem, new_key, uri_sans
+from xds_server.identity.workload import METHOD, SERVICE
 
 PATH = f"/{SERVICE}/{METHOD}"
 CALLER = "spiffe://meshlm.local/ns/default/sa/caller"

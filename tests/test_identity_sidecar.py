@@ -11,10 +11,10 @@ import logging
 import time
 from pathlib import Path
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.identity import CREDENTIALS_FILE, IdentityAgent
 from sidecar.lkg import LastKnownGood
-from sidecar.ports import free_port
 from sidecar.supervisor import Supervisor
 from tests.test_identity_support import (
     identity_mesh,

@@ -15,16 +15,16 @@ from typing import Any
 
 from cryptography import x509
 
+from mesh_common.ports import free_port
+from mesh_common.private_files import write_private
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.identity import IdentityAgent
 from sidecar.lkg import LastKnownGood
-from sidecar.ports import free_port
-from sidecar.private_files import write_private
 from sidecar.sds import DEFAULT, ROOTCA, secret_ref
 from sidecar.supervisor import Supervisor
-from xds_server.ca import uri_sans
 from xds_server.control_plane import ControlPlane
+from xds_server.identity.ca import uri_sans
 from xds_server.mesh import Mesh, parse_mesh
 
 _HCM = "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bench.bench_quality import GOLDEN
+from mesh_common.ports import free_port
 from meshlm.launcher import _serving
 from meshlm.procs import Proc, wait_until
 from model_runtime import generate, kernels, native_step
@@ -29,9 +30,8 @@ from model_runtime.quant import (
     use_int8_activations,
 )
 from model_runtime.records import teacher_forced
-from sidecar.ports import free_port
 from tests.test_native_step import BS, STORY, _prefilled, compare_steps
-from xds_server.quality import Sample, agreement
+from xds_server.rollout.quality import Sample, agreement
 
 BUILDS = [b for b in kernels.BUILDS if kernels.runs(b)]
 
@@ -197,7 +197,7 @@ def test_prefill_takes_int8_activations_too(int4_a8, smollm_int4):
 @torch.inference_mode()
 def test_int8_activations_pass_the_quality_gate_against_bf16(int4_a8, smollm_bf16):
     """What a rollout's quality gate measures for an int4-a8 canary against a bf16 stable
-    (xds_server.quality's own figures): within the thresholds docs/OPERATIONS.md suggests
+    (xds_server.rollout.quality's own figures): within the thresholds docs/OPERATIONS.md suggests
     (token disagreement 10 %, logprob drift 0.1 nats; a group-64 int4 reads 26 % and 0.41)."""
     tok = smollm_bf16.tokenizer
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in GOLDEN[:12]]

@@ -26,12 +26,12 @@ from typing import Any
 
 import grpc
 
+from mesh_common.ports import free_port
 from schemas.codec import GenerateRequest, encode_generate_request
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.test_xds_support import eventually
-from xds_server.admin import AdminServer
+from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 from xds_server.resources.routes import QUARANTINED_MESSAGE

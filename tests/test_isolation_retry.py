@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.test_xds_support import eventually
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh

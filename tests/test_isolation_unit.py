@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2 as data_pb2
 
-from xds_server.accesslog import outcome
-from xds_server.isolation import HALF_OPEN_SUCCESSES, Isolation, IsolationError
 from xds_server.mesh import MeshError, parse_mesh
 from xds_server.resources.routes import QUARANTINED_MESSAGE, outbound_route_config
+from xds_server.slo.access_log_service import outcome
+from xds_server.slo.quarantine import HALF_OPEN_SUCCESSES, Isolation, IsolationError
 
 POISON = "00000000deadbeef"
 

@@ -20,8 +20,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from mesh_common.ports import free_port
 from meshlm.cli import command_parser
-from sidecar.ports import free_port
 from tests.etcd_support import EtcdCluster, wait_for
 from xds_server.mesh import parse_mesh
 

@@ -18,9 +18,9 @@ import pytest
 from xds.data.orca.v3 import orca_load_report_pb2
 from xds.service.orca.v3 import orca_pb2
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.test_xds_support import METHOD, eventually
 from wasm_filters.policy import hash_key
 from xds_server.control_plane import ControlPlane

@@ -11,16 +11,16 @@ from contextlib import contextmanager
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import with_sds
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from sidecar.sds import SdsServer, SecretStore
 from tests.test_identity_support import identity_mesh, short_dir, tls_listener
-from xds_server.ca import MeshCA, key_pem, new_key, spiffe_id
 from xds_server.control_plane import ControlPlane
-from xds_server.discovery import configured_sources
-from xds_server.liveness import not_live_reason
-from xds_server.rollout_spec import RolloutSpec
+from xds_server.identity.ca import MeshCA, key_pem, new_key, spiffe_id
+from xds_server.rollout.liveness import not_live_reason
+from xds_server.rollout.sources import configured_sources
+from xds_server.rollout.spec import RolloutSpec
 
 LLM = "spiffe://meshlm.local/ns/default/sa/llm"
 

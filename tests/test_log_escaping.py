@@ -1,5 +1,5 @@
 """Peers' strings in the control plane's log are escaped: a node id or a NACK's error_detail
-with a newline printed a forged `xds_server.admin ... POST /identity/tokens` line in the text
+with a newline printed a forged `xds_server.admin.api ... POST /identity/tokens` line in the text
 log. Real `meshlm xds-server` process and ADS streams on loopback; its log read back."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import logging
 import sys
 from pathlib import Path
 
+from mesh_common.ports import free_port
 from meshlm import logs
-from sidecar.ports import free_port
 from tests.test_admin_token import Xds, env  # noqa: F401  (the fixture)
 from tests.test_xds_support import AdsClient, eventually, sotw
-from xds_server import types as t
+from xds_server.xds import type_urls as t
 
 FAKE = (
-    "2026-12-05 00:00:00,000 INFO xds_server.admin admin POST /identity/tokens by "
+    "2026-12-05 00:00:00,000 INFO xds_server.admin.api admin POST /identity/tokens by "
     "127.0.0.1:1 (token sha256:0000): 200"
 )
 
@@ -55,7 +55,7 @@ def test_node_id_and_nack_detail_with_newlines_stay_one_escaped_line(
 
 def test_both_formats_escape_the_message_and_keep_fields_exact() -> None:
     record = logging.LogRecord(
-        "xds_server.sync", logging.WARNING, __file__, 1, "nack %s: %s", ("n\u2028", "e\n"), None
+        "xds_server.xds.sync", logging.WARNING, __file__, 1, "nack %s: %s", ("n\u2028", "e\n"), None
     )
     record.node = "n\u2028"
     text = logs.TextFormatter().format(record)

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mesh_common.ports import free_port
 from meshlm import logs
 from meshlm.cli import COMMANDS, command_parser
-from sidecar.ports import free_port
 from tests.test_admin_token import Xds, env  # noqa: F401  (the fixture)
 from tests.test_xds_support import (
     eventually,
@@ -26,7 +26,7 @@ from tests.test_xds_support import (
     upstreams,
     with_unvalidated_endpoint,
 )
-from xds_server.admin_token import token_path
+from xds_server.admin.token import token_path
 from xds_server.control_plane import ControlPlane
 
 
@@ -118,7 +118,7 @@ def test_nack_line_carries_envoys_error() -> None:
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logs.JsonFormatter())
-    sync_log = logging.getLogger("xds_server.sync")
+    sync_log = logging.getLogger("xds_server.xds.sync")
     sync_log.addHandler(handler)
     level = sync_log.level
     sync_log.setLevel(logging.INFO)

@@ -1,5 +1,5 @@
 """The loop thread that runs the control plane's and a sidecar's grpc.aio servers
-(sidecar/loop_thread.py): a boot error reaches the caller and leaves no thread behind; stop
+(mesh_common/loop_thread.py): a boot error reaches the caller and leaves no thread behind; stop
 ends open streams (Envoy's SDS stream) instead of hanging on them, and lets a stopped server's
 calls end by themselves rather than cancel them mid-cleanup (grpc then logs a traceback)."""
 
@@ -15,7 +15,7 @@ import pytest
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 
-from sidecar.loop_thread import LoopThread
+from mesh_common.loop_thread import LoopThread
 from sidecar.sds import DEFAULT, SECRET_TYPE, SdsServer, SecretStore
 from tests.test_identity_support import short_dir
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from tests.rollout_upstreams import Upstream
 from tests.test_rollout_envoy import caller_mesh, mesh, routed_to, sources
 from xds_server.control_plane import ControlPlane
-from xds_server.rollout import RolloutController
+from xds_server.rollout.controller import RolloutController
 
 SPEC = {
     "service": "llm",

@@ -13,20 +13,20 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.ports import free_port
+from mesh_common.ports import free_port
 from tests.promtool_support import check_metrics, scrape
 from tests.test_admin_https import _start
 from tests.test_admin_token import MESH
 from tests.test_rollout_controller import FakeGrpcCounts
 from tests.test_xds_support import AdsClient, eventually, sotw
 from tests.test_xds_sync import boot
-from xds_server import types as t
-from xds_server.admin import AdminServer
+from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane
-from xds_server.gates import Sources
 from xds_server.mesh import parse_mesh
-from xds_server.rollout import RolloutController
-from xds_server.slo import SloLoops
+from xds_server.rollout.controller import RolloutController
+from xds_server.rollout.gates import Sources
+from xds_server.slo.loop import SloLoops
+from xds_server.xds import type_urls as t
 
 TOKEN = "t0ken-of-the-admin-api"
 

@@ -15,10 +15,10 @@ import pytest
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
+from mesh_common.ports import free_port
 from meshlm.launcher import _serving
 from meshlm.procs import Proc, wait_until
 from model_runtime.client import Client
-from sidecar.ports import free_port
 
 _MESSAGES = {
     "/v1/traces": (

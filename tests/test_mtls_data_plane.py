@@ -29,11 +29,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from envoy.extensions.access_loggers.stream.v3.stream_pb2 import StdoutAccessLog
 from grpc_health.v1 import health_pb2
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import with_sds
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.identity import IdentityAgent
 from sidecar.lkg import LastKnownGood
-from sidecar.ports import free_port
 from tests.test_admin_token import Xds
 from tests.test_cli_errors import meshlm
 from tests.test_identity_support import (
@@ -46,13 +46,13 @@ from tests.test_identity_support import (
 from tests.test_lb_least_loaded import OrcaReplica
 from tests.test_mesh_support import json_lines
 from tests.test_xds_support import METHOD, CallLoop, eventually
-from xds_server import types as t
-from xds_server.ca import MeshCA, key_pem, uri_sans
 from xds_server.control_plane import ControlPlane
+from xds_server.identity.ca import MeshCA, key_pem, uri_sans
 from xds_server.mesh import parse_mesh
-from xds_server.node import NodeInfo
 from xds_server.resources import ResourceError, build_resources
 from xds_server.resources.listeners import HCM
+from xds_server.xds import type_urls as t
+from xds_server.xds.node import NodeInfo
 
 TD = "meshlm.local"
 LLM_ID = f"spiffe://{TD}/ns/default/sa/llm"

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from tests.test_identity_support import identity_mesh
-from xds_server.admin import AdminServer
-from xds_server.ca import parse_spiffe_id
+from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane
+from xds_server.identity.ca import parse_spiffe_id
 from xds_server.mesh import MeshError, parse_mesh
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from mesh_common.ports import free_port
 from meshlm.admin_client import AdminClient, AdminError
 from sidecar.identity import IdentityAgent
-from sidecar.ports import free_port
 from tests.test_identity_support import identity_mesh, join_token_file, short_dir
 from xds_server.control_plane import ControlPlane
 

@@ -27,8 +27,8 @@ import openai
 import pytest
 import yaml
 
+from mesh_common.ports import free_port
 from meshlm.admin_client import AdminClient
-from sidecar.ports import free_port
 from tests.test_xds_support import eventually
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,11 +13,11 @@ import grpc
 import openai
 import pytest
 
+from mesh_common.ports import free_port
 from model_runtime.client import Client
 from model_runtime.openai_http import OpenAIServer
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.runtime_fixtures import serving_runtime
 from tests.test_xds_support import eventually
 from xds_server.control_plane import ControlPlane

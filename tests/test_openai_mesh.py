@@ -14,19 +14,19 @@ import grpc
 import openai
 import pytest
 
+from mesh_common.ports import free_port
 from model_runtime.client import Client
 from model_runtime.faults import Faults
 from model_runtime.openai_http import OpenAIServer
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.runtime_fixtures import serving_runtime
 from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
 from xds_server.control_plane import ControlPlane
-from xds_server.gates import FAIL, HTTP_5XX, EnvoyStatsSource, delta, evaluate
 from xds_server.mesh import parse_mesh
-from xds_server.rollout_spec import Gates
+from xds_server.rollout.gates import FAIL, HTTP_5XX, EnvoyStatsSource, delta, evaluate
+from xds_server.rollout.spec import Gates
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
 ANSWER = "The capital of France is Paris."  # greedy (DESIGN.md: the deterministic check)

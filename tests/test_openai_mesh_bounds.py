@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import pytest
 
+from mesh_common.ports import free_port
 from model_runtime.openai_http import OpenAIServer
 from model_runtime.service import TENANT_HEADER, Runtime
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.runtime_fixtures import serving_runtime
 from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import openai
 import pytest
 
+from mesh_common.ports import free_port
 from model_runtime.openai_http import OpenAIServer
-from sidecar.ports import free_port
 from tests.runtime_fixtures import serving_runtime
 from tests.test_identity_support import Sidecar, identity_sidecar, join_token_file, short_dir
 from tests.test_xds_support import eventually

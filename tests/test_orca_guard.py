@@ -18,12 +18,12 @@ import pytest
 from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
 from xds.service.orca.v3.orca_pb2 import OrcaLoadReportRequest
 
+from mesh_common.ports import free_port
 from model_runtime.client import Client
 from model_runtime.orca import MAX_STREAMS, MAX_STREAMS_PER_PEER
 from model_runtime.service import Runtime
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.runtime_fixtures import serving_runtime
 from tests.test_identity_support import Sidecar, identity_sidecar, join_token_file, short_dir
 from tests.test_lb_least_loaded import OrcaReplica

@@ -1,9 +1,9 @@
-"""sidecar.ports.free_port: listener ports that no outgoing connection can take first."""
+"""mesh_common.ports.free_port: listener ports that no outgoing connection can take first."""
 
 import socket
 from pathlib import Path
 
-from sidecar.ports import free_port
+from mesh_common.ports import free_port
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range() -> None:

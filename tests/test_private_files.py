@@ -1,4 +1,5 @@
-"""Private files (sidecar/private_files.py): the mesh CA's root, the join tokens, the admin token
+"""Private files (mesh_common/private_files.py): the mesh CA's root, the join tokens, the admin
+token
 and a sidecar's credentials are 0600 files in 0700 dirs whatever the umask, never read or
 written through a symlink, and a dir others can enter is refused with the fix in the message."""
 
@@ -12,12 +13,12 @@ from dataclasses import asdict
 
 import pytest
 
+from mesh_common.private_files import PrivateFileError, read_private, write_private
 from sidecar.identity import CREDENTIALS_FILE, Credentials, IdentityAgent
-from sidecar.private_files import PrivateFileError, read_private, write_private
 from tests.test_identity_support import mode, short_dir
-from xds_server import admin_token
-from xds_server.ca import MeshCA
-from xds_server.identity import JoinTokens
+from xds_server.admin import token as admin_token
+from xds_server.identity.ca import MeshCA
+from xds_server.identity.workload import JoinTokens
 
 
 @pytest.fixture

@@ -15,19 +15,19 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from mesh_common.ports import free_port
 from model_runtime.client import Client
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.runtime_fixtures import calls_in_background
 from tests.test_quality_rollout import PROMPTS, Served, degraded, serve
 from tests.test_rollout_envoy import wait_terminal
 from tests.test_xds_support import dynamic_clusters, eventually
 from xds_server.control_plane import ControlPlane
-from xds_server.gates import _get_json, mesh_sources, parse_histograms
 from xds_server.mesh import Mirror, parse_mesh
-from xds_server.quality import MirrorSource, parse_quality
-from xds_server.rollout import RolloutController
+from xds_server.rollout.controller import RolloutController
+from xds_server.rollout.gates import _get_json, mesh_sources, parse_histograms
+from xds_server.rollout.quality import MirrorSource, parse_quality
 
 VERSIONS = ("v1", "v2", "v3")
 
@@ -64,7 +64,7 @@ class Mesh:
 
 
 def _spec():
-    from xds_server.rollout_spec import parse_rollout
+    from xds_server.rollout.spec import parse_rollout
 
     return parse_rollout("llm", {"stable": "v1", "canary": "v2"})
 

@@ -21,18 +21,18 @@ from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
 )
 
 from tests.test_rollout_controller import FakeApplyResult, FakeControlPlane, FakeGrpcCounts
-from xds_server import types as t
 from xds_server.control_plane import ControlPlane
-from xds_server.discovery import configured_sources
-from xds_server.gates import FAIL, PASS, Sources, Verdict
 from xds_server.mesh import MeshError, Mirror, parse_mesh
-from xds_server.node import NodeInfo
-from xds_server.quality import MirrorSource
+from xds_server.replica.replication import desired_mesh, live_doc
 from xds_server.resources import build_resources
-from xds_server.rollout import RolloutController
-from xds_server.rollout_api import spec_from_mesh
-from xds_server.rollout_spec import RolloutSpecError, parse_rollout
-from xds_server.store.replica import desired_mesh, live_doc
+from xds_server.rollout.api import spec_from_mesh
+from xds_server.rollout.controller import RolloutController
+from xds_server.rollout.gates import FAIL, PASS, Sources, Verdict
+from xds_server.rollout.quality import MirrorSource
+from xds_server.rollout.sources import configured_sources
+from xds_server.rollout.spec import RolloutSpecError, parse_rollout
+from xds_server.xds import type_urls as t
+from xds_server.xds.node import NodeInfo
 
 BASE = {"stable": "v1", "canary": "v2"}
 MIRROR = {"mode": "mirror", "mirror_percent": 25, "min_samples": 3, "max_logprob_drift": 0.1}
@@ -252,7 +252,7 @@ def test_the_mirror_is_live_state_kept_by_a_new_mesh_file_and_by_replicas() -> N
     cp.apply_mesh(parse_mesh(doc), timeout=1)  # the operator's file does not say: kept
     svc = cp.mesh.services["llm"]
     assert svc.route.mirror == Mirror("v2", 10.0)
-    # replicas keep it in live/<service> (xds_server/store/replica.py)
+    # replicas keep it in live/<service> (xds_server/replica/replication.py)
     again = desired_mesh(doc, {"llm": json.loads(json.dumps(live_doc(svc)))})
     assert again.services["llm"].route.mirror == Mirror("v2", 10.0)
     with pytest.raises(MeshError, match=r"route\.mirror\.version: unknown version 'v9'"):

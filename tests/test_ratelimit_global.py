@@ -12,15 +12,15 @@ import grpc
 import pytest
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
+from mesh_common.ports import free_port
 from sidecar import bootstrap
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.test_xds_support import eventually, upstreams
 from wasm_filters.policy import hash_key
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
-from xds_server.ratelimit import DOMAIN
+from xds_server.ratelimit.service import DOMAIN
 from xds_server.resources import ratelimit as ratelimit_resource
 
 GENERATE = "/meshlm.inference.v1.Inference/Generate"

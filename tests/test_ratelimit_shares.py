@@ -16,19 +16,19 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 from google.protobuf import wrappers_pb2
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.test_xds_support import Upstream, eventually, upstreams
 from wasm_filters.policy import RateLimit, hash_key
-from xds_server import types as t
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import Mesh, MeshError, SloState, parse_mesh
-from xds_server.node import NodeInfo
 from xds_server.resources import build_resources
 from xds_server.resources.names import AUTHZ_FILTER
 from xds_server.resources.ratelimit import MAX_FILL_INTERVAL_MS, share
-from xds_server.snapshot import make_version
+from xds_server.xds import type_urls as t
+from xds_server.xds.node import NodeInfo
+from xds_server.xds.snapshot import make_version
 
 GENERATE = "/meshlm.inference.v1.Inference/Generate"
 # Bursts against bucket sizes, not rates: one token an hour refills nothing during a test.

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mesh_common.ports import free_port
 from meshlm.state_dir import default_state_dir
-from sidecar.ports import free_port
 from tests.etcd_support import EtcdCluster, wait_for
-from xds_server.ca import MeshCA, key_pem, pem
+from xds_server.identity.ca import MeshCA, key_pem, pem
 
 TOKEN = "replica-test-token-0123456789"
 TTL = 2

@@ -13,10 +13,10 @@ import pytest
 
 from tests.etcd_support import EtcdCluster, wait_for
 from xds_server.control_plane import ControlPlane
-from xds_server.isolation import Isolation, SharedQuarantine
 from xds_server.mesh import parse_mesh
+from xds_server.replica.replication import Replication
+from xds_server.slo.quarantine import Isolation, SharedQuarantine
 from xds_server.store import EtcdStore
-from xds_server.store.replica import Replication
 
 # Times real processes against its own baseline or a deadline: not beside another test (-n 2).
 pytestmark = pytest.mark.alone

@@ -11,27 +11,27 @@ import uuid
 
 import pytest
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.etcd_support import EtcdCluster, Partition, wait_for
 from tests.rollout_upstreams import Traffic, Upstream
 from tests.test_replicas_sync import source
 from xds_server.control_plane import ControlPlane
-from xds_server.gates import mesh_sources
 from xds_server.mesh import parse_mesh
-from xds_server.rollout import TERMINAL, RolloutController
-from xds_server.rollout_store import RolloutStore
-from xds_server.store import EtcdStore, Fenced, FileStore, StoreUnavailable
-from xds_server.store.election import Election
-from xds_server.store.leader import (
+from xds_server.replica.election import Election
+from xds_server.replica.leader import (
     FencedChanges,
     LeaderWork,
     StoreRollouts,
     import_rollouts,
     rollouts_of,
 )
-from xds_server.store.replica import Replication
+from xds_server.replica.replication import Replication
+from xds_server.rollout.controller import TERMINAL, RolloutController
+from xds_server.rollout.gates import mesh_sources
+from xds_server.store import EtcdStore, Fenced, FileStore, StoreUnavailable
+from xds_server.store.state_file import RolloutStore
 
 TTL = 2.0
 SPEC = {

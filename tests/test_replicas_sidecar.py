@@ -9,9 +9,9 @@ import os
 import signal
 from pathlib import Path
 
+from mesh_common.ports import free_port
+from mesh_common.process_group import stop_group
 from sidecar.lkg import LastKnownGood
-from sidecar.ports import free_port
-from sidecar.process_group import stop_group
 from tests.test_sidecar_supervisor import _envoy_children, _gone, _meshlm_sidecar
 from tests.test_xds_support import Caller, eventually, llm_mesh, upstreams
 from xds_server.control_plane import ControlPlane

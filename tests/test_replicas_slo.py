@@ -14,11 +14,11 @@ from tests.etcd_support import EtcdCluster, wait_for
 from wasm_filters.policy import hash_key
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
-from xds_server.slo import Reading, SloController
+from xds_server.replica.election import Election, NotLeader
+from xds_server.replica.leader import FencedChanges, StoreSlo
+from xds_server.replica.replication import Replication
+from xds_server.slo.loop import Reading, SloController
 from xds_server.store import EtcdStore, Fenced
-from xds_server.store.election import Election, NotLeader
-from xds_server.store.leader import FencedChanges, StoreSlo
-from xds_server.store.replica import Replication
 
 DOC = {
     "services": {

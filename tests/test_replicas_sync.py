@@ -11,15 +11,15 @@ from collections.abc import Iterator
 
 import pytest
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.etcd_support import EtcdCluster, wait_for
 from tests.rollout_upstreams import Traffic, Upstream
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
+from xds_server.replica.replication import Replication
 from xds_server.store import EtcdStore, FileStore
-from xds_server.store.replica import Replication
 
 
 def source(v1: int, v2: int, weights: tuple[int, int] = (100, 0)) -> dict:

@@ -1,4 +1,4 @@
-"""The admin API's rollout routes (`xds_server.rollout_api.RolloutAPI.handle`): status codes and
+"""The admin API's rollout routes (`xds_server.rollout.api.RolloutAPI.handle`): status codes and
 replies a CLI user relies on. Decisions run on the fakes of test_rollout_controller.py."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.test_rollout_controller import SPEC, FakeControlPlane, FakeGrpcCounts, FakeLatency
-from xds_server.gates import Sources
-from xds_server.rollout import RolloutController
-from xds_server.rollout_api import RolloutAPI, is_mutation
+from xds_server.rollout.api import RolloutAPI, is_mutation
+from xds_server.rollout.controller import RolloutController
+from xds_server.rollout.gates import Sources
 
 
 def make_api(tmp_path: Path, default: dict | None = None):

@@ -15,9 +15,9 @@ import pytest
 
 from meshlm.cli import main
 from tests.test_rollout_controller import SPEC, FakeControlPlane, FakeGrpcCounts, FakeLatency
-from xds_server.gates import Sources
-from xds_server.rollout import RolloutController
-from xds_server.rollout_api import PREFIX, RolloutAPI, is_mutation
+from xds_server.rollout.api import PREFIX, RolloutAPI, is_mutation
+from xds_server.rollout.controller import RolloutController
+from xds_server.rollout.gates import Sources
 
 TOKEN = "s3cret"
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from xds_server.gates import GrpcCounts, LatencyReading, MeasurementError, Sources
 from xds_server.mesh import parse_mesh
-from xds_server.rollout import RolloutController, RolloutError
-from xds_server.rollout_spec import RolloutSpecError, parse_rollout
-from xds_server.rollout_store import RolloutStore, RolloutStoreError
+from xds_server.rollout.controller import RolloutController, RolloutError
+from xds_server.rollout.gates import GrpcCounts, LatencyReading, MeasurementError, Sources
+from xds_server.rollout.spec import RolloutSpecError, parse_rollout
+from xds_server.store.state_file import RolloutStore, RolloutStoreError
 
 
 @dataclass

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import grpc
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.rollout_upstreams import METHOD, Traffic, Upstream
 from xds_server.control_plane import ControlPlane
-from xds_server.gates import mesh_sources
 from xds_server.mesh import parse_mesh
-from xds_server.rollout import TERMINAL, RolloutController
+from xds_server.rollout.controller import TERMINAL, RolloutController
+from xds_server.rollout.gates import mesh_sources
 
 SPEC = {
     "service": "llm",

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from mesh_common.ports import free_port
 from model_runtime.telemetry import MetricsServer, Telemetry
 from sidecar.bootstrap import static_cluster
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.rollout_upstreams import Traffic, Upstream
-from xds_server.gates import (
+from xds_server.rollout.gates import (
     FAIL,
     HALT,
     MAX_BODY,
@@ -31,7 +31,7 @@ from xds_server.gates import (
     evaluate,
     quantile,
 )
-from xds_server.rollout_spec import Gates
+from xds_server.rollout.spec import Gates
 
 T = "type.googleapis.com/envoy.extensions."
 
@@ -300,8 +300,8 @@ def test_controller_reads_each_interval_apart_over_real_http(tmp_path: Path) -> 
     # on. Read over the runtime's 60 s window, interval 2 still saw interval 1's calls, failed
     # again and rolled a recovered canary back.
     from tests.test_rollout_controller import FakeControlPlane, FakeGrpcCounts
-    from xds_server.gates import Sources
-    from xds_server.rollout import RolloutController
+    from xds_server.rollout.controller import RolloutController
+    from xds_server.rollout.gates import Sources
 
     tel, counts, cp = Telemetry(window_s=60), FakeGrpcCounts(), FakeControlPlane()
     with MetricsServer(tel) as srv:

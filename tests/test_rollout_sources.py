@@ -18,19 +18,19 @@ from typing import Any
 
 import pytest
 
+from mesh_common.ports import free_port
 from meshlm.cli import main
 from meshlm.procs import Proc, wait_until
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.test_rollout_controller import FakeControlPlane, FakeGrpcCounts
 from tests.test_xds_support import Upstream
 from xds_server.control_plane import ControlPlane
-from xds_server.discovery import configured_sources
-from xds_server.gates import Sources
-from xds_server.liveness import GrpcHealthSource
 from xds_server.mesh import parse_mesh
-from xds_server.rollout import RolloutController, RolloutError
+from xds_server.rollout.controller import RolloutController, RolloutError
+from xds_server.rollout.gates import Sources
+from xds_server.rollout.liveness import GrpcHealthSource
+from xds_server.rollout.sources import configured_sources
 
 TOKEN = "rollout-sources-test-token-0123456789"
 ROLLOUT = {"stable": "v1", "canary": "v2", "steps": [50, 100], "interval": "1s",

@@ -18,15 +18,15 @@ from pathlib import Path
 import grpc
 from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
 
+from mesh_common.ports import free_port
 from meshlm import cmd_serve, cmd_sidecar, cmd_xds, logs
 from model_runtime import sealed
 from model_runtime.telemetry import MetricsServer, Telemetry
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.test_xds_support import upstreams
 from wasm_filters.policy import hash_key
-from xds_server.admin import AdminServer
+from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 

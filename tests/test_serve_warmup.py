@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import urllib.request
 
+from mesh_common.ports import free_port
 from meshlm.launcher import _serving
 from meshlm.procs import Proc, wait_until
 from model_runtime.client import Client
-from sidecar.ports import free_port
 
 MAX_BATCH = 3
 

@@ -1,5 +1,6 @@
 """What each sidecar listener runs per call (issue 19, item 3): only what something reads.
-The rollout gates and the SLO loop read grpc_stats on caller sidecars (xds_server/gates.py), so
+The rollout gates and the SLO loop read grpc_stats on caller sidecars
+(xds_server/rollout/gates.py), so
 the inbound listener goes without it; nothing reads its filter state."""
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 
 from wasm_filters.policy import hash_key
-from xds_server import types as t
 from xds_server.mesh import parse_mesh
-from xds_server.node import NodeInfo
 from xds_server.resources import build_resources
 from xds_server.resources.names import AUTHZ_FILTER
+from xds_server.xds import type_urls as t
+from xds_server.xds.node import NodeInfo
 
 GRPC_STATS = "envoy.filters.http.grpc_stats"
 ROUTER = "envoy.filters.http.router"

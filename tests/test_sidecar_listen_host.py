@@ -8,9 +8,9 @@ import subprocess
 import sys
 import urllib.request
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.lkg import LastKnownGood
-from sidecar.ports import free_port
 from sidecar.supervisor import Supervisor
 from tests.test_xds_support import Caller, eventually, llm_mesh, upstreams
 from xds_server.control_plane import ControlPlane

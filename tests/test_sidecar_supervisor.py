@@ -14,11 +14,11 @@ from pathlib import Path
 
 import grpc
 
+from mesh_common.ports import free_port
+from mesh_common.process_group import stop_group
 from meshlm.cmd_sidecar import native_keys
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.lkg import LastKnownGood
-from sidecar.ports import free_port
-from sidecar.process_group import stop_group
 from sidecar.supervisor import Supervisor
 from tests.test_xds_support import Caller, CallLoop, eventually, llm_mesh, upstreams
 from wasm_filters.policy import hash_key

@@ -17,14 +17,14 @@ from typing import Any
 
 import grpc
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.test_xds_support import METHOD, Upstream, eventually
 from wasm_filters.policy import hash_key
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
-from xds_server.slo import SloController, SloLoops
+from xds_server.slo.loop import SloController, SloLoops
 
 KEYS = {"gold": "test-gold-key-slo-1a", "free": "test-free-key-slo-2b"}
 CLUSTER = "outbound|llm|v1"

@@ -14,15 +14,15 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mesh_common.ports import free_port
 from model_runtime.client import Client
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.test_identity_support import identity_sidecar, join_token_file, mode, short_dir
 from tests.test_xds_support import eventually
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
-from xds_server.scaler import LocalScaler, control_plane_join_tokens
+from xds_server.slo.scaler import LocalScaler, control_plane_join_tokens
 
 
 def _health(port: int) -> int:

@@ -1,4 +1,4 @@
-"""The SLO loop's decisions (xds_server/slo.py) and the mesh file's `slo` and `load_balancing`
+"""The SLO loop's decisions (xds_server/slo/loop.py) and the mesh file's `slo` and `load_balancing`
 settings: acts after N breached intervals, undoes after the SLO held, never flaps."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from xds_server.mesh import MeshError, Slo, parse_mesh
-from xds_server.slo import Hysteresis, Reading, deviation, lowest_priority_tenants, steps
+from xds_server.slo.loop import Hysteresis, Reading, deviation, lowest_priority_tenants, steps
 
 SLO = Slo(ttft_p99=0.5, success_rate=99.0, deviation=0.15, intervals=3, recover_intervals=6)
 

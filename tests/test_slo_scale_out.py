@@ -1,4 +1,4 @@
-"""A scale-out starts its replica off the SLO loop's interval (xds_server/slo.py): while the
+"""A scale-out starts its replica off the SLO loop's interval (xds_server/slo/loop.py): while the
 replica loads, every interval is still measured and published, but no action is taken; the
 replica is added by EDS when its start returns; a failed start is recorded with its reason and
 leaves nothing in force; closing or undoing the loop meanwhile stops the replica it produces.
@@ -17,8 +17,8 @@ from tests.test_slo_envoy import Metrics
 from tests.test_xds_support import eventually
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
-from xds_server.scaler import ScalerError
-from xds_server.slo import Reading, SloController, SloLoops
+from xds_server.slo.loop import Reading, SloController, SloLoops
+from xds_server.slo.scaler import ScalerError
 
 REPLICA = "127.0.0.1:11"  # the first start's; the next get :12, :13...
 BREACHED, MET = Reading(ttft_p99=2.0), Reading(ttft_p99=0.1)

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sidecar.ports import free_port
+from mesh_common.ports import free_port
 from tests.test_slo_envoy import Metrics
 from tests.test_xds_support import eventually
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
-from xds_server.scaler import CommandScaler, ScalerError
-from xds_server.slo import Reading, SloController
+from xds_server.slo.loop import Reading, SloController
+from xds_server.slo.scaler import CommandScaler, ScalerError
 
 PY = shlex.quote(sys.executable)
 

@@ -11,7 +11,7 @@ from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
-from xds_server.slo import SloController, SloLoops
+from xds_server.slo.loop import SloController, SloLoops
 
 SLO = {"ttft_p99": "500ms", "interval": "100ms", "intervals": 1, "min_requests": 0}
 

@@ -14,10 +14,10 @@ import pytest
 from tests.etcd_support import EtcdCluster, wait_for
 from tests.test_health_control_plane import get, started  # noqa: F401 (a fixture)
 from tests.test_replicas_cli import Replica, env  # noqa: F401 (a fixture)
-from xds_server.isolation import SharedQuarantine
+from xds_server.replica.leader import StoreRollouts
+from xds_server.slo.quarantine import SharedQuarantine
 from xds_server.store import EtcdStore, Put, encode
 from xds_server.store.base import decode
-from xds_server.store.leader import StoreRollouts
 
 
 def readyz(r: Replica) -> tuple[int, dict]:

@@ -10,8 +10,8 @@ import uuid
 import pytest
 
 from tests.etcd_support import EtcdCluster, Partition, candidate_process, wait_for
+from xds_server.replica.election import Election, NotLeader, current_leader
 from xds_server.store import EtcdStore, Fenced, FileStore, Store
-from xds_server.store.election import Election, NotLeader, current_leader
 
 TTL = 2.0  # seconds; istiod's is 30 (the default)
 TAKEOVER = TTL + 5  # the most a takeover may take here

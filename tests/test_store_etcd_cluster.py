@@ -11,8 +11,8 @@ import time
 import pytest
 
 from tests.etcd_support import EtcdCluster, wait_for
+from xds_server.replica.election import Election
 from xds_server.store import EtcdStore, StoreUnavailable
-from xds_server.store.election import Election
 
 DEADLINE = 1.5
 TTL = 5.0  # more than a raft election takes here (~2 s), so a member's death deposes nobody

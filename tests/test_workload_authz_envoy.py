@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from sidecar.ports import free_port
+from mesh_common.ports import free_port
 from tests.test_identity_support import Sidecar, identity_sidecar, join_token_file, short_dir
 from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key

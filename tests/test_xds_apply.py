@@ -12,12 +12,12 @@ from pathlib import Path
 import grpc
 import yaml
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.test_xds_support import Caller, upstreams
 from wasm_filters.policy import hash_key
-from xds_server.admin import AdminServer
+from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 

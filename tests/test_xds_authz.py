@@ -8,9 +8,9 @@ import json
 import grpc
 import pytest
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.test_xds_support import upstreams
 from wasm_filters.policy import hash_key
 from xds_server.control_plane import ControlPlane

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.test_xds_support import (
     Caller,
     CallLoop,

@@ -11,11 +11,11 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
 from tests.test_xds_support import AdsClient, sotw
-from xds_server import types as t
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 from xds_server.resources import clusters, endpoints, listeners
-from xds_server.snapshot import InconsistentSnapshot, build_snapshot
+from xds_server.xds import type_urls as t
+from xds_server.xds.snapshot import InconsistentSnapshot, build_snapshot
 
 MESH = {
     "services": {

@@ -22,9 +22,9 @@ from google.rpc import status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import Endpoint, Mesh, parse_mesh
 

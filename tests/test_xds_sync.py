@@ -19,12 +19,12 @@ import pytest
 from meshlm.cmd_sidecar import _default_node_id
 from meshlm.cmd_status import render
 from tests.test_xds_support import AdsClient, eventually, sotw
-from xds_server import types as t
-from xds_server.admin import AdminServer
+from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import MeshError, parse_mesh
-from xds_server.node import NodeInfo
-from xds_server.sync import Limits
+from xds_server.xds import type_urls as t
+from xds_server.xds.node import NodeInfo
+from xds_server.xds.sync import Limits
 
 V1, V2 = "127.0.0.1:50051", "127.0.0.1:50052"
 

@@ -19,8 +19,8 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import static_cluster
-from sidecar.ports import free_port
 
 HCM = (
     "type.googleapis.com/envoy.extensions.filters.network."

@@ -17,7 +17,7 @@ What native mode cannot do, compared with the Wasm filter:
 - a denial by `local_ratelimit` carries a fixed `retry-after` (the fill interval), not the
   time to the next refill; its buckets are per listener filter, as the Wasm ones are per vm_id.
   In both modes these per-sidecar buckets are the local tier; the control plane's rate-limit
-  service (xds_server/ratelimit.py) holds the mesh-wide one.
+  service (xds_server/ratelimit/service.py) holds the mesh-wide one.
 - a missing and an unknown key both give 401, as in Wasm, but with Envoy's own messages, as
   plain text: an OpenAI client gets the right status (401/403/429, so the SDK's error class)
   without OpenAI's error JSON.

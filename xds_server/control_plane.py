@@ -26,21 +26,24 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
-from sidecar.loop_thread import LoopThread
-from xds_server import accesslog, csds, health, membership, ratelimit
+from mesh_common.listen import listen_error
+from mesh_common.loop_thread import LoopThread
 from xds_server import mesh as m
-from xds_server.ads import AdsServicer
-from xds_server.cache import SnapshotCache
-from xds_server.identity import REFRESH_INTERVAL, Identity
-from xds_server.isolation import Isolation, push_loop
-from xds_server.listen import listen_error
+from xds_server.identity.workload import REFRESH_INTERVAL, Identity
+from xds_server.ratelimit import service as ratelimit
+from xds_server.ratelimit import shares as membership
 from xds_server.resources import tls
-from xds_server.snapshot import make_version
-from xds_server.sync import Limits, SyncStatus
+from xds_server.slo import access_log_service as accesslog
+from xds_server.slo.quarantine import Isolation, push_loop
+from xds_server.xds import csds, health
+from xds_server.xds.ads import AdsServicer
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.snapshot import make_version
+from xds_server.xds.sync import Limits, SyncStatus
 
 if TYPE_CHECKING:
+    from xds_server.replica.replication import Replication
     from xds_server.store.base import Fence
-    from xds_server.store.replica import Replication
 
 log = logging.getLogger(__name__)
 # The longest a caller may wait for ACKs (seconds); longer asks are refused before staging.
@@ -263,7 +266,8 @@ class ControlPlane:
 
     async def _renew_tls(self, host: str, port: int) -> None:
         """Serve a renewed certificate (at half-life, or a new signer) or a new trust bundle
-        (root rotation). Credentials are fixed per gRPC server (see xds_server/identity.py), so
+        (root rotation). Credentials are fixed per gRPC server (see
+        xds_server/identity/workload.py), so
         the server restarts on the same port; Envoy reconnects within its 2 s back-off and the
         servicers, with their state, carry over."""
         while True:
@@ -334,7 +338,7 @@ class ControlPlane:
     def set_slo_state(
         self, service: str, state: m.SloState, *, timeout: float = 10.0
     ) -> ApplyResult | None:
-        """The SLO loop's actions in force (xds_server/slo.py); None when already so."""
+        """The SLO loop's actions in force (xds_server/slo/loop.py); None when already so."""
 
         def edit(live: m.Mesh) -> m.Mesh | None:
             if live.services[service].slo_state == state:
@@ -539,7 +543,7 @@ class ControlPlane:
     def config_dump(self) -> dict:
         from google.protobuf import json_format
 
-        from xds_server import types as t
+        from xds_server.xds import type_urls as t
 
         groups = []
         for group, snap in self.cache.groups().items():

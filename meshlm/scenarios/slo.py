@@ -1,4 +1,4 @@
-"""`meshlm demo --scenario slo`: the SLO loop (xds_server/slo.py) restores a breached TTFT SLO
+"""`meshlm demo --scenario slo`: the SLO loop (xds_server/slo/loop.py) restores a breached TTFT SLO
 after a load step, then undoes what it did once the step is over, without flapping.
 
 One int4 replica behind its sidecar; a high-priority tenant (gold) and a low-priority one (free)

@@ -8,14 +8,14 @@ import subprocess
 import sys
 import time
 
+from mesh_common.ports import free_port
 from meshlm.procs import wait_until
-from sidecar.ports import free_port
 from tests.chaos.harness import TOKEN, EchoUpstream, Mesh, children, echo_call, kill_pid
 from tests.chaos.load import Load, failures, recovery
 from tests.chaos.record import record
 from tests.test_xds_support import with_unvalidated_endpoint
 from wasm_filters.policy import hash_key
-from xds_server.admin import AdminServer
+from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 

@@ -13,18 +13,18 @@ from collections.abc import Iterator
 
 import pytest
 
+from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from sidecar.ports import free_port
 from tests.chaos.record import record
 from tests.etcd_support import EtcdCluster, wait_for
 from tests.rollout_upstreams import Traffic, Upstream
 from tests.test_replicas_leader import SPEC, TTL, Replica
 from tests.test_replicas_sync import source
-from xds_server.gates import mesh_sources
-from xds_server.rollout import TERMINAL
+from xds_server.replica.leader import rollouts_of
+from xds_server.rollout.controller import TERMINAL
+from xds_server.rollout.gates import mesh_sources
 from xds_server.store import EtcdStore, StoreUnavailable
-from xds_server.store.leader import rollouts_of
 
 LOAD = "calls back to back (5 ms pause) through a caller Envoy listing both replicas"
 

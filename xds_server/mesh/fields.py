@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from xds_server.source_url import url_problem
+from xds_server.mesh.source_url import url_problem
 
 
 class MeshError(ValueError):

@@ -190,7 +190,7 @@ SLO_ACTIONS = ("shed", "tighten_outlier", "scale_out")
 
 @dataclass(frozen=True)
 class Slo:
-    """A service's objectives, evaluated every `interval` by the SLO loop (xds_server/slo.py):
+    """A service's objectives, evaluated every `interval` by the SLO loop (xds_server/slo/loop.py):
     after `intervals` breached intervals in a row (the worst metric `deviation` past its target)
     it takes the next of `actions`; after `recover_intervals` met intervals it undoes the last."""
 
@@ -300,7 +300,7 @@ class Rollout:
     threshold: int
     gates: dict[str, Any]
     ack_timeout: float = 10.0
-    quality: dict[str, Any] | None = None  # xds_server.quality.QualityGate's fields
+    quality: dict[str, Any] | None = None  # xds_server.rollout.quality.QualityGate's fields
 
 
 @dataclass(frozen=True)
@@ -322,7 +322,8 @@ MTLS_MODES = ("strict", "off")
 
 @dataclass(frozen=True)
 class Identity:
-    """The mesh CA (xds_server/ca.py): SPIFFE trust domain, workload certificates' lifetime,
+    """The mesh CA (xds_server/identity/ca.py): SPIFFE trust domain, workload certificates'
+    lifetime,
     and an optional user root (then the mesh CA is an intermediate of it)."""
 
     trust_domain: str = "meshlm.local"

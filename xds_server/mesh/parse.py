@@ -57,7 +57,7 @@ from xds_server.mesh.resilience import (
     _slo,
     _stall,
 )
-from xds_server.rollout_spec import RolloutSpecError, parse_rollout
+from xds_server.rollout.spec import RolloutSpecError, parse_rollout
 
 
 def load_mesh(path: str | Path) -> Mesh:

@@ -10,9 +10,7 @@ import yaml
 from google.protobuf.message import Message
 
 from xds_server import mesh as m
-from xds_server import types as t
 from xds_server.mesh import callers
-from xds_server.node import NodeInfo
 from xds_server.resources import (
     access_log,
     clusters,
@@ -24,6 +22,8 @@ from xds_server.resources import (
     routes,
     tls,
 )
+from xds_server.xds import type_urls as t
+from xds_server.xds.node import NodeInfo
 
 
 class ResourceError(ValueError):
@@ -206,7 +206,7 @@ def _authz_filters(
         )
         out[t.EXTENSION_CONFIG][ext.name] = ext
         filters = [listeners.ecds_filter(names.AUTHZ_FILTER)]
-    # A service with an SLO gets it too: the SLO loop sheds tenants there (xds_server/slo.py).
+    # A service with an SLO gets it too: the SLO loop sheds tenants there (xds_server/slo/loop.py).
     global_tier = svc.slo or any(tn.rate_limit for tn in mesh.tenants.tenants)
     if mesh.rate_limits.mode == "global" and global_tier:
         filters.append(ratelimit.ratelimit_filter(service))

@@ -3,10 +3,10 @@
 `rate_limits.mode: local` (the default): the authz filter's per-sidecar token buckets carry
 this sidecar's share of each tenant's mesh-wide limit (`local_policy`): the limit divided among
 the service's live inbound sidecars, which the control plane counts from ADS and re-divides as
-they join or leave (xds_server/membership.py). No call leaves the sidecar.
+they join or leave (xds_server/ratelimit/shares.py). No call leaves the sidecar.
 
 `global`: Envoy's `envoy.filters.http.ratelimit` after the authz filter asks the control plane's
-RateLimitService (xds_server/ratelimit.py) on every call (`ratelimit_filter`); the authz
+RateLimitService (xds_server/ratelimit/service.py) on every call (`ratelimit_filter`); the authz
 filter's buckets keep each tenant's whole limit, as the tier that holds while the control plane
 is down.
 """
@@ -26,7 +26,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 
 from xds_server import mesh as m
-from xds_server.ratelimit import DOMAIN, SERVICE_KEY, TENANT_KEY, Limit, limit_in_force
+from xds_server.ratelimit.service import DOMAIN, SERVICE_KEY, TENANT_KEY, Limit, limit_in_force
 from xds_server.resources.common import duration, pack
 from xds_server.resources.names import TENANT_HEADER
 

@@ -19,7 +19,7 @@ from google.protobuf.message import Message
 
 from sidecar.sds import DEFAULT, ROOTCA, SDS_CLUSTER
 from xds_server import mesh as m
-from xds_server.ca import spiffe_id
+from xds_server.identity.ca import spiffe_id
 from xds_server.resources.common import pack
 
 TRANSPORT_SOCKET = "envoy.transport_sockets.tls"

@@ -20,8 +20,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from sidecar.private_files import private_dir, write_private
-from xds_server.ca import key_pem, new_key, pem
+from mesh_common.private_files import private_dir, write_private
+from xds_server.identity.ca import key_pem, new_key, pem
 
 USER = "meshlm"
 LIFETIME = dt.timedelta(days=365)

@@ -26,7 +26,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
-from xds_server.rollout_store import write_atomic
 from xds_server.store.base import (
     Check,
     Compacted,
@@ -41,6 +40,7 @@ from xds_server.store.base import (
     Watch,
     conflict,
 )
+from xds_server.store.state_file import write_atomic
 
 FORMAT = 1
 HISTORY = 10_000  # events a watch can replay

@@ -9,15 +9,15 @@ Desired state, written by whichever replica took the admin call (revision-checke
   live/<service>             edits over it: weights, x-canary pins, endpoints the SLO loop
                              added, the SLO actions in force (what ControlPlane._change makes)
 Leader-only (fenced) state:
-  rollouts/<service>         one rollout (xds_server/rollout.py Rollout.to_dict())
+  rollouts/<service>         one rollout (xds_server/rollout/controller.py Rollout.to_dict())
   slo/<service>              one SLO loop: level, state, replicas it started, history
 Decided by any replica from its sidecars' access logs, each key revision-checked:
-  isolation/<service>/<key>  one quarantined request class (xds_server/isolation.py Tripped)
+  isolation/<service>/<key>  one quarantined request class (xds_server/slo/quarantine.py Tripped)
 Shared by every replica:
   identity/ca                the mesh CA's state (roots and their keys: etcd needs TLS + auth)
   identity/join-tokens       join token hashes and what each may enroll
 Bound to a replica's lease (gone when it dies):
-  leader                     the elected replica (xds_server/store/election.py)
+  leader                     the elected replica (xds_server/replica/election.py)
   replicas/<id>              each replica's addresses: {"grpc", "admin", "since"}
   acks/<id>/<node>           what each of its sidecars ACKed, so a change made through one
                              replica returns when the sidecars of all have it

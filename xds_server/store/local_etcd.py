@@ -20,7 +20,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from sidecar.child_env import child_env
+from mesh_common.child_env import child_env
 from xds_server.store import store_root
 from xds_server.store.base import StoreError
 from xds_server.store.etcd import EtcdStore, _b64, _range_end

@@ -1,0 +1,1 @@
+"""Workload identity: the mesh CA and the join-token + CSR signing service."""

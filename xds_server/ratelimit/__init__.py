@@ -1,0 +1,2 @@
+"""Tenant rate limits: the global rate-limit service and the per-sidecar shares of a mesh-wide
+limit."""

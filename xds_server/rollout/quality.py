@@ -1,0 +1,495 @@
+"""The quality gate of a canary rollout (issue 18): does the canary say what the stable says?
+
+Replay mode: each analysis interval, after the traffic gates' counters were read, the control
+plane sends a golden prompt set through a caller sidecar (`replay_via`, authority = the service)
+twice, greedy: once pinned to the stable (`x-canary: never`), once to the canary (`always`). Each
+call carries a request id in its body; the runtimes keep what greedy calls produced under it
+(model_runtime/records.py), so the control plane finds the record on whichever replica served it
+and asks that runtime to score the stable's tokens (teacher-forced, one prefill). Per interval:
+
+- exact_match_rate: the share of prompts whose two answers are identical;
+- first_divergence: the mean position of the first differing token, over answers that differ;
+- token_disagreement: the share of positions of the stable's answer where the canary's choice
+  differs from the stable's, both teacher-forced on the stable's prefix (one early divergence
+  does not count every later token; both choices come from the same kind of forward pass, so a
+  canary with the stable's weights scores 0 even where a near-tie made the stable's own
+  incremental decode pick another token);
+- logprob_drift: mean over the stable's tokens of log p_stable - log p_canary (nats per token).
+
+Replay calls are excluded from the traffic gates by timing: they run after the interval's counts
+and latency were read and before the next interval's baseline, so neither interval sees them.
+They go through the sidecar like any call, so the replay tenant's key (`api_key_env`) meets that
+tenant's rate limits and quotas: give replay a tenant of its own, so it never spends a customer's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.parse
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from schemas import codec
+from schemas.codec import ChatMessage, GenerateRequest
+from xds_server.rollout.gates import FAIL, HALT, PASS, MeasurementError, Verdict, _get_json
+from xds_server.rollout.spec import RolloutSpecError, parse_duration
+
+GENERATE = "/meshlm.inference.v1.Inference/Generate"
+MAX_PROMPTS = 256
+MAX_MIRRORED = 1024  # the runtime keeps its newest 1024 records (model_runtime/records.py)
+
+
+MODES = ("replay", "mirror")
+
+
+@dataclass(frozen=True)
+class QualityGate:
+    replay_via: str = ""  # replay: host:port of a caller sidecar's outbound listener
+    prompts: tuple[str, ...] = ()  # replay: the golden set (`prompts`, or `prompts_file`)
+    api_key_env: str = ""  # replay: the environment variable holding the replay tenant's key
+    max_new_tokens: int = 16  # replay
+    min_samples: int = 8  # fewer joined answers than this halts the interval
+    max_token_disagreement: float = 0.05  # fraction of the stable's tokens
+    max_logprob_drift: float | None = None  # nats per token
+    timeout: float = 60.0  # replay: per replayed call
+    mode: str = "replay"
+    mirror_percent: float = 10.0  # mirror: share of the safe-marked calls copied to the canary
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mesh file's form (parse_quality reads it back): the mode's own fields."""
+        d = {k: getattr(self, k) for k in _COMMON if k != "prompts_file"}
+        d.update({k: getattr(self, k) for k in _ONLY[self.mode] if k != "prompts_file"})
+        d["prompts"] = list(self.prompts) if self.mode == "replay" else None
+        return {k: v for k, v in d.items() if v is not None}
+
+
+_COMMON = {"mode", "min_samples", "max_token_disagreement", "max_logprob_drift"}
+_ONLY = {
+    "replay": {"replay_via", "prompts", "prompts_file", "api_key_env", "max_new_tokens", "timeout"},
+    "mirror": {"mirror_percent"},
+}
+_KNOWN = _COMMON | _ONLY["replay"] | _ONLY["mirror"]
+
+
+def _fraction(v: Any, where: str) -> float:
+    """0.05 or '5%' -> 0.05."""
+    raw = v
+    if isinstance(v, str) and v.strip().endswith("%"):
+        try:
+            v = float(v.strip()[:-1]) / 100
+        except ValueError:
+            v = None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
+        raise RolloutSpecError(f"{where}: expected a fraction 0..1 or a percentage, got {raw!r}")
+    return float(v)
+
+
+def _count(v: Any, where: str, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise RolloutSpecError(f"{where}: expected an integer {lo}..{hi}, got {v!r}")
+    return v
+
+
+def _prompts(d: dict[str, Any], where: str) -> tuple[str, ...]:
+    if ("prompts" in d) == ("prompts_file" in d):
+        raise RolloutSpecError(f"{where}: give either prompts (a list) or prompts_file (a path)")
+    if "prompts_file" in d:
+        path = d["prompts_file"]
+        try:  # one prompt a line; blank lines skipped
+            text = Path(str(path)).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise RolloutSpecError(f"{where}.prompts_file: cannot read {path!r}: {e}") from None
+        prompts: Any = [line.strip() for line in text.splitlines() if line.strip()]
+        field = "prompts_file"
+    else:
+        prompts, field = d["prompts"], "prompts"
+    if not isinstance(prompts, list | tuple) or not prompts or len(prompts) > MAX_PROMPTS:
+        raise RolloutSpecError(f"{where}.{field}: expected 1..{MAX_PROMPTS} prompts")
+    if not all(isinstance(p, str) and p.strip() for p in prompts):
+        raise RolloutSpecError(f"{where}.{field}: every prompt must be a non-empty string")
+    return tuple(prompts)
+
+
+def parse_quality(d: Any, where: str) -> QualityGate | None:
+    """The rollout's `quality:` block -> a QualityGate (None when absent)."""
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise RolloutSpecError(f"{where}: expected a mapping, got {type(d).__name__}")
+    for k in d:
+        if k not in _KNOWN:
+            raise RolloutSpecError(
+                f"{where}.{k}: unknown field (known: {', '.join(sorted(_KNOWN))})"
+            )
+    mode = d.get("mode", "replay")
+    if mode not in MODES:
+        raise RolloutSpecError(f"{where}.mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    other = next(m for m in MODES if m != mode)
+    for k in d:
+        if k in _ONLY[other]:
+            raise RolloutSpecError(f"{where}.{k}: a field of mode {other}, not of mode {mode}")
+    if mode == "mirror":
+        return _mirror_gate(d, where)
+    via = d.get("replay_via")
+    host, _, port = str(via or "").rpartition(":")
+    if not isinstance(via, str) or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RolloutSpecError(
+            f"{where}.replay_via: expected a caller sidecar's HOST:PORT, got {via!r}"
+        )
+    prompts = _prompts(d, where)
+    env = d.get("api_key_env", "")
+    if not isinstance(env, str):
+        raise RolloutSpecError(f"{where}.api_key_env: expected an environment variable's name")
+    min_samples = _count(
+        d.get("min_samples", min(8, len(prompts))), f"{where}.min_samples", 1, MAX_PROMPTS
+    )
+    limits = _limits(d, where)
+    if min_samples > len(prompts):
+        raise RolloutSpecError(
+            f"{where}.min_samples: {min_samples} is more than the {len(prompts)} prompts replayed"
+        )
+    timeout = parse_duration(d.get("timeout", "60s"), f"{where}.timeout")
+    if timeout <= 0:
+        raise RolloutSpecError(f"{where}.timeout: must be positive")
+    return QualityGate(
+        replay_via=via,
+        prompts=prompts,
+        api_key_env=env,
+        max_new_tokens=_count(d.get("max_new_tokens", 16), f"{where}.max_new_tokens", 1, 512),
+        min_samples=min_samples,
+        timeout=timeout,
+        **limits,
+    )
+
+
+def _limits(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """Both modes' bounds on disagreement."""
+    drift = d.get("max_logprob_drift")
+    if drift is not None and (
+        isinstance(drift, bool) or not isinstance(drift, int | float) or drift < 0
+    ):
+        raise RolloutSpecError(
+            f"{where}.max_logprob_drift: expected nats per token >= 0, got {drift!r}"
+        )
+    return {
+        "max_token_disagreement": _fraction(
+            d.get("max_token_disagreement", 0.05), f"{where}.max_token_disagreement"
+        ),
+        "max_logprob_drift": None if drift is None else float(drift),
+    }
+
+
+def _mirror_gate(d: dict[str, Any], where: str) -> QualityGate:
+    """Mirror mode: no prompts and no replay tenant; the samples are live calls' copies."""
+    pct = d.get("mirror_percent", 10)
+    if isinstance(pct, bool) or not isinstance(pct, int | float) or not 0 < pct <= 100:
+        raise RolloutSpecError(
+            f"{where}.mirror_percent: expected a percentage of the safe-marked calls, "
+            f"0 < p <= 100, got {pct!r}"
+        )
+    return QualityGate(
+        mode="mirror",
+        mirror_percent=float(pct),
+        min_samples=_count(d.get("min_samples", 8), f"{where}.min_samples", 1, MAX_MIRRORED),
+        **_limits(d, where),
+    )
+
+
+# --- the comparison ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt answered by both: the generated ids, and the stable's tokens scored by each."""
+
+    stable: list[int]
+    canary: list[int]
+    stable_argmax: list[int]  # the stable's choice at each position, teacher-forced
+    canary_argmax: list[int]  # the canary's choice there
+    stable_logprobs: list[float]
+    canary_logprobs: list[float]
+
+
+def agreement(samples: list[Sample]) -> dict[str, Any]:
+    """The interval's figures (module doc); None where there is nothing to average."""
+    n_tokens = sum(len(s.stable) for s in samples)
+    firsts = [
+        next((i for i, (a, b) in enumerate(zip(s.stable, s.canary, strict=False)) if a != b),
+             min(len(s.stable), len(s.canary)))
+        for s in samples
+        if s.stable != s.canary
+    ]  # fmt: skip
+    disagree = sum(
+        a != b for s in samples for a, b in zip(s.stable_argmax, s.canary_argmax, strict=True)
+    )
+    drift = sum(
+        ls - lc
+        for s in samples
+        for ls, lc in zip(s.stable_logprobs, s.canary_logprobs, strict=True)
+    )
+    return {
+        "samples": len(samples),
+        "exact_match_rate": sum(s.stable == s.canary for s in samples) / len(samples)
+        if samples
+        else None,
+        "first_divergence": sum(firsts) / len(firsts) if firsts else None,
+        "token_disagreement": disagree / n_tokens if n_tokens else None,
+        "logprob_drift": drift / n_tokens if n_tokens else None,
+    }
+
+
+def judge(gate: QualityGate, figures: dict[str, Any], errors: list[str]) -> Verdict:
+    m = {"quality": {"mode": gate.mode, **figures, "errors": len(errors)}}
+    if figures["samples"] < gate.min_samples:
+        why = f"; first error: {errors[0]}" if errors else ""
+        what = "replay answered" if gate.mode == "replay" else "mirror joined"
+        unit = "prompts" if gate.mode == "replay" else "calls (min_samples)"
+        return Verdict(
+            HALT, f"halted: quality {what} {figures['samples']} of the "
+            f"{gate.min_samples} {unit} it needs{why}", m,
+        )  # fmt: skip
+    failed = []
+    td, drift = figures["token_disagreement"], figures["logprob_drift"]
+    if td is not None and td > gate.max_token_disagreement:
+        failed.append(f"token disagreement {td:.1%} > max {gate.max_token_disagreement:.1%}")
+    if gate.max_logprob_drift is not None and drift is not None and drift > gate.max_logprob_drift:
+        failed.append(f"logprob drift {drift:.3f} > max {gate.max_logprob_drift:g} nats/token")
+    if failed:
+        return Verdict(FAIL, "quality: " + "; ".join(failed), m)
+    return Verdict(PASS, f"quality passed: token disagreement {td:.1%}", m)
+
+
+# --- the replay -------------------------------------------------------------------------------
+
+
+class ReplaySource:
+    """Replays the golden set through `gate.replay_via` and joins the runtimes' records.
+    `stable_urls` / `canary_urls`: each version's runtime metrics base URLs (one per replica)."""
+
+    def __init__(
+        self,
+        gate: QualityGate,
+        service: str,
+        stable_urls: Callable[[], list[str]],
+        canary_urls: Callable[[], list[str]],
+        timeout: float = 10.0,
+        canary_header: str = "x-canary",  # the service's route.canary_header
+    ) -> None:
+        self.gate, self.service = gate, service
+        self.canary_header = canary_header
+        self.urls = {"never": stable_urls, "always": canary_urls}
+        self.http_timeout = timeout
+
+    def verdict(self) -> Verdict:
+        samples, errors = self.replay()
+        return judge(self.gate, agreement(samples), errors)
+
+    def replay(self) -> tuple[list[Sample], list[str]]:
+        nonce = uuid.uuid4().hex[:12]
+        key = os.environ.get(self.gate.api_key_env, "") if self.gate.api_key_env else ""
+        md = [("x-api-key", key)] if key else []
+        channel = grpc.insecure_channel(
+            self.gate.replay_via, options=[("grpc.default_authority", self.service)]
+        )
+        call = channel.unary_stream(GENERATE)
+        try:
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                jobs = [pool.submit(self._one, call, md, f"replay-{nonce}-{i}", p)
+                        for i, p in enumerate(self.gate.prompts)]  # fmt: skip
+                results = [j.result() for j in jobs]
+        finally:
+            channel.close()
+        samples = [r for r in results if isinstance(r, Sample)]
+        return samples, [r for r in results if isinstance(r, str)]
+
+    def _one(self, call: Any, md: list, rid: str, prompt: str) -> Sample | str:
+        """Both answers and both scores of one prompt; a string says why not."""
+        try:
+            out = {}
+            for pin in ("never", "always"):
+                req = GenerateRequest(
+                    request_id=f"{rid}-{pin}",
+                    messages=[ChatMessage("user", prompt)],
+                    max_new_tokens=self.gate.max_new_tokens,
+                    temperature=0.0,
+                )
+                stream = call(codec.encode_generate_request(req), timeout=self.gate.timeout,
+                              metadata=[*md, (self.canary_header, pin)])  # fmt: skip
+                chunks = (codec.decode_token_chunk(buf).token_ids for buf in stream)
+                out[pin] = [int(t) for ids in chunks for t in ids]
+            stable = out["never"]
+            if not stable:
+                return f"{rid}: the stable answered no token"
+            s_score = self._score("never", f"{rid}-never", stable)
+            c_score = self._score("always", f"{rid}-always", stable)
+        except grpc.RpcError as e:
+            return f"{rid}: {e.code().name}: {e.details()}"
+        except MeasurementError as e:
+            return f"{rid}: {e}"
+        return Sample(stable, out["always"], s_score["argmax"], c_score["argmax"],
+                      s_score["logprobs"], c_score["logprobs"])  # fmt: skip
+
+    def _score(self, pin: str, rid: str, token_ids: list[int]) -> dict[str, list]:
+        """Score on the replica that holds `rid` (the join by request id)."""
+        bases = runtime_bases(self.urls[pin]())
+        for base in bases:
+            if find_records(base, [rid], self.http_timeout):
+                return score_at(base, rid, token_ids, self.http_timeout)
+        raise MeasurementError(f"no runtime of {len(bases)} holds a record of {rid}")
+
+
+# --- the runtimes' records (model_runtime/records.py, on each runtime's metrics port) ---------
+
+MAX_IDS = 256  # ids per GET /records?ids= (the runtime's limit)
+
+
+def runtime_bases(metrics_urls: list[str]) -> list[str]:
+    """`http://h:p/metrics.json` (a version's metrics_urls) -> `http://h:p`."""
+    return [u.rstrip("/").removesuffix("/metrics.json") for u in metrics_urls]
+
+
+def find_records(base: str, ids: list[str], timeout: float) -> dict[str, dict[str, Any]]:
+    """The records among `ids` that the runtime at `base` holds."""
+    out: dict[str, dict[str, Any]] = {}
+    for i in range(0, len(ids), MAX_IDS):
+        q = urllib.parse.quote(",".join(ids[i : i + MAX_IDS]))
+        out.update(_get_json(f"{base}/records?ids={q}", timeout).get("records", {}))
+    return out
+
+
+def score_at(base: str, rid: str, token_ids: list[int], timeout: float) -> dict[str, list]:
+    """`token_ids` teacher-forced after the prompt recorded under `rid` at `base`."""
+    q = urllib.parse.urlencode({"request_id": rid, "token_ids": ",".join(map(str, token_ids))})
+    got = _get_json(f"{base}/score?{q}", timeout)
+    if len(got.get("logprobs", ())) != len(token_ids):
+        raise MeasurementError(f"{base}/score: answered {json.dumps(got)[:200]}")
+    return got
+
+
+# --- the mirror -------------------------------------------------------------------------------
+
+
+class MirrorSource:
+    """Mirror mode: while a step runs, the callers' sidecars copy `mirror_percent` of the calls
+    marked `x-meshlm-mirror: safe` to the canary (Envoy's request_mirror_policies to the shadow
+    cluster, xds_server/resources/routes.py); the canary's runtime records each copy with
+    `shadow: true` under the call's request id (the body's, else the x-request-id Envoy copied).
+    Each interval: the canary runtimes' new shadow records (`GET /records?shadow=1&since=SEQ`),
+    the stable's record of the same call (`GET /records?ids=`), the stable's tokens scored on
+    both, judged as the replay is. A copy whose stable answer is not recorded yet (the canary
+    was faster) waits for up to WAIT_ROUNDS verdicts; one that never finds it (the split sent
+    the call to the canary, or the stable refused it) is unmatched, not a sample. `begin()`
+    skips the copies made before the rollout started."""
+
+    WAIT_ROUNDS = 3
+    MAX_WAITING = 1024
+
+    def __init__(
+        self,
+        gate: QualityGate,
+        stable_urls: Callable[[], list[str]],
+        canary_urls: Callable[[], list[str]],
+        timeout: float = 10.0,
+        max_samples: int | None = None,  # joined calls scored per interval: 2 x min_samples
+    ) -> None:
+        self.gate = gate
+        self.stable_urls, self.canary_urls = stable_urls, canary_urls
+        self.http_timeout = timeout
+        self.max_samples = max_samples or 2 * gate.min_samples
+        self._cursors: dict[str, tuple[str, int]] = {}  # canary base -> (instance, next since)
+        # request id -> (canary base, its token ids, verdicts left to find the stable's record)
+        self._waiting: dict[str, tuple[str, list[int], int]] = {}
+
+    def begin(self) -> None:
+        for base in runtime_bases(self.canary_urls()):
+            if base not in self._cursors:  # once per canary runtime
+                self._shadows(base)
+
+    def verdict(self) -> Verdict:
+        samples, errors, counts = self.collect()
+        return judge(self.gate, {**agreement(samples), **counts}, errors)
+
+    def collect(self) -> tuple[list[Sample], list[str], dict[str, int]]:
+        """(the joined samples, why others failed, {mirrored: the new shadow copies, unmatched:
+        copies given up on, waiting: copies still waiting for the stable's record})."""
+        new: dict[str, tuple[str, list[int], int]] = {}
+        errors: list[str] = []
+        for base in runtime_bases(self.canary_urls()):
+            try:
+                for rid, rec in self._shadows(base).items():
+                    ids = [int(t) for t in rec.get("token_ids", ())]
+                    new[rid] = (base, ids, self.WAIT_ROUNDS)
+            except MeasurementError as e:
+                errors.append(str(e))
+        shadows = {**self._waiting, **new}
+        stable: dict[str, tuple[str, list[int]]] = {}
+        for base in runtime_bases(self.stable_urls()):
+            try:
+                for rid, rec in find_records(base, list(shadows), self.http_timeout).items():
+                    if not rec.get("shadow"):
+                        stable[rid] = (base, [int(t) for t in rec.get("token_ids", ())])
+            except MeasurementError as e:
+                errors.append(str(e))
+        joined = [r for r in shadows if r in stable][: self.max_samples]
+        # One call at a time, its two scores side by side: a score is a forward on the runtime's
+        # engine thread, between decode steps, so a burst of them would delay the canary's live
+        # calls, whose TTFT the next interval's gate reads.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            results = [self._sample(r, shadows[r], stable[r], pool) for r in joined]
+        samples = [r for r in results if isinstance(r, Sample)]
+        errors += [r for r in results if isinstance(r, str)]
+        alone = {r: (b, ids, n - 1) for r, (b, ids, n) in shadows.items() if r not in stable}
+        waiting = {r: w for r, w in alone.items() if w[2] > 0}
+        self._waiting = dict(list(waiting.items())[-self.MAX_WAITING :])
+        counts = {"mirrored": len(new), "unmatched": len(alone) - len(self._waiting),
+                  "waiting": len(self._waiting)}  # fmt: skip
+        return samples, errors, counts
+
+    def _sample(self, rid: str, copy: tuple, primary: tuple, pool: Any) -> Sample | str:
+        """One joined call: the stable's tokens scored on both; a string says why not."""
+        (c_base, canary, _), (s_base, tokens) = copy, primary
+        if not tokens:  # nothing to score: an answer of its own, as the canary's is
+            return Sample([], canary, [], [], [], [])
+        jobs = [pool.submit(score_at, b, rid, tokens, self.http_timeout) for b in (s_base, c_base)]
+        try:
+            s, c = (j.result() for j in jobs)
+        except MeasurementError as e:
+            return str(e)
+        return Sample(tokens, canary, s["argmax"], c["argmax"], s["logprobs"], c["logprobs"])
+
+    def _shadows(self, base: str) -> dict[str, dict[str, Any]]:
+        """The shadow records `base` added since this source last asked (all, the first time);
+        a runtime that restarted (a new `instance`) is read from its start."""
+        instance, since = self._cursors.get(base, ("", 0))
+        out: dict[str, dict[str, Any]] = {}
+        for _ in range(64):  # the runtime keeps 1024 records, 256 a page
+            doc = _get_json(f"{base}/records?shadow=1&since={since}", self.http_timeout)
+            if instance and doc.get("instance") != instance:
+                instance, since, out = str(doc.get("instance", "")), 0, {}
+                continue
+            instance = str(doc.get("instance", ""))
+            out.update(doc.get("records", {}))
+            since = int(doc.get("next_since", since))
+            if not doc.get("more"):
+                break
+        self._cursors[base] = (instance, since)
+        return out
+
+
+def with_quality(traffic: Verdict, quality: Verdict) -> Verdict:
+    """The interval's verdict from the traffic gates' and the quality gate's: the worse wins
+    (FAIL over HALT over PASS), and when both have that outcome both reasons are given; the
+    quality figures join the measurements either way."""
+    m = {**traffic.measurements, **quality.measurements}
+    rank = {PASS: 0, HALT: 1, FAIL: 2}
+    worst = max((traffic, quality), key=lambda v: rank[v.outcome])
+    if traffic.outcome == quality.outcome:
+        return Verdict(worst.outcome, f"{traffic.reason}; {quality.reason}", m)
+    return Verdict(worst.outcome, worst.reason, m)

@@ -1,0 +1,108 @@
+"""Where rollouts read their measurements: only what the operator configured in the mesh file
+(`caller_sidecars[].admin_url`, `services.<s>.versions.<v>.metrics_urls`, the version's
+`endpoints` for the liveness probe). A sidecar's node metadata is never a source: any local
+process can announce anything over ADS, and there is no verified node identity yet (mTLS,
+issue 14). The mesh is read at every measurement, so `meshlm apply` changes are followed."""
+
+from __future__ import annotations
+
+import functools
+
+from xds_server.control_plane import ControlPlane
+from xds_server.identity.ca import spiffe_id
+from xds_server.resources.names import outbound_cluster
+from xds_server.rollout.gates import (
+    EnvoyStatsSource,
+    MeasurementError,
+    RuntimeMetricsSource,
+    Sources,
+)
+from xds_server.rollout.liveness import GrpcHealthSource, MtlsProbe, client_context
+from xds_server.rollout.quality import MirrorSource, ReplaySource
+from xds_server.rollout.spec import RolloutSpec
+
+
+def caller_admin_urls(cp: ControlPlane) -> list[str]:
+    urls = [c.admin_url for c in cp.mesh.caller_sidecars]
+    if not urls:
+        raise MeasurementError(
+            "no caller-side sidecar configured: the mesh file's caller_sidecars lists the "
+            "callers' Envoy admin URLs that the gates read"
+        )
+    return urls
+
+
+def _version(cp: ControlPlane, service: str, version: str):  # -> xds_server.mesh.Version
+    ver = cp.mesh.services.get(service, None)
+    ver = ver and ver.versions.get(version)
+    if ver is None:
+        raise MeasurementError(f"services.{service}.versions.{version}: not in the mesh")
+    return ver
+
+
+def runtime_metrics_urls(cp: ControlPlane, service: str, version: str) -> list[str]:
+    urls = list(_version(cp, service, version).metrics_urls)
+    if not urls:
+        raise MeasurementError(
+            f"no metrics URL configured for {service}/{version} "
+            f"(services.{service}.versions.{version}.metrics_urls)"
+        )
+    return urls
+
+
+def endpoints(cp: ControlPlane, service: str, version: str) -> list[str]:
+    try:
+        return [str(e) for e in _version(cp, service, version).endpoints]
+    except MeasurementError:
+        return []
+
+
+def mtls_probe(cp: ControlPlane, service: str) -> MtlsProbe | None:
+    """How the control plane probes `service`'s endpoints: None on a plaintext mesh; with mTLS
+    its own certificate (the control plane's SPIFFE ID) and the service's SPIFFE ID."""
+    mesh, ident = cp.mesh, cp.identity
+    svc = mesh.services.get(service)
+    if ident is None or mesh.identity is None or mesh.identity.mtls == "off" or svc is None:
+        return None
+    key, chain = ident.ca.server_credentials((), ())
+    ctx = client_context(key, chain, ident.ca.bundle_pem())
+    return MtlsProbe(ctx, spiffe_id(ident.ca.trust_domain, svc.service_account))
+
+
+def _canary_header(cp: ControlPlane, service: str) -> str:
+    svc = cp.mesh.services.get(service)
+    return svc.route.canary_header if svc is not None else "x-canary"
+
+
+def configured_sources(cp: ControlPlane):
+    """A `sources_factory` for `RolloutController` reading the control plane's current mesh."""
+
+    def factory(spec: RolloutSpec) -> Sources:
+        callers = functools.partial(caller_admin_urls, cp)
+        return Sources(
+            grpc=EnvoyStatsSource(callers, outbound_cluster(spec.service, spec.canary)),
+            latency=RuntimeMetricsSource(
+                functools.partial(runtime_metrics_urls, cp, spec.service, spec.canary)
+            ),
+            stable=EnvoyStatsSource(callers, outbound_cluster(spec.service, spec.stable)),
+            live=GrpcHealthSource(
+                functools.partial(endpoints, cp, spec.service, spec.canary),
+                mtls=functools.partial(mtls_probe, cp, spec.service),
+            ),
+            quality=_quality_source(cp, spec),
+        )
+
+    return factory
+
+
+def _quality_source(cp: ControlPlane, spec: RolloutSpec) -> ReplaySource | MirrorSource | None:
+    q = spec.quality
+    if q is None:
+        return None
+    stable = functools.partial(runtime_metrics_urls, cp, spec.service, spec.stable)
+    canary = functools.partial(runtime_metrics_urls, cp, spec.service, spec.canary)
+    if q.mode == "mirror":
+        return MirrorSource(q, stable, canary)
+    return ReplaySource(
+        q, spec.service, stable, canary, canary_header=_canary_header(cp, spec.service)
+    )

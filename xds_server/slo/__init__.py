@@ -1,0 +1,2 @@
+"""The SLO loop: objectives measured, actions taken (shed, tighten, scale), the request-class
+quarantine and the access-log service that feeds it."""
