@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from mesh_common.headers import PROMPT_TOKENS_HEADER, TENANT_HEADER
 from model_runtime import openai_api as api
 from model_runtime.http_bounds import (
     REQUEST_TIMEOUT_S,
@@ -40,7 +41,6 @@ from model_runtime.http_bounds import (
     peer_closed,
 )
 from model_runtime.openai_api import ApiError
-from model_runtime.service import PROMPT_TOKENS_HEADER, TENANT_HEADER
 from schemas import codec
 from schemas.codec import Limits
 

@@ -23,6 +23,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from mesh_common import type_urls as t
 from xds_server.rollout.controller import (
     FAILED,
     PAUSED,
@@ -32,7 +33,6 @@ from xds_server.rollout.controller import (
     ROLLED_BACK,
     SUCCEEDED,
 )
-from xds_server.xds import type_urls as t
 from xds_server.xds.sync import BUCKETS
 
 log = logging.getLogger(__name__)
