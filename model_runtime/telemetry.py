@@ -41,9 +41,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from mesh_common.http_server import BoundedHandler, BoundedServer
+from mesh_common.prometheus_text import CONTENT_TYPE
 from model_runtime import otlp
 from model_runtime.prometheus import (
-    CONTENT_TYPE,
     E2E_BUCKETS,
     ITL_BUCKETS,
     TTFT_BUCKETS,
