@@ -34,12 +34,12 @@ from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
 )
 from google.protobuf import json_format
 
+from mesh_common import type_urls as t
 from mesh_common.ports import free_port
 from sidecar.bootstrap import XDS_CLUSTER, static_cluster
 from xds_server import mesh as m
 from xds_server.resources import build_resources, listeners
 from xds_server.resources.names import AUTHZ_FILTER
-from xds_server.xds import type_urls as t
 from xds_server.xds.node import NodeInfo
 
 # part -> what it is in the inbound config

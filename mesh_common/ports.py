@@ -8,7 +8,7 @@ from pathlib import Path
 # Ports the OS hands out itself (bind to port 0, a connection's local end) come from
 # ip_local_port_range; a listener port is picked below it, where only an explicit bind takes one.
 # A port the OS picked was free a moment ago but could become a new connection's local end
-# before Envoy bound it: a listener NACKed "cannot bind: Address already in use" (red once in CI).
+# before Envoy bound it: a listener NACKed "cannot bind: Address already in use".
 _SPAN = 12000
 _given: set[int] = set()
 _lock = threading.Lock()

@@ -7,7 +7,6 @@ nothing is written to or read from it. Its files are opened relative to a descri
 checked directory and never through a symlink. A write goes to a fresh temporary file
 (O_EXCL, mode set with fchmod so the umask cannot change it), is synced, then renamed over the
 target (a planted file or symlink there is replaced, never followed), and the rename is synced.
-Lives in `sidecar/` because the control plane already imports `sidecar` (never the reverse).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from mesh_common.headers import API_KEY_HEADER
 from meshlm.caller import CallerBase, Completion, Progress, build_request
 from meshlm.errors import from_rpc_error
 from model_runtime.client import GENERATE, INFO, Metadata, mirror_safe
@@ -45,7 +46,7 @@ class AsyncCaller(CallerBase):
         super().__init__(stall)
         options = [("grpc.default_authority", authority)] if authority else []
         self.channel = grpc.aio.insecure_channel(target, options=options)
-        self.metadata = list(metadata) + ([("x-api-key", api_key)] if api_key else [])
+        self.metadata = list(metadata) + ([(API_KEY_HEADER, api_key)] if api_key else [])
         self._generate = self.channel.unary_stream(GENERATE)
         self._info = self.channel.unary_unary(INFO)
 

@@ -45,15 +45,21 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from mesh_common.headers import (
+    MIRROR_HEADER,
+    MIRROR_SAFE,
+    REPLICA_HEADER,
+    STALL_HEADER,
+    VERSION_HEADER,
+)
 from meshlm.errors import DeadlineExceeded, InvalidArgument, StreamLost, from_rpc_error
-from model_runtime.client import MIRROR_HEADER, Client, Metadata, generate_request, mirror_safe
+from model_runtime.client import Client, Metadata, generate_request, mirror_safe
 from schemas import codec
 from schemas.codec import ChatMessage, GenerateRequest, ModelInfo, TokenChunk
-from xds_server.mesh import STALL_HEADER, VERSION_HEADER, Stall
+from xds_server.mesh import Stall
 
 log = logging.getLogger("meshlm.caller")
 
-REPLICA_HEADER = "x-meshlm-replica"
 # A failure of the path or the replica, not of the request: worth a resume once tokens flowed.
 # CANCELLED here is a reset the caller did not ask for (its own close never reaches this).
 RESUMABLE = frozenset(
@@ -271,7 +277,7 @@ class Progress:
             )
         md = self.metadata + ([(VERSION_HEADER, self._version)] if self._version else [])
         if self.mirror and not self.resumes:
-            md.append((MIRROR_HEADER, "safe"))
+            md.append((MIRROR_HEADER, MIRROR_SAFE))
         self._last, self._slow, self._first = time.monotonic(), 0, True
         return codec.encode_generate_request(req), remaining, md
 

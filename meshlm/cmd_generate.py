@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mesh_common.headers import API_KEY_HEADER
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt (sent as one user chat message unless --raw)")
@@ -38,7 +40,7 @@ def _header(text: str) -> tuple[str, str]:
     name = name.strip().lower()
     if not sep or not name or name.startswith(":") or not value.strip():
         raise argparse.ArgumentTypeError(f"expected NAME:VALUE, e.g. x-canary:always, got {text!r}")
-    if name == "x-api-key":
+    if name == API_KEY_HEADER:
         raise argparse.ArgumentTypeError("the API key goes in --api-key, not --header")
     return name, value.strip()
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mesh_common.headers import API_KEY_HEADER, PRIORITY_HEADER, TENANT_HEADER
 from wasm_filters.policy import (
     CallerRule,
     Policy,
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if not host.configure(config):
         print("meshlm policy: the filter refused the configuration", file=sys.stderr)
         return 1
-    headers = {"x-api-key": args.key} if args.key else {}
+    headers = {API_KEY_HEADER: args.key} if args.key else {}
     before = dict(host.metrics)
     d = host.request(headers, path=args.path, grpc=not args.http, principal=args.principal)
     counted = [n for n, v in host.metrics.items() if v > before.get(n, 0)]
@@ -106,8 +107,8 @@ def run(args: argparse.Namespace) -> int:
         "decision": "allow" if d.allowed else "deny",
         "status": 200 if d.allowed else d.status,
         "grpc_status": None if args.http else GRPC_NAMES.get(d.grpc_status or 0),
-        "tenant": (d.header("x-meshlm-tenant") or b"").decode() or None,
-        "priority": (d.header("x-meshlm-priority") or b"").decode() or None,
+        "tenant": (d.header(TENANT_HEADER) or b"").decode() or None,
+        "priority": (d.header(PRIORITY_HEADER) or b"").decode() or None,
         "message": d.body.decode(errors="replace") or None,
         "workload": _workload(json.loads(config), args.principal, counted),
         "tenant_check": _tenant_check(counted),

@@ -14,9 +14,9 @@ from envoy.admin.v3 import config_dump_shared_pb2 as cd
 from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
 from google.protobuf import json_format
 
+from mesh_common import type_urls as t
 from meshlm.logs import escape
 from xds_server.identity.ca import CA_SERVER_NAME
-from xds_server.xds import type_urls as t
 
 ORDER = ("CDS", "EDS", "LDS", "ECDS", "RDS")
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import grpc
 
+from mesh_common.headers import REPLICA_HEADER
 from meshlm.caller import Caller
 from meshlm.sla import percentile
 from model_runtime.client import Client
-from model_runtime.service import REPLICA_HEADER
 
 PROMPTS = (
     "What is the capital of France? Answer with one word.",

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from mesh_common.headers import API_KEY_HEADER, MIRROR_HEADER, MIRROR_SAFE
 from schemas import codec
 from schemas.codec import ChatMessage, GenerateRequest, ModelInfo, TokenChunk
 
@@ -27,7 +28,6 @@ GENERATE = "/meshlm.inference.v1.Inference/Generate"
 INFO = "/meshlm.inference.v1.Inference/Info"
 
 Metadata = Sequence[tuple[str, str]]
-MIRROR_HEADER = "x-meshlm-mirror"  # "safe": Envoy may mirror the call to a canary (issue 18)
 
 
 def mirror_safe(req: GenerateRequest, mirror: bool, *metadata: Metadata) -> bool:
@@ -73,7 +73,7 @@ class Client:
     ) -> None:
         options = [("grpc.default_authority", authority)] if authority else []
         self.channel = grpc.insecure_channel(target, options=options)
-        self.metadata = list(metadata) + ([("x-api-key", api_key)] if api_key else [])
+        self.metadata = list(metadata) + ([(API_KEY_HEADER, api_key)] if api_key else [])
         self._generate = self.channel.unary_stream(GENERATE)
         self._info = self.channel.unary_unary(INFO)
 
@@ -110,7 +110,7 @@ class Client:
         req = generate_request(prompt, messages, prompt_token_ids, params)
         md = list(metadata)
         if mirror_safe(req, mirror, self.metadata, md):
-            md.append((MIRROR_HEADER, "safe"))
+            md.append((MIRROR_HEADER, MIRROR_SAFE))
         call = self.generate_raw(codec.encode_generate_request(req), timeout=timeout, metadata=md)
         try:
             for buf in call:

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP on the runtime (issue 17): `meshlm serve --http-port P`.
+"""OpenAI-compatible HTTP on the runtime: `meshlm serve --http-port P`.
 
     POST /v1/chat/completions   POST /v1/completions   (stream: server-sent events, data: [DONE])
     GET  /v1/models             GET  /v1/models/{id}
@@ -12,7 +12,7 @@ as an exception, and the client's disconnect as the end of the call (the engine 
 request's KV blocks, as on a gRPC cancel). As for gRPC, a stream's response headers leave with
 its first token, so a refusal before it (queue full, a bad value) is a plain HTTP error status.
 
-HTTP/1.1 with keep-alive (a stream's body is chunked) on model_runtime/http_bounds.py: exact
+HTTP/1.1 with keep-alive (a stream's body is chunked) on mesh_common/http_server.py: exact
 framing (a body is read whole, content-length or chunked, or refused with the connection
 closed), a bounded body, a whole-request deadline, a bounded number of connections in all and
 per peer, a thread per connection. Route and readiness are checked before a body is read. Bind
@@ -31,16 +31,16 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from model_runtime import openai_api as api
-from model_runtime.http_bounds import (
+from mesh_common.headers import PROMPT_TOKENS_HEADER, TENANT_HEADER
+from mesh_common.http_server import (
     REQUEST_TIMEOUT_S,
     BodyError,
     BoundedHandler,
     BoundedServer,
     peer_closed,
 )
+from model_runtime import openai_api as api
 from model_runtime.openai_api import ApiError
-from model_runtime.service import PROMPT_TOKENS_HEADER, TENANT_HEADER
 from schemas import codec
 from schemas.codec import Limits
 

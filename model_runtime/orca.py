@@ -57,6 +57,8 @@ import grpc
 from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
 from xds.service.orca.v3.orca_pb2 import OrcaLoadReportRequest
 
+from mesh_common.headers import CLIENT_CERT_HEADER
+
 SERVICE = "xds.service.orca.v3.OpenRcaService"
 MIN_INTERVAL_S = 0.1  # a client may not make the runtime report faster than this
 MAX_INTERVAL_S = 60.0
@@ -68,7 +70,6 @@ UTILIZATION_SCALE = 0.01  # what application_utilization carries (weights x100, 
 # One stream per caller sidecar and balanced cluster; replicas of one workload share its ID.
 MAX_STREAMS = 64
 MAX_STREAMS_PER_PEER = 16
-CLIENT_CERT_HEADER = "x-forwarded-client-cert"
 _URI = re.compile(r'(?:^|;)URI="?([^;",]*)')
 
 

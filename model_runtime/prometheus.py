@@ -3,11 +3,11 @@
 alerts written for vLLM need only the prefix changed. An underscore, not vLLM's colon: colons are
 reserved for recording rules, and `promtool check metrics` refuses them.
 
-One registry per runtime (not prometheus_client's global one): several runtimes in one process
-(tests, benchmarks) never mix their series. Gauges and engine counters are read from
-`engine.stats()` at scrape time; latencies are observed as they happen. Bucket bounds are chosen
-for token latencies: milliseconds for the gap between tokens, up to a minute for the first
-token and several minutes for a whole stream (the client library's defaults stop at 10 s).
+The text and the registry (one per runtime) come from mesh_common/prometheus_text.py, as the
+control plane's. Gauges and engine counters are read from `engine.stats()` at scrape time;
+latencies are observed as they happen. Bucket bounds are chosen for token latencies:
+milliseconds for the gap between tokens, up to a minute for the first token and several minutes
+for a whole stream (the client library's defaults stop at 10 s).
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mesh_common import prometheus_text
+
 log = logging.getLogger(__name__)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0)  # fmt: skip
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
@@ -78,7 +79,7 @@ class RuntimeMetrics:
     """What a runtime observes, and its exposition. Thread-safe (prometheus_client locks)."""
 
     def __init__(self, engine_stats: Callable[[], dict]) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry = prometheus_text.registry()
         r = self.registry
         self.ttft = Histogram("meshlm_time_to_first_token_seconds",
                               "Time from a Generate call's arrival to its first token.",
@@ -115,4 +116,4 @@ class RuntimeMetrics:
         return OTHER_TENANT
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return prometheus_text.exposition(self.registry)

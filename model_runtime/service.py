@@ -37,6 +37,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from mesh_common.headers import (
+    PRIORITY_HEADER,
+    PROMPT_TOKENS_HEADER,
+    REPLICA_HEADER,
+    REQUEST_ID_HEADER,
+    SHADOW_HEADER,
+    TENANT_HEADER,
+)
 from model_runtime.faults import Faults
 from model_runtime.orca import OrcaService
 from model_runtime.records import Records
@@ -49,12 +57,6 @@ log = logging.getLogger(__name__)
 SERVICE = "meshlm.inference.v1.Inference"
 GENERATE = f"/{SERVICE}/Generate"
 INFO = f"/{SERVICE}/Info"
-TENANT_HEADER = "x-meshlm-tenant"  # set by the sidecar's authz filter after it verified the key
-PRIORITY_HEADER = "x-meshlm-priority"
-REPLICA_HEADER = "x-meshlm-replica"  # the replica serving a stream; a resume avoids it (issue 10)
-PROMPT_TOKENS_HEADER = "x-meshlm-prompt-tokens"  # with the first chunk: the prompt's length
-SHADOW_HEADER = "x-meshlm-shadow"  # "1": a mirrored copy, set by the canary's sidecar (issue 18)
-REQUEST_ID_HEADER = "x-request-id"  # Envoy's; copied to a mirror's shadow
 PRIORITY_NAMES = {"low": -1, "normal": 0, "default": 0, "high": 1}
 _POLL_S = 0.25  # how often a waiting stream re-checks deadline and liveness
 _CANCELLED = object()  # wakes a stream whose RPC ended (client cancel, deadline, drain)

@@ -13,7 +13,7 @@ cumulative TTFT/TPOT histograms since the runtime started (`histograms`: a rollo
 one read at the start of its analysis interval and one at the end and reads the percentile of
 the difference, as Prometheus' histogram_quantile over a rate does), plus the gauges.
 
-Mirrored copies (`shadow=True`, issue 18) count only in their own counter
+Mirrored copies (`shadow=True`) count only in their own counter
 (`meshlm_shadow_requests_total{code}` in /metrics, `shadow_requests` in /metrics.json,
 `meshlm.shadow.requests` over OTLP): never in the requests, TTFT, TPOT, ITL, e2e or queue series
 that a canary's traffic gates read, so the canary is judged on its callers' calls alone.
@@ -40,10 +40,10 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from mesh_common.http_server import BoundedHandler, BoundedServer
+from mesh_common.prometheus_text import CONTENT_TYPE
 from model_runtime import otlp
-from model_runtime.http_bounds import BoundedHandler, BoundedServer
 from model_runtime.prometheus import (
-    CONTENT_TYPE,
     E2E_BUCKETS,
     ITL_BUCKETS,
     TTFT_BUCKETS,
@@ -211,7 +211,7 @@ class Telemetry:
             self.prom.itl.observe(gap_s / n)
 
     def resumed(self) -> None:
-        """A Generate call continues a stream another replica began (issue 10)."""
+        """A Generate call continues a stream another replica began (a stall resume)."""
         self.prom.resumes.inc()
 
     def shutdown(self) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sidecar.sds import DEFAULT, ROOTCA, SDS_CLUSTER, secret_ref
+from mesh_common import node_metadata
+from mesh_common.sds_names import DEFAULT, ROOTCA, SDS_CLUSTER
+from sidecar.sds import secret_ref
 
 XDS_CLUSTER = "xds_cluster"
 _HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -50,13 +52,13 @@ def ads_bootstrap(
         raise ValueError("inbound_port needs service and version (the runtime it fronts)")
     metadata: dict[str, Any] = {}
     for key, value in (
-        ("meshlm.service", service),
-        ("meshlm.version", version),
-        ("meshlm.inbound_port", inbound_port),
-        ("meshlm.outbound_port", outbound_port),
-        ("meshlm.local_endpoint", local_endpoint),
-        ("meshlm.local_http_endpoint", local_http_endpoint),
-        ("meshlm.listen_host", listen_host),
+        (node_metadata.SERVICE, service),
+        (node_metadata.VERSION, version),
+        (node_metadata.INBOUND_PORT, inbound_port),
+        (node_metadata.OUTBOUND_PORT, outbound_port),
+        (node_metadata.LOCAL_ENDPOINT, local_endpoint),
+        (node_metadata.LOCAL_HTTP_ENDPOINT, local_http_endpoint),
+        (node_metadata.LISTEN_HOST, listen_host),
     ):
         if value is not None:
             metadata[key] = value

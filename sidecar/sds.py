@@ -25,14 +25,12 @@ from envoy.extensions.transport_sockets.tls.v3 import secret_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 
+from mesh_common import type_urls
 from mesh_common.loop_thread import LoopThread
+from mesh_common.sds_names import DEFAULT, ROOTCA, SDS_CLUSTER
 
 log = logging.getLogger("meshlm.sidecar.sds")
 
-SDS_CLUSTER = "meshlm_sds"
-DEFAULT = "default"  # tls_certificate: the workload's chain and key (Istio's name)
-ROOTCA = "ROOTCA"  # validation_context: the mesh's trust bundle (Istio's name)
-SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the NUL
 
 
@@ -118,10 +116,10 @@ class _Servicer(sds_pb2_grpc.SecretDiscoveryServiceServicer):
                 if ev is None:
                     return
                 if isinstance(ev, discovery_pb2.DiscoveryRequest):
-                    if ev.type_url != SECRET_TYPE:
+                    if ev.type_url != type_urls.SECRET:
                         await context.abort(
                             grpc.StatusCode.INVALID_ARGUMENT,
-                            f"type_url: expected {SECRET_TYPE}, got {ev.type_url!r}",
+                            f"type_url: expected {type_urls.SECRET}, got {ev.type_url!r}",
                         )
                     if ev.HasField("error_detail"):  # a NACK: keep the stream, say why
                         log.warning(
@@ -137,7 +135,7 @@ class _Servicer(sds_pb2_grpc.SecretDiscoveryServiceServicer):
                     continue  # nothing asked, nothing held yet, or the ACK of what we sent
                 nonce += 1
                 resp = discovery_pb2.DiscoveryResponse(
-                    version_info=str(version), type_url=SECRET_TYPE, nonce=str(nonce)
+                    version_info=str(version), type_url=type_urls.SECRET, nonce=str(nonce)
                 )
                 for n in names:
                     if n in secrets:
@@ -152,7 +150,7 @@ class _Servicer(sds_pb2_grpc.SecretDiscoveryServiceServicer):
         self, request: discovery_pb2.DiscoveryRequest, context: grpc.aio.ServicerContext
     ) -> discovery_pb2.DiscoveryResponse:
         version, secrets = self.store.snapshot()
-        resp = discovery_pb2.DiscoveryResponse(version_info=str(version), type_url=SECRET_TYPE)
+        resp = discovery_pb2.DiscoveryResponse(version_info=str(version), type_url=type_urls.SECRET)
         for n in request.resource_names:
             if n in secrets:
                 resp.resources.add().Pack(secrets[n])

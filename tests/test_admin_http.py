@@ -143,6 +143,36 @@ def test_slow_and_idle_connections_are_bounded(port: int) -> None:
     assert eventually(lambda: _call(port, "GET", "/debug/syncz")[0] == 200, 10, "admin free")
 
 
+def _read_all(s: socket.socket) -> bytes:
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    return out
+
+
+def test_a_body_on_head_is_refused_not_read_as_the_next_request(port: int) -> None:
+    # The body of a HEAD is a whole GET: answered, it would be a request no Host or token check
+    # saw as sent (request smuggling on a keep-alive connection).
+    inner = f"GET /debug/syncz HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+    head = f"HEAD /healthz HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+    head += f"Content-Length: {len(inner)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head.encode() + inner)
+        replies = _read_all(s)
+    assert replies.count(b"HTTP/1.1 ") == 1, replies
+    assert replies.startswith(b"HTTP/1.1 400 "), replies
+
+
+def test_no_100_continue_before_the_token_is_checked(port: int) -> None:
+    # `Expect: 100-continue` must not invite a body that the token check then refuses.
+    head = f"POST /v1/mesh HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 100000\r\n"
+    head += "Expect: 100-continue\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head.encode())
+        first = s.recv(65536).split(b"\r\n", 1)[0]
+    assert first.startswith(b"HTTP/1.1 401 "), first
+
+
 def test_a_posted_mesh_cannot_point_keys_file_anywhere(port: int, tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("password: hunter2: x\n")  # not YAML: the parser's error quotes the line

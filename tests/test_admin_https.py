@@ -10,7 +10,10 @@ import http.client
 import json
 import os
 import re
+import select
+import socket
 import ssl
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +177,30 @@ def test_the_token_is_still_required_over_https(cp: Running) -> None:
     token = (cp.run / "meshlm" / f"admin-{cp.port}.token").read_text().strip()
     status, doc, _ = _call(cp, "POST", weights, {"Authorization": f"Bearer {token}"})
     assert status == 200, doc
+    status, doc, _ = _call(cp, "GET", "/debug/syncz")
+    assert status == 200 and "nodes" in doc
+
+
+def test_a_request_trickled_over_tls_is_cut_at_the_request_deadline(cp: Running) -> None:
+    # Each byte well inside the socket timeout; the whole request never inside the deadline (5 s).
+    raw = socket.create_connection(("127.0.0.1", cp.port), timeout=10)
+    with _tls(cp).wrap_socket(raw, server_hostname="127.0.0.1") as s:
+        start, closed = time.monotonic(), False
+        for b in b"GET /debug/syncz HTTP/1.1\r\nHost: 127.0.0.1\r\n"[:24]:
+            try:
+                s.sendall(bytes([b]))
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.5)
+            if select.select([s], [], [], 0)[0]:
+                try:
+                    closed = s.recv(1) == b""
+                except OSError:
+                    closed = True
+                if closed:
+                    break
+        assert closed and time.monotonic() - start < 9
     status, doc, _ = _call(cp, "GET", "/debug/syncz")
     assert status == 200 and "nodes" in doc
 

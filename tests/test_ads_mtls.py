@@ -13,6 +13,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
+from mesh_common import type_urls as t
 from mesh_common.ports import free_port
 from meshlm import cmd_status
 from sidecar import bootstrap
@@ -28,7 +29,6 @@ from xds_server.identity import ca as ca_mod
 from xds_server.mesh import Mesh, parse_mesh
 from xds_server.ratelimit import shares as membership
 from xds_server.ratelimit.service import DOMAIN
-from xds_server.xds import type_urls as t
 
 TD = "meshlm.local"
 CALLER = f"spiffe://{TD}/ns/default/sa/caller"

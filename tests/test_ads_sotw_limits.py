@@ -10,11 +10,11 @@ from pathlib import Path
 
 from envoy.service.discovery.v3 import discovery_pb2
 
+from mesh_common import type_urls as t
 from mesh_common.ports import free_port
 from tests.test_admin_token import Xds, env  # noqa: F401  (the fixture)
 from tests.test_xds_support import AdsClient, llm_mesh, sotw, upstreams
 from xds_server.control_plane import ControlPlane
-from xds_server.xds import type_urls as t
 from xds_server.xds.sync import Limits
 
 # Just under gRPC's 4 MiB message limit: ~480,000 distinct names of a few bytes each.

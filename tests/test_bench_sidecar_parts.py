@@ -11,9 +11,9 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 
 from bench import sidecar_parts as parts
+from mesh_common import type_urls as t
 from wasm_filters.policy import hash_key
 from xds_server.mesh import parse_mesh
-from xds_server.xds import type_urls as t
 
 LIMIT = {"max_tokens": 10, "tokens_per_fill": 10, "fill_interval": "1s"}
 MESH = parse_mesh(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from mesh_common.headers import VERSION_HEADER
 from mesh_common.ports import free_port
 from meshlm.caller import Caller, Stall, StreamLost
 from meshlm.procs import Proc, wait_until
@@ -24,7 +25,7 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.runtime_fixtures import serving_runtime
 from xds_server.control_plane import ControlPlane
-from xds_server.mesh import VERSION_HEADER, parse_mesh
+from xds_server.mesh import parse_mesh
 
 CHAT = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 N = 14  # max_new_tokens: the faults strike after 5

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from xds_server.mesh import STALL_HEADER, VERSION_HEADER, MeshError, Stall, parse_mesh
+from mesh_common.headers import STALL_HEADER, VERSION_HEADER
+from xds_server.mesh import MeshError, Stall, parse_mesh
 from xds_server.resources.routes import outbound_route_config
 
 

@@ -16,6 +16,7 @@ from envoy.admin.v3 import config_dump_shared_pb2 as cd
 from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
 from envoy.type.matcher.v3 import node_pb2, string_pb2, struct_pb2
 
+from mesh_common import type_urls as t
 from sidecar.envoy_process import EnvoyProcess
 from tests import test_ads_mtls as mtls
 from tests.test_ads_mtls import _channel as mtls_channel
@@ -33,7 +34,6 @@ from tests.test_xds_support import (
 from xds_server.control_plane import ControlPlane
 from xds_server.identity import ca as ca_mod
 from xds_server.mesh import parse_mesh
-from xds_server.xds import type_urls as t
 
 SYNCED, ERROR = csds_pb2.ConfigStatus.SYNCED, csds_pb2.ConfigStatus.ERROR
 

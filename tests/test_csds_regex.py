@@ -14,10 +14,10 @@ import pytest
 from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
 from envoy.type.matcher.v3 import node_pb2, regex_pb2, string_pb2
 
+from mesh_common import type_urls as t
 from tests import test_ads_mtls as mtls
 from tests.test_xds_support import AdsClient, eventually, sotw, upstreams
 from xds_server.control_plane import ControlPlane
-from xds_server.xds import type_urls as t
 
 VICTIM = "a" * 29  # (a+)+b on this takes Python's backtracking re 2**29 steps
 

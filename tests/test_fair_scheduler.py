@@ -13,10 +13,11 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from mesh_common.headers import PRIORITY_HEADER, TENANT_HEADER
 from model_runtime.client import Client
 from model_runtime.engine import Engine, EngineFull, GenerateParams, TokenEvent
 from model_runtime.fair import FairQueue
-from model_runtime.service import PRIORITY_HEADER, TENANT_HEADER, Runtime
+from model_runtime.service import Runtime
 
 TIMEOUT = 120
 

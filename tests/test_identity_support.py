@@ -17,11 +17,12 @@ from cryptography import x509
 
 from mesh_common.ports import free_port
 from mesh_common.private_files import write_private
+from mesh_common.sds_names import DEFAULT, ROOTCA
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.identity import IdentityAgent
 from sidecar.lkg import LastKnownGood
-from sidecar.sds import DEFAULT, ROOTCA, secret_ref
+from sidecar.sds import secret_ref
 from sidecar.supervisor import Supervisor
 from xds_server.control_plane import ControlPlane
 from xds_server.identity.ca import uri_sans

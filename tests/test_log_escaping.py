@@ -9,11 +9,11 @@ import logging
 import sys
 from pathlib import Path
 
+from mesh_common import type_urls as t
 from mesh_common.ports import free_port
 from meshlm import logs
 from tests.test_admin_token import Xds, env  # noqa: F401  (the fixture)
 from tests.test_xds_support import AdsClient, eventually, sotw
-from xds_server.xds import type_urls as t
 
 FAKE = (
     "2026-12-05 00:00:00,000 INFO xds_server.admin.api admin POST /identity/tokens by "

@@ -16,7 +16,9 @@ from envoy.service.discovery.v3 import discovery_pb2
 from envoy.service.secret.v3 import sds_pb2_grpc
 
 from mesh_common.loop_thread import LoopThread
-from sidecar.sds import DEFAULT, SECRET_TYPE, SdsServer, SecretStore
+from mesh_common.sds_names import DEFAULT
+from mesh_common.type_urls import SECRET as SECRET_TYPE
+from sidecar.sds import SdsServer, SecretStore
 from tests.test_identity_support import short_dir
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mesh_common import type_urls as t
 from mesh_common.ports import free_port
 from tests.promtool_support import check_metrics, scrape
 from tests.test_admin_https import _start
@@ -26,7 +27,6 @@ from xds_server.mesh import parse_mesh
 from xds_server.rollout.controller import RolloutController
 from xds_server.rollout.gates import Sources
 from xds_server.slo.loop import SloLoops
-from xds_server.xds import type_urls as t
 
 TOKEN = "t0ken-of-the-admin-api"
 

@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from envoy.extensions.access_loggers.stream.v3.stream_pb2 import StdoutAccessLog
 from grpc_health.v1 import health_pb2
 
+from mesh_common import type_urls as t
 from mesh_common.ports import free_port
 from sidecar.bootstrap import with_sds
 from sidecar.envoy_process import EnvoyProcess
@@ -51,7 +52,6 @@ from xds_server.identity.ca import MeshCA, key_pem, uri_sans
 from xds_server.mesh import parse_mesh
 from xds_server.resources import ResourceError, build_resources
 from xds_server.resources.listeners import HCM
-from xds_server.xds import type_urls as t
 from xds_server.xds.node import NodeInfo
 
 TD = "meshlm.local"

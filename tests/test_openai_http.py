@@ -16,10 +16,11 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from mesh_common.headers import PROMPT_TOKENS_HEADER, REPLICA_HEADER, TENANT_HEADER
 from model_runtime.client import Client
 from model_runtime.faults import Faults
 from model_runtime.openai_http import OpenAIServer
-from model_runtime.service import PROMPT_TOKENS_HEADER, REPLICA_HEADER, TENANT_HEADER, Runtime
+from model_runtime.service import Runtime
 from tests.runtime_fixtures import serving_runtime
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]

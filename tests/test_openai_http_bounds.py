@@ -15,8 +15,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from mesh_common.headers import TENANT_HEADER
 from model_runtime.openai_http import OpenAIServer
-from model_runtime.service import TENANT_HEADER, Runtime
+from model_runtime.service import Runtime
 from tests.runtime_fixtures import serving_runtime
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]

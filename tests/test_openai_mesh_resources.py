@@ -13,12 +13,12 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2 as hpo
 
+from mesh_common import type_urls as t
 from tests.test_cli_errors import assert_clear, meshlm
 from wasm_filters.policy import hash_key, parse_policy
 from wasm_filters.xds import native_http_filters
 from xds_server.mesh import parse_mesh
 from xds_server.resources import ResourceError, build_resources
-from xds_server.xds import type_urls as t
 from xds_server.xds.node import NodeInfo
 
 HTTP_CLUSTER = "inbound|llm|v1|http"

@@ -20,6 +20,7 @@ from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
     header_mutation_pb2 as early_pb2,
 )
 
+from mesh_common import type_urls as t
 from tests.test_rollout_controller import FakeApplyResult, FakeControlPlane, FakeGrpcCounts
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import MeshError, Mirror, parse_mesh
@@ -31,7 +32,6 @@ from xds_server.rollout.gates import FAIL, PASS, Sources, Verdict
 from xds_server.rollout.quality import MirrorSource
 from xds_server.rollout.sources import configured_sources
 from xds_server.rollout.spec import RolloutSpecError, parse_rollout
-from xds_server.xds import type_urls as t
 from xds_server.xds.node import NodeInfo
 
 BASE = {"stable": "v1", "canary": "v2"}

@@ -16,6 +16,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 from google.protobuf import wrappers_pb2
 
+from mesh_common import type_urls as t
 from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
@@ -26,7 +27,6 @@ from xds_server.mesh import Mesh, MeshError, SloState, parse_mesh
 from xds_server.resources import build_resources
 from xds_server.resources.names import AUTHZ_FILTER
 from xds_server.resources.ratelimit import MAX_FILL_INTERVAL_MS, share
-from xds_server.xds import type_urls as t
 from xds_server.xds.node import NodeInfo
 from xds_server.xds.snapshot import make_version
 

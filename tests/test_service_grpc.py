@@ -19,12 +19,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from mesh_common.headers import PRIORITY_HEADER
 from model_runtime import kernels
 from model_runtime.client import Client
 from model_runtime.engine import Engine
 from model_runtime.faults import Faults
 from model_runtime.loader import DTYPE_NAMES
-from model_runtime.service import PRIORITY_HEADER, SERVICE, InferenceService, Runtime, _priority
+from model_runtime.service import SERVICE, InferenceService, Runtime, _priority
 from model_runtime.telemetry import MetricsServer, Telemetry
 from schemas import codec
 from tests.fuzz import codec as fuzz

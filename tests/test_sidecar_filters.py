@@ -10,11 +10,11 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
 
+from mesh_common import type_urls as t
 from wasm_filters.policy import hash_key
 from xds_server.mesh import parse_mesh
 from xds_server.resources import build_resources
 from xds_server.resources.names import AUTHZ_FILTER
-from xds_server.xds import type_urls as t
 from xds_server.xds.node import NodeInfo
 
 GRPC_STATS = "envoy.filters.http.grpc_stats"

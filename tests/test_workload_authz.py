@@ -15,6 +15,7 @@ from envoy.extensions.filters.http.rbac.v3 import rbac_pb2 as rbac_filter_pb2
 from envoy.extensions.filters.http.wasm.v3 import wasm_pb2 as wasm_filter_pb2
 from google.protobuf import wrappers_pb2
 
+from mesh_common import type_urls as t
 from meshlm import cli
 from wasm_filters.host import WasmHost
 from wasm_filters.policy import CallerRule, PolicyError, compile_filter_config, hash_key
@@ -22,7 +23,6 @@ from wasm_filters.policy import parse_policy as parse_tenants
 from xds_server.mesh import MeshError, parse_mesh
 from xds_server.resources import build_resources, names
 from xds_server.resources.routes import ORCA_PATH
-from xds_server.xds import type_urls as t
 from xds_server.xds.node import NodeInfo
 
 TD = "td.example"

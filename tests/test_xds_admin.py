@@ -15,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 
+from mesh_common import type_urls as t
 from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_xds_support import AdsClient, Caller, eventually, sotw, upstreams
-from xds_server.xds import type_urls as t
 
 TOKEN = "test-admin-token"
 

@@ -10,11 +10,11 @@ import pytest
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
+from mesh_common import type_urls as t
 from tests.test_xds_support import AdsClient, sotw
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 from xds_server.resources import clusters, endpoints, listeners
-from xds_server.xds import type_urls as t
 from xds_server.xds.snapshot import InconsistentSnapshot, build_snapshot
 
 MESH = {

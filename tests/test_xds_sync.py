@@ -16,13 +16,13 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from mesh_common import type_urls as t
 from meshlm.cmd_sidecar import _default_node_id
 from meshlm.cmd_status import render
 from tests.test_xds_support import AdsClient, eventually, sotw
 from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import MeshError, parse_mesh
-from xds_server.xds import type_urls as t
 from xds_server.xds.node import NodeInfo
 from xds_server.xds.sync import Limits
 

@@ -30,7 +30,6 @@ from wasm_filters.xds import _any
 
 CLASSIFY_WASM = Path(__file__).resolve().parent / "classify.wasm"
 CLASSIFY_FILTER = "meshlm.classify"
-CLASS_HEADER = "x-meshlm-class"
 VM_ID = "meshlm_classify"
 PREFIX_BYTES = 64  # bytes of normalised text that make a class (see classify.zig)
 # Above the runtime's 256 KiB prompt limit: any prompt it serves is classified whole; a larger

@@ -188,7 +188,7 @@ def file_ecds_http_filter(path: str, *, name: str = "meshlm.authz") -> Any:
         http_connection_manager_pb2 as hcm_pb2,
     )
 
-    from wasm_filters.xds import WASM_TYPE_URL
+    from mesh_common.type_urls import WASM as WASM_TYPE_URL
 
     source = config_source_pb2.ConfigSource(
         path_config_source=config_source_pb2.PathConfigSource(

@@ -49,6 +49,8 @@ from envoy.type.matcher.v3 import path_pb2, regex_pb2, string_pb2
 from envoy.type.v3 import percent_pb2, token_bucket_pb2
 from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
 
+from mesh_common.headers import API_KEY_HEADER, PRIORITY_HEADER, TENANT_HEADER
+from mesh_common.type_urls import WASM as WASM_TYPE_URL
 from wasm_filters.policy import (
     METHOD_PREFIX,
     OPENAI_PATHS,
@@ -61,10 +63,7 @@ from wasm_filters.policy import (
 )
 
 WASM_PATH = Path(__file__).resolve().parent / "authz.wasm"
-WASM_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
 VM_ID = "meshlm_authz"  # shared data (the token buckets) is scoped by vm_id
-TENANT_HEADER = "x-meshlm-tenant"
-PRIORITY_HEADER = "x-meshlm-priority"
 
 
 def _any(msg: object) -> any_pb2.Any:
@@ -212,7 +211,7 @@ def native_http_filters(
     api_key = api_key_auth_pb2.ApiKeyAuth(
         credentials=credentials,
         key_sources=[
-            api_key_auth_pb2.KeySource(header="x-api-key"),
+            api_key_auth_pb2.KeySource(header=API_KEY_HEADER),
             api_key_auth_pb2.KeySource(header="authorization"),  # `Bearer ` is stripped
         ],
         forwarding=api_key_auth_pb2.Forwarding(header=TENANT_HEADER, hide_credentials=True),

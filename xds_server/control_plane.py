@@ -543,7 +543,7 @@ class ControlPlane:
     def config_dump(self) -> dict:
         from google.protobuf import json_format
 
-        from xds_server.xds import type_urls as t
+        from mesh_common import type_urls as t
 
         groups = []
         for group, snap in self.cache.groups().items():

@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from mesh_common.headers import CLASS_HEADER
 from meshlm.scenarios import report_of, running, say, write_report
 
 BENCH_TITLE = "Semantic circuit breaking: a query of death at 1/s"
@@ -188,7 +189,7 @@ def poison_class() -> str:
     )
     frame = b"\0" + len(msg).to_bytes(4, "big") + msg  # one gRPC message
     d = host.request({":authority": "llm"}, path=GENERATE, body=frame)
-    return (d.header("x-meshlm-class") or b"").decode()
+    return (d.header(CLASS_HEADER) or b"").decode()
 
 
 def _main_restarts(mesh: Any) -> int:

@@ -35,21 +35,19 @@ checked before any body is read (401); a body needs a Content-Length of at most 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import json
 import logging
-import socket
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
+from mesh_common.http_server import BodyError, BoundedHandler, BoundedServer
 from xds_server.admin import traffic as traffic_check
 from xds_server.admin.dashboard import Busy, Dashboard
 from xds_server.admin.metrics import ControlPlaneMetrics, Exposition
@@ -98,7 +96,7 @@ class AdminServer:
         # HTTPS whenever the mesh has a CA (issue 14): the token never travels in the clear.
         self.tls = AdminTLS(cp.identity.ca, host, READ_DEADLINE) if cp.identity else None
         handler = type("Handler", (_Handler,), {"admin": self})
-        self.httpd = _BoundedServer((host, port), handler, self.tls)
+        self.httpd = _AdminHTTPServer((host, port), handler, self.tls)
         self.port = self.httpd.server_address[1]
         self.httpd.url = self.url
         # DNS rebinding: a browser page's requests carry the page's host name in Host.
@@ -252,23 +250,26 @@ def _outcome(r: ApplyResult) -> tuple[int, Any]:
     return (409 if r.errors else 504), r.to_json()
 
 
-class _BoundedServer(ThreadingHTTPServer):
-    """One thread per connection, at most MAX_CONNECTIONS of them; the others get 503. With
-    `tls`, each connection's handshake runs in its thread (a slow one holds no other back)."""
+class _AdminHTTPServer(BoundedServer):
+    """The shared bounded server with the admin API's limits; with `tls`, each connection's
+    handshake runs in its thread (a slow one holds no other back)."""
 
-    daemon_threads = True
-    request_queue_size = 64  # listen backlog (socketserver's default of 5 drops bursts)
+    url = ""  # the admin API's own URL, named in the reply to a plain HTTP request
     _BUSY = (
         b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
         b'Connection: close\r\nContent-Length: 39\r\n\r\n{"error": "too many admin connections"}'
     )
 
-    url = ""  # the admin API's own URL, named in the reply to a plain HTTP request
-
     def __init__(self, address: tuple[str, int], handler: type, tls: AdminTLS | None) -> None:
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.tls = tls
-        super().__init__(address, handler)
+        super().__init__(
+            address,
+            handler,
+            max_connections=MAX_CONNECTIONS,
+            max_per_peer=MAX_CONNECTIONS,  # local clients share one peer address
+            request_timeout=READ_DEADLINE,
+            busy=self._BUSY,
+        )
 
     def service_actions(self) -> None:  # serve_forever() calls this every half second
         if self.tls:
@@ -288,51 +289,13 @@ class _BoundedServer(ThreadingHTTPServer):
         finally:
             self.shutdown_request(conn)
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            try:
-                request.setblocking(False)
-                request.send(self._BUSY)
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(BoundedHandler):
     admin: AdminServer
-    protocol_version = "HTTP/1.1"
-    timeout = READ_DEADLINE  # on every recv and send of the socket
-    _cut_off = False
-
-    def handle_one_request(self) -> None:
-        # A socket timeout alone lets a client that sends a byte every few seconds hold its
-        # connection forever (slowloris): the whole request gets one deadline.
-        self._deadline = threading.Timer(READ_DEADLINE, self._cut)
-        self._deadline.daemon = True
-        self._deadline.start()
-        try:
-            super().handle_one_request()
-        finally:
-            self._deadline.cancel()
-
-    def _cut(self) -> None:
-        self._cut_off = self.close_connection = True
-        with contextlib.suppress(OSError):
-            # socket.socket's shutdown also for TLS: SSLSocket's drops the SSL object under
-            # the read running in the handler's thread.
-            socket.socket.shutdown(self.connection, socket.SHUT_RDWR)
+    timeout = READ_DEADLINE  # a keep-alive connection's wait for its next request, any write
+    max_body = MAX_BODY
+    # Bodies are read, by Content-Length, on every method the API serves; HEAD takes none.
+    body_methods = frozenset({"GET", "POST", "DELETE", "PUT", "PATCH", "OPTIONS"})
 
     def do_GET(self) -> None:
         self._serve("GET")
@@ -362,20 +325,22 @@ class _Handler(BaseHTTPRequestHandler):
         code = 405 if code == 501 else code
         self._reply(code, {"error": message or self.responses.get(code, ("error",))[0]})
 
+    def header_error(self) -> tuple[int, str] | None:
+        if self.command not in self.body_methods:
+            return None  # HEAD and unknown methods: 405 whatever they carry
+        status, error = self._refuse(self.command)
+        if not status:
+            return None
+        self._audit(self.command, status, {"error": error})
+        return status, error
+
     def _serve(self, method: str) -> None:
-        if self._cut_off:
-            return  # what arrived before the deadline is not a whole request
-        status, error = self._refuse(method)
-        if status:
-            self.close_connection = True  # an unread body must not be taken for a request
-            self._audit(method, status, {"error": error})
-            return self._reply(status, {"error": error})
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else b""
-        self._deadline.cancel()
-        if len(body) < length:
+        try:
+            body = self.read_body()
+        except BodyError as e:
             self.close_connection = True
-            return
+            self._audit(method, e.status, {"error": e.message})
+            return self._reply(e.status, {"error": e.message})
         if method == "GET" and urlsplit(self.path).path == "/dashboard/events":
             return self._events()
         try:
@@ -389,7 +354,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(status, reply)
 
     def _audit(self, method: str, status: int, reply: Any) -> None:
-        """One line per admin change, refused ones too (issue 16): who (the peer, and a
+        """One line per admin change, refused ones too: who (the peer, and a
         fingerprint of the token, never the token), what (method and path), the result."""
         if method in ("GET", "HEAD", "OPTIONS"):
             return

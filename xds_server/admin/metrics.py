@@ -1,6 +1,7 @@
 """The control plane's Prometheus metrics (`GET /metrics` on the admin port, text exposition
-0.0.4), named after istiod's (`pilot_xds_pushes{type}` -> `meshlm_xds_pushes_total{type}`,
-`pilot_total_xds_rejects` -> `meshlm_xds_rejects_total`, `pilot_proxy_convergence_time` ->
+0.0.4 written by mesh_common/prometheus_text.py, as the runtime's), named after istiod's
+(`pilot_xds_pushes{type}` -> `meshlm_xds_pushes_total{type}`, `pilot_total_xds_rejects` ->
+`meshlm_xds_rejects_total`, `pilot_proxy_convergence_time` ->
 `meshlm_proxy_convergence_time_seconds`, `pilot_xds` -> `meshlm_xds_connected_sidecars`).
 
 Everything is read at scrape time from the state the control plane keeps anyway (sync status,
@@ -14,7 +15,6 @@ import logging
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -23,6 +23,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from mesh_common import prometheus_text
+from mesh_common import type_urls as t
+from mesh_common.prometheus_text import CONTENT_TYPE
 from xds_server.rollout.controller import (
     FAILED,
     PAUSED,
@@ -32,12 +35,10 @@ from xds_server.rollout.controller import (
     ROLLED_BACK,
     SUCCEEDED,
 )
-from xds_server.xds import type_urls as t
 from xds_server.xds.sync import BUCKETS
 
 log = logging.getLogger(__name__)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ROLLOUT_STATES = (PENDING, PROGRESSING, PAUSED, PROMOTING, SUCCEEDED, ROLLED_BACK, FAILED)
 # An analysis record's reading -> (metric, help); seconds and percent as the gates read them.
 _GATE_READINGS = {
@@ -81,11 +82,10 @@ class ControlPlaneMetrics:
         self.cp = cp
         self.rollouts: Any = None
         self.slo: Any = None
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(self))
+        self.registry = prometheus_text.registry(_Collector(self))
 
     def exposition(self) -> Exposition:
-        return Exposition(CONTENT_TYPE, generate_latest(self.registry))
+        return Exposition(CONTENT_TYPE, prometheus_text.exposition(self.registry))
 
 
 def _xds(cp: Any) -> Iterator[Metric]:

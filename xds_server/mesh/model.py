@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from mesh_common.headers import CANARY_HEADER, STALL_HEADER
 from xds_server.mesh.fields import (
     MeshError,
     _port,
@@ -86,7 +87,7 @@ class Route:
     # Envoy's WeightedCluster.use_hash_policy: the weighted version pick follows the hash
     # policy, so one session/tenant sticks to one version per canary step.
     use_hash_policy: bool = False
-    canary_header: str = "x-canary"
+    canary_header: str = CANARY_HEADER
     # Token streams: no route timeout; bound the whole stream and its idle gaps instead.
     max_stream_duration: float = 0.0  # 0 = unbounded
     stream_idle_timeout: float = 300.0
@@ -141,14 +142,6 @@ class RetryPolicy:
     retry_on: str = "unavailable,connect-failure"
     num_retries: int = 1
     per_try_timeout: float | None = None
-
-
-# Caller-side route headers for stall resume (issue 10): the response says which version
-# served and the service's stall policy; a resume's request pins that version.
-VERSION_HEADER = "x-meshlm-version"
-
-
-STALL_HEADER = "x-meshlm-stall"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from mesh_common.headers import CANARY_HEADER
 from xds_server.mesh.callers import check_callers, parse_callers
 from xds_server.mesh.fields import (
     MeshError,
@@ -394,7 +395,7 @@ def _route(raw: Any, versions: dict[str, Version], path: str) -> Route:
         raise MeshError(f"{path}.use_hash_policy: expected true or false, got {use_hash!r}")
     if use_hash and hp is None:
         raise MeshError(f"{path}.use_hash_policy: needs a hash_policy (the header to hash)")
-    canary_header = d.get("canary_header", "x-canary")
+    canary_header = d.get("canary_header", CANARY_HEADER)
     if not isinstance(canary_header, str) or not canary_header:
         raise MeshError(f"{path}.canary_header: expected a header name")
     return Route(

@@ -9,6 +9,8 @@ from types import ModuleType
 import yaml
 from google.protobuf.message import Message
 
+from mesh_common import headers
+from mesh_common import type_urls as t
 from xds_server import mesh as m
 from xds_server.mesh import callers
 from xds_server.resources import (
@@ -22,7 +24,6 @@ from xds_server.resources import (
     routes,
     tls,
 )
-from xds_server.xds import type_urls as t
 from xds_server.xds.node import NodeInfo
 
 
@@ -80,7 +81,7 @@ def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) 
         + ([access_log.outcome_log()] if any(s.isolation for s in mesh.services.values()) else []),
         authz_filters=_classify_filters(),
         # The class is the filter's alone; stripped first, so a failed VM can't pass a spoof.
-        strip_request_headers=(names.CLASS_HEADER,),
+        strip_request_headers=(headers.CLASS_HEADER,),
     )
 
 
@@ -170,8 +171,8 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         # A denied request must not carry (or log) a client-sent tenant either.
         # Only the shadow route sets x-meshlm-shadow (routes._shadow_twin): a caller's goes.
         strip_request_headers=(
-            *(names.IDENTITY_HEADERS if authz or mesh.identity else ()),
-            names.SHADOW_HEADER,
+            *(headers.IDENTITY_HEADERS if authz or mesh.identity else ()),
+            headers.SHADOW_HEADER,
         ),
         local_reply=listeners.died_holding_the_call_reply(),
         grpc_stats=False,  # the gates read the callers' counters (issue 19: ~6 us a call)

@@ -19,9 +19,9 @@ from envoy.extensions.access_loggers.stream.v3 import stream_pb2
 from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import struct_pb2
 
+from mesh_common.headers import CLASS_HEADER, TENANT_HEADER
 from xds_server import mesh as m
 from xds_server.resources.common import duration, pack
-from xds_server.resources.names import CLASS_HEADER, TENANT_HEADER
 from xds_server.resources.ratelimit import XDS_CLUSTER
 
 # Envoy access-log command operators; a value that is one command keeps its type (numbers).

@@ -28,15 +28,15 @@ from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
 )
 from google.protobuf import struct_pb2, wrappers_pb2
 
+from mesh_common.type_urls import WASM as WASM_TYPE_URL
 from xds_server.resources.common import ads, duration, pack, socket_address, u32
 
 HCM = hcm_pb2.HttpConnectionManager
 HttpFilter = hcm_pb2.HttpFilter
-WASM_TYPE_URL = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
 BUFFER_FILTER = "envoy.filters.http.buffer"
 # An inbound request's headers, and the whole request (headers and body), must arrive within
 # these: a client trickling bytes holds the sidecar's stream no longer (the runtime's own
-# server has the same deadline, model_runtime/http_bounds.py). The timer stops once the request
+# server has the same deadline, mesh_common/http_server.py). The timer stops once the request
 # has gone upstream or the response has begun: long answers and token streams are not cut.
 REQUEST_HEADERS_TIMEOUT_S = 10.0
 REQUEST_TIMEOUT_S = 30.0

@@ -3,20 +3,9 @@
 AUTHZ_FILTER = "meshlm.authz"
 OUTBOUND_LISTENER = "outbound"
 OUTBOUND_ROUTE = "outbound"
-TENANT_HEADER = "x-meshlm-tenant"
-# The caller's verified SPIFFE ID (its mTLS certificate), for the runtime (issue 14).
-PRINCIPAL_HEADER = "x-meshlm-principal"
-# Set by the authz filter alone; inbound listeners drop client-sent ones before any filter.
-IDENTITY_HEADERS = (TENANT_HEADER, "x-meshlm-priority", PRINCIPAL_HEADER)
-# The request class (a hash), set by the caller-side sidecar; isolation routes match it.
-CLASS_HEADER = "x-meshlm-class"
-# The quality gate's mirroring (issue 18): a caller marks a call safe to copy to the canary
-# (greedy, no side effects); Envoy appends SHADOW_SUFFIX to a copy's :authority, and only then
-# does the canary's inbound sidecar set SHADOW_HEADER toward its runtime.
-MIRROR_HEADER = "x-meshlm-mirror"
-MIRROR_SAFE = "safe"
+# The quality gate's mirroring: Envoy appends SHADOW_SUFFIX to a mirrored copy's :authority, and
+# only then does the canary's inbound sidecar set the shadow header (mesh_common/headers.py).
 SHADOW_SUFFIX = "-shadow"
-SHADOW_HEADER = "x-meshlm-shadow"
 
 
 def outbound_cluster(service: str, version: str) -> str:

@@ -25,10 +25,10 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
 
+from mesh_common.headers import TENANT_HEADER
 from xds_server import mesh as m
 from xds_server.ratelimit.service import DOMAIN, SERVICE_KEY, TENANT_KEY, Limit, limit_in_force
 from xds_server.resources.common import duration, pack
-from xds_server.resources.names import TENANT_HEADER
 
 XDS_CLUSTER = "xds_cluster"  # sidecar/bootstrap.py: every sidecar's static way to the control plane
 # Envoy's default (20 ms) lets calls through unlimited whenever the control plane is briefly

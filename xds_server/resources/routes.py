@@ -11,6 +11,7 @@ from envoy.type.v3 import percent_pb2
 from google.protobuf import wrappers_pb2
 from google.protobuf.message import Message
 
+from mesh_common import headers
 from schemas import codec
 from xds_server import mesh as m
 from xds_server.resources import listeners, names, rbac
@@ -209,7 +210,7 @@ def _mirrored(svc: m.Service, route: rc.Route) -> list[rc.Route]:
     twin.CopyFrom(route)
     twin.name = f"{route.name}-mirror"
     twin.match.headers.append(
-        rc.HeaderMatcher(name=names.MIRROR_HEADER, string_match=_exact(names.MIRROR_SAFE))
+        rc.HeaderMatcher(name=headers.MIRROR_HEADER, string_match=_exact(headers.MIRROR_SAFE))
     )
     twin.route.request_mirror_policies.append(
         rc.RouteAction.RequestMirrorPolicy(
@@ -230,7 +231,9 @@ def _vhost(svc: m.Service, routes: list[rc.Route]) -> rc.VirtualHost:
     # gRPC clients put the service name (maybe with a port) in :authority.
     vhost = rc.VirtualHost(name=svc.name, domains=[svc.name, f"{svc.name}:*"], routes=routes)
     if svc.stall is not None:
-        vhost.response_headers_to_add.append(_header(m.STALL_HEADER, svc.stall.header_value()))
+        vhost.response_headers_to_add.append(
+            _header(headers.STALL_HEADER, svc.stall.header_value())
+        )
     return vhost
 
 
@@ -244,7 +247,7 @@ def _version_pins(svc: m.Service, pinned: set[str], prefix: str = "/") -> list[r
             name=f"{svc.name}-resume-{v}",
             match=rc.RouteMatch(
                 prefix=prefix,
-                headers=[rc.HeaderMatcher(name=m.VERSION_HEADER, string_match=_exact(v))],
+                headers=[rc.HeaderMatcher(name=headers.VERSION_HEADER, string_match=_exact(v))],
             ),
             route=_action(svc, cluster=names.outbound_cluster(svc.name, v)),
             response_headers_to_add=_served_by(svc, v),
@@ -254,7 +257,7 @@ def _version_pins(svc: m.Service, pinned: set[str], prefix: str = "/") -> list[r
 
 
 def _served_by(svc: m.Service, version: str) -> list:
-    return [] if svc.stall is None else [_header(m.VERSION_HEADER, version)]
+    return [] if svc.stall is None else [_header(headers.VERSION_HEADER, version)]
 
 
 def _header(name: str, value: str):  # -> HeaderValueOption
@@ -271,7 +274,7 @@ def quarantine_route_name(service: str, key: str) -> str:
 def _quarantine_route(svc: m.Service, q: m.Quarantine, prefix: str = "/") -> rc.Route:
     match = rc.RouteMatch(
         prefix=prefix,
-        headers=[rc.HeaderMatcher(name=names.CLASS_HEADER, string_match=_exact(q.key))],
+        headers=[rc.HeaderMatcher(name=headers.CLASS_HEADER, string_match=_exact(q.key))],
     )
     if q.probe_percent:
         # Half-open: the route takes all but probe_percent of the class; the rest falls through
@@ -375,7 +378,7 @@ def _shadow_twin(route: rc.Route) -> rc.Route:
     twin.CopyFrom(route)
     twin.name = f"{route.name}-shadow"
     twin.match.headers.append(_shadow_authority())
-    twin.request_headers_to_add.append(_header(names.SHADOW_HEADER, "1"))
+    twin.request_headers_to_add.append(_header(headers.SHADOW_HEADER, "1"))
     return twin
 
 

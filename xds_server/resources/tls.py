@@ -17,7 +17,7 @@ from envoy.type.matcher.v3 import string_pb2
 from google.protobuf import wrappers_pb2
 from google.protobuf.message import Message
 
-from sidecar.sds import DEFAULT, ROOTCA, SDS_CLUSTER
+from mesh_common.sds_names import DEFAULT, ROOTCA, SDS_CLUSTER
 from xds_server import mesh as m
 from xds_server.identity.ca import spiffe_id
 from xds_server.resources.common import pack

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from mesh_common.headers import CANARY_HEADER
 from xds_server.mesh import Mirror
 from xds_server.rollout.gates import (
     FAIL,
@@ -571,7 +572,7 @@ class RolloutController:
         mesh file's default)."""
         mesh = getattr(self.cp, "mesh", None)
         svc = mesh.services.get(service) if mesh is not None else None
-        return svc.route.canary_header if svc is not None else "x-canary"
+        return svc.route.canary_header if svc is not None else CANARY_HEADER
 
     def _count_traffic(self, r: Rollout, v: Verdict) -> None:
         n = int(v.measurements.get("requests", 0))

@@ -36,6 +36,7 @@ from typing import Any
 
 import grpc
 
+from mesh_common.headers import API_KEY_HEADER, CANARY_HEADER
 from schemas import codec
 from schemas.codec import ChatMessage, GenerateRequest
 from xds_server.rollout.gates import FAIL, HALT, PASS, MeasurementError, Verdict, _get_json
@@ -280,7 +281,7 @@ class ReplaySource:
         stable_urls: Callable[[], list[str]],
         canary_urls: Callable[[], list[str]],
         timeout: float = 10.0,
-        canary_header: str = "x-canary",  # the service's route.canary_header
+        canary_header: str = CANARY_HEADER,  # the service's route.canary_header
     ) -> None:
         self.gate, self.service = gate, service
         self.canary_header = canary_header
@@ -294,7 +295,7 @@ class ReplaySource:
     def replay(self) -> tuple[list[Sample], list[str]]:
         nonce = uuid.uuid4().hex[:12]
         key = os.environ.get(self.gate.api_key_env, "") if self.gate.api_key_env else ""
-        md = [("x-api-key", key)] if key else []
+        md = [(API_KEY_HEADER, key)] if key else []
         channel = grpc.insecure_channel(
             self.gate.replay_via, options=[("grpc.default_authority", self.service)]
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+from mesh_common.headers import CANARY_HEADER
 from xds_server.control_plane import ControlPlane
 from xds_server.identity.ca import spiffe_id
 from xds_server.resources.names import outbound_cluster
@@ -71,7 +72,7 @@ def mtls_probe(cp: ControlPlane, service: str) -> MtlsProbe | None:
 
 def _canary_header(cp: ControlPlane, service: str) -> str:
     svc = cp.mesh.services.get(service)
-    return svc.route.canary_header if svc is not None else "x-canary"
+    return svc.route.canary_header if svc is not None else CANARY_HEADER
 
 
 def configured_sources(cp: ControlPlane):

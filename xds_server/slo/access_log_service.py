@@ -12,7 +12,7 @@ import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2 as data_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
-from xds_server.resources.names import CLASS_HEADER
+from mesh_common.headers import CLASS_HEADER
 from xds_server.resources.routes import quarantine_route_name
 from xds_server.rollout.gates import SERVER_FAULT_CODES
 from xds_server.slo.quarantine import Isolation

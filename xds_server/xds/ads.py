@@ -21,7 +21,7 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import any_pb2, json_format
 
-from xds_server.xds import type_urls as t
+from mesh_common import type_urls as t
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.node import NodeInfo
 from xds_server.xds.peer import Peer, claim_refused, peer_of

@@ -7,13 +7,15 @@ from typing import Any
 
 from google.protobuf import json_format
 
-SERVICE = "meshlm.service"
-VERSION = "meshlm.version"
-INBOUND_PORT = "meshlm.inbound_port"
-OUTBOUND_PORT = "meshlm.outbound_port"
-LOCAL_ENDPOINT = "meshlm.local_endpoint"
-LOCAL_HTTP_ENDPOINT = "meshlm.local_http_endpoint"
-LISTEN_HOST = "meshlm.listen_host"
+from mesh_common.node_metadata import (
+    INBOUND_PORT,
+    LISTEN_HOST,
+    LOCAL_ENDPOINT,
+    LOCAL_HTTP_ENDPOINT,
+    OUTBOUND_PORT,
+    SERVICE,
+    VERSION,
+)
 
 
 @dataclass(frozen=True)

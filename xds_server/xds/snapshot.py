@@ -20,7 +20,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
-from xds_server.xds import type_urls as t
+from mesh_common import type_urls as t
 
 
 class InconsistentSnapshot(ValueError):

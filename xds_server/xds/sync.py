@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from xds_server.xds import type_urls as t
+from mesh_common import type_urls as t
 from xds_server.xds.node import NodeInfo
 
 # One line per connect, disconnect, push, ACK and NACK (issue 16), with its fields as `extra`

@@ -1,5 +1,9 @@
-"""A bounded HTTP/1.1 server on the stdlib's http.server, for APIs that face clients directly.
+"""A bounded HTTP/1.1 server on the stdlib's http.server, for every HTTP API of the mesh's own
+processes: the runtime's OpenAI and metrics ports, the control plane's admin API.
 
+- Refusals before framing: `header_error` (a subclass's checks of the request's headers alone,
+  such as Host and credentials) runs before the framing checks and before any body is read, and
+  before a `100 Continue`.
 - Framing: a request's body is its `content-length` or its `transfer-encoding: chunked` body,
   read exactly (`read_body`), or the request is refused and its connection closed. A body on a
   method that takes none, both framings at once, another transfer coding, or conflicting
@@ -151,6 +155,7 @@ class BoundedHandler(BaseHTTPRequestHandler):
     max_body = 0
     body_methods = frozenset({"POST"})  # methods that may carry a body
     server: BoundedServer
+    _headers_checked = False
 
     def setup(self) -> None:
         super().setup()
@@ -172,18 +177,30 @@ class BoundedHandler(BaseHTTPRequestHandler):
         finally:
             self._io.deadline = None
 
+    def header_error(self) -> tuple[int, str] | None:
+        """(status, message) to refuse the request on its headers alone; None to go on.
+        Called once per request, as soon as its line and headers are parsed."""
+        return None
+
+    def _check_headers(self) -> tuple[int, str] | None:
+        if self._headers_checked:
+            return None
+        self._headers_checked = True
+        return self.header_error()
+
     def handle_expect_100(self) -> bool:
         # Refuse a request before its client sends the body.
-        error = self._framing_error() or self.length_error()
+        error = self._check_headers() or self._framing_error() or self.length_error()
         if error is not None:
             self.send_error(*error)
             return False
         return super().handle_expect_100()
 
     def parse_request(self) -> bool:
-        if not super().parse_request():
+        self._headers_checked = False
+        if not super().parse_request():  # calls handle_expect_100 on `Expect: 100-continue`
             return False
-        error = self._framing_error()
+        error = self._check_headers() or self._framing_error()
         if error is not None:
             self.send_error(*error)
             return False
