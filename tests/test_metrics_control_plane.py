@@ -24,7 +24,7 @@ from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 from xds_server.rollout.controller import RolloutController
-from xds_server.rollout.gates import Sources
+from xds_server.rollout.gates.sources import Sources
 from xds_server.slo.loop import SloLoops
 from xds_server.xds import type_urls as t
 

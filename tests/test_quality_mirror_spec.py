@@ -27,10 +27,11 @@ from xds_server.replica.replication import desired_mesh, live_doc
 from xds_server.resources import build_resources
 from xds_server.rollout.api import spec_from_mesh
 from xds_server.rollout.controller import RolloutController
-from xds_server.rollout.gates import FAIL, PASS, Sources, Verdict
+from xds_server.rollout.gates.sources import Sources
 from xds_server.rollout.quality import MirrorSource
 from xds_server.rollout.sources import configured_sources
 from xds_server.rollout.spec import RolloutSpecError, parse_rollout
+from xds_server.rollout.verdict import FAIL, PASS, Verdict
 from xds_server.xds import type_urls as t
 from xds_server.xds.node import NodeInfo
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from xds_server.mesh.fields import (
     MeshError,
-    _port,
+    read_port,
 )
 
 # x-meshlm-class: a hash of the request, never its text (issue 11).
@@ -182,7 +182,7 @@ class Stall:
             hard_limit=int(parts["hard_limit_ms"]) / 1000,
             max_resumes=int(parts["max_resumes"]),
         )
-        return _stall_checked(stall, STALL_HEADER, ValueError)
+        return checked_stall(stall, STALL_HEADER, ValueError)
 
 
 SLO_ACTIONS = ("shed", "tighten_outlier", "scale_out")
@@ -409,7 +409,7 @@ class Mesh:
     def with_weights(self, service: str, weights: dict[str, int]) -> Mesh:
         svc = self._service(service)
         path = f"services.{service}.route.weights"
-        new = _check_weights(dict(weights), svc.versions, path)
+        new = check_weights(dict(weights), svc.versions, path)
         return self._replace_service(svc, route=dataclasses.replace(svc.route, weights=new))
 
     def with_pins(self, service: str, stable: str, canary: str) -> Mesh:
@@ -499,10 +499,10 @@ def parse_endpoint(raw: Any, path: str) -> Endpoint:
         p = int(port)
     except ValueError:
         raise MeshError(f"{path}: port {port!r} is not a number") from None
-    return Endpoint(host, _port(p, path))
+    return Endpoint(host, read_port(p, path))
 
 
-def _check_weights(weights: dict[str, Any], versions: dict[str, Version], path: str) -> dict:
+def check_weights(weights: dict[str, Any], versions: dict[str, Version], path: str) -> dict:
     if not weights:
         raise MeshError(f"{path}: at least one weight is required")
     for v, w in weights.items():
@@ -517,7 +517,7 @@ def _check_weights(weights: dict[str, Any], versions: dict[str, Version], path: 
     return {v: int(weights.get(v, 0)) for v in versions}
 
 
-def _stall_checked(stall: Stall, path: str, error: type[ValueError]) -> Stall:
+def checked_stall(stall: Stall, path: str, error: type[ValueError]) -> Stall:
     if not 0.001 <= stall.gap < stall.hard_limit <= 3600:
         raise error(f"{path}.hard_limit: must be more than gap (at least 1ms) and at most 1h")
     if not (1 <= stall.consecutive <= 100 and 0 <= stall.max_resumes <= 10):

@@ -11,12 +11,10 @@ import functools
 from xds_server.control_plane import ControlPlane
 from xds_server.identity.ca import spiffe_id
 from xds_server.resources.names import outbound_cluster
-from xds_server.rollout.gates import (
-    EnvoyStatsSource,
-    MeasurementError,
-    RuntimeMetricsSource,
-    Sources,
-)
+from xds_server.rollout.gates.envoy_stats import EnvoyStatsSource
+from xds_server.rollout.gates.fetch import MeasurementError
+from xds_server.rollout.gates.runtime_metrics import RuntimeMetricsSource
+from xds_server.rollout.gates.sources import Sources
 from xds_server.rollout.liveness import GrpcHealthSource, MtlsProbe, client_context
 from xds_server.rollout.quality import MirrorSource, ReplaySource
 from xds_server.rollout.spec import RolloutSpec

@@ -46,13 +46,9 @@ from typing import Any, Protocol
 
 from xds_server import mesh as m
 from xds_server.resources.names import outbound_cluster
-from xds_server.rollout.gates import (
-    EnvoyStatsSource,
-    GrpcCounts,
-    MeasurementError,
-    RuntimeMetricsSource,
-    delta,
-)
+from xds_server.rollout.gates.envoy_stats import EnvoyStatsSource, GrpcCounts, delta
+from xds_server.rollout.gates.fetch import MeasurementError
+from xds_server.rollout.gates.runtime_metrics import RuntimeMetricsSource
 from xds_server.slo.scaler import START_TIMEOUT_S, Scaler, ScalerError
 
 log = logging.getLogger("meshlm.slo")
