@@ -24,7 +24,7 @@ from tests.test_rollout_controller import FakeApplyResult, FakeControlPlane, Fak
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import MeshError, Mirror, parse_mesh
 from xds_server.replica.replication import desired_mesh, live_doc
-from xds_server.resources import build_resources
+from xds_server.resources.build import build_resources
 from xds_server.rollout.api import spec_from_mesh
 from xds_server.rollout.controller import RolloutController
 from xds_server.rollout.gates.sources import Sources

@@ -12,7 +12,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 
 from wasm_filters.policy import hash_key
 from xds_server.mesh import parse_mesh
-from xds_server.resources import build_resources
+from xds_server.resources.build import build_resources
 from xds_server.resources.names import AUTHZ_FILTER
 from xds_server.xds import type_urls as t
 from xds_server.xds.node import NodeInfo
