@@ -25,12 +25,12 @@ from tests.test_rollout_envoy import wait_terminal
 from tests.test_xds_support import dynamic_clusters, eventually
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import Mirror, parse_mesh
+from xds_server.mesh.quality_spec import parse_quality
 from xds_server.rollout.controller import RolloutController
 from xds_server.rollout.gates.fetch import get_json
 from xds_server.rollout.gates.runtime_metrics import parse_histograms
 from xds_server.rollout.gates.sources import mesh_sources
 from xds_server.rollout.quality import MirrorSource
-from xds_server.rollout.quality_spec import parse_quality
 
 VERSIONS = ("v1", "v2", "v3")
 
@@ -67,7 +67,7 @@ class Mesh:
 
 
 def _spec():
-    from xds_server.rollout.spec import parse_rollout
+    from xds_server.mesh.rollout_spec import parse_rollout
 
     return parse_rollout("llm", {"stable": "v1", "canary": "v2"})
 

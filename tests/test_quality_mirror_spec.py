@@ -23,6 +23,7 @@ from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
 from tests.test_rollout_controller import FakeApplyResult, FakeControlPlane, FakeGrpcCounts
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import MeshError, Mirror, parse_mesh
+from xds_server.mesh.rollout_spec import RolloutSpecError, parse_rollout
 from xds_server.replica.replication import desired_mesh, live_doc
 from xds_server.resources.build import build_resources
 from xds_server.rollout.api import spec_from_mesh
@@ -30,7 +31,6 @@ from xds_server.rollout.controller import RolloutController
 from xds_server.rollout.gates.sources import Sources
 from xds_server.rollout.quality import MirrorSource
 from xds_server.rollout.sources import configured_sources
-from xds_server.rollout.spec import RolloutSpecError, parse_rollout
 from xds_server.rollout.verdict import FAIL, PASS, Verdict
 from xds_server.xds import type_urls as t
 from xds_server.xds.node import NodeInfo

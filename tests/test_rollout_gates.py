@@ -16,6 +16,7 @@ from model_runtime.telemetry import MetricsServer, Telemetry
 from sidecar.bootstrap import static_cluster
 from sidecar.envoy_process import EnvoyProcess
 from tests.rollout_upstreams import Traffic, Upstream
+from xds_server.mesh.rollout_spec import Gates
 from xds_server.rollout.gates.direct import evaluate
 from xds_server.rollout.gates.envoy_stats import EnvoyStatsSource, GrpcCounts, delta
 from xds_server.rollout.gates.fetch import MAX_BODY, MeasurementError
@@ -25,7 +26,6 @@ from xds_server.rollout.gates.runtime_metrics import (
     RuntimeMetricsSource,
     quantile,
 )
-from xds_server.rollout.spec import Gates
 from xds_server.rollout.verdict import FAIL, HALT, PASS
 
 T = "type.googleapis.com/envoy.extensions."

@@ -55,7 +55,7 @@ from xds_server.mesh.resilience import (
     parse_slo,
     parse_stall,
 )
-from xds_server.rollout.spec import RolloutSpecError, parse_rollout
+from xds_server.mesh.rollout_spec import RolloutSpecError, parse_rollout
 
 
 def load_mesh(path: str | Path) -> Mesh:

@@ -44,7 +44,7 @@ REQUEST_TIMEOUT_S = 30.0
 
 def grpc_stats_filter() -> HttpFilter:
     # Per-method success/failure counters by grpc-status: what the rollout gates and the SLO
-    # loop read, on caller sidecars only (xds_server/rollout/gates.py). No filter state: nothing
+    # loop read, on caller sidecars only (xds_server/rollout/gates/). No filter state: nothing
     # reads it.
     cfg = grpc_stats_pb2.FilterConfig(stats_for_all_methods=wrappers_pb2.BoolValue(value=True))
     return HttpFilter(name="envoy.filters.http.grpc_stats", typed_config=pack(cfg))

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from xds_server.mesh import Mirror
+from xds_server.mesh.rollout_spec import RolloutSpec, RolloutSpecError, parse_rollout
 from xds_server.rollout.gates.direct import NOT_ENOUGH_TRAFFIC, evaluate, traffic_hint
 from xds_server.rollout.gates.envoy_stats import GrpcCounts, delta
 from xds_server.rollout.gates.fetch import MeasurementError
@@ -29,7 +30,6 @@ from xds_server.rollout.gates.runtime_metrics import LatencySnapshot
 from xds_server.rollout.gates.sources import Sources
 from xds_server.rollout.liveness import not_live_reason
 from xds_server.rollout.quality import with_quality
-from xds_server.rollout.spec import RolloutSpec, RolloutSpecError, parse_rollout
 from xds_server.rollout.verdict import FAIL, HALT, PASS, Verdict
 from xds_server.store.state_file import RolloutStore
 

@@ -37,8 +37,8 @@ import grpc
 
 from schemas import codec
 from schemas.codec import ChatMessage, GenerateRequest
+from xds_server.mesh.quality_spec import QualityGate
 from xds_server.rollout.gates.fetch import MeasurementError, get_json
-from xds_server.rollout.quality_spec import QualityGate
 from xds_server.rollout.verdict import FAIL, HALT, PASS, Verdict
 
 GENERATE = "/meshlm.inference.v1.Inference/Generate"

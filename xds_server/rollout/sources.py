@@ -10,6 +10,7 @@ import functools
 
 from xds_server.control_plane import ControlPlane
 from xds_server.identity.ca import spiffe_id
+from xds_server.mesh.rollout_spec import RolloutSpec
 from xds_server.resources.names import outbound_cluster
 from xds_server.rollout.gates.envoy_stats import EnvoyStatsSource
 from xds_server.rollout.gates.fetch import MeasurementError
@@ -17,7 +18,6 @@ from xds_server.rollout.gates.runtime_metrics import RuntimeMetricsSource
 from xds_server.rollout.gates.sources import Sources
 from xds_server.rollout.liveness import GrpcHealthSource, MtlsProbe, client_context
 from xds_server.rollout.quality import MirrorSource, ReplaySource
-from xds_server.rollout.spec import RolloutSpec
 
 
 def caller_admin_urls(cp: ControlPlane) -> list[str]:

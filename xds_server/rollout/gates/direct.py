@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from xds_server.mesh.rollout_spec import Gates
 from xds_server.rollout.gates.envoy_stats import GrpcCounts
 from xds_server.rollout.gates.runtime_metrics import LatencyReading
-from xds_server.rollout.spec import Gates
 from xds_server.rollout.verdict import FAIL, HALT, PASS, Verdict
 
 

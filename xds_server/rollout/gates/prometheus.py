@@ -1,5 +1,5 @@
 """The Prometheus metric provider (Flagger's and Argo's): with `gates.provider.prometheus` in the
-spec, the gates are PromQL queries to that server (`xds_server.rollout.promql` renders them),
+spec, the gates are PromQL queries to that server (`promql` renders them),
 judged by `evaluate_metrics`, so one host's loopback polling no longer bounds the mesh."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 import urllib.parse
 from typing import Any
 
+from xds_server.mesh.rollout_spec import PrometheusProvider, RolloutSpec
 from xds_server.resources.names import outbound_cluster
 from xds_server.rollout.gates.fetch import HttpStatusError, MeasurementError, get_json
-from xds_server.rollout.promql import QueryError, duration, render, single_value
-from xds_server.rollout.spec import PrometheusProvider, RolloutSpec
+from xds_server.rollout.gates.promql import QueryError, duration, render, single_value
 from xds_server.rollout.verdict import FAIL, HALT, PASS, Verdict
 
 
@@ -40,7 +40,7 @@ class PrometheusSource:
 
 
 def query_variables(spec: RolloutSpec) -> dict[str, str]:
-    """What a gate query's `{{ name }}`s stand for (xds_server.rollout.promql.VARIABLES)."""
+    """What a gate query's `{{ name }}`s stand for (xds_server.mesh.rollout_spec.VARIABLES)."""
     return {
         "interval": duration(spec.interval),
         "service": spec.service,

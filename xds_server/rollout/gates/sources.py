@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from xds_server.mesh.rollout_spec import RolloutSpec
 from xds_server.resources.names import outbound_cluster
 from xds_server.rollout.gates.envoy_stats import EnvoyStatsSource, GrpcCountsSource
 from xds_server.rollout.gates.runtime_metrics import LatencySource, RuntimeMetricsSource
 from xds_server.rollout.liveness import GrpcHealthSource
 from xds_server.rollout.quality import MirrorSource, ReplaySource
-from xds_server.rollout.spec import RolloutSpec
 
 
 @dataclass(frozen=True)

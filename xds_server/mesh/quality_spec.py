@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from xds_server.rollout.spec_fields import RolloutSpecError, parse_duration
+from xds_server.mesh.rollout_fields import RolloutSpecError, parse_duration
 
 MAX_PROMPTS = 256
 MAX_MIRRORED = 1024  # the runtime keeps its newest 1024 records (model_runtime/records.py)

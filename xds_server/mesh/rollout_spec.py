@@ -7,13 +7,12 @@ threshold, gates. A bad spec raises `RolloutSpecError` naming the field; nothing
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from xds_server.mesh.source_url import url_problem
-from xds_server.rollout.promql import VARIABLES, unknown_variables
-from xds_server.rollout.quality_spec import QualityGate, parse_quality
-from xds_server.rollout.spec_fields import (
+from xds_server.mesh.quality_spec import QualityGate, parse_quality
+from xds_server.mesh.rollout_fields import (
     DURATION,
     RolloutSpecError,
     integer,
@@ -21,9 +20,23 @@ from xds_server.rollout.spec_fields import (
     only_known,
     parse_duration,
 )
+from xds_server.mesh.source_url import url_problem
 
 # The control plane waits at most this long for ACKs (control_plane.MAX_TIMEOUT).
 MAX_ACK_TIMEOUT = 600.0
+
+
+# A gate's query is a template, as in Flagger's MetricTemplate: `{{ interval }}` is the step's
+# analysis interval as a Prometheus duration, `{{ service }}`, `{{ version }}` (the canary),
+# `{{ stable }}`, `{{ cluster }}` and `{{ stable_cluster }}` (the versions' outbound clusters, as
+# Envoy's `envoy_cluster_name` label reads them).
+VARIABLES = ("interval", "service", "version", "stable", "cluster", "stable_cluster")
+TEMPLATE_VARIABLE = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+
+
+def unknown_variables(template: str) -> list[str]:
+    """The `{{ name }}`s of `template` that are not VARIABLES."""
+    return sorted({m.group(1) for m in TEMPLATE_VARIABLE.finditer(template)} - set(VARIABLES))
 
 
 @dataclass(frozen=True)
@@ -39,7 +52,7 @@ class MetricGate:
     """One gate read from the provider: the query's value must lie within [min, max]."""
 
     name: str
-    query: str  # PromQL with {{ interval }}, {{ version }}, ... (promql.VARIABLES)
+    query: str  # PromQL with {{ interval }}, {{ version }}, ... (VARIABLES)
     min: float | None = None
     max: float | None = None
 
