@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("packages", nargs="*", default=list(PRODUCT))
     args = parser.parse_args(argv)
     found = private_imports(args.root, tuple(args.packages))
-    print("\n".join(found))
     if found:
+        print("\n".join(found))
         print(f"{len(found)} private import(s) across modules", file=sys.stderr)
         return 1
     print(f"no private names imported across modules in {', '.join(args.packages)}")
