@@ -1,4 +1,4 @@
-"""Workload identity in the control plane: join tokens and the CSR signing service (issue 14).
+"""Workload identity in the control plane: join tokens and the CSR signing service.
 
 `/meshlm.identity.v1.CertificateService/CreateCertificate` (modelled on Istio's
 `IstioCertificateService/CreateCertificate`) takes `{"csr": PEM, "validity_duration": seconds}`

@@ -1,4 +1,4 @@
-"""Which workloads may call a service (issue 14, item 3): `services.<name>.callers`.
+"""Which workloads may call a service: `services.<name>.callers`.
 
     services:
       llm:

@@ -15,7 +15,7 @@ from xds_server.mesh.fields import (
     read_port,
 )
 
-# x-meshlm-class: a hash of the request, never its text (issue 11).
+# x-meshlm-class: a hash of the request, never its text.
 CLASS_KEY = re.compile(r"^[0-9a-f]{16}\Z")
 
 
@@ -93,7 +93,7 @@ class Route:
     # (stable, canary) for the `x-canary` pins, set by the rollout controller (a succeeded
     # rollout swaps them). None: the mesh file's rollout pair, else file order.
     pins: tuple[str, str] | None = None
-    # The quality gate's mirror mode (issue 18), set by the rollout controller while a step
+    # The quality gate's mirror mode, set by the rollout controller while a step
     # runs: safe-marked calls are copied to this version's shadow cluster. Never in a mesh file.
     mirror: Mirror | None = None
 
@@ -143,7 +143,7 @@ class RetryPolicy:
     per_try_timeout: float | None = None
 
 
-# Caller-side route headers for stall resume (issue 10): the response says which version
+# Caller-side route headers for stall resume: the response says which version
 # served and the service's stall policy; a resume's request pins that version.
 VERSION_HEADER = "x-meshlm-version"
 
@@ -153,7 +153,7 @@ STALL_HEADER = "x-meshlm-stall"
 
 @dataclass(frozen=True)
 class Stall:
-    """Token-stall detection in the caller library (issue 10): a stream with `consecutive`
+    """Token-stall detection in the caller library: a stream with `consecutive`
     inter-token gaps over `gap` in a row, or one gap over `hard_limit`, is resumed on another
     replica of the same version, at most `max_resumes` times. Callers learn it from the
     `x-meshlm-stall` response header that the caller-side route adds."""
@@ -231,7 +231,7 @@ class HealthCheck:
 
 @dataclass(frozen=True)
 class Isolation:
-    """Semantic circuit breaking (issue 11): a request class (`x-meshlm-class`) whose error rate
+    """Semantic circuit breaking: a request class (`x-meshlm-class`) whose error rate
     over `window` reaches `error_rate` (with at least `min_requests`) is routed to the `pool`
     version, or answered UNAVAILABLE when there is none. After `cooldown` (doubled on each
     relapse) `probe_percent` % of the class tries the main pool again (half-open)."""
@@ -255,7 +255,7 @@ class Quarantine:
 
 @dataclass(frozen=True)
 class Caller:
-    """A workload that may call a service (issue 14, item 3): `service_account` is
+    """A workload that may call a service: `service_account` is
     `NAMESPACE/NAME`, or `NAMESPACE/*` for every account of a namespace; `methods` the gRPC
     methods it may call, () for all of them (xds_server/mesh/callers.py)."""
 
@@ -280,13 +280,13 @@ class Service:
     slo_state: SloState = field(default_factory=SloState)
     isolation: Isolation | None = None
     quarantined: tuple[Quarantine, ...] = ()
-    # Its workloads' identity, `NAMESPACE/NAME` (issue 14); default `default/<service>`.
+    # Its workloads' identity, `NAMESPACE/NAME`; default `default/<service>`.
     service_account: str = ""
     # The workloads that may call it (Envoy RBAC principals); None: any workload of the trust
     # domain, () nobody.
     callers: tuple[Caller, ...] | None = None
     # Its live inbound sidecars, counted from ADS by the control plane (0: none known); each
-    # enforces 1/N of a tenant's rate_limit (`rate_limits.mode: local`, issue 19).
+    # enforces 1/N of a tenant's rate_limit (`rate_limits.mode: local`).
     inbound_sidecars: int = 0
 
 
@@ -300,7 +300,7 @@ class Rollout:
     threshold: int
     gates: dict[str, Any]
     ack_timeout: float = 10.0
-    quality: dict[str, Any] | None = None  # xds_server.rollout.quality.QualityGate's fields
+    quality: dict[str, Any] | None = None  # xds_server.mesh.quality_spec.QualityGate's fields
 
 
 @dataclass(frozen=True)
@@ -311,7 +311,7 @@ class ControlPlaneConfig:
     # A sidecar that leaves a push un-ACKed this long is reported lagging and no longer holds
     # changes back (the ACK quorum leaves it out).
     lagging_after: float = 30.0
-    # The mesh CA's TLS ports (issue 14, only with an `identity` block): enrolment by join
+    # The mesh CA's TLS ports (only with an `identity` block): enrolment by join
     # token, and renewal by client certificate. None: grpc_port + 2 / + 3 (0 when it is 0).
     ca_port: int | None = None
     ca_mtls_port: int | None = None
@@ -348,7 +348,7 @@ RATE_LIMIT_MODES = ("local", "global")
 
 @dataclass(frozen=True)
 class RateLimits:
-    """How tenants' `rate_limit` holds mesh-wide (issue 19). `local`: the control plane divides
+    """How tenants' `rate_limit` holds mesh-wide. `local`: the control plane divides
     each limit among the live inbound sidecars of a service, and each enforces its share in its
     authz filter: no call leaves the sidecar. `global`: every call also asks the control
     plane's rate-limit service: exact, at one gRPC round trip per call."""
@@ -365,7 +365,7 @@ class AccessLog:
     stdout (the supervisor's log); else a file every sidecar on the host appends to. Which
     calls each side logs: by default the caller sidecar every call (one line per call, with its
     request id and trace), the inbound sidecar the failed and denied ones (with the verified
-    tenant): a line per hop for every call costs each hop its formatting (issue 19)."""
+    tenant): a line per hop for every call costs each hop its formatting."""
 
     enabled: bool = True
     path: str | None = None

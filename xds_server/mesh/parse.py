@@ -242,7 +242,7 @@ def _control_plane(raw: Any) -> ControlPlaneConfig:
 def _service(name: str, raw: Any, path: str) -> Service:
     check_name(name, path)
     if name.endswith("-shadow"):
-        # Envoy's request mirroring names a copy `<service>-shadow` (issue 18): the inbound
+        # Envoy's request mirroring names a copy `<service>-shadow`: the inbound
         # sidecars treat such an authority as a mirrored copy, never a service's own calls.
         raise MeshError(f"{path}: a service name must not end in -shadow (mirrored copies' own)")
     d = read_mapping(raw, path)
@@ -412,6 +412,6 @@ def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Ro
         threshold=read_int(d.get("threshold", 2), f"{path}.threshold", 1),
         gates=dict(gates),
         ack_timeout=parse_duration(d.get("ack_timeout", "10s"), f"{path}.ack_timeout"),
-        # as validated: a prompts_file is read once, at load (issue 18)
+        # as validated: a prompts_file is read once, at load
         quality=None if spec.quality is None else spec.quality.to_dict(),
     )

@@ -4,13 +4,13 @@ AUTHZ_FILTER = "meshlm.authz"
 OUTBOUND_LISTENER = "outbound"
 OUTBOUND_ROUTE = "outbound"
 TENANT_HEADER = "x-meshlm-tenant"
-# The caller's verified SPIFFE ID (its mTLS certificate), for the runtime (issue 14).
+# The caller's verified SPIFFE ID (its mTLS certificate), for the runtime.
 PRINCIPAL_HEADER = "x-meshlm-principal"
 # Set by the authz filter alone; inbound listeners drop client-sent ones before any filter.
 IDENTITY_HEADERS = (TENANT_HEADER, "x-meshlm-priority", PRINCIPAL_HEADER)
 # The request class (a hash), set by the caller-side sidecar; isolation routes match it.
 CLASS_HEADER = "x-meshlm-class"
-# The quality gate's mirroring (issue 18): a caller marks a call safe to copy to the canary
+# The quality gate's mirroring: a caller marks a call safe to copy to the canary
 # (greedy, no side effects); Envoy appends SHADOW_SUFFIX to a copy's :authority, and only then
 # does the canary's inbound sidecar set SHADOW_HEADER toward its runtime.
 MIRROR_HEADER = "x-meshlm-mirror"
@@ -34,7 +34,7 @@ def inbound_cluster(service: str, version: str) -> str:
 
 
 def inbound_http_cluster(service: str, version: str) -> str:
-    """The runtime's OpenAI HTTP API (issue 17) behind an inbound listener."""
+    """The runtime's OpenAI HTTP API behind an inbound listener."""
     return f"inbound|{service}|{version}|http"
 
 

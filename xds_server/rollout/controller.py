@@ -453,7 +453,7 @@ class RolloutController:
             if down:
                 return f"canary {down}; start it (and its sidecar) first"
         g = spec.gates
-        if g.provider is not None:  # the gates are the provider's queries (issue 16)
+        if g.provider is not None:  # the gates are the provider's queries
             return metrics_problem(spec, PrometheusSource(g.provider))
         reads: list[tuple[str, Callable[[], object]]] = [("gRPC counts", src.grpc.read)]
         if src.latency is not None and (g.ttft_p99_max is not None or g.tpot_p99_max is not None):

@@ -1,8 +1,9 @@
 """Where rollouts read their measurements: only what the operator configured in the mesh file
 (`caller_sidecars[].admin_url`, `services.<s>.versions.<v>.metrics_urls`, the version's
-`endpoints` for the liveness probe). A sidecar's node metadata is never a source: any local
-process can announce anything over ADS, and there is no verified node identity yet (mTLS,
-issue 14). The mesh is read at every measurement, so `meshlm apply` changes are followed."""
+`endpoints` for the liveness probe). A sidecar's node metadata is never a source: it is the
+sidecar's own claim (on a plaintext mesh any local process can announce anything over ADS; with
+mTLS its workload identity is verified, but the URLs it names are still only its word). The mesh
+is read at every measurement, so `meshlm apply` changes are followed."""
 
 from __future__ import annotations
 

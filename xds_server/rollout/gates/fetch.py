@@ -68,7 +68,7 @@ def get_json(url: str, timeout: float) -> Any:
                 if time.monotonic() > deadline:
                     raise MeasurementError(f"{url}: no complete response within {timeout:g}s")
         if body.startswith(b"# HELP") or body.startswith(b"# TYPE"):
-            # A runtime's /metrics is Prometheus text since issue 16; its JSON moved.
+            # A runtime's /metrics is Prometheus text; its JSON is at /metrics.json.
             raise MeasurementError(
                 f"{url}: answered Prometheus text, not JSON (a runtime's JSON is at /metrics.json)"
             )
