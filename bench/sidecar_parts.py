@@ -38,7 +38,8 @@ from mesh_common import type_urls as t
 from mesh_common.ports import free_port
 from sidecar.bootstrap import XDS_CLUSTER, static_cluster
 from xds_server import mesh as m
-from xds_server.resources import build_resources, listeners
+from xds_server.resources import listeners
+from xds_server.resources.build import build_resources
 from xds_server.resources.names import AUTHZ_FILTER
 from xds_server.xds.node import NodeInfo
 

@@ -47,9 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _root_ok(root: str) -> bool:
-    from xds_server.store import _ROOT
+    from xds_server.store.url import ROOT
 
-    return bool(_ROOT.match(root.strip("/")))
+    return bool(ROOT.match(root.strip("/")))
 
 
 def _credentials(args: argparse.Namespace) -> int:

@@ -91,9 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def native_keys(keys_file: str) -> Callable[[], dict[str, list[str]]]:
     """Reads tenant -> plaintext keys as the control plane does, at each use (keys rotate)."""
-    from xds_server.resources import _read_keys
+    from xds_server.resources.build import read_keys
 
-    return lambda: _read_keys(keys_file)
+    return lambda: read_keys(keys_file)
 
 
 def _identity_agent(args: argparse.Namespace, node_id: str):  # -> IdentityAgent

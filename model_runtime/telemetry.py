@@ -225,7 +225,7 @@ class Telemetry:
 
     def snapshot(self) -> dict:
         """What GET /metrics.json returns. Top-level `ttft_ms` / `tpot_ms` cover successful Generate
-        calls in the window (what `xds_server.rollout.gates.parse_runtime_metrics` reads); `methods`
+        calls in the window (what `xds_server.rollout.gates.runtime_metrics` reads); `methods`
         breaks calls down by method and gRPC status; `histograms` counts, since this runtime
         started (`instance`) and per bucket of `bounds_ms`, the TTFT of every Generate call
         that sent a first token (as it did) and the TPOT of those that ended OK."""

@@ -185,7 +185,7 @@ def test_a_posted_mesh_cannot_point_keys_file_anywhere(port: int, tmp_path: Path
 
 def test_a_keys_file_that_is_not_yaml_is_named_not_quoted(tmp_path: Path) -> None:
     from xds_server.mesh import parse_mesh
-    from xds_server.resources import build_resources
+    from xds_server.resources.build import build_resources
     from xds_server.xds.node import NodeInfo
 
     secret = tmp_path / "keys.yaml"

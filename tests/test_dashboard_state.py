@@ -14,7 +14,7 @@ import pytest
 from mesh_common import type_urls as t
 from tests.test_xds_support import AdsClient, eventually, sotw
 from xds_server.admin.api import AdminServer
-from xds_server.admin.dashboard import MAX_SUBSCRIBERS
+from xds_server.admin.dashboard.service import MAX_SUBSCRIBERS
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 

@@ -27,9 +27,10 @@ from model_runtime.faults import Faults
 from model_runtime.telemetry import MetricsServer
 from tests.runtime_fixtures import serving_runtime
 from tests.test_rollout_envoy import caller_mesh, sources, wait_terminal
+from xds_server.mesh.rollout_spec import PrometheusProvider, parse_rollout
 from xds_server.rollout.controller import RolloutController, RolloutError
-from xds_server.rollout.gates import HALT, PrometheusSource, evaluate_metrics
-from xds_server.rollout.spec import PrometheusProvider, parse_rollout
+from xds_server.rollout.gates.prometheus import PrometheusSource, evaluate_metrics
+from xds_server.rollout.verdict import HALT
 
 # /meshlm.inference.v1.Inference/Generate's grpc_stats, as Envoy's tag extraction names them
 SUCCESS = (

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 from xds_server.mesh import MeshError, parse_mesh
-from xds_server.rollout.promql import QueryError, duration, render, single_value
-from xds_server.rollout.spec import (
+from xds_server.mesh.rollout_spec import (
     MetricGate,
     PrometheusProvider,
     RolloutSpec,
     RolloutSpecError,
     parse_rollout,
 )
+from xds_server.rollout.gates.promql import QueryError, duration, render, single_value
 
 RATE = (
     'sum(rate(envoy_cluster_grpc_Generate_success{envoy_cluster_name="{{ cluster }}"}'

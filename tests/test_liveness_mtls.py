@@ -18,9 +18,9 @@ from sidecar.sds import SdsServer, SecretStore
 from tests.test_identity_support import identity_mesh, short_dir, tls_listener
 from xds_server.control_plane import ControlPlane
 from xds_server.identity.ca import MeshCA, key_pem, new_key, spiffe_id
+from xds_server.mesh.rollout_spec import RolloutSpec
 from xds_server.rollout.liveness import not_live_reason
 from xds_server.rollout.sources import configured_sources
-from xds_server.rollout.spec import RolloutSpec
 
 LLM = "spiffe://meshlm.local/ns/default/sa/llm"
 

@@ -25,7 +25,7 @@ from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 from xds_server.rollout.controller import RolloutController
-from xds_server.rollout.gates import Sources
+from xds_server.rollout.gates.sources import Sources
 from xds_server.slo.loop import SloLoops
 
 TOKEN = "t0ken-of-the-admin-api"

@@ -17,7 +17,8 @@ from model_runtime.prometheus import MAX_TENANTS, OTHER_TENANT
 from model_runtime.telemetry import MetricsServer, Telemetry
 from tests.promtool_support import check_metrics, scrape
 from tests.runtime_fixtures import serving_runtime
-from xds_server.rollout.gates import MeasurementError, RuntimeMetricsSource
+from xds_server.rollout.gates.fetch import MeasurementError
+from xds_server.rollout.gates.runtime_metrics import RuntimeMetricsSource
 
 SECRET_KEY = "sk-do-not-log-4f1c2a"
 PROMPT = "Describe a violet giraffe in one sentence."

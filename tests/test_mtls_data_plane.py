@@ -50,7 +50,7 @@ from tests.test_xds_support import METHOD, CallLoop, eventually
 from xds_server.control_plane import ControlPlane
 from xds_server.identity.ca import MeshCA, key_pem, uri_sans
 from xds_server.mesh import parse_mesh
-from xds_server.resources import ResourceError, build_resources
+from xds_server.resources.build import ResourceError, build_resources
 from xds_server.resources.listeners import HCM
 from xds_server.xds.node import NodeInfo
 

@@ -25,8 +25,10 @@ from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
-from xds_server.rollout.gates import FAIL, HTTP_5XX, EnvoyStatsSource, delta, evaluate
-from xds_server.rollout.spec import Gates
+from xds_server.mesh.rollout_spec import Gates
+from xds_server.rollout.gates.direct import evaluate
+from xds_server.rollout.gates.envoy_stats import HTTP_5XX, EnvoyStatsSource, delta
+from xds_server.rollout.verdict import FAIL
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
 ANSWER = "The capital of France is Paris."  # greedy (DESIGN.md: the deterministic check)

@@ -18,7 +18,7 @@ from tests.test_cli_errors import assert_clear, meshlm
 from wasm_filters.policy import hash_key, parse_policy
 from wasm_filters.xds import native_http_filters
 from xds_server.mesh import parse_mesh
-from xds_server.resources import ResourceError, build_resources
+from xds_server.resources.build import ResourceError, build_resources
 from xds_server.xds.node import NodeInfo
 
 HTTP_CLUSTER = "inbound|llm|v1|http"

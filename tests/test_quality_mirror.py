@@ -25,9 +25,12 @@ from tests.test_rollout_envoy import wait_terminal
 from tests.test_xds_support import dynamic_clusters, eventually
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import Mirror, parse_mesh
+from xds_server.mesh.quality_spec import parse_quality
 from xds_server.rollout.controller import RolloutController
-from xds_server.rollout.gates import _get_json, mesh_sources, parse_histograms
-from xds_server.rollout.quality import MirrorSource, parse_quality
+from xds_server.rollout.gates.fetch import get_json
+from xds_server.rollout.gates.runtime_metrics import parse_histograms
+from xds_server.rollout.gates.sources import mesh_sources
+from xds_server.rollout.quality import MirrorSource
 
 VERSIONS = ("v1", "v2", "v3")
 
@@ -43,10 +46,10 @@ class Mesh:
     def records(self, version: str, **query: str) -> dict:
         base = self.runtimes[version].metrics_url.removesuffix("/metrics.json")
         q = "&".join(f"{k}={v}" for k, v in query.items())
-        return _get_json(f"{base}/records?{q}", 5)["records"]
+        return get_json(f"{base}/records?{q}", 5)["records"]
 
     def ttft_count(self, version: str) -> int:
-        h = parse_histograms(_get_json(self.runtimes[version].metrics_url, 5))
+        h = parse_histograms(get_json(self.runtimes[version].metrics_url, 5))
         return sum(h.ttft)
 
     def shadows_sent(self) -> int:
@@ -64,7 +67,7 @@ class Mesh:
 
 
 def _spec():
-    from xds_server.rollout.spec import parse_rollout
+    from xds_server.mesh.rollout_spec import parse_rollout
 
     return parse_rollout("llm", {"stable": "v1", "canary": "v2"})
 

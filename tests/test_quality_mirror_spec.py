@@ -24,14 +24,15 @@ from mesh_common import type_urls as t
 from tests.test_rollout_controller import FakeApplyResult, FakeControlPlane, FakeGrpcCounts
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import MeshError, Mirror, parse_mesh
+from xds_server.mesh.rollout_spec import RolloutSpecError, parse_rollout
 from xds_server.replica.replication import desired_mesh, live_doc
-from xds_server.resources import build_resources
+from xds_server.resources.build import build_resources
 from xds_server.rollout.api import spec_from_mesh
 from xds_server.rollout.controller import RolloutController
-from xds_server.rollout.gates import FAIL, PASS, Sources, Verdict
+from xds_server.rollout.gates.sources import Sources
 from xds_server.rollout.quality import MirrorSource
 from xds_server.rollout.sources import configured_sources
-from xds_server.rollout.spec import RolloutSpecError, parse_rollout
+from xds_server.rollout.verdict import FAIL, PASS, Verdict
 from xds_server.xds.node import NodeInfo
 
 BASE = {"stable": "v1", "canary": "v2"}

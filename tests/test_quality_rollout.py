@@ -21,7 +21,7 @@ from model_runtime.telemetry import MetricsServer
 from tests.runtime_fixtures import calls_in_background, serving_runtime
 from tests.test_rollout_envoy import caller_mesh, wait_terminal
 from xds_server.rollout.controller import RolloutController
-from xds_server.rollout.gates import mesh_sources
+from xds_server.rollout.gates.sources import mesh_sources
 from xds_server.rollout.quality import ReplaySource
 
 PROMPTS = [

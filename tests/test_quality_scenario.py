@@ -8,8 +8,8 @@ from __future__ import annotations
 from meshlm.launcher import LocalMesh
 from meshlm.scenarios import SCENARIOS, bad_model
 from xds_server.mesh import parse_mesh
+from xds_server.mesh.rollout_spec import parse_rollout
 from xds_server.rollout.api import spec_from_mesh
-from xds_server.rollout.spec import parse_rollout
 
 
 def test_the_demo_and_the_bad_model_roll_out_with_a_mirror_mode_quality_gate(tmp_path) -> None:

@@ -10,12 +10,12 @@ import pytest
 
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import MeshError, parse_mesh
+from xds_server.mesh.rollout_spec import RolloutSpecError, parse_rollout
 from xds_server.rollout.api import spec_from_mesh
 from xds_server.rollout.controller import Rollout
-from xds_server.rollout.gates import FAIL, HALT, PASS, Verdict
 from xds_server.rollout.quality import Sample, agreement, judge, with_quality
 from xds_server.rollout.sources import configured_sources
-from xds_server.rollout.spec import RolloutSpecError, parse_rollout
+from xds_server.rollout.verdict import FAIL, HALT, PASS, Verdict
 
 BASE = {"stable": "v1", "canary": "v2"}
 Q = {"replay_via": "127.0.0.1:15001", "prompts": ["a", "b", "c"], "min_samples": 2}

@@ -24,7 +24,7 @@ from tests.test_xds_support import Upstream, eventually, upstreams
 from wasm_filters.policy import RateLimit, hash_key
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import Mesh, MeshError, SloState, parse_mesh
-from xds_server.resources import build_resources
+from xds_server.resources.build import build_resources
 from xds_server.resources.names import AUTHZ_FILTER
 from xds_server.resources.ratelimit import MAX_FILL_INTERVAL_MS, share
 from xds_server.xds.node import NodeInfo

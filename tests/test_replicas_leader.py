@@ -29,7 +29,7 @@ from xds_server.replica.leader import (
 )
 from xds_server.replica.replication import Replication
 from xds_server.rollout.controller import TERMINAL, RolloutController
-from xds_server.rollout.gates import mesh_sources
+from xds_server.rollout.gates.sources import mesh_sources
 from xds_server.store import EtcdStore, Fenced, FileStore, StoreUnavailable
 from xds_server.store.state_file import RolloutStore
 

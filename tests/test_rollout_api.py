@@ -8,7 +8,7 @@ from pathlib import Path
 from tests.test_rollout_controller import SPEC, FakeControlPlane, FakeGrpcCounts, FakeLatency
 from xds_server.rollout.api import RolloutAPI, is_mutation
 from xds_server.rollout.controller import RolloutController
-from xds_server.rollout.gates import Sources
+from xds_server.rollout.gates.sources import Sources
 
 
 def make_api(tmp_path: Path, default: dict | None = None):

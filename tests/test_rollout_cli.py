@@ -17,7 +17,7 @@ from meshlm.cli import main
 from tests.test_rollout_controller import SPEC, FakeControlPlane, FakeGrpcCounts, FakeLatency
 from xds_server.rollout.api import PREFIX, RolloutAPI, is_mutation
 from xds_server.rollout.controller import RolloutController
-from xds_server.rollout.gates import Sources
+from xds_server.rollout.gates.sources import Sources
 
 TOKEN = "s3cret"
 

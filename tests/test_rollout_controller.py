@@ -16,9 +16,12 @@ from typing import Any
 import pytest
 
 from xds_server.mesh import parse_mesh
+from xds_server.mesh.rollout_spec import RolloutSpecError, parse_rollout
 from xds_server.rollout.controller import RolloutController, RolloutError
-from xds_server.rollout.gates import GrpcCounts, LatencyReading, MeasurementError, Sources
-from xds_server.rollout.spec import RolloutSpecError, parse_rollout
+from xds_server.rollout.gates.envoy_stats import GrpcCounts
+from xds_server.rollout.gates.fetch import MeasurementError
+from xds_server.rollout.gates.runtime_metrics import LatencyReading
+from xds_server.rollout.gates.sources import Sources
 from xds_server.store.state_file import RolloutStore, RolloutStoreError
 
 

@@ -18,7 +18,7 @@ from tests.rollout_upstreams import METHOD, Traffic, Upstream
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 from xds_server.rollout.controller import TERMINAL, RolloutController
-from xds_server.rollout.gates import mesh_sources
+from xds_server.rollout.gates.sources import mesh_sources
 
 SPEC = {
     "service": "llm",

@@ -16,22 +16,17 @@ from model_runtime.telemetry import MetricsServer, Telemetry
 from sidecar.bootstrap import static_cluster
 from sidecar.envoy_process import EnvoyProcess
 from tests.rollout_upstreams import Traffic, Upstream
-from xds_server.rollout.gates import (
-    FAIL,
-    HALT,
-    MAX_BODY,
-    PASS,
-    EnvoyStatsSource,
-    GrpcCounts,
+from xds_server.mesh.rollout_spec import Gates
+from xds_server.rollout.gates.direct import evaluate
+from xds_server.rollout.gates.envoy_stats import EnvoyStatsSource, GrpcCounts, delta
+from xds_server.rollout.gates.fetch import MAX_BODY, MeasurementError
+from xds_server.rollout.gates.runtime_metrics import (
     Histograms,
     LatencyReading,
-    MeasurementError,
     RuntimeMetricsSource,
-    delta,
-    evaluate,
     quantile,
 )
-from xds_server.rollout.spec import Gates
+from xds_server.rollout.verdict import FAIL, HALT, PASS
 
 T = "type.googleapis.com/envoy.extensions."
 
@@ -301,7 +296,7 @@ def test_controller_reads_each_interval_apart_over_real_http(tmp_path: Path) -> 
     # again and rolled a recovered canary back.
     from tests.test_rollout_controller import FakeControlPlane, FakeGrpcCounts
     from xds_server.rollout.controller import RolloutController
-    from xds_server.rollout.gates import Sources
+    from xds_server.rollout.gates.sources import Sources
 
     tel, counts, cp = Telemetry(window_s=60), FakeGrpcCounts(), FakeControlPlane()
     with MetricsServer(tel) as srv:

@@ -28,7 +28,7 @@ from tests.test_xds_support import Upstream
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 from xds_server.rollout.controller import RolloutController, RolloutError
-from xds_server.rollout.gates import Sources
+from xds_server.rollout.gates.sources import Sources
 from xds_server.rollout.liveness import GrpcHealthSource
 from xds_server.rollout.sources import configured_sources
 

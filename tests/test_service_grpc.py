@@ -30,7 +30,7 @@ from model_runtime.telemetry import MetricsServer, Telemetry
 from schemas import codec
 from tests.fuzz import codec as fuzz
 from tests.runtime_fixtures import serving_runtime
-from xds_server.rollout.gates import parse_runtime_metrics
+from xds_server.rollout.gates.runtime_metrics import parse_runtime_metrics
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]

@@ -1,6 +1,6 @@
 """What each sidecar listener runs per call (issue 19, item 3): only what something reads.
 The rollout gates and the SLO loop read grpc_stats on caller sidecars
-(xds_server/rollout/gates.py), so
+(xds_server/rollout/gates/envoy_stats.py), so
 the inbound listener goes without it; nothing reads its filter state."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from mesh_common import type_urls as t
 from wasm_filters.policy import hash_key
 from xds_server.mesh import parse_mesh
-from xds_server.resources import build_resources
+from xds_server.resources.build import build_resources
 from xds_server.resources.names import AUTHZ_FILTER
 from xds_server.xds.node import NodeInfo
 

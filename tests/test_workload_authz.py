@@ -21,7 +21,8 @@ from wasm_filters.host import WasmHost
 from wasm_filters.policy import CallerRule, PolicyError, compile_filter_config, hash_key
 from wasm_filters.policy import parse_policy as parse_tenants
 from xds_server.mesh import MeshError, parse_mesh
-from xds_server.resources import build_resources, names
+from xds_server.resources import names
+from xds_server.resources.build import build_resources
 from xds_server.resources.routes import ORCA_PATH
 from xds_server.xds.node import NodeInfo
 

@@ -23,7 +23,7 @@ from tests.test_replicas_leader import SPEC, TTL, Replica
 from tests.test_replicas_sync import source
 from xds_server.replica.leader import rollouts_of
 from xds_server.rollout.controller import TERMINAL
-from xds_server.rollout.gates import mesh_sources
+from xds_server.rollout.gates.sources import mesh_sources
 from xds_server.store import EtcdStore, StoreUnavailable
 
 LOAD = "calls back to back (5 ms pause) through a caller Envoy listing both replicas"

@@ -49,7 +49,7 @@ import yaml
 
 from mesh_common.http_server import BodyError, BoundedHandler, BoundedServer
 from xds_server.admin import traffic as traffic_check
-from xds_server.admin.dashboard import Busy, Dashboard
+from xds_server.admin.dashboard.service import Busy, Dashboard
 from xds_server.admin.metrics import ControlPlaneMetrics, Exposition
 from xds_server.admin.tls import AdminTLS, drop_ca
 from xds_server.control_plane import ApplyResult, ControlPlane

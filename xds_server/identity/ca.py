@@ -1,4 +1,4 @@
-"""The mesh CA: signs workloads' CSRs with SPIFFE identities (issue 14).
+"""The mesh CA: signs workloads' CSRs with SPIFFE identities.
 
 Its own self-signed root by default, kept 0600 in a private state dir so that a restarted control
 plane still vouches for the certificates it issued; or, with `identity.root` in the mesh file, an

@@ -1,4 +1,4 @@
-"""Workload identity in the control plane: join tokens and the CSR signing service (issue 14).
+"""Workload identity in the control plane: join tokens and the CSR signing service.
 
 `/meshlm.identity.v1.CertificateService/CreateCertificate` (modelled on Istio's
 `IstioCertificateService/CreateCertificate`) takes `{"csr": PEM, "validity_duration": seconds}`
@@ -38,7 +38,7 @@ from mesh_common.private_files import read_private, write_private
 from xds_server import mesh as m
 from xds_server.identity import ca as ca_mod
 from xds_server.identity.ca import CsrError, MeshCA, NotGranted
-from xds_server.mesh.fields import _only as only
+from xds_server.mesh.fields import only_known
 
 log = logging.getLogger("meshlm.identity")
 
@@ -374,7 +374,7 @@ class Identity:
         try:
             if parts == ["tokens"]:
                 return 200, self._issue(doc)
-            only(doc, "body", {"activate_after", "overlap"})
+            only_known(doc, "body", {"activate_after", "overlap"})
             kw = {k: m.parse_duration(v, k) for k, v in doc.items()}
             out = self.ca.rotate_root(**kw)
             log.info("root rotation started: new root %s", out["root_sha256"])
@@ -383,7 +383,7 @@ class Identity:
             return 400, {"error": str(e)}
 
     def _issue(self, doc: dict[str, Any]) -> dict[str, Any]:
-        only(doc, "body", {"service_account", "ttl"})
+        only_known(doc, "body", {"service_account", "ttl"})
         sa = doc.get("service_account")
         if not isinstance(sa, str) or not m.SERVICE_ACCOUNT.match(sa):
             raise ValueError(f"service_account: expected NAMESPACE/NAME, got {sa!r}")

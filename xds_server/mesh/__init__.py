@@ -1,7 +1,10 @@
 """The mesh file (YAML) -> validated, frozen desired state (`Mesh`).
 
 fields: errors, YAML and typed field readers; model: the frozen dataclasses and their
-validated mutations; resilience: a route's resilience settings; parse: the rest of the file.
+validated mutations; resilience: a route's resilience settings; identity: the `identity:`
+section; callers: a service's allowed callers; rollout_spec (with rollout_fields and
+quality_spec): a `rollouts:` entry as the rollout controller reads it; parse: the rest of the
+file.
 """
 
 from xds_server.mesh.fields import (
@@ -10,6 +13,7 @@ from xds_server.mesh.fields import (
     load_yaml,
     parse_duration,
 )
+from xds_server.mesh.identity import CERT_TTL_RANGE, SERVICE_ACCOUNT, TRUST_DOMAIN
 from xds_server.mesh.model import (
     ACCESS_LOG_CALLS,
     AUTHZ_MODES,
@@ -46,13 +50,7 @@ from xds_server.mesh.model import (
     Version,
     parse_endpoint,
 )
-from xds_server.mesh.parse import (
-    CERT_TTL_RANGE,
-    SERVICE_ACCOUNT,
-    TRUST_DOMAIN,
-    load_mesh,
-    parse_mesh,
-)
+from xds_server.mesh.parse import load_mesh, parse_mesh
 
 __all__ = [
     "ACCESS_LOG_CALLS",

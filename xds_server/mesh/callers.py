@@ -1,4 +1,4 @@
-"""Which workloads may call a service (issue 14, item 3): `services.<name>.callers`.
+"""Which workloads may call a service: `services.<name>.callers`.
 
     services:
       llm:
@@ -18,7 +18,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from xds_server.mesh.fields import MeshError, _mapping, _only
+from xds_server.mesh.fields import MeshError, only_known, read_mapping
+from xds_server.mesh.identity import parse_identity
 from xds_server.mesh.model import METHODS, Caller, Identity, Service
 
 # The inference API's gRPC path prefix (schemas/inference.fbs; wasm_filters.policy has it too).
@@ -39,8 +40,8 @@ def parse_callers(raw: Any, path: str) -> tuple[Caller, ...] | None:
     out: list[Caller] = []
     for i, item in enumerate(raw):
         where = f"{path}[{i}]"
-        d = _mapping(item, where)
-        _only(d, where, {"service_account", "methods"})
+        d = read_mapping(item, where)
+        only_known(d, where, {"service_account", "methods"})
         sa = d.get("service_account")
         if not isinstance(sa, str) or not CALLER_ACCOUNT.match(sa):
             raise MeshError(
@@ -109,12 +110,14 @@ def rules(
 def raw_callers(raw_mesh: Any, service: str) -> tuple[Identity | None, tuple[Caller, ...] | None]:
     """(identity, callers of `service`) from an unvalidated mesh file, reading only those
     fields (for `meshlm policy`, which takes a partial mesh); MeshError names the field."""
-    from xds_server.mesh.parse import _identity  # parse imports this module
-
-    top = _mapping(raw_mesh, "mesh")
-    svc = _mapping(_mapping(top.get("services"), "services").get(service), f"services.{service}")
+    top = read_mapping(raw_mesh, "mesh")
+    svc = read_mapping(
+        read_mapping(top.get("services"), "services").get(service), f"services.{service}"
+    )
     callers = parse_callers(svc.get("callers"), f"services.{service}.callers")
     raw_identity = top.get("identity")
-    identity = None if raw_identity is None else _identity(_mapping(raw_identity, "identity"))
+    identity = (
+        None if raw_identity is None else parse_identity(read_mapping(raw_identity, "identity"))
+    )
     _check(service, callers, identity)
     return identity, callers

@@ -80,18 +80,20 @@ def _no_duplicate_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
             _no_duplicate_keys(item, f"{path}[{i}]", seen)
 
 
-def _url(raw: Any, path: str) -> str:
+def read_url(raw: Any, path: str) -> str:
     problem = url_problem(raw)
     if problem:
         raise MeshError(f"{path}: {problem}")
     return raw
 
 
-def _opt_port(d: dict, key: str) -> int | None:
-    return None if d.get(key) is None else _port(d[key], f"control_plane.{key}", allow_zero=True)
+def read_optional_port(d: dict, key: str) -> int | None:
+    return (
+        None if d.get(key) is None else read_port(d[key], f"control_plane.{key}", allow_zero=True)
+    )
 
 
-def _rate(raw: Any, path: str) -> float:
+def read_rate(raw: Any, path: str) -> float:
     """`0.8%` or a fraction like 0.008 -> 0.008; it must be more than 0 and at most 100 %."""
     if isinstance(raw, str) and raw.strip().endswith("%"):
         try:
@@ -108,14 +110,14 @@ def _rate(raw: Any, path: str) -> float:
     return value
 
 
-def _positive(raw: Any, path: str) -> float:
+def read_positive(raw: Any, path: str) -> float:
     v = parse_duration(raw, path)
     if v <= 0:
         raise MeshError(f"{path}: must be greater than 0")
     return v
 
 
-def _mapping(raw: Any, path: str) -> dict:
+def read_mapping(raw: Any, path: str) -> dict:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -134,7 +136,7 @@ def field_name(key: object) -> str:
     return json.dumps(str(key)).replace(":", "\\u003a")
 
 
-def _only(d: dict, path: str, allowed: set[str]) -> None:
+def only_known(d: dict, path: str, allowed: set[str]) -> None:
     for k in d:
         if k not in allowed:
             raise MeshError(
@@ -142,14 +144,14 @@ def _only(d: dict, path: str, allowed: set[str]) -> None:
             )
 
 
-def _name(name: str, path: str) -> None:
+def check_name(name: str, path: str) -> None:
     if not _NAME.match(name) or "|" in name:
         if path.endswith(f".{name}"):  # the path ends with the bad name itself: quote it
             path = f"{path[: -len(name) - 1]}.{field_name(name)}"
         raise MeshError(f"{path}: invalid name {name!r} (letters, digits, _ . -)")
 
 
-def _int(v: Any, path: str, lo: int | None = None, hi: int | None = None) -> int:
+def read_int(v: Any, path: str, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise MeshError(f"{path}: expected an integer, got {v!r}")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
@@ -157,15 +159,15 @@ def _int(v: Any, path: str, lo: int | None = None, hi: int | None = None) -> int
     return v
 
 
-def _opt_int(d: dict, key: str, path: str, lo: int) -> int | None:
-    return None if d.get(key) is None else _int(d[key], f"{path}.{key}", lo)
+def read_optional_int(d: dict, key: str, path: str, lo: int) -> int | None:
+    return None if d.get(key) is None else read_int(d[key], f"{path}.{key}", lo)
 
 
-def _port(v: Any, path: str, *, allow_zero: bool = False) -> int:
-    return _int(v, path, 0 if allow_zero else 1, 65535)
+def read_port(v: Any, path: str, *, allow_zero: bool = False) -> int:
+    return read_int(v, path, 0 if allow_zero else 1, 65535)
 
 
-def _opt(d: dict, key: str, path: str, fn: Any) -> Any:
+def read_optional(d: dict, key: str, path: str, fn: Any) -> Any:
     if d.get(key) is None:
         return None
-    return fn(_mapping(d[key], f"{path}.{key}"), f"{path}.{key}")
+    return fn(read_mapping(d[key], f"{path}.{key}"), f"{path}.{key}")

@@ -13,10 +13,10 @@ from typing import Any
 from mesh_common.headers import CANARY_HEADER, STALL_HEADER
 from xds_server.mesh.fields import (
     MeshError,
-    _port,
+    read_port,
 )
 
-# x-meshlm-class: a hash of the request, never its text (issue 11).
+# x-meshlm-class: a hash of the request, never its text.
 CLASS_KEY = re.compile(r"^[0-9a-f]{16}\Z")
 
 
@@ -94,7 +94,7 @@ class Route:
     # (stable, canary) for the `x-canary` pins, set by the rollout controller (a succeeded
     # rollout swaps them). None: the mesh file's rollout pair, else file order.
     pins: tuple[str, str] | None = None
-    # The quality gate's mirror mode (issue 18), set by the rollout controller while a step
+    # The quality gate's mirror mode, set by the rollout controller while a step
     # runs: safe-marked calls are copied to this version's shadow cluster. Never in a mesh file.
     mirror: Mirror | None = None
 
@@ -146,7 +146,7 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class Stall:
-    """Token-stall detection in the caller library (issue 10): a stream with `consecutive`
+    """Token-stall detection in the caller library: a stream with `consecutive`
     inter-token gaps over `gap` in a row, or one gap over `hard_limit`, is resumed on another
     replica of the same version, at most `max_resumes` times. Callers learn it from the
     `x-meshlm-stall` response header that the caller-side route adds."""
@@ -175,7 +175,7 @@ class Stall:
             hard_limit=int(parts["hard_limit_ms"]) / 1000,
             max_resumes=int(parts["max_resumes"]),
         )
-        return _stall_checked(stall, STALL_HEADER, ValueError)
+        return checked_stall(stall, STALL_HEADER, ValueError)
 
 
 SLO_ACTIONS = ("shed", "tighten_outlier", "scale_out")
@@ -224,7 +224,7 @@ class HealthCheck:
 
 @dataclass(frozen=True)
 class Isolation:
-    """Semantic circuit breaking (issue 11): a request class (`x-meshlm-class`) whose error rate
+    """Semantic circuit breaking: a request class (`x-meshlm-class`) whose error rate
     over `window` reaches `error_rate` (with at least `min_requests`) is routed to the `pool`
     version, or answered UNAVAILABLE when there is none. After `cooldown` (doubled on each
     relapse) `probe_percent` % of the class tries the main pool again (half-open)."""
@@ -248,7 +248,7 @@ class Quarantine:
 
 @dataclass(frozen=True)
 class Caller:
-    """A workload that may call a service (issue 14, item 3): `service_account` is
+    """A workload that may call a service: `service_account` is
     `NAMESPACE/NAME`, or `NAMESPACE/*` for every account of a namespace; `methods` the gRPC
     methods it may call, () for all of them (xds_server/mesh/callers.py)."""
 
@@ -273,13 +273,13 @@ class Service:
     slo_state: SloState = field(default_factory=SloState)
     isolation: Isolation | None = None
     quarantined: tuple[Quarantine, ...] = ()
-    # Its workloads' identity, `NAMESPACE/NAME` (issue 14); default `default/<service>`.
+    # Its workloads' identity, `NAMESPACE/NAME`; default `default/<service>`.
     service_account: str = ""
     # The workloads that may call it (Envoy RBAC principals); None: any workload of the trust
     # domain, () nobody.
     callers: tuple[Caller, ...] | None = None
     # Its live inbound sidecars, counted from ADS by the control plane (0: none known); each
-    # enforces 1/N of a tenant's rate_limit (`rate_limits.mode: local`, issue 19).
+    # enforces 1/N of a tenant's rate_limit (`rate_limits.mode: local`).
     inbound_sidecars: int = 0
 
 
@@ -293,7 +293,7 @@ class Rollout:
     threshold: int
     gates: dict[str, Any]
     ack_timeout: float = 10.0
-    quality: dict[str, Any] | None = None  # xds_server.rollout.quality.QualityGate's fields
+    quality: dict[str, Any] | None = None  # xds_server.mesh.quality_spec.QualityGate's fields
 
 
 @dataclass(frozen=True)
@@ -304,7 +304,7 @@ class ControlPlaneConfig:
     # A sidecar that leaves a push un-ACKed this long is reported lagging and no longer holds
     # changes back (the ACK quorum leaves it out).
     lagging_after: float = 30.0
-    # The mesh CA's TLS ports (issue 14, only with an `identity` block): enrolment by join
+    # The mesh CA's TLS ports (only with an `identity` block): enrolment by join
     # token, and renewal by client certificate. None: grpc_port + 2 / + 3 (0 when it is 0).
     ca_port: int | None = None
     ca_mtls_port: int | None = None
@@ -341,7 +341,7 @@ RATE_LIMIT_MODES = ("local", "global")
 
 @dataclass(frozen=True)
 class RateLimits:
-    """How tenants' `rate_limit` holds mesh-wide (issue 19). `local`: the control plane divides
+    """How tenants' `rate_limit` holds mesh-wide. `local`: the control plane divides
     each limit among the live inbound sidecars of a service, and each enforces its share in its
     authz filter: no call leaves the sidecar. `global`: every call also asks the control
     plane's rate-limit service: exact, at one gRPC round trip per call."""
@@ -358,7 +358,7 @@ class AccessLog:
     stdout (the supervisor's log); else a file every sidecar on the host appends to. Which
     calls each side logs: by default the caller sidecar every call (one line per call, with its
     request id and trace), the inbound sidecar the failed and denied ones (with the verified
-    tenant): a line per hop for every call costs each hop its formatting (issue 19)."""
+    tenant): a line per hop for every call costs each hop its formatting."""
 
     enabled: bool = True
     path: str | None = None
@@ -402,7 +402,7 @@ class Mesh:
     def with_weights(self, service: str, weights: dict[str, int]) -> Mesh:
         svc = self._service(service)
         path = f"services.{service}.route.weights"
-        new = _check_weights(dict(weights), svc.versions, path)
+        new = check_weights(dict(weights), svc.versions, path)
         return self._replace_service(svc, route=dataclasses.replace(svc.route, weights=new))
 
     def with_pins(self, service: str, stable: str, canary: str) -> Mesh:
@@ -492,10 +492,10 @@ def parse_endpoint(raw: Any, path: str) -> Endpoint:
         p = int(port)
     except ValueError:
         raise MeshError(f"{path}: port {port!r} is not a number") from None
-    return Endpoint(host, _port(p, path))
+    return Endpoint(host, read_port(p, path))
 
 
-def _check_weights(weights: dict[str, Any], versions: dict[str, Version], path: str) -> dict:
+def check_weights(weights: dict[str, Any], versions: dict[str, Version], path: str) -> dict:
     if not weights:
         raise MeshError(f"{path}: at least one weight is required")
     for v, w in weights.items():
@@ -510,7 +510,7 @@ def _check_weights(weights: dict[str, Any], versions: dict[str, Version], path: 
     return {v: int(weights.get(v, 0)) for v in versions}
 
 
-def _stall_checked(stall: Stall, path: str, error: type[ValueError]) -> Stall:
+def checked_stall(stall: Stall, path: str, error: type[ValueError]) -> Stall:
     if not 0.001 <= stall.gap < stall.hard_limit <= 3600:
         raise error(f"{path}.hard_limit: must be more than gap (at least 1ms) and at most 1h")
     if not (1 <= stall.consecutive <= 100 and 0 <= stall.max_resumes <= 10):

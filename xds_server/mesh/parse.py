@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
-import re
 from pathlib import Path
 from typing import Any
 
@@ -15,50 +14,49 @@ from mesh_common.headers import CANARY_HEADER
 from xds_server.mesh.callers import check_callers, parse_callers
 from xds_server.mesh.fields import (
     MeshError,
-    _int,
-    _mapping,
-    _name,
-    _only,
-    _opt,
-    _opt_port,
-    _port,
-    _positive,
-    _url,
+    check_name,
     load_yaml,
+    only_known,
     parse_duration,
+    read_int,
+    read_mapping,
+    read_optional,
+    read_optional_port,
+    read_port,
+    read_positive,
+    read_url,
 )
+from xds_server.mesh.identity import SERVICE_ACCOUNT, parse_identity
 from xds_server.mesh.model import (
     ACCESS_LOG_CALLS,
     AUTHZ_MODES,
     LOAD_BALANCING,
     METHODS,
-    MTLS_MODES,
     RATE_LIMIT_MODES,
     AccessLog,
     Authz,
     CallerSidecar,
     ControlPlaneConfig,
     HashPolicy,
-    Identity,
     Mesh,
     RateLimits,
     Rollout,
     Route,
     Service,
     Version,
-    _check_weights,
+    check_weights,
     parse_endpoint,
 )
 from xds_server.mesh.resilience import (
-    _circuit_breakers,
-    _health_check,
-    _isolation,
-    _outlier,
-    _retry_policy,
-    _slo,
-    _stall,
+    parse_circuit_breakers,
+    parse_health_check,
+    parse_isolation,
+    parse_outlier_detection,
+    parse_retry_policy,
+    parse_slo,
+    parse_stall,
 )
-from xds_server.rollout.spec import RolloutSpecError, parse_rollout
+from xds_server.mesh.rollout_spec import RolloutSpecError, parse_rollout
 
 
 def load_mesh(path: str | Path) -> Mesh:
@@ -66,8 +64,8 @@ def load_mesh(path: str | Path) -> Mesh:
 
 
 def parse_mesh(raw: Any) -> Mesh:
-    top = _mapping(raw, "mesh")
-    _only(
+    top = read_mapping(raw, "mesh")
+    only_known(
         top,
         "mesh",
         {
@@ -84,15 +82,15 @@ def parse_mesh(raw: Any) -> Mesh:
             "default_service",
         },
     )
-    services_raw = _mapping(top.get("services"), "services")
+    services_raw = read_mapping(top.get("services"), "services")
     if not services_raw:
         raise MeshError("services: at least one service is required")
     services = {n: _service(n, v, f"services.{n}") for n, v in services_raw.items()}
     tenants = _tenants(top.get("tenants"), top.get("roles"))
     if tenants is not None:
         _check_allow_rules(top.get("tenants"), top.get("roles"), services)
-    authz_raw = _mapping(top.get("authz", {}), "authz")
-    _only(authz_raw, "authz", {"mode", "keys_file"})
+    authz_raw = read_mapping(top.get("authz", {}), "authz")
+    only_known(authz_raw, "authz", {"mode", "keys_file"})
     mode = authz_raw.get("mode", "wasm" if tenants else "none")
     if mode not in AUTHZ_MODES:
         raise MeshError(f"authz.mode: expected one of {', '.join(AUTHZ_MODES)}, got {mode!r}")
@@ -101,9 +99,9 @@ def parse_mesh(raw: Any) -> Mesh:
     keys_file = authz_raw.get("keys_file")
     if mode == "native" and not isinstance(keys_file, str):
         raise MeshError("authz.keys_file: native mode needs a file of plaintext keys per tenant")
-    rollouts_raw = _mapping(top.get("rollouts", {}), "rollouts")
+    rollouts_raw = read_mapping(top.get("rollouts", {}), "rollouts")
     rollouts = {n: _rollout(n, v, services, f"rollouts.{n}") for n, v in rollouts_raw.items()}
-    identity = _opt(top, "identity", "mesh", lambda d, _p: _identity(d))
+    identity = read_optional(top, "identity", "mesh", lambda d, _p: parse_identity(d))
     check_callers(services, identity)
     return Mesh(
         services=services,
@@ -132,50 +130,6 @@ def _default_service(raw: Any, services: dict[str, Service]) -> str | None:
     return raw
 
 
-# A SPIFFE trust domain (lower case) and the path segments of a service account.
-TRUST_DOMAIN = re.compile(r"^[a-z0-9][a-z0-9._-]*\Z")
-
-
-SERVICE_ACCOUNT = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*/[a-zA-Z0-9][a-zA-Z0-9_.-]*\Z")
-
-
-# Workload certificates live 10 s (tests) to a day; 15 minutes by default (Istio: 24 h).
-CERT_TTL_RANGE = (10.0, 86400.0)
-
-
-def _identity(d: dict) -> Identity:
-    """`identity: {trust_domain, cert_ttl, root: {cert_file, key_file}, mtls}`, all optional."""
-    _only(d, "identity", {"trust_domain", "cert_ttl", "root", "mtls"})
-    td = d.get("trust_domain", "meshlm.local")
-    if not isinstance(td, str) or not TRUST_DOMAIN.match(td) or len(td) > 255:
-        raise MeshError(
-            f"identity.trust_domain: expected lower-case letters, digits, . _ - (a SPIFFE trust "
-            f"domain), got {td!r}"
-        )
-    ttl = parse_duration(d.get("cert_ttl", "15m"), "identity.cert_ttl")
-    lo, hi = CERT_TTL_RANGE
-    if not lo <= ttl <= hi:
-        raise MeshError(f"identity.cert_ttl: must be {lo:g}s to {hi / 3600:g}h, got {ttl:g}s")
-    root = _mapping(d.get("root"), "identity.root")
-    _only(root, "identity.root", {"cert_file", "key_file"})
-    for key in ("cert_file", "key_file"):
-        value = root.get(key)
-        if root and (not isinstance(value, str) or not value):
-            raise MeshError(f"identity.root.{key}: expected a file path, got {value!r}")
-    mtls = d.get("mtls", "strict")
-    if mtls is False:  # YAML 1.1 reads a bare `off` as false
-        mtls = "off"
-    if not isinstance(mtls, str) or mtls not in MTLS_MODES:
-        raise MeshError(f"identity.mtls: expected one of {', '.join(MTLS_MODES)}, got {mtls!r}")
-    return Identity(
-        trust_domain=td,
-        cert_ttl=ttl,
-        root_cert_file=root.get("cert_file"),
-        root_key_file=root.get("key_file"),
-        mtls=mtls,
-    )
-
-
 def _caller_sidecars(raw: Any) -> tuple[CallerSidecar, ...]:
     """`caller_sidecars: [{admin_url: http://127.0.0.1:15000}, ...]`."""
     if raw is None:
@@ -185,9 +139,9 @@ def _caller_sidecars(raw: Any) -> tuple[CallerSidecar, ...]:
     out = []
     for i, item in enumerate(raw):
         path = f"caller_sidecars[{i}]"
-        d = _mapping(item, path)
-        _only(d, path, {"admin_url"})
-        out.append(CallerSidecar(admin_url=_url(d.get("admin_url"), f"{path}.admin_url")))
+        d = read_mapping(item, path)
+        only_known(d, path, {"admin_url"})
+        out.append(CallerSidecar(admin_url=read_url(d.get("admin_url"), f"{path}.admin_url")))
     if len({c.admin_url for c in out}) != len(out):
         raise MeshError("caller_sidecars: duplicate admin_url")
     return tuple(out)
@@ -219,8 +173,8 @@ def _access_log(raw: Any) -> AccessLog:
     which calls each side logs: `{outbound: all, inbound: failures}` (the default)."""
     if isinstance(raw, bool):
         return AccessLog(enabled=raw)
-    d = _mapping(raw, "access_log")
-    _only(d, "access_log", {"path", "outbound", "inbound"})
+    d = read_mapping(raw, "access_log")
+    only_known(d, "access_log", {"path", "outbound", "inbound"})
     path = d.get("path")
     if path is not None and (not isinstance(path, str) or not path):
         raise MeshError(f"access_log.path: expected a file path, got {path!r}")
@@ -238,8 +192,8 @@ def _access_log(raw: Any) -> AccessLog:
 
 
 def _rate_limits(raw: Any) -> RateLimits:
-    d = _mapping(raw, "rate_limits")
-    _only(d, "rate_limits", {"mode"})
+    d = read_mapping(raw, "rate_limits")
+    only_known(d, "rate_limits", {"mode"})
     mode = d.get("mode", "local")
     if mode not in RATE_LIMIT_MODES:
         raise MeshError(
@@ -253,7 +207,7 @@ def _tenants(raw: Any, roles: Any) -> Any:
         if roles is not None:
             raise MeshError("roles: needs a tenants section")
         return None
-    raw = _mapping(raw, "tenants")
+    raw = read_mapping(raw, "tenants")
     try:
         policy = importlib.import_module("wasm_filters.policy")
     except ModuleNotFoundError:
@@ -265,8 +219,8 @@ def _tenants(raw: Any, roles: Any) -> Any:
 
 
 def _control_plane(raw: Any) -> ControlPlaneConfig:
-    d = _mapping(raw, "control_plane")
-    _only(
+    d = read_mapping(raw, "control_plane")
+    only_known(
         d,
         "control_plane",
         {"grpc_port", "admin_port", "debounce", "lagging_after", "ca_port", "ca_mtls_port"},
@@ -275,23 +229,25 @@ def _control_plane(raw: Any) -> ControlPlaneConfig:
     if lagging_after <= 0:  # 0 would count every change as applied before any ACK
         raise MeshError("control_plane.lagging_after: must be more than 0s")
     return ControlPlaneConfig(
-        grpc_port=_port(d.get("grpc_port", 18000), "control_plane.grpc_port", allow_zero=True),
-        admin_port=_port(d.get("admin_port", 18001), "control_plane.admin_port", allow_zero=True),
+        grpc_port=read_port(d.get("grpc_port", 18000), "control_plane.grpc_port", allow_zero=True),
+        admin_port=read_port(
+            d.get("admin_port", 18001), "control_plane.admin_port", allow_zero=True
+        ),
         debounce=parse_duration(d.get("debounce", "100ms"), "control_plane.debounce"),
         lagging_after=lagging_after,
-        ca_port=_opt_port(d, "ca_port"),
-        ca_mtls_port=_opt_port(d, "ca_mtls_port"),
+        ca_port=read_optional_port(d, "ca_port"),
+        ca_mtls_port=read_optional_port(d, "ca_mtls_port"),
     )
 
 
 def _service(name: str, raw: Any, path: str) -> Service:
-    _name(name, path)
+    check_name(name, path)
     if name.endswith("-shadow"):
-        # Envoy's request mirroring names a copy `<service>-shadow` (issue 18): the inbound
+        # Envoy's request mirroring names a copy `<service>-shadow`: the inbound
         # sidecars treat such an authority as a mirrored copy, never a service's own calls.
         raise MeshError(f"{path}: a service name must not end in -shadow (mirrored copies' own)")
-    d = _mapping(raw, path)
-    _only(
+    d = read_mapping(raw, path)
+    only_known(
         d,
         path,
         {
@@ -310,7 +266,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
             "callers",
         },
     )
-    vraw = _mapping(d.get("versions"), f"{path}.versions")
+    vraw = read_mapping(d.get("versions"), f"{path}.versions")
     if not vraw:
         raise MeshError(f"{path}.versions: at least one version is required")
     versions = {v: _version(v, x, f"{path}.versions.{v}") for v, x in vraw.items()}
@@ -320,14 +276,14 @@ def _service(name: str, raw: Any, path: str) -> Service:
         versions=versions,
         route=route,
         load_balancing=_load_balancing(d.get("load_balancing"), route, f"{path}.load_balancing"),
-        slo=_opt(d, "slo", path, _slo),
-        outlier_detection=_opt(d, "outlier_detection", path, _outlier),
-        circuit_breakers=_opt(d, "circuit_breakers", path, _circuit_breakers),
-        retry_policy=_opt(d, "retry_policy", path, _retry_policy),
-        health_check=_opt(d, "health_check", path, _health_check),
-        stall=_opt(d, "stall", path, _stall),
-        isolation=_opt(d, "isolation", path, lambda i, p: _isolation(i, p, route)),
-        connect_timeout=_positive(d.get("connect_timeout", "1s"), f"{path}.connect_timeout"),
+        slo=read_optional(d, "slo", path, parse_slo),
+        outlier_detection=read_optional(d, "outlier_detection", path, parse_outlier_detection),
+        circuit_breakers=read_optional(d, "circuit_breakers", path, parse_circuit_breakers),
+        retry_policy=read_optional(d, "retry_policy", path, parse_retry_policy),
+        health_check=read_optional(d, "health_check", path, parse_health_check),
+        stall=read_optional(d, "stall", path, parse_stall),
+        isolation=read_optional(d, "isolation", path, lambda i, p: parse_isolation(i, p, route)),
+        connect_timeout=read_positive(d.get("connect_timeout", "1s"), f"{path}.connect_timeout"),
         service_account=_service_account(d.get("service_account"), name, path),
         callers=parse_callers(d.get("callers"), f"{path}.callers"),
     )
@@ -342,9 +298,9 @@ def _service_account(raw: Any, service: str, path: str) -> str:
 
 
 def _version(name: str, raw: Any, path: str) -> Version:
-    _name(name, path)
-    d = _mapping(raw, path)
-    _only(d, path, {"precision", "endpoints", "metrics_urls"})
+    check_name(name, path)
+    d = read_mapping(raw, path)
+    only_known(d, path, {"precision", "endpoints", "metrics_urls"})
     precision = d.get("precision")
     if precision is not None and precision not in ("bf16", "fp16", "int4"):
         raise MeshError(f"{path}.precision: expected bf16, fp16 or int4, got {precision!r}")
@@ -357,7 +313,7 @@ def _version(name: str, raw: Any, path: str) -> Version:
     urls = d.get("metrics_urls", [])
     if not isinstance(urls, list):
         raise MeshError(f"{path}.metrics_urls: expected a list of http(s) URLs")
-    metrics = tuple(_url(u, f"{path}.metrics_urls[{i}]") for i, u in enumerate(urls))
+    metrics = tuple(read_url(u, f"{path}.metrics_urls[{i}]") for i, u in enumerate(urls))
     return Version(name=name, precision=precision, endpoints=endpoints, metrics_urls=metrics)
 
 
@@ -366,8 +322,8 @@ def _route(raw: Any, versions: dict[str, Version], path: str) -> Route:
         if len(versions) != 1:
             raise MeshError(f"{path}.weights: required when a service has several versions")
         return Route(weights={next(iter(versions)): 100})
-    d = _mapping(raw, path)
-    _only(
+    d = read_mapping(raw, path)
+    only_known(
         d,
         path,
         {
@@ -379,13 +335,13 @@ def _route(raw: Any, versions: dict[str, Version], path: str) -> Route:
             "stream_idle_timeout",
         },
     )
-    weights = _check_weights(
-        _mapping(d.get("weights"), f"{path}.weights"), versions, path + ".weights"
+    weights = check_weights(
+        read_mapping(d.get("weights"), f"{path}.weights"), versions, path + ".weights"
     )
     hp = None
     if "hash_policy" in d:
-        h = _mapping(d["hash_policy"], f"{path}.hash_policy")
-        _only(h, f"{path}.hash_policy", {"header"})
+        h = read_mapping(d["hash_policy"], f"{path}.hash_policy")
+        only_known(h, f"{path}.hash_policy", {"header"})
         header = h.get("header")
         if not isinstance(header, str) or not header:
             raise MeshError(f"{path}.hash_policy.header: expected a header name")
@@ -425,9 +381,9 @@ def _load_balancing(raw: Any, route: Route, path: str) -> str:
 def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Rollout:
     if name not in services:
         raise MeshError(f"{path}: unknown service (known: {', '.join(services)})")
-    d = _mapping(raw, path)
-    _only(d, path, {"stable", "canary", "steps", "interval", "threshold", "gates", "ack_timeout",
-                    "quality"})  # fmt: skip
+    d = read_mapping(raw, path)
+    known = {"stable", "canary", "steps", "interval", "threshold", "gates", "ack_timeout"}
+    only_known(d, path, known | {"quality"})
     versions = services[name].versions
     for key in ("stable", "canary"):
         if not isinstance(d.get(key), str) or d[key] not in versions:
@@ -440,10 +396,10 @@ def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Ro
     if not isinstance(steps, list) or not steps:
         raise MeshError(f"{path}.steps: expected a list of percentages like [5, 25, 50, 100]")
     for i, s in enumerate(steps):
-        _int(s, f"{path}.steps[{i}]", 1, 100)
+        read_int(s, f"{path}.steps[{i}]", 1, 100)
         if i and s <= steps[i - 1]:
             raise MeshError(f"{path}.steps[{i}]: steps must be ascending")
-    gates = _mapping(d.get("gates", {}), f"{path}.gates")
+    gates = read_mapping(d.get("gates", {}), f"{path}.gates")
     try:
         spec = parse_rollout(name, d)  # the controller's own validator: gate names and values
     except RolloutSpecError as e:
@@ -454,9 +410,9 @@ def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Ro
         canary=d["canary"],
         steps=tuple(steps),
         interval=parse_duration(d.get("interval", "30s"), f"{path}.interval"),
-        threshold=_int(d.get("threshold", 2), f"{path}.threshold", 1),
+        threshold=read_int(d.get("threshold", 2), f"{path}.threshold", 1),
         gates=dict(gates),
         ack_timeout=parse_duration(d.get("ack_timeout", "10s"), f"{path}.ack_timeout"),
-        # as validated: a prompts_file is read once, at load (issue 18)
+        # as validated: a prompts_file is read once, at load
         quality=None if spec.quality is None else spec.quality.to_dict(),
     )

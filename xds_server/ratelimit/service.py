@@ -125,7 +125,7 @@ class RateLimitServicer(rls_pb2_grpc.RateLimitServiceServicer):
         buckets: TokenBuckets | None = None,
         trust_domain: str | None = None,
     ) -> None:
-        """`trust_domain`: served over mTLS (issue 14), and a service's buckets are spent only
+        """`trust_domain`: served over mTLS, and a service's buckets are spent only
         by its own inbound sidecars (their certificates hold its service account)."""
         self._mesh = current_mesh
         self._buckets = buckets or TokenBuckets()

@@ -1,4 +1,4 @@
-"""The live inbound sidecars of each service, as the ADS streams see them (issue 19).
+"""The live inbound sidecars of each service, as the ADS streams see them.
 
 Their number divides each tenant's mesh-wide rate limit (`rate_limits.mode: local`,
 xds_server/resources/ratelimit.py): every change the control plane stages carries the count

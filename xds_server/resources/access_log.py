@@ -114,7 +114,7 @@ def failures() -> accesslog_pb2.AccessLogFilter:
     )
 
 
-# Outcomes per request class, streamed to the control plane's AccessLogService (issue 11):
+# Outcomes per request class, streamed to the control plane's AccessLogService:
 # only calls that carry a class header, with the gRPC status from the trailers (or the headers
 # of a trailers-only reply); response flags and the upstream cluster come with every entry.
 OUTCOME_LOG_NAME = "meshlm-isolation"

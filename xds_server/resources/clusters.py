@@ -44,7 +44,7 @@ def cluster(
     service's load_balancing applies; the inbound cluster has one host, its runtime.
     `transport_socket`: mTLS to the hosts (xds_server/resources/tls.py); it carries the calls,
     the active health checks and the ORCA streams alike. `http1`: the upstream speaks
-    HTTP/1.1 only (the runtime's OpenAI API, issue 17); every other hop is HTTP/2."""
+    HTTP/1.1 only (the runtime's OpenAI API); every other hop is HTTP/2."""
     c = cluster_pb2.Cluster(
         name=name,
         type=cluster_pb2.Cluster.EDS,
@@ -86,7 +86,7 @@ def cluster(
     return c
 
 
-# The shadow cluster's circuit breaker (issue 18): mirroring never holds more than this many
+# The shadow cluster's circuit breaker: mirroring never holds more than this many
 # copies open on the canary; Envoy drops a shadow that overflows it (upstream_rq_pending_overflow
 # on the shadow cluster), the caller's own call is untouched.
 SHADOW_MAX_REQUESTS = 8

@@ -44,7 +44,7 @@ REQUEST_TIMEOUT_S = 30.0
 
 def grpc_stats_filter() -> HttpFilter:
     # Per-method success/failure counters by grpc-status: what the rollout gates and the SLO
-    # loop read, on caller sidecars only (xds_server/rollout/gates.py). No filter state: nothing
+    # loop read, on caller sidecars only (xds_server/rollout/gates/). No filter state: nothing
     # reads it.
     cfg = grpc_stats_pb2.FilterConfig(stats_for_all_methods=wrappers_pb2.BoolValue(value=True))
     return HttpFilter(name="envoy.filters.http.grpc_stats", typed_config=pack(cfg))
@@ -98,7 +98,7 @@ def died_holding_the_call_reply() -> hcm_pb2.LocalReplyConfig:
     """The inbound sidecar answers a call whose runtime died while holding it with HTTP 500
     (gRPC UNKNOWN, a server fault) instead of Envoy's 503 (UNAVAILABLE), so the caller's
     `retry_on: unavailable` does not resend it to another replica: a query of death would
-    walk the pool (issue 11). A runtime that was down before the call (UF, UH) stays
+    walk the pool. A runtime that was down before the call (UF, UH) stays
     UNAVAILABLE, retried: that call provably reached no runtime."""
     flags = accesslog_pb2.ResponseFlagFilter(flags=list(DIED_HOLDING_THE_CALL))
     mapper = hcm_pb2.ResponseMapper(
@@ -108,7 +108,7 @@ def died_holding_the_call_reply() -> hcm_pb2.LocalReplyConfig:
     return hcm_pb2.LocalReplyConfig(mappers=[mapper])
 
 
-# Envoy's own refusals of an OpenAI HTTP call (issue 17): the callers RBAC's 403, a 503 when no
+# Envoy's own refusals of an OpenAI HTTP call: the callers RBAC's 403, a 503 when no
 # replica answers, a 404 when no route matches, a timeout's 504... Their plain-text bodies become
 # OpenAI's error JSON, which the SDKs read `code` and `type` from. Only on /v1/ paths (gRPC keeps
 # its trailers-only answer) and only when the reply is not JSON already: the Wasm authz filter's

@@ -23,7 +23,7 @@ def inbound_cluster(service: str, version: str) -> str:
 
 
 def inbound_http_cluster(service: str, version: str) -> str:
-    """The runtime's OpenAI HTTP API (issue 17) behind an inbound listener."""
+    """The runtime's OpenAI HTTP API behind an inbound listener."""
     return f"inbound|{service}|{version}|http"
 
 

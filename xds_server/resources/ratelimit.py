@@ -1,4 +1,4 @@
-"""Tenant rate limits on an inbound sidecar (issue 19).
+"""Tenant rate limits on an inbound sidecar.
 
 `rate_limits.mode: local` (the default): the authz filter's per-sidecar token buckets carry
 this sidecar's share of each tenant's mesh-wide limit (`local_policy`): the limit divided among

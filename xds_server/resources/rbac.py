@@ -1,8 +1,8 @@
-"""A service's `callers` as Envoy's RBAC filter on its inbound listener (issue 14, item 3).
+"""A service's `callers` as Envoy's RBAC filter on its inbound listener.
 
 One ALLOW policy per caller: `principals.authenticated.principal_name` is the caller's SPIFFE ID
 (the URI SAN of its verified client certificate; a prefix for `NAMESPACE/*`), `permissions` the
-gRPC paths of its methods and the OpenAI HTTP paths that run them (issue 17), or any path when
+gRPC paths of its methods and the OpenAI HTTP paths that run them, or any path when
 it may call every method. A workload no policy matches gets HTTP 403, which Envoy answers a
 gRPC caller as PERMISSION_DENIED. The filter runs first, before the tenant authz (Wasm or
 native), so an unlisted workload reaches no key check.
@@ -81,7 +81,7 @@ def _permission(paths: tuple[str, ...] | None) -> rbac_pb2.Permission:
 
 
 def _openai_paths(paths: tuple[str, ...]) -> list[str]:
-    """The OpenAI HTTP paths (issue 17) that run the gRPC methods among `paths`, as the Wasm
+    """The OpenAI HTTP paths that run the gRPC methods among `paths`, as the Wasm
     filter maps them (wasm_filters.policy.OPENAI_PATHS)."""
     policy = importlib.import_module("wasm_filters.policy")
     methods = [p[len(policy.METHOD_PREFIX) :] for p in paths if p.startswith(policy.METHOD_PREFIX)]

@@ -27,7 +27,7 @@ QUARANTINED_MESSAGE = "request class quarantined: it broke runtimes (no isolatio
 ORCA_SERVICE_PREFIX = "/xds.service.orca.v3.OpenRcaService/"
 ORCA_PATH = ORCA_SERVICE_PREFIX + "StreamCoreMetrics"
 ORCA_REFUSED_MESSAGE = "load reports (OpenRcaService) are for the mesh's sidecars, not for clients"
-# The runtime's OpenAI-compatible HTTP API (issue 17, model_runtime/openai_http.py).
+# The runtime's OpenAI-compatible HTTP API (model_runtime/openai_http.py).
 OPENAI_PREFIX = "/v1/"
 # The most the inbound sidecar buffers of one OpenAI request: the runtime's own body limit.
 OPENAI_MAX_BODY = codec.DEFAULT_LIMITS.max_buffer_bytes
@@ -128,7 +128,7 @@ def _service_routes(mesh: m.Mesh, svc: m.Service, prefix: str = "/") -> list[rc.
         routes += _version_pins(svc, {stable, canary} - {None}, prefix)
     openai_apart = svc.stall is not None or (svc.retry_policy and svc.retry_policy.per_try_timeout)
     if prefix == "/" and openai_apart:
-        # The OpenAI HTTP API (issue 17): a completion without `stream` sends its headers with
+        # The OpenAI HTTP API: a completion without `stream` sends its headers with
         # the whole answer, so a per-try (idle) timeout would cut every long one and run it
         # again; its calls get the same split and retries without per-try limits. No retry
         # follows response headers, so a streamed answer is never sent twice.
@@ -197,7 +197,7 @@ def _split_routes(svc: m.Service, stable: str, canary: str | None, prefix: str) 
 
 
 def _mirrored(svc: m.Service, route: rc.Route) -> list[rc.Route]:
-    """While a rollout's quality gate mirrors (issue 18): `route`'s twin for the calls marked
+    """While a rollout's quality gate mirrors: `route`'s twin for the calls marked
     `x-meshlm-mirror: safe`, whose action also copies `percent` of them to the canary's shadow
     cluster (Envoy appends -shadow to the copy's :authority and drops its answer; the caller
     gets the primary's only). An unmarked call matches `route` itself: never mirrored. A call
@@ -314,7 +314,7 @@ def inbound_route_config(
     use) of this runtime, no tenant data; every other path still passes every filter.
     `orca_callers`: where the service lists `callers`, the RBAC filter's config on the ORCA
     route (rbac.orca_callers): the listed workloads' sidecars, on that one method.
-    `http_cluster`: the runtime's OpenAI HTTP API (issue 17), which takes every /v1/ path (the
+    `http_cluster`: the runtime's OpenAI HTTP API, which takes every /v1/ path (the
     gRPC paths are /<package>.<Service>/<Method>, never /v1/)."""
     cluster = names.inbound_cluster(svc.name, version)
     orca = rc.Route(
@@ -345,7 +345,7 @@ def inbound_route_config(
             pack(buffer_pb2.BufferPerRoute(buffer=whole))
         )
         openai.append(r)
-    if mirrored:  # a rollout's quality gate copies calls to this version now (issue 18)
+    if mirrored:  # a rollout's quality gate copies calls to this version now
         routes = [r for x in (*openai, route) for r in (_shadow_twin(x), x)]
     else:  # no copy is due here: whoever sends one forges it
         routes = [_refuse_shadow(f"{svc.name}-{version}-forged-shadow"), *openai, route]
@@ -370,7 +370,7 @@ def _refuse_shadow(name: str) -> rc.Route:
 
 
 def _shadow_twin(route: rc.Route) -> rc.Route:
-    """`route` for a mirrored copy (its :authority ends in -shadow, issue 18): the runtime is
+    """`route` for a mirrored copy (its :authority ends in -shadow): the runtime is
     told with `x-meshlm-shadow: 1`, which keeps it out of the gates' metrics. The listener
     strips a caller's own `x-meshlm-shadow` before any route (http_listener's early header
     mutation), so only this route can set it."""

@@ -1,4 +1,4 @@
-"""mTLS on the data plane (issue 14): the TLS contexts of the hop caller sidecar -> inbound
+"""mTLS on the data plane: the TLS contexts of the hop caller sidecar -> inbound
 sidecar, with SPIFFE ID checks on both sides.
 
 Both sides read their certificate (secret `default`) and the mesh's trust bundle (`ROOTCA`) by

@@ -14,8 +14,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from xds_server.mesh.rollout_spec import RolloutSpecError
 from xds_server.rollout.controller import RolloutController, RolloutError
-from xds_server.rollout.spec import RolloutSpecError
 
 PREFIX = "/rollouts"
 ACTIONS = ("pause", "resume", "abort", "promote")

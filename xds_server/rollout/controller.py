@@ -22,26 +22,16 @@ from typing import Any, Protocol
 
 from mesh_common.headers import CANARY_HEADER
 from xds_server.mesh import Mirror
-from xds_server.rollout.gates import (
-    FAIL,
-    HALT,
-    NOT_ENOUGH_TRAFFIC,
-    PASS,
-    GrpcCounts,
-    LatencySnapshot,
-    MeasurementError,
-    PrometheusSource,
-    Sources,
-    Verdict,
-    delta,
-    evaluate,
-    evaluate_metrics,
-    metrics_problem,
-    traffic_hint,
-)
+from xds_server.mesh.rollout_spec import RolloutSpec, RolloutSpecError, parse_rollout
+from xds_server.rollout.gates.direct import NOT_ENOUGH_TRAFFIC, evaluate, traffic_hint
+from xds_server.rollout.gates.envoy_stats import GrpcCounts, delta
+from xds_server.rollout.gates.fetch import MeasurementError
+from xds_server.rollout.gates.prometheus import PrometheusSource, evaluate_metrics, metrics_problem
+from xds_server.rollout.gates.runtime_metrics import LatencySnapshot
+from xds_server.rollout.gates.sources import Sources
 from xds_server.rollout.liveness import not_live_reason
 from xds_server.rollout.quality import with_quality
-from xds_server.rollout.spec import RolloutSpec, RolloutSpecError, parse_rollout
+from xds_server.rollout.verdict import FAIL, HALT, PASS, Verdict
 from xds_server.store.state_file import RolloutStore
 
 log = logging.getLogger(__name__)
@@ -464,7 +454,7 @@ class RolloutController:
             if down:
                 return f"canary {down}; start it (and its sidecar) first"
         g = spec.gates
-        if g.provider is not None:  # the gates are the provider's queries (issue 16)
+        if g.provider is not None:  # the gates are the provider's queries
             return metrics_problem(spec, PrometheusSource(g.provider))
         reads: list[tuple[str, Callable[[], object]]] = [("gRPC counts", src.grpc.read)]
         if src.latency is not None and (g.ttft_p99_max is not None or g.tpot_p99_max is not None):

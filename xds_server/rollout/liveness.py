@@ -7,7 +7,7 @@ there, and the runtime behind it is judged by the gates on real calls. Connectio
 UNAVAILABLE (e.g. a sidecar whose runtime is gone), NOT_SERVING or no answer in time: not live;
 connection refused is said as "nothing listening".
 
-With mTLS (issue 14) an inbound listener drops a plaintext probe, and gRPC Python checks a
+With mTLS an inbound listener drops a plaintext probe, and gRPC Python checks a
 server's certificate by host name, which a workload certificate (a URI SAN only) has not. So
 the probe is a TLS handshake with the control plane's own certificate: the endpoint is live when
 it proves the expected SPIFFE ID against the mesh's trust bundle (a sidecar is there, as an

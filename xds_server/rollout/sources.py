@@ -1,8 +1,9 @@
 """Where rollouts read their measurements: only what the operator configured in the mesh file
 (`caller_sidecars[].admin_url`, `services.<s>.versions.<v>.metrics_urls`, the version's
-`endpoints` for the liveness probe). A sidecar's node metadata is never a source: any local
-process can announce anything over ADS, and there is no verified node identity yet (mTLS,
-issue 14). The mesh is read at every measurement, so `meshlm apply` changes are followed."""
+`endpoints` for the liveness probe). A sidecar's node metadata is never a source: it is the
+sidecar's own claim (on a plaintext mesh any local process can announce anything over ADS; with
+mTLS its workload identity is verified, but the URLs it names are still only its word). The mesh
+is read at every measurement, so `meshlm apply` changes are followed."""
 
 from __future__ import annotations
 
@@ -11,16 +12,14 @@ import functools
 from mesh_common.headers import CANARY_HEADER
 from xds_server.control_plane import ControlPlane
 from xds_server.identity.ca import spiffe_id
+from xds_server.mesh.rollout_spec import RolloutSpec
 from xds_server.resources.names import outbound_cluster
-from xds_server.rollout.gates import (
-    EnvoyStatsSource,
-    MeasurementError,
-    RuntimeMetricsSource,
-    Sources,
-)
+from xds_server.rollout.gates.envoy_stats import EnvoyStatsSource
+from xds_server.rollout.gates.fetch import MeasurementError
+from xds_server.rollout.gates.runtime_metrics import RuntimeMetricsSource
+from xds_server.rollout.gates.sources import Sources
 from xds_server.rollout.liveness import GrpcHealthSource, MtlsProbe, client_context
 from xds_server.rollout.quality import MirrorSource, ReplaySource
-from xds_server.rollout.spec import RolloutSpec
 
 
 def caller_admin_urls(cp: ControlPlane) -> list[str]:

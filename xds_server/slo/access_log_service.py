@@ -14,7 +14,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from mesh_common.headers import CLASS_HEADER
 from xds_server.resources.routes import quarantine_route_name
-from xds_server.rollout.gates import SERVER_FAULT_CODES
+from xds_server.rollout.gates.envoy_stats import SERVER_FAULT_CODES
 from xds_server.slo.quarantine import Isolation
 
 # Response flags that are the upstream's fault. Not: the client leaving (downstream_*), no

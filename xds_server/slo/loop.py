@@ -1,4 +1,4 @@
-"""The SLO loop (issue 12, item 4): per service, every `slo.interval`, measure what callers saw,
+"""The SLO loop: per service, every `slo.interval`, measure what callers saw,
 and when the worst metric stays past its target by more than `slo.deviation` for
 `slo.intervals` intervals in a row, take the next bounded action; when the SLO holds for
 `slo.recover_intervals` intervals in a row, undo the last one.
@@ -46,13 +46,9 @@ from typing import Any, Protocol
 
 from xds_server import mesh as m
 from xds_server.resources.names import outbound_cluster
-from xds_server.rollout.gates import (
-    EnvoyStatsSource,
-    GrpcCounts,
-    MeasurementError,
-    RuntimeMetricsSource,
-    delta,
-)
+from xds_server.rollout.gates.envoy_stats import EnvoyStatsSource, GrpcCounts, delta
+from xds_server.rollout.gates.fetch import MeasurementError
+from xds_server.rollout.gates.runtime_metrics import RuntimeMetricsSource
 from xds_server.slo.scaler import START_TIMEOUT_S, Scaler, ScalerError
 
 log = logging.getLogger("meshlm.slo")
@@ -210,7 +206,7 @@ class SloController:
         if memory is not None:
             self._adopt(memory.load(service))
 
-    # -- memory (issue 15) -----------------------------------------------------------------------
+    # -- memory ---------------------------------------------------------------------------------
     def _objectives(self) -> Any:
         return json.loads(json.dumps(asdict(self.slo)))  # tuples as JSON lists, as stored
 

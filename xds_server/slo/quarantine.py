@@ -1,4 +1,4 @@
-"""Semantic circuit breaking (issue 11): outcome windows per (service, request class), the
+"""Semantic circuit breaking: outcome windows per (service, request class), the
 trip to quarantine, half-open probes with exponential backoff, release.
 
 The control plane's AccessLogService (xds_server/slo/access_log_service.py) feeds `observe` one
@@ -104,7 +104,7 @@ class Isolation:
         self._load()
 
     def share(self, shared: SharedQuarantine) -> None:
-        """Replicas (issue 15): quarantine decisions go to the store and come from it, so a
+        """Replicas: quarantine decisions go to the store and come from it, so a
         class tripped by one replica's callers is quarantined at every replica's sidecars.
         The store's quarantines replace this replica's own file's."""
         with self._lock:
@@ -386,7 +386,7 @@ class Isolation:
 
 
 class SharedQuarantine:
-    """The quarantined classes of every replica in a store (issue 15): one key per class
+    """The quarantined classes of every replica in a store: one key per class
     (`isolation/<service>/<key>`, a Tripped), each written only over the revision this replica
     last read, so two replicas deciding about one class at once never overwrite each other: the
     later one takes the stored decision instead."""

@@ -8,7 +8,7 @@ returns the endpoint callers reach it at (its inbound sidecar, host:port); `scal
   does (processes, not imports: the control plane never imports the CLI or torch). On a mesh
   whose hops are mTLS the sidecar gets `--identity` and a join token for the service's
   service_account, issued in-process by the control plane's mesh CA (`join_tokens`) and handed
-  over in a 0600 file, never on a command line (issue 14).
+  over in a 0600 file, never on a command line.
 
 A scaler may also have `metrics_url(endpoint)`: the new runtime's `GET /metrics.json`, which the SLO
 loop reads beside the version's metrics_urls (None: not known).

@@ -1,5 +1,5 @@
 """The control plane's state store: a seam with two implementations, the local file (one
-control plane, the default) and etcd (replicas, issue 15).
+control plane, the default) and etcd (replicas).
 
 The model is etcd's, so both behave alike: a flat key space of bytes; one store-wide revision
 that every write transaction bumps; each key remembers the revision that created it and the one

@@ -97,7 +97,7 @@ class EtcdStore(Store):
 
     def list(self, prefix: str) -> tuple[list[Entry], int]:
         full = (self.root + prefix).encode()
-        doc = self.call("/v3/kv/range", {"key": _b64(full), "range_end": _b64(_range_end(full))})
+        doc = self.call("/v3/kv/range", {"key": b64(full), "range_end": b64(range_end(full))})
         return [self._entry(kv) for kv in doc.get("kvs") or []], _rev(doc)
 
     def revision(self) -> int:
@@ -116,7 +116,7 @@ class EtcdStore(Store):
         success = []
         for op in ops:
             if isinstance(op, Put):
-                put: dict[str, Any] = {"key": self._k(op.key), "value": _b64(op.value)}
+                put: dict[str, Any] = {"key": self._k(op.key), "value": b64(op.value)}
                 if op.lease:
                     put["lease"] = str(op.lease)
                 success.append({"request_put": put})
@@ -263,7 +263,7 @@ class EtcdStore(Store):
         return [(self._preferred + j) % n for j in range(n)]
 
     def _k(self, key: str) -> str:
-        return _b64((self.root + key).encode())
+        return b64((self.root + key).encode())
 
     def _entry(self, kv: dict) -> Entry:
         return Entry(
@@ -357,7 +357,7 @@ class _EtcdWatch(Watch):
         """Read one watch stream until it ends; True when it had been created."""
         s = self._store
         full = (s.root + self._prefix).encode()
-        create = {"key": _b64(full), "range_end": _b64(_range_end(full)),
+        create = {"key": b64(full), "range_end": b64(range_end(full)),
                   "start_revision": str(self._next_rev)}  # fmt: skip
         headers = {"Content-Type": "application/json", **_REQUIRE_LEADER}
         if s.access.user is not None:
@@ -437,7 +437,7 @@ def _host_port(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _range_end(prefix: bytes) -> bytes:
+def range_end(prefix: bytes) -> bytes:
     """The first key after every key that starts with `prefix` (etcd's GetPrefixRangeEnd)."""
     b = bytearray(prefix)
     while b:
@@ -448,7 +448,8 @@ def _range_end(prefix: bytes) -> bytes:
     return b"\0"  # every key
 
 
-def _b64(b: bytes) -> str:
+def b64(b: bytes) -> str:
+    """Bytes as etcd's JSON gateway takes them: base64 text."""
     return base64.b64encode(b).decode()
 
 

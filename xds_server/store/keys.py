@@ -1,4 +1,4 @@
-"""Where the control plane's state lives in a store (issue 15), relative to the store's root
+"""Where the control plane's state lives in a store, relative to the store's root
 (etcd: /meshlm/ unless the --store URL names another). Values are JSON (base.encode), read back
 within bounds (base.decode) and checked before use (documents.py, isolation, leader): anyone
 who can write the store can write any of these keys, so `meshlm etcd` gives only the meshlm

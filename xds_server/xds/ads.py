@@ -40,7 +40,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     def __init__(
         self, cache: SnapshotCache, sync: SyncStatus, trust_domain: str | None = None
     ) -> None:
-        """`trust_domain`: ADS over mTLS (issue 14): each stream's node metadata is checked
+        """`trust_domain`: ADS is served over mTLS, and each stream's node metadata is checked
         against the workload identity of its client certificate (xds_server/xds/peer.py)."""
         self.cache = cache
         self.sync = sync

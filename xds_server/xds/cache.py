@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 
 from xds_server import mesh as m
-from xds_server.resources import build_resources
+from xds_server.resources.build import build_resources
 from xds_server.xds.node import NodeInfo
 from xds_server.xds.snapshot import Snapshot, build_snapshot, version_generation
 

@@ -27,7 +27,7 @@ class NodeInfo:
     inbound_port: int | None = None
     outbound_port: int | None = None
     local_endpoint: str | None = None  # host:port of the runtime an inbound listener fronts
-    # host:port of that runtime's OpenAI HTTP API (`meshlm serve --http-port`, issue 17)
+    # host:port of that runtime's OpenAI HTTP API (`meshlm serve --http-port`)
     local_http_endpoint: str | None = None
     listen_host: str = "127.0.0.1"
 

@@ -1,4 +1,4 @@
-"""Who calls the control plane's gRPC port, and what an ADS node's metadata may claim (issue 14).
+"""Who calls the control plane's gRPC port, and what an ADS node's metadata may claim.
 
 With identity on, the ADS port asks every client for a certificate of the mesh CA; the workload's
 SPIFFE ID in it is the only thing the control plane believes. Node metadata is the sidecar's own

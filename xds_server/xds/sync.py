@@ -20,7 +20,7 @@ from typing import Any
 from mesh_common import type_urls as t
 from xds_server.xds.node import NodeInfo
 
-# One line per connect, disconnect, push, ACK and NACK (issue 16), with its fields as `extra`
+# One line per connect, disconnect, push, ACK and NACK, with its fields as `extra`
 # for --log-format json; logged after the lock is released.
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class NodeSync:
     error: str = ""  # why no snapshot could be built for this node
     types: dict[str, TypeSync] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)  # as announced; never mutated
-    spiffe_id: str = ""  # from its client certificate (ADS over mTLS, issue 14)
+    spiffe_id: str = ""  # from its client certificate (ADS over mTLS)
 
 
 # Histogram bucket upper bounds, seconds.
@@ -483,7 +483,7 @@ class SyncStatus:
     # -- read -----------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         # Copy under the lock (cheap, shallow); build the document outside it, so a large
-        # status never stalls the ADS streams that need this lock (issue 9, defect 7).
+        # status never stalls the ADS streams that need this lock.
         with self.cond:
             now = time.time()
             self._sweep(now)

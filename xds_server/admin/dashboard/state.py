@@ -14,13 +14,9 @@ from typing import Any
 
 from xds_server.resources.names import outbound_cluster
 from xds_server.rollout import sources as discovery
-from xds_server.rollout.gates import (
-    EnvoyStatsSource,
-    GrpcCounts,
-    MeasurementError,
-    RuntimeMetricsSource,
-    _get_json,
-)
+from xds_server.rollout.gates.envoy_stats import EnvoyStatsSource, GrpcCounts
+from xds_server.rollout.gates.fetch import MeasurementError, get_json
+from xds_server.rollout.gates.runtime_metrics import RuntimeMetricsSource
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +148,7 @@ def _tenants(callers: list[str], timeout: float, errors: list[str]) -> dict[str,
     out: dict[str, dict[str, int]] = {}
     for url in callers:
         try:
-            doc = _get_json(url.rstrip("/") + _TENANT_QUERY, timeout)
+            doc = get_json(url.rstrip("/") + _TENANT_QUERY, timeout)
         except MeasurementError as e:
             errors.append(str(e))
             continue

@@ -11,35 +11,32 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from xds_server.mesh.quality_spec import QualityGate, parse_quality
+from xds_server.mesh.rollout_fields import (
+    DURATION,
+    RolloutSpecError,
+    integer,
+    name,
+    only_known,
+    parse_duration,
+)
 from xds_server.mesh.source_url import url_problem
-from xds_server.rollout.promql import VARIABLES, unknown_variables
 
 # The control plane waits at most this long for ACKs (control_plane.MAX_TIMEOUT).
 MAX_ACK_TIMEOUT = 600.0
 
 
-class RolloutSpecError(ValueError):
-    pass
+# A gate's query is a template, as in Flagger's MetricTemplate: `{{ interval }}` is the step's
+# analysis interval as a Prometheus duration, `{{ service }}`, `{{ version }}` (the canary),
+# `{{ stable }}`, `{{ cluster }}` and `{{ stable_cluster }}` (the versions' outbound clusters, as
+# Envoy's `envoy_cluster_name` label reads them).
+VARIABLES = ("interval", "service", "version", "stable", "cluster", "stable_cluster")
+TEMPLATE_VARIABLE = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 
 
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*\Z")
-_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-
-
-def parse_duration(value: Any, field_name: str) -> float:
-    """'800ms', '10s', '1m', or a number of seconds -> seconds."""
-    if isinstance(value, bool):
-        raise RolloutSpecError(f"{field_name}: expected a duration like '10s', got {value!r}")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    else:
-        m = _DURATION.match(str(value))
-        if not m:
-            raise RolloutSpecError(f"{field_name}: expected a duration like '10s', got {value!r}")
-        seconds = float(m.group(1)) * _UNIT_S[m.group(2)]
-    if seconds < 0:
-        raise RolloutSpecError(f"{field_name}: must not be negative, got {value!r}")
-    return seconds
+def unknown_variables(template: str) -> list[str]:
+    """The `{{ name }}`s of `template` that are not VARIABLES."""
+    return sorted({m.group(1) for m in TEMPLATE_VARIABLE.finditer(template)} - set(VARIABLES))
 
 
 @dataclass(frozen=True)
@@ -55,7 +52,7 @@ class MetricGate:
     """One gate read from the provider: the query's value must lie within [min, max]."""
 
     name: str
-    query: str  # PromQL with {{ interval }}, {{ version }}, ... (promql.VARIABLES)
+    query: str  # PromQL with {{ interval }}, {{ version }}, ... (VARIABLES)
     min: float | None = None
     max: float | None = None
 
@@ -97,7 +94,7 @@ class RolloutSpec:
     threshold: int = 2  # consecutive failed intervals before rollback
     gates: Gates = field(default_factory=Gates)
     ack_timeout: float = 10.0  # how long a weight change may wait for every sidecar's ACK
-    quality: Any = None  # quality.QualityGate: the canary's answers vs the stable's
+    quality: QualityGate | None = None  # the canary's answers vs the stable's
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -117,45 +114,23 @@ _KNOWN_GATES = {"grpc_success_rate_min", "min_requests", "ttft_p99_max", "tpot_p
 _PROVIDER_GATES = {"provider", "metrics"}
 
 
-def _only(d: dict[str, Any], where: str, known: set[str], what: str = "field") -> None:
-    for k in d:
-        if k not in known:
-            raise RolloutSpecError(
-                f"{where}.{k}: unknown {what} (known: {', '.join(sorted(known))})"
-            )
-
-
-def _name(d: dict[str, Any], key: str, where: str) -> str:
-    v = d.get(key)
-    if not isinstance(v, str) or not v:
-        raise RolloutSpecError(f"{where}.{key}: expected a non-empty name, got {v!r}")
-    return v
-
-
-def _int(v: Any, where: str, lo: int, hi: int | None = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-        raise RolloutSpecError(f"{where}: expected an integer {rng}, got {v!r}")
-    return v
-
-
 def parse_rollout(service: str, d: dict[str, Any]) -> RolloutSpec:
     """One entry of `rollouts:` (`service` is its key) -> a validated RolloutSpec."""
     where = f"rollouts.{service or '?'}"
     if not isinstance(d, dict):
         raise RolloutSpecError(f"{where}: expected a mapping, got {type(d).__name__}")
-    _only(d, where, _KNOWN)
+    only_known(d, where, _KNOWN)
     if not service:
         raise RolloutSpecError("rollouts: a rollout needs a service name")
-    stable = _name(d, "stable", where)
-    canary = _name(d, "canary", where)
+    stable = name(d, "stable", where)
+    canary = name(d, "canary", where)
     if stable == canary:
         raise RolloutSpecError(f"{where}.canary: must differ from stable ({stable!r})")
 
     raw_steps = d.get("steps", [5, 25, 50, 100])
     if not isinstance(raw_steps, list | tuple) or not raw_steps:
         raise RolloutSpecError(f"{where}.steps: expected a list of weights, got {raw_steps!r}")
-    steps = [_int(s, f"{where}.steps[{i}]", 1, 100) for i, s in enumerate(raw_steps)]
+    steps = [integer(s, f"{where}.steps[{i}]", 1, 100) for i, s in enumerate(raw_steps)]
     if any(b <= a for a, b in itertools.pairwise(steps)):
         raise RolloutSpecError(f"{where}.steps: weights must increase strictly, got {steps}")
     if steps[-1] != 100:
@@ -164,7 +139,7 @@ def parse_rollout(service: str, d: dict[str, Any]) -> RolloutSpec:
     interval = parse_duration(d.get("interval", "10s"), f"{where}.interval")
     if interval <= 0:
         raise RolloutSpecError(f"{where}.interval: must be positive")
-    threshold = _int(d.get("threshold", 2), f"{where}.threshold", 1)
+    threshold = integer(d.get("threshold", 2), f"{where}.threshold", 1)
     ack_timeout = parse_duration(d.get("ack_timeout", "10s"), f"{where}.ack_timeout")
     if ack_timeout > MAX_ACK_TIMEOUT:
         raise RolloutSpecError(f"{where}.ack_timeout: at most {MAX_ACK_TIMEOUT:.0f}s")
@@ -175,7 +150,7 @@ def parse_rollout(service: str, d: dict[str, Any]) -> RolloutSpec:
     if "provider" in g or "metrics" in g:
         gates = _provider_gates(g, f"{where}.gates")
     else:
-        _only(g, f"{where}.gates", _KNOWN_GATES | _PROVIDER_GATES, what="gate")
+        only_known(g, f"{where}.gates", _KNOWN_GATES | _PROVIDER_GATES, what="gate")
         gates = _direct_gates(g, f"{where}.gates")
     return RolloutSpec(
         service=service,
@@ -186,14 +161,8 @@ def parse_rollout(service: str, d: dict[str, Any]) -> RolloutSpec:
         threshold=threshold,
         gates=gates,
         ack_timeout=ack_timeout,
-        quality=_quality(d.get("quality"), f"{where}.quality"),
+        quality=parse_quality(d.get("quality"), f"{where}.quality"),
     )
-
-
-def _quality(d: Any, where: str) -> Any:
-    from xds_server.rollout.quality import parse_quality  # it imports this module
-
-    return parse_quality(d, where)
 
 
 def _direct_gates(g: dict[str, Any], where: str) -> Gates:
@@ -204,7 +173,7 @@ def _direct_gates(g: dict[str, Any], where: str) -> Gates:
         )
     return Gates(
         grpc_success_rate_min=float(rate),
-        min_requests=_int(g.get("min_requests", 20), f"{where}.min_requests", 0),
+        min_requests=integer(g.get("min_requests", 20), f"{where}.min_requests", 0),
         ttft_p99_max=(
             parse_duration(g["ttft_p99_max"], f"{where}.ttft_p99_max")
             if g.get("ttft_p99_max") is not None
@@ -234,7 +203,7 @@ def _provider_gates(g: dict[str, Any], where: str) -> Gates:
     prom = p["prometheus"]
     if not isinstance(prom, dict):
         raise RolloutSpecError(f"{where}.provider.prometheus: expected a mapping, got {prom!r}")
-    _only(prom, f"{where}.provider.prometheus", {"url", "timeout"})
+    only_known(prom, f"{where}.provider.prometheus", {"url", "timeout"})
     problem = url_problem(prom.get("url"))
     if problem:
         raise RolloutSpecError(f"{where}.provider.prometheus.url: {problem}")
@@ -256,7 +225,7 @@ def _provider_gates(g: dict[str, Any], where: str) -> Gates:
 def _metric(name: Any, m: Any, where: str) -> MetricGate:
     if not isinstance(m, dict):
         raise RolloutSpecError(f"{where}: expected {{query, min and/or max}}, got {m!r}")
-    _only(m, where, {"query", "min", "max"})
+    only_known(m, where, {"query", "min", "max"})
     query = m.get("query")
     if not isinstance(query, str) or not query.strip():
         raise RolloutSpecError(f"{where}.query: expected a PromQL query, got {query!r}")
@@ -280,7 +249,7 @@ def _limit(v: Any, where: str) -> float | None:
         return None
     if isinstance(v, int | float) and not isinstance(v, bool):
         return float(v)
-    m = _DURATION.match(v) if isinstance(v, str) else None
+    m = DURATION.match(v) if isinstance(v, str) else None
     if m and m.group(2):
         return parse_duration(v, where)
     raise RolloutSpecError(f"{where}: expected a number or a duration like '500ms', got {v!r}")

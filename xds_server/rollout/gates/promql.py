@@ -1,25 +1,14 @@
-"""PromQL for the Prometheus metric provider of rollout gates (issue 16 item 2).
-
-A gate's query is a template, as in Flagger's MetricTemplate: `{{ interval }}` is the step's
-analysis interval as a Prometheus duration, `{{ service }}`, `{{ version }}` (the canary),
-`{{ stable }}`, `{{ cluster }}` and `{{ stable_cluster }}` (the versions' outbound clusters, as
-Envoy's `envoy_cluster_name` label reads them). Answers come from the HTTP API's instant query
-(`GET /api/v1/query`, prometheus.io/docs/prometheus/latest/querying/api/).
+"""PromQL for the Prometheus metric provider of rollout gates: a gate's query template
+(`xds_server.mesh.rollout_spec.VARIABLES`) rendered for one interval, and the one value of the
+HTTP API's instant query (`GET /api/v1/query`, prometheus.io/docs/prometheus/latest/querying/api/).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
-VARIABLES = ("interval", "service", "version", "stable", "cluster", "stable_cluster")
-_VAR = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
-
-
-def unknown_variables(template: str) -> list[str]:
-    """The `{{ name }}`s of `template` that are not VARIABLES."""
-    return sorted({m.group(1) for m in _VAR.finditer(template)} - set(VARIABLES))
+from xds_server.mesh.rollout_spec import TEMPLATE_VARIABLE
 
 
 def duration(seconds: float) -> str:
@@ -30,7 +19,7 @@ def duration(seconds: float) -> str:
 
 def render(template: str, values: dict[str, str]) -> str:
     """The query with each `{{ name }}` replaced by values[name]."""
-    return _VAR.sub(lambda m: values[m.group(1)], template)
+    return TEMPLATE_VARIABLE.sub(lambda m: values[m.group(1)], template)
 
 
 class QueryError(ValueError):
