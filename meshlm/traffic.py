@@ -1,6 +1,6 @@
 """Tenants' traffic for the demo: real gRPC Generate (or Info) calls through a caller-side
 sidecar, open loop at a fixed rate per tenant, every outcome recorded by gRPC status. Generate
-goes through the caller library (meshlm/caller.py: stalled streams resume on another replica);
+goes through the caller library (meshlm.client: stalled streams resume on another replica);
 `resume=False` uses the bare client instead (what plain Envoy retries give). A load with
 `api="openai"` streams chat completions with the `openai` SDK through the same sidecar (the
 OpenAI HTTP API, issue 17); its failures are recorded by the gRPC status their HTTP status
@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from meshlm.caller import Caller
+from meshlm.client.caller import Caller
 from meshlm.sla import percentile
 from model_runtime.client import Client
 from model_runtime.service import REPLICA_HEADER

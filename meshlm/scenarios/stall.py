@@ -1,7 +1,7 @@
 """`meshlm demo --scenario stall`: streams that survive a replica that stalls, then dies.
 
 Two int4 replicas of v1 behind their sidecars, the caller-side sidecar, the usual tenants'
-traffic through the caller library (meshlm/caller.py). Replica v1-1 first stalls every stream
+traffic through the caller library (meshlm.client). Replica v1-1 first stalls every stream
 after a few tokens (for good: `--fault-stall-after`), then is restarted with `--fault-exit-after`
 and dies hard in the middle of its first stream; the launcher does not restart it. With resume on
 (the service's `stall` block) the caller resumes each broken stream on v1-0 with the tokens it

@@ -1,6 +1,6 @@
-"""AsyncCaller: the Python client (meshlm.caller.Caller) on asyncio (grpc.aio), the same API
+"""AsyncCaller: the Python client (meshlm.client.Caller) on asyncio (grpc.aio), the same API
 awaited: generate() gives an async iterator that resumes a stalled or broken stream the same
-way, complete(), chat() and info() are coroutines, errors are the same meshlm.errors classes.
+way, complete(), chat() and info() are coroutines, errors are the same meshlm.client.errors classes.
 
     async with AsyncCaller("127.0.0.1:15001", api_key=KEY, authority="llm") as llm:
         async for chunk in llm.generate(messages=[{"role": "user", "content": "Hi"}]):
@@ -19,8 +19,8 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from meshlm.caller import CallerBase, Completion, Progress, build_request
-from meshlm.errors import from_rpc_error
+from meshlm.client.caller import CallerBase, Completion, Progress, build_request
+from meshlm.client.errors import from_rpc_error
 from model_runtime.client import GENERATE, INFO, Metadata, mirror_safe
 from schemas import codec
 from schemas.codec import ChatMessage, GenerateRequest, ModelInfo, TokenChunk
@@ -83,7 +83,7 @@ class AsyncCaller(CallerBase):
         **params: Any,
     ) -> AsyncStream:
         """Caller.generate as an async iterator (`async for chunk in ...`); a greedy call is
-        marked `x-meshlm-mirror: safe` unless `mirror=False` (meshlm.caller's doc)."""
+        marked `x-meshlm-mirror: safe` unless `mirror=False` (meshlm.client.caller's doc)."""
         req = build_request(prompt, messages, prompt_token_ids, params)
         md = self.metadata + list(metadata)
         return AsyncStream(self, req, timeout, md, mirror=mirror_safe(req, mirror, md))

@@ -1,6 +1,6 @@
 """The Python client of the mesh: generate (streaming), complete, chat, model info, with typed
-errors (meshlm.errors); a stream survives a replica that stalls or dies. `meshlm.client` is the
-documented entry point (it also has AsyncCaller, the same API on asyncio).
+errors (meshlm.client.errors); a stream survives a replica that stalls or dies. `meshlm.client`
+is the documented entry point (it also has AsyncCaller, the same API on asyncio).
 
     from meshlm.client import Caller
 
@@ -45,7 +45,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from meshlm.errors import DeadlineExceeded, InvalidArgument, StreamLost, from_rpc_error
+from meshlm.client.errors import DeadlineExceeded, InvalidArgument, StreamLost, from_rpc_error
 from model_runtime.client import MIRROR_HEADER, Client, Metadata, generate_request, mirror_safe
 from schemas import codec
 from schemas.codec import ChatMessage, GenerateRequest, ModelInfo, TokenChunk
