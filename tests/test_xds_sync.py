@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from meshlm.cmd_sidecar import _default_node_id
-from meshlm.cmd_status import render
+from meshlm.commands.sidecar import _default_node_id
+from meshlm.commands.status import render
 from tests.test_xds_support import AdsClient, eventually, sotw
 from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane
