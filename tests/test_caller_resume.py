@@ -15,7 +15,7 @@ import pytest
 
 from mesh_common.ports import free_port
 from meshlm.client.caller import Caller, Stall, StreamLost
-from meshlm.procs import Proc, wait_until
+from meshlm.demo.procs import Proc, wait_until
 from model_runtime.client import Client
 from model_runtime.faults import Faults
 from model_runtime.service import Runtime

@@ -15,15 +15,15 @@ TERMINAL = ("Succeeded", "RolledBack", "Failed")
 
 
 def run(args: argparse.Namespace, name: str) -> int:
-    from meshlm.demo_report import (
+    from meshlm.demo.launcher import SERVICE, LocalMesh
+    from meshlm.demo.report import (
         gates_beside_client,
         identity_report,
         render,
         sidecar_denials,
     )
-    from meshlm.launcher import SERVICE, LocalMesh
-    from meshlm.scenarios.bad_model import SERVE_ARGS, quality_per_step
-    from meshlm.traffic import TenantLoad, Traffic, summarize, write_calls
+    from meshlm.demo.scenarios.bad_model import SERVE_ARGS, quality_per_step
+    from meshlm.demo.traffic import TenantLoad, Traffic, summarize, write_calls
 
     faulty, bad = name == "faulty-canary", name == "bad-model"
     faults = {"v2": ["--fault-error-percent", "10", "--fault-delay-ms", "1500"]}

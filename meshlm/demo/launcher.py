@@ -25,9 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mesh_common.ports import free_port
 from mesh_common.private_files import write_private
 from meshlm.admin_client import AdminClient, local_url
-from meshlm.crashloop import CrashLoopBackoff
-from meshlm.demo_identity import CertWatch
-from meshlm.procs import Proc, wait_until
+from meshlm.demo.crashloop import CrashLoopBackoff
+from meshlm.demo.identity import CertWatch
+from meshlm.demo.procs import Proc, wait_until
 
 SERVICE = "llm"
 MESH_ID_ENV = "MESHLM_MESH_ID"
@@ -36,7 +36,7 @@ CALLER_SERVICE_ACCOUNT = "default/caller"
 
 
 def demo_mesh() -> dict[str, Any]:
-    return yaml.safe_load(resources.files("meshlm").joinpath("demo_mesh.yaml").read_text())
+    return yaml.safe_load(resources.files("meshlm.demo").joinpath("mesh.yaml").read_text())
 
 
 def scenario_mesh(weights: dict[str, int]) -> dict[str, Any]:

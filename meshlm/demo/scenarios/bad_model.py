@@ -1,11 +1,11 @@
 """`meshlm demo --scenario bad-model` (issue 18): the canary is the int4 model re-quantized at group
 64 (`meshlm serve --group-size 64`; perplexity +50 %, degenerate greedy answers) - as fast and
 healthy as the good int4 by every latency and error metric. The demo's rollout carries the quality
-gate in mirror mode (meshlm/demo_mesh.yaml): while a step runs, the caller sidecar copies half of
+gate in mirror mode (meshlm/demo/mesh.yaml): while a step runs, the caller sidecar copies half of
 the tenants' greedy calls to the canary, the control plane joins each copy's answer with the
 stable's by request id and compares them; the canary is rolled back on quality alone, and
 report.json shows the agreement per step (`quality_per_step`). The canary scenario's flow
-(meshlm/scenarios/canary.py) runs it.
+(meshlm/demo/scenarios/canary.py) runs it.
 
 Thresholds, from `python -m bench quality` (bf16 stable, 16 prompts x 16 tokens): int4 g32
 disagrees on ~3 % of positions with a drift of ~0.01 nats/token, g64 on ~25 % with ~0.4. The

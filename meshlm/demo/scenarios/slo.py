@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshlm.scenarios import report_of, running, say, write_report
-from meshlm.scenarios.capacity import STORY_PROMPTS, decode_capacity, flood_tokens
+from meshlm.demo.scenario import report_of, running, say, write_report
+from meshlm.demo.scenarios.capacity import STORY_PROMPTS, decode_capacity, flood_tokens
 
 BENCH_TITLE = "SLO loop: a low-priority tenant's load step against a TTFT p99 SLO"
 GOAL_INTERVALS = 3
@@ -117,7 +117,7 @@ def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
 
 def scenario(workdir: Path | None, act: bool, say: Any) -> dict[str, Any]:
     """One run; `act=False` leaves the loop watching only (it never reaches `intervals`)."""
-    from meshlm.sla import latency, sla
+    from meshlm.demo.sla import latency, sla
 
     mesh = _local_mesh(workdir)
     say(f"logs and report in {mesh.workdir}")
@@ -331,7 +331,7 @@ def _runtime_ttft_p99(mesh: Any) -> float:
 
 
 def _local_mesh(workdir: Path | None) -> Any:
-    from meshlm.launcher import SERVICE, LocalMesh, scenario_mesh
+    from meshlm.demo.launcher import SERVICE, LocalMesh, scenario_mesh
     from wasm_filters.policy import hash_key
 
     mesh = scenario_mesh({"v1": 100})
@@ -349,8 +349,8 @@ def _local_mesh(workdir: Path | None) -> Any:
 
 
 def _traffic(mesh: Any, tenant: str, rate: float, tokens: int) -> Any:
-    from meshlm.launcher import SERVICE
-    from meshlm.traffic import PROMPTS, TenantLoad, Traffic
+    from meshlm.demo.launcher import SERVICE
+    from meshlm.demo.traffic import PROMPTS, TenantLoad, Traffic
 
     prompts = STORY_PROMPTS if tenant == "free" else PROMPTS
     load = TenantLoad(tenant, KEYS[tenant], rate=rate, prompts=prompts)

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from meshlm.client.caller import Caller
-from meshlm.sla import percentile
+from meshlm.demo.sla import percentile
 from model_runtime.client import Client
 from model_runtime.service import REPLICA_HEADER
 
