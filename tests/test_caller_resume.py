@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from mesh_common.ports import free_port
-from meshlm.client.caller import Caller, Stall, StreamLost
+from meshlm.client import Caller, Stall, StreamLost
 from meshlm.demo.procs import Proc, wait_until
 from model_runtime.client import Client
 from model_runtime.faults import Faults

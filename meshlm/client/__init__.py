@@ -43,7 +43,8 @@ InternalError; MeshlmError is their base.
 from __future__ import annotations
 
 from meshlm.client.aio import AsyncCaller, AsyncStream
-from meshlm.client.caller import Caller, Completion, Resume, Stall, Stream
+from meshlm.client.caller import Caller, Stall, Stream
+from meshlm.client.core import Completion, Resume
 from meshlm.client.errors import (
     Cancelled,
     DeadlineExceeded,
