@@ -73,7 +73,7 @@ def command_parser(name: str) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     importlib.import_module(module_name).add_arguments(cmd)
-    logs.add_arguments(cmd)  # --log-level, --log-format on every command (issue 16)
+    logs.add_arguments(cmd)  # --log-level, --log-format on every command
     # Subcommands' parsers (policy compile|test...) inherit nothing from their parent.
     for action in cmd._actions:
         if isinstance(action, argparse._SubParsersAction):

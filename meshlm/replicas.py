@@ -1,5 +1,5 @@
 """`meshlm xds-server --replicas N --store etcd://...`: N replica processes of the control
-plane on one machine (issue 15), each a plain `meshlm xds-server` with its own id and ports.
+plane on one machine, each a plain `meshlm xds-server` with its own id and ports.
 Their output is prefixed with their id; a replica that exits is reported and the others keep
 serving (kill one to watch another take over); Ctrl-C stops them all."""
 

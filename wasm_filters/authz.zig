@@ -1,18 +1,18 @@
 //! meshlm authz: a proxy-wasm HTTP filter written against the ABI 0.2.1 directly.
 //!
-//! Per request: with `callers` (issue 14), the caller's SPIFFE ID (the URI SAN of its verified
-//! mTLS certificate, property `connection.uri_san_peer_certificate`) -> the first rule naming it
-//! -> its allowed paths, before any key is looked at; then API key (`x-api-key` or `authorization: Bearer`) -> SHA-256 -> tenant (constant
-//! time compare; keys the policy already matched are remembered, see KnownKeys) -> allow rules
+//! Per request: with `callers`, the caller's SPIFFE ID (the URI SAN of its verified mTLS
+//! certificate, property `connection.uri_san_peer_certificate`) -> the first rule naming it ->
+//! its allowed paths, before any key is looked at; then API key (`x-api-key` or
+//! `authorization: Bearer`) -> SHA-256 -> tenant (constant time compare; keys the policy already matched are remembered, see KnownKeys) -> allow rules
 //! for this service's gRPC methods (an OpenAI HTTP path counts as the method it runs; any other
 //! path is denied) -> per-tenant token bucket in
 //! shared data (compare-and-swap) -> verified `x-meshlm-tenant` / `x-meshlm-priority` headers,
 //! and `x-meshlm-principal` (the caller's SPIFFE ID) when `peer_identity` is on.
-//! A mirrored copy (issue 18: `:authority` suffixed `-shadow` by Envoy's request mirroring) is
+//! A mirrored copy (`:authority` suffixed `-shadow` by Envoy's request mirroring) is
 //! checked exactly the same but takes no token: the tenant's call was charged once where it was
 //! served, and the route's mirror percent bounds the copies.
-//! Host calls are most of the cost (issue 19): one header read, one bucket write, three header
-//! changes and a counter per allowed request.
+//! Host calls are most of the cost, so an allowed request makes few: one header read, one
+//! bucket write, three header changes and a counter.
 //! The configuration is JSON compiled by `wasm_filters/policy.py`; it holds key hashes only.
 //! A denial answers gRPC callers with a grpc-status, any other caller with OpenAI's error JSON.
 //! Fails closed: a bad configuration is refused in proxy_on_configure (Envoy NACKs it) and a
@@ -42,14 +42,14 @@ const TenantJson = struct {
     allow: []const []const u8,
     rate_limit: ?RateLimitJson = null,
 };
-/// A workload that may call (issue 14): `principal` is a SPIFFE ID, or a prefix of IDs ending
+/// A workload that may call (`callers`): `principal` is a SPIFFE ID, or a prefix of IDs ending
 /// in `*`; `paths` the request paths it may ask for, null for any.
 const CallerJson = struct {
     name: []const u8,
     principal: []const u8,
     paths: ?[]const []const u8 = null,
 };
-/// An OpenAI HTTP path (issue 17) and the gRPC method it counts as; `/*` at the end matches one
+/// An OpenAI HTTP path and the gRPC method it counts as; `/*` at the end matches one
 /// more path segment.
 const HttpPathJson = struct { path: []const u8, method: []const u8 };
 const ConfigJson = struct {
@@ -126,7 +126,7 @@ var m_missing: u32 = 0;
 var m_unknown: u32 = 0;
 var m_no_policy: u32 = 0;
 var m_unknown_caller: u32 = 0;
-/// A mirrored copy's denials (issue 18), `meshlm_authz.shadow_denied.<reason>`: counted apart so
+/// A mirrored copy's denials, `meshlm_authz.shadow_denied.<reason>`: counted apart so
 /// the denial and tenant counters (the dashboard's, the demo's) count each client call once.
 const ShadowDenied = enum { no_policy, unknown_caller, caller_forbidden, missing_key, unknown_key, forbidden, rate_limited };
 var m_shadow_denied: [@typeInfo(ShadowDenied).@"enum".field_names.len]u32 = @splat(0);
@@ -590,7 +590,7 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
     defer _ = scratch.reset(.{ .retain_with_limit = 256 * 1024 });
     const h = requestHeaders();
     const is_grpc = std.mem.startsWith(u8, nonEmpty(h.content_type) orelse "", "application/grpc");
-    // Decided first, so a denied copy is counted as one (issue 18); it is denied all the same.
+    // Decided first, so a denied copy is counted as one; it is denied all the same.
     const shadow = isShadow(nonEmpty(h.authority) orelse "");
     const root_id = stream_root.get(ctx) orelse 0;
     const root = roots.get(root_id) orelse {
@@ -603,10 +603,10 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
         log(abi.LOG_ERROR, "no valid policy loaded; denying", .{});
         return deny(NO_POLICY, is_grpc, 0);
     };
-    // An OpenAI HTTP path is checked as the gRPC method it runs (issue 17).
+    // An OpenAI HTTP path is checked as the gRPC method it runs.
     const raw_path = nonEmpty(h.path) orelse "";
     const path = grpcPathOf(&p.cfg, raw_path) orelse raw_path;
-    // Workload first: an unlisted caller reaches no key check (issue 14).
+    // Workload first: an unlisted caller reaches no key check.
     const principal = if (p.cfg.peer_identity) peerPrincipal() else null;
     if (p.callers) |cs| {
         if (checkCaller(cs, principal, path, shadow)) |d| return deny(d, is_grpc, 0);

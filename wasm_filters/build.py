@@ -26,7 +26,7 @@ ZIG_FLAGS = [
     "-target", "wasm32-freestanding",
     "-fno-entry", "-rdynamic", "-fstrip",
 ]  # fmt: skip
-# The authz filter runs on every inbound request: speed over size (issue 19).
+# The authz filter runs on every inbound request: speed over size.
 OPTIMIZE = {"authz": "ReleaseFast"}
 
 

@@ -1,6 +1,6 @@
 //! meshlm classify: a proxy-wasm (ABI 0.2.1) HTTP filter for the caller-side (outbound)
 //! listener that sets `x-meshlm-class` on every Generate call, so routes can steer a request
-//! class (issue 11: semantic circuit breaking).
+//! class (semantic circuit breaking: a failing class is quarantined by the control plane).
 //!
 //! The class key: sha256("meshlm-class-v1", :authority, kind, normalised text), first 8 bytes as
 //! 16 lowercase hex characters. kind is what the request carries: the last user message of
@@ -19,9 +19,9 @@
 //! the runtime's 256 KiB prompt limit) have arrived, then classifies. A frame over the limit is
 //! classified by its prefix: text that lies inside it counts (the class it would get whole);
 //! text past it (builders put strings behind the table) leaves the kind alone, marked truncated,
-//! so such oversized requests of one kind share a class. A body that is
-//! not a GenerateRequest (bad offsets, compressed frame, no text field) gets no class and passes
-//! on unchanged; the runtime rejects it as before. A client-sent `x-meshlm-class` is always
+//! so such oversized requests of one kind share a class. A body that is not a GenerateRequest
+//! (bad offsets, compressed frame, no text field) gets no class and passes on unchanged; the
+//! runtime rejects it as it would without this filter. A client-sent `x-meshlm-class` is always
 //! removed. Every read of the body is bounds-checked: a hostile body cannot crash the VM.
 //! This is not an authz filter: it is deployed with failure_policy FAIL_OPEN (after a VM failure
 //! calls pass unclassified; Envoy fails the one call that was inside the VM with UNAVAILABLE; the

@@ -9,7 +9,7 @@ is the documented entry point (it also has AsyncCaller, the same API on asyncio)
             print(chunk.text_delta, end="")
 
 Envoy retries a call only before its response headers; after them only the caller holds the
-tokens already delivered (issue 10). So a stream that stalls (`consecutive` inter-token gaps over
+tokens already delivered. So a stream that stalls (`consecutive` inter-token gaps over
 `gap` in a row, or one gap over `hard_limit`) or ends with a transport error after tokens is
 cancelled and resumed: the same request plus the delivered token ids, sent again with
 `avoid_replica` (the failed replica's `x-meshlm-replica`) and pinned to the version that served
@@ -26,7 +26,7 @@ mesh (a runtime called directly) the defaults apply.
 A greedy call (temperature 0) is marked safe to mirror (`x-meshlm-mirror: safe`): during a
 canary rollout with a quality gate the caller-side route may send a copy to the canary, whose
 answer the runtimes record for comparison and Envoy drops; the caller sees only its own answer
-and is not delayed (issue 18). `mirror=False` leaves a call unmarked (a call that must not run
+and is not delayed. `mirror=False` leaves a call unmarked (a call that must not run
 twice); sampled calls and resumed attempts are never marked. The OpenAI HTTP API's calls are
 never marked (the mesh mirrors gRPC calls only).
 """

@@ -27,7 +27,7 @@ def _ip(value: str) -> str:
 
 
 def _hostports(value: str) -> list[tuple[str, int]]:
-    """HOST:PORT[,HOST:PORT...]: every control-plane replica (issue 15)."""
+    """HOST:PORT[,HOST:PORT...]: every control-plane replica."""
     return [_hostport(v.strip()) for v in value.split(",") if v.strip()] or [_hostport(value)]
 
 

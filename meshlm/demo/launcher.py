@@ -47,8 +47,8 @@ def scenario_mesh(weights: dict[str, int]) -> dict[str, Any]:
     svc["versions"] = {v: {"precision": "int4", "endpoints": []} for v in weights}
     svc["route"] = {**svc["route"], "weights": dict(weights)}
     mesh.pop("rollouts", None)
-    # The SLA scenarios stay plaintext: their measured figures (python -m bench sla) predate
-    # mTLS, and the SLO loop's scaler starts sidecars without join tokens.
+    # The SLA scenarios stay plaintext, as `python -m bench sla` measures them, and the SLO
+    # loop's scaler starts sidecars without join tokens.
     mesh.pop("identity", None)
     return mesh
 
@@ -62,7 +62,7 @@ class Runtime:
     precision: str
     name: str = ""
     port: int = field(default_factory=free_port)
-    http_port: int = field(default_factory=free_port)  # its OpenAI HTTP API (issue 17)
+    http_port: int = field(default_factory=free_port)  # its OpenAI HTTP API
     metrics_port: int = field(default_factory=free_port)
     inbound_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
@@ -117,7 +117,7 @@ class LocalMesh:
             "grpc_port": self.grpc_port,
             "admin_port": self.admin_port,
         }
-        # With an `identity` block every sidecar gets a SPIFFE certificate (issue 14): the mesh
+        # With an `identity` block every sidecar gets a SPIFFE certificate: the mesh
         # CA's ports, and a private dir per sidecar for its key and SDS socket, short enough for
         # a unix socket path whatever the work dir (removed at stop).
         self.identity_dir: Path | None = None

@@ -3,7 +3,7 @@ sidecar, open loop at a fixed rate per tenant, every outcome recorded by gRPC st
 goes through the caller library (meshlm.client: stalled streams resume on another replica);
 `resume=False` uses the bare client instead (what plain Envoy retries give). A load with
 `api="openai"` streams chat completions with the `openai` SDK through the same sidecar (the
-OpenAI HTTP API, issue 17); its failures are recorded by the gRPC status their HTTP status
+OpenAI HTTP API); its failures are recorded by the gRPC status their HTTP status
 stands for (model_runtime/openai_api.py's mapping), so a tenant's outcomes read alike."""
 
 from __future__ import annotations

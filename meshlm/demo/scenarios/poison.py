@@ -1,4 +1,4 @@
-"""`meshlm demo --scenario poison`: a query of death, and the semantic circuit breaker (issue 11).
+"""`meshlm demo --scenario poison`: a query of death, and the semantic circuit breaker.
 
 Two int4 replicas of v1 (the main pool) and one of `q` (the isolation pool, weight 0), every
 runtime started with `--fault-poison POISON-PILL` (a matching request makes it exit hard), the

@@ -6,8 +6,8 @@ at a base load. The TTFT p99 SLO is set from the base load's own TTFT p99 on thi
 (BASE_FACTOR times the median of three intervals' p99, at least BASE_FLOOR_MS) and applied
 with `meshlm apply`'s API after the mesh is up: the loop picks up a block applied later. Free
 asks for stories as long as make its step STEP_LOAD times the replica's decode capacity, which
-`decode_capacity` measures first (CPUs differ 3x). Then free floods (inside its rate limit) for
-STEP_INTERVALS intervals: the runtime-wide TTFT p99 breaches the SLO; after `intervals`
+`decode_capacity` measures first (CPUs differ several-fold). Then free floods (inside its rate
+limit) for STEP_INTERVALS intervals: the runtime-wide TTFT p99 breaches the SLO; after `intervals`
 breached intervals the loop sheds free at the sidecars (a quarter of its rate), then scales
 out (`--scaler local`: another `meshlm serve` and its sidecar, added by EDS once it serves) if
 that was not enough. The replica starts off the loop's interval: every interval is still
@@ -95,7 +95,7 @@ def drain_intervals() -> int:
     behind MAX_BATCH running) have their first token within ceil(MAX_QUEUE / MAX_BATCH)
     answers, and a call's TTFT enters the runtime's window when it ends, one answer later:
     5.3 s, 2 intervals of 5 s (the shed's push to the sidecars fits in what is left of the
-    second). Issue 12's goal (GOAL_INTERVALS) holds where the shed lands before the queue
+    second). The SLO loop's goal (GOAL_INTERVALS) holds where the shed lands before the queue
     fills; where it does not, the loop restores within this bound (and may scale out meanwhile).
     """
     answer_s = MAX_BATCH * STEP_LOAD / FREE_STEP_RATE
