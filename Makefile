@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python tools/import_cycles.py
-	$(BIN)/python tools/private_imports.py xds_server sidecar model_runtime mesh_common schemas
+	$(BIN)/python tools/private_imports.py xds_server sidecar model_runtime mesh_common schemas meshlm wasm_filters
 
 # Rebuild generated code (flatc output, the Wasm filter, the native int4/int8 kernels) and fail if
 # anything changed.

@@ -182,7 +182,7 @@ def _rss_mb(pid: int) -> float:
 def model_runtime(workdir: Path) -> Iterator[int]:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from meshlm.procs import Proc
+    from meshlm.demo.procs import Proc
 
     port = free_port()
     args = ["serve", "--precision", "int4", "--port", str(port)]

@@ -1,9 +1,9 @@
 """The SLA engine with faults on, each mechanism off and on side by side in one run.
 
 Every scenario that `meshlm demo --scenario NAME` shows and that exports `measure` (see
-meshlm/scenarios/__init__.py) runs here twice on real processes (control plane, Envoys, model
+meshlm/demo/scenario.py) runs here twice on real processes (control plane, Envoys, model
 runtimes): the same traffic and fault schedule with its mechanism off (what plain Envoy retries
-and outlier detection give) and on. Each returns the `sla` object (meshlm/sla.py) plus its own
+and outlier detection give) and on. Each returns the `sla` object (meshlm/demo/sla.py) plus its own
 figures; this module lays them out as one table per scenario with the on/off ratio.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import describe
-from meshlm import scenarios
+from meshlm.demo import scenario
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sla.md"
 # MESHLM_SLA_ONLY=stall,poison reruns those scenarios and keeps the others' last sections.
@@ -69,7 +69,7 @@ def main(quick: bool = False) -> str:
         "and correct denials.",
         "",
     ]
-    chosen = scenarios.benched()
+    chosen = scenario.benched()
     kept = _sections(RESULTS.read_text()) if only and RESULTS.exists() else {}
     for name, mod in chosen:
         title = f"### {mod.BENCH_TITLE} (`--scenario {name}`)"

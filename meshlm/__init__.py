@@ -1,1 +1,2 @@
-"""meshlm: the CLI and the local-mesh launcher. Imports the pieces; no piece imports it."""
+"""meshlm: the CLI (cli.py, commands/), the Python client (client/) and the local-mesh demo
+(demo/). Imports the pieces; no piece imports it."""

@@ -25,18 +25,21 @@ token: from --token-file, else $MESHLM_ADMIN_TOKEN, else the local control plane
 
 # subcommand -> module with `add_arguments(parser)` and `run(args) -> int`
 COMMANDS: dict[str, tuple[str, str]] = {
-    "xds-server": ("meshlm.cmd_xds", "run the control plane that configures every sidecar"),
-    "status": ("meshlm.cmd_status", "show sync status of every sidecar and rollout"),
-    "apply": ("meshlm.cmd_apply", "push a changed mesh file to a running control plane"),
-    "weights": ("meshlm.cmd_weights", "set a service's traffic split between its versions"),
-    "serve": ("meshlm.cmd_serve", "serve a model over gRPC"),
-    "generate": ("meshlm.cmd_generate", "stream a generation from a runtime or sidecar"),
-    "policy": ("meshlm.cmd_policy", "compile or test the authz policy"),
-    "sidecar": ("meshlm.cmd_sidecar", "run one Envoy sidecar"),
-    "rollout": ("meshlm.cmd_rollout", "start or steer a canary rollout"),
-    "demo": ("meshlm.cmd_demo", "run the local mesh demo"),
-    "identity": ("meshlm.cmd_identity", "join tokens and root rotation of the mesh CA"),
-    "etcd": ("meshlm.cmd_etcd", "run a local etcd for control-plane replicas (--store)"),
+    "xds-server": (
+        "meshlm.commands.xds_server",
+        "run the control plane that configures every sidecar",
+    ),
+    "status": ("meshlm.commands.status", "show sync status of every sidecar and rollout"),
+    "apply": ("meshlm.commands.apply", "push a changed mesh file to a running control plane"),
+    "weights": ("meshlm.commands.weights", "set a service's traffic split between its versions"),
+    "serve": ("meshlm.commands.serve", "serve a model over gRPC"),
+    "generate": ("meshlm.commands.generate", "stream a generation from a runtime or sidecar"),
+    "policy": ("meshlm.commands.policy", "compile or test the authz policy"),
+    "sidecar": ("meshlm.commands.sidecar", "run one Envoy sidecar"),
+    "rollout": ("meshlm.commands.rollout", "start or steer a canary rollout"),
+    "demo": ("meshlm.commands.demo", "run the local mesh demo"),
+    "identity": ("meshlm.commands.identity", "join tokens and root rotation of the mesh CA"),
+    "etcd": ("meshlm.commands.etcd", "run a local etcd for control-plane replicas (--store)"),
 }
 
 
@@ -70,7 +73,7 @@ def command_parser(name: str) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     importlib.import_module(module_name).add_arguments(cmd)
-    logs.add_arguments(cmd)  # --log-level, --log-format on every command (issue 16)
+    logs.add_arguments(cmd)  # --log-level, --log-format on every command
     # Subcommands' parsers (policy compile|test...) inherit nothing from their parent.
     for action in cmd._actions:
         if isinstance(action, argparse._SubParsersAction):

@@ -1,4 +1,4 @@
-"""Logging for every `meshlm` command (issue 16 item 4): `--log-level` and `--log-format
+"""Logging for every `meshlm` command: `--log-level` and `--log-format
 text|json`, one setup on the root logger.
 
 JSON lines carry the time, level, logger and message, plus the structured fields a line was

@@ -1,5 +1,5 @@
 """`meshlm xds-server --replicas N --store etcd://...`: N replica processes of the control
-plane on one machine (issue 15), each a plain `meshlm xds-server` with its own id and ports.
+plane on one machine, each a plain `meshlm xds-server` with its own id and ports.
 Their output is prefixed with their id; a replica that exits is reported and the others keep
 serving (kill one to watch another take over); Ctrl-C stops them all."""
 
@@ -14,9 +14,8 @@ import sys
 import threading
 from pathlib import Path
 
-from mesh_common.process_group import stop_group
+from mesh_common.process_group import die_with, stop_group
 from meshlm.signals import termination_event
-from sidecar.envoy_process import _die_with
 
 MAX_REPLICAS = 9
 # Set per replica by the launcher, never passed through.
@@ -58,7 +57,7 @@ def launch_replicas(args: argparse.Namespace, stride: int) -> int:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C reaches the launcher, which stops them in turn
-                preexec_fn=_die_with(os.getpid()),  # and a launcher killed takes them along
+                preexec_fn=die_with(os.getpid()),  # and a launcher killed takes them along
             )
             procs.append((rid, p))
             threading.Thread(target=_relay, args=(rid, p), daemon=True).start()

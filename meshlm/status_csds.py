@@ -1,5 +1,5 @@
 """`meshlm status --csds HOST:PORT`: the same sync status read over CSDS from the control
-plane's ADS port (issue 16), as `istioctl proxy-status` reads it. The admin API stays the
+plane's ADS port, as `istioctl proxy-status` reads it. The admin API stays the
 default: it needs no certificate, while a mesh with identity serves ADS (and so CSDS) over
 mTLS only, which takes a mesh certificate (--cert/--key, --cacert for the root)."""
 

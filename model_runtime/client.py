@@ -9,7 +9,7 @@ blocks on the runtime. A greedy call (temperature 0) is marked safe to mirror
 (`x-meshlm-mirror: safe`): during a canary rollout with a quality gate the caller's sidecar may
 send a copy to the canary, whose answer is only compared, never returned (issue 18); pass
 `mirror=False` for a call that must not run twice. Callers of the mesh want
-`meshlm.caller.Caller` instead: the same calls, plus resuming a stream on another replica when
+`meshlm.client.Caller` instead: the same calls, plus resuming a stream on another replica when
 its replica stalls or dies (issue 10).
 """
 

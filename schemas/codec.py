@@ -145,7 +145,7 @@ class GenerateRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     priority: int | None = None
-    resume_token_ids: Any = None  # ids the caller already got (issue 10); numpy once decoded
+    resume_token_ids: Any = None  # ids the caller already got (a resume); numpy once decoded
     resume_index: int = 0  # the index of the resumed stream's first chunk
     avoid_replica: str = ""  # a replica id that must not serve this call
 
@@ -410,7 +410,7 @@ def validate_generate_request(req: GenerateRequest, limits: Limits = DEFAULT_LIM
 
 
 def _validate_resume(req: GenerateRequest, ids: np.ndarray, limits: Limits) -> None:
-    """Resume ids (issue 10): counted against max_new_tokens, and with the prompt they must
+    """Resume ids: counted against max_new_tokens, and with the prompt they must
     leave room in the context for one more token (a text prompt's length is checked by the
     runtime once it is tokenized)."""
     if ids.size == 0:

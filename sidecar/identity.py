@@ -1,4 +1,4 @@
-"""The sidecar's identity agent (issue 14): its key, its CSR, its certificate, its renewals.
+"""The sidecar's workload identity agent: its key, its CSR, its certificate, its renewals.
 
 The agent makes an EC P-256 key, sends a CSR to the mesh CA (xds_server/identity/workload.py) and
 serves

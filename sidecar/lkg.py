@@ -1,5 +1,5 @@
 """Last-known-good config: what Envoy last accepted, kept so that a sidecar whose Envoy restarts
-while the control plane is down still comes up serving (issue 5).
+while the control plane is down still comes up serving.
 
 Envoy's admin `/config_dump?include_eds` holds only what it accepted (a NACKed resource never
 becomes active), so a dump is the last good config by construction. `static_bootstrap` turns the

@@ -1,4 +1,4 @@
-"""SDS for one sidecar's Envoy, served by its own supervisor on a unix socket (issue 14).
+"""SDS for one sidecar's Envoy, served by its own supervisor on a unix socket.
 
 Istio's shape: the sidecar's agent (sidecar/identity.py) holds the workload's key and serves it to
 its Envoy over Envoy's Secret Discovery Service (`envoy.service.secret.v3`), secret `default`

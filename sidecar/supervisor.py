@@ -10,7 +10,7 @@ sockets over and the old one drains only after the new one has its config, so no
 Envoy dies with its supervisor (parent-death signal), its admin port is checked to be its own,
 and a port another process holds is fatal ("address already in use"), not a crash loop. So is a
 control plane that speaks TLS to a sidecar without identity, or plaintext to one with identity
-(issue 14): Envoy would only retry in silence.
+(a mismatch of workload identity): Envoy would only retry in silence.
 
 With identity, Envoy starts once the agent holds a certificate, and reaches the control plane
 over mTLS, taking only the control plane's SPIFFE ID in the sidecar's trust domain.
@@ -112,7 +112,7 @@ def speaks_tls(address: tuple[str, int], timeout: float = 2.0) -> bool | None:
 class Supervisor:
     """Keeps one Envoy running for `node_id`. `bootstrap` is the ADS bootstrap (its admin port
     must be fixed so readers of stats keep one address across restarts); `xds_address` is the
-    control plane, or the list of its replicas (issue 15): any one that answers will do."""
+    control plane, or the list of its replicas: any one that answers will do."""
 
     def __init__(
         self,
@@ -132,7 +132,7 @@ class Supervisor:
     ) -> None:
         """`keys` reads tenant -> plaintext keys for a native-authz last-known-good boot;
         `on_fatal` is told when the supervisor gives up (a port held by another process);
-        `identity`: the agent whose SDS socket Envoy reads certificates from (issue 14), started
+        `identity`: the agent whose SDS socket Envoy reads certificates from, started
         before Envoy and stopped after it."""
         self.node_id = node_id
         self.bootstrap = bootstrap
@@ -254,7 +254,7 @@ class Supervisor:
         self.on_event(self._where())
 
     def _where(self) -> str:
-        """What a user looks for once a sidecar is up (issue 16): its listeners, Envoy's admin
+        """What a user looks for once a sidecar is up: its listeners, Envoy's admin
         URL and the log file."""
         try:
             doc = json.loads(self.envoy.admin_get("/listeners?format=json"))

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 from model_runtime.service import Runtime
 from sidecar.envoy_process import EnvoyProcess
+from tests import testbed
 from tests.runtime_fixtures import serving_runtime
-from wasm_filters import testbed, xds
+from wasm_filters import xds
 from wasm_filters.policy import hash_key, parse_policy
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

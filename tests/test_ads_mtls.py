@@ -15,7 +15,7 @@ from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
 
 from mesh_common import type_urls as t
 from mesh_common.ports import free_port
-from meshlm import cmd_status
+from meshlm.commands import status as cmd_status
 from sidecar import bootstrap
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess

@@ -22,7 +22,8 @@ from envoy.extensions.filters.http.wasm.v3 import wasm_pb2
 from google.protobuf import wrappers_pb2
 
 from sidecar.envoy_process import EnvoyError, EnvoyProcess
-from wasm_filters import testbed, xds
+from tests import testbed
+from wasm_filters import xds
 from wasm_filters.policy import Policy, hash_key, parse_policy
 
 GEN = "/meshlm.inference.v1.Inference/Generate"

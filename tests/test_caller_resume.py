@@ -1,4 +1,4 @@
-"""The caller library (meshlm/caller.py) on real processes: runtimes serving the real int4
+"""The caller library (meshlm/client/caller.py) on real processes: runtimes serving the real int4
 SmolLM2 over grpcio (one with a stall fault in this process, one `meshlm serve --fault-exit-after`
 child process that dies mid-stream), a real control plane and a real caller-side Envoy. Every
 broken stream must end as the whole, correct greedy stream: no duplicate, no missing token."""
@@ -15,8 +15,8 @@ import pytest
 
 from mesh_common.headers import VERSION_HEADER
 from mesh_common.ports import free_port
-from meshlm.caller import Caller, Stall, StreamLost
-from meshlm.procs import Proc, wait_until
+from meshlm.client import Caller, Stall, StreamLost
+from meshlm.demo.procs import Proc, wait_until
 from model_runtime.client import Client
 from model_runtime.faults import Faults
 from model_runtime.service import Runtime

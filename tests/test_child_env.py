@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mesh_common.child_env import SECRETS
-from meshlm.procs import Proc
+from meshlm.demo.procs import Proc
 from xds_server.slo.scaler import CommandScaler, LocalScaler
 
 SECRET_ENV = {name: f"secret-{i}" for i, name in enumerate(sorted(SECRETS))}

@@ -16,7 +16,8 @@ import pytest
 from schemas.codec import ChatMessage, GenerateRequest, encode_generate_request
 from sidecar.bootstrap import static_cluster
 from sidecar.envoy_process import EnvoyProcess
-from wasm_filters import classify_xds, testbed
+from tests import testbed
+from wasm_filters import classify_xds
 from wasm_filters.host import CLASSIFY_WASM_PATH, WasmHost
 
 GEN = "/meshlm.inference.v1.Inference/Generate"

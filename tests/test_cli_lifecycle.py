@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from mesh_common.ports import free_port
-from meshlm.procs import Proc, wait_until
+from meshlm.demo.procs import Proc, wait_until
 from tests.test_identity_support import short_dir
 
 

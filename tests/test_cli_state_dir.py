@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from mesh_common.ports import free_port
-from meshlm.procs import Proc, wait_until
+from meshlm.demo.procs import Proc, wait_until
 from xds_server.mesh.rollout_spec import parse_rollout
 from xds_server.rollout.controller import SUCCEEDED, Rollout
 from xds_server.store.state_file import RolloutStore

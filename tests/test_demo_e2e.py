@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.launcher import MESH_ID_ENV
+from meshlm.demo.launcher import MESH_ID_ENV
 
 SPIFFE_LLM = "spiffe://meshlm.local/ns/default/sa/llm"
 SPIFFE_CALLER = "spiffe://meshlm.local/ns/default/sa/caller"

@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 
 from mesh_common.ports import free_port
-from meshlm.traffic import TenantLoad, Traffic
+from meshlm.demo.traffic import TenantLoad, Traffic
 from model_runtime.service import SERVICE
 from schemas import codec
 

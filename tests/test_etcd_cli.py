@@ -25,7 +25,7 @@ from tests.rollout_upstreams import Upstream
 from tests.test_replicas_sync import routed
 
 TOKEN = "etcd-cli-test-token-0123456789"
-STRIDE = 10  # meshlm.cmd_xds.REPLICA_PORT_STRIDE
+STRIDE = 10  # meshlm.commands.xds_server.REPLICA_PORT_STRIDE
 
 
 def ports_free(*ports: int) -> bool:

@@ -18,7 +18,8 @@ from model_runtime.engine import Engine
 from model_runtime.service import Runtime
 from schemas import codec
 from sidecar.envoy_process import EnvoyProcess
-from wasm_filters import testbed, xds
+from tests import testbed
+from wasm_filters import xds
 from wasm_filters.policy import hash_key, parse_policy
 
 STORY_REQUEST = codec.encode_generate_request(

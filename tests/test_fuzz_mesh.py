@@ -11,7 +11,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshlm.launcher import demo_mesh
+from meshlm.demo.launcher import demo_mesh
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import Mesh, MeshError, load_yaml, parse_mesh
 

@@ -15,8 +15,8 @@ import torch
 
 from bench.bench_quality import GOLDEN
 from mesh_common.ports import free_port
-from meshlm.launcher import _serving
-from meshlm.procs import Proc, wait_until
+from meshlm.demo.launcher import _serving
+from meshlm.demo.procs import Proc, wait_until
 from model_runtime import generate, kernels, native_step
 from model_runtime.client import Client
 from model_runtime.kvcache import layout_decode

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import time
 
-from meshlm.crashloop import CrashLoopBackoff
-from meshlm.launcher import LocalMesh
+from meshlm.demo.crashloop import CrashLoopBackoff
+from meshlm.demo.launcher import LocalMesh
 
 
 def test_backoff_doubles_to_its_cap_and_a_stable_run_resets_it() -> None:

@@ -7,8 +7,8 @@ import grpc
 import pytest
 
 from mesh_common.ports import free_port
-from meshlm.launcher import _serving
-from meshlm.procs import Proc, wait_until
+from meshlm.demo.launcher import _serving
+from meshlm.demo.procs import Proc, wait_until
 from model_runtime.client import Client
 from model_runtime.faults import EXIT_CODE, Faults
 from model_runtime.service import Runtime

@@ -73,7 +73,7 @@ def pool_of_two() -> Iterator[Pool]:
                 "llm": {
                     "versions": {"v1": {"endpoints": [f"127.0.0.1:{p}" for p in inbound.values()]}},
                     "route": {"weights": {"v1": 100}},
-                    # The demo's (meshlm/demo_mesh.yaml).
+                    # The demo's (meshlm/demo/mesh.yaml).
                     "retry_policy": {
                         "retry_on": "unavailable,connect-failure,refused-stream",
                         "num_retries": 1,

@@ -15,8 +15,8 @@ import grpc
 from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
+from tests.testbed import EchoGrpcUpstream
 from wasm_filters.policy import hash_key
-from wasm_filters.testbed import EchoGrpcUpstream
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 

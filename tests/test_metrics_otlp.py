@@ -16,8 +16,8 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from mesh_common.ports import free_port
-from meshlm.launcher import _serving
-from meshlm.procs import Proc, wait_until
+from meshlm.demo.launcher import _serving
+from meshlm.demo.procs import Proc, wait_until
 from model_runtime.client import Client
 
 _MESSAGES = {

@@ -5,8 +5,9 @@ themselves run in minutes: `meshlm demo`, tests/test_demo_e2e.py.)"""
 
 from __future__ import annotations
 
-from meshlm.launcher import LocalMesh
-from meshlm.scenarios import SCENARIOS, bad_model
+from meshlm.demo.launcher import LocalMesh
+from meshlm.demo.scenario import SCENARIOS
+from meshlm.demo.scenarios import bad_model
 from xds_server.mesh import parse_mesh
 from xds_server.mesh.rollout_spec import parse_rollout
 from xds_server.rollout.api import spec_from_mesh
@@ -21,4 +22,4 @@ def test_the_demo_and_the_bad_model_roll_out_with_a_mirror_mode_quality_gate(tmp
         assert 0 < q.mirror_percent <= 100 and q.min_samples >= 1
         assert "replay" not in mesh.mesh["tenants"]
     assert mesh.serve_args(mesh.runtimes["v2"])[-2:] == ["--group-size", "64"]
-    assert SCENARIOS["bad-model"] == "meshlm.scenarios.canary"
+    assert SCENARIOS["bad-model"] == "meshlm.demo.scenarios.canary"

@@ -20,7 +20,7 @@ import pytest
 
 from mesh_common.ports import free_port
 from meshlm.cli import main
-from meshlm.procs import Proc, wait_until
+from meshlm.demo.procs import Proc, wait_until
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_rollout_controller import FakeControlPlane, FakeGrpcCounts

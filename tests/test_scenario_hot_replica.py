@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.scenarios import SCENARIOS, hot_replica
+from meshlm.demo.scenario import SCENARIOS
+from meshlm.demo.scenarios import hot_replica
 
 # Times real processes against its own baseline or a deadline: not beside another test (-n 2).
 pytestmark = pytest.mark.alone
 
 
 def test_hot_replica_reports_shares_and_the_sla(tmp_path: Path) -> None:
-    assert SCENARIOS["hot-replica"] == "meshlm.scenarios.hot_replica"
+    assert SCENARIOS["hot-replica"] == "meshlm.demo.scenarios.hot_replica"
     report = hot_replica._run(least_loaded=True, seconds=15.0, workdir=tmp_path, say=print)
     assert json.loads((tmp_path / "report.json").read_text()) == report
     assert report["load_balancing"] == "least_loaded"

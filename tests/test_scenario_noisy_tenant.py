@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.scenarios import SCENARIOS, noisy_tenant
+from meshlm.demo.scenario import SCENARIOS
+from meshlm.demo.scenarios import noisy_tenant
 
 # Times real processes against its own baseline or a deadline: not beside another test (-n 2).
 pytestmark = pytest.mark.alone

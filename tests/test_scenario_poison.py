@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshlm.scenarios import SCENARIOS, load
+from meshlm.demo.scenario import SCENARIOS, load
 from tests.test_demo_e2e import _processes_of
 
 # Times real processes against its own baseline or a deadline: not beside another test (-n 2).
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.alone
 
 def test_poison_scenario_quarantines_the_query_of_death(tmp_path) -> None:
     poison = load("poison")
-    assert SCENARIOS["poison"] == "meshlm.scenarios.poison"
+    assert SCENARIOS["poison"] == "meshlm.demo.scenarios.poison"
     key = poison.poison_class()
     assert len(key) == 16
     report = poison._run(mechanism=True, phases=(5.0, 25.0), workdir=tmp_path, say=print)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from meshlm.scenarios import slo
+from meshlm.demo.scenarios import slo
 
 # Times real processes against its own baseline or a deadline: not beside another test (-n 2).
 pytestmark = pytest.mark.alone

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.scenarios import stall
+from meshlm.demo.scenarios import stall
 
 # Times real processes against its own baseline or a deadline: not beside another test (-n 2).
 pytestmark = pytest.mark.alone

@@ -1,4 +1,4 @@
-"""What every `meshlm demo --scenario` shares (meshlm/scenarios/__init__.py): a scenario that
+"""What every `meshlm demo --scenario` shares (meshlm/demo/scenario.py): a scenario that
 fails half-way still stops its traffic and then every process of its mesh, and its failure is
 one line `meshlm demo: ...` with exit 1, not a traceback. The scenarios themselves run on real
 processes in tests/test_scenario_*.py; here a stand-in mesh records what was done to it."""
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from meshlm.scenarios import report_of, running, write_report
+from meshlm.demo.scenario import report_of, running, write_report
 
 
 class _Mesh:

@@ -19,7 +19,10 @@ import grpc
 from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
 
 from mesh_common.ports import free_port
-from meshlm import cmd_serve, cmd_sidecar, cmd_xds, logs
+from meshlm import logs
+from meshlm.commands import serve as cmd_serve
+from meshlm.commands import sidecar as cmd_sidecar
+from meshlm.commands import xds_server as cmd_xds
 from model_runtime import sealed
 from model_runtime.telemetry import MetricsServer, Telemetry
 from sidecar.bootstrap import ads_bootstrap

@@ -10,8 +10,8 @@ import json
 import urllib.request
 
 from mesh_common.ports import free_port
-from meshlm.launcher import _serving
-from meshlm.procs import Proc, wait_until
+from meshlm.demo.launcher import _serving
+from meshlm.demo.procs import Proc, wait_until
 from model_runtime.client import Client
 
 MAX_BATCH = 3

@@ -16,7 +16,7 @@ import grpc
 
 from mesh_common.ports import free_port
 from mesh_common.process_group import stop_group
-from meshlm.cmd_sidecar import native_keys
+from meshlm.commands.sidecar import native_keys
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.lkg import LastKnownGood
 from sidecar.supervisor import Supervisor

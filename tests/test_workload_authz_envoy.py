@@ -17,8 +17,8 @@ import pytest
 from mesh_common.ports import free_port
 from tests.test_identity_support import Sidecar, identity_sidecar, join_token_file, short_dir
 from tests.test_xds_support import eventually
+from tests.testbed import EchoGrpcUpstream
 from wasm_filters.policy import hash_key
-from wasm_filters.testbed import EchoGrpcUpstream
 from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 

@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from mesh_common import type_urls as t
-from meshlm.cmd_sidecar import _default_node_id
-from meshlm.cmd_status import render
+from meshlm.commands.sidecar import _default_node_id
+from meshlm.commands.status import render
 from tests.test_xds_support import AdsClient, eventually, sotw
 from xds_server.admin.api import AdminServer
 from xds_server.control_plane import ControlPlane

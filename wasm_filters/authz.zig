@@ -1,18 +1,18 @@
 //! meshlm authz: a proxy-wasm HTTP filter written against the ABI 0.2.1 directly.
 //!
-//! Per request: with `callers` (issue 14), the caller's SPIFFE ID (the URI SAN of its verified
-//! mTLS certificate, property `connection.uri_san_peer_certificate`) -> the first rule naming it
-//! -> its allowed paths, before any key is looked at; then API key (`x-api-key` or `authorization: Bearer`) -> SHA-256 -> tenant (constant
-//! time compare; keys the policy already matched are remembered, see KnownKeys) -> allow rules
+//! Per request: with `callers`, the caller's SPIFFE ID (the URI SAN of its verified mTLS
+//! certificate, property `connection.uri_san_peer_certificate`) -> the first rule naming it ->
+//! its allowed paths, before any key is looked at; then API key (`x-api-key` or
+//! `authorization: Bearer`) -> SHA-256 -> tenant (constant time compare; keys the policy already matched are remembered, see KnownKeys) -> allow rules
 //! for this service's gRPC methods (an OpenAI HTTP path counts as the method it runs; any other
 //! path is denied) -> per-tenant token bucket in
 //! shared data (compare-and-swap) -> verified `x-meshlm-tenant` / `x-meshlm-priority` headers,
 //! and `x-meshlm-principal` (the caller's SPIFFE ID) when `peer_identity` is on.
-//! A mirrored copy (issue 18: `:authority` suffixed `-shadow` by Envoy's request mirroring) is
+//! A mirrored copy (`:authority` suffixed `-shadow` by Envoy's request mirroring) is
 //! checked exactly the same but takes no token: the tenant's call was charged once where it was
 //! served, and the route's mirror percent bounds the copies.
-//! Host calls are most of the cost (issue 19): one header read, one bucket write, three header
-//! changes and a counter per allowed request.
+//! Host calls are most of the cost, so an allowed request makes few: one header read, one
+//! bucket write, three header changes and a counter.
 //! The configuration is JSON compiled by `wasm_filters/policy.py`; it holds key hashes only.
 //! A denial answers gRPC callers with a grpc-status, any other caller with OpenAI's error JSON.
 //! Fails closed: a bad configuration is refused in proxy_on_configure (Envoy NACKs it) and a
@@ -22,38 +22,16 @@
 const std = @import("std");
 const Sha256 = std.crypto.hash.sha2.Sha256;
 
-// ---- host imports (proxy-wasm ABI 0.2.1, module "env") ----
-extern "env" fn proxy_log(level: u32, msg: [*]const u8, len: usize) u32;
-extern "env" fn proxy_get_buffer_bytes(kind: u32, start: usize, max: usize, out: *?[*]u8, out_len: *usize) u32;
-extern "env" fn proxy_get_header_map_pairs(map: u32, out: *?[*]u8, out_len: *usize) u32;
-extern "env" fn proxy_replace_header_map_value(map: u32, key: [*]const u8, key_len: usize, val: [*]const u8, val_len: usize) u32;
-extern "env" fn proxy_remove_header_map_value(map: u32, key: [*]const u8, key_len: usize) u32;
-extern "env" fn proxy_send_local_response(code: u32, details: [*]const u8, details_len: usize, body: [*]const u8, body_len: usize, headers: [*]const u8, headers_len: usize, grpc_status: i32) u32;
-extern "env" fn proxy_get_shared_data(key: [*]const u8, key_len: usize, out: *?[*]u8, out_len: *usize, cas: *u32) u32;
-extern "env" fn proxy_set_shared_data(key: [*]const u8, key_len: usize, val: [*]const u8, val_len: usize, cas: u32) u32;
-extern "env" fn proxy_define_metric(kind: u32, name: [*]const u8, name_len: usize, out_id: *u32) u32;
-extern "env" fn proxy_increment_metric(id: u32, offset: i64) u32;
-extern "env" fn proxy_get_current_time_nanoseconds(out: *u64) u32;
-extern "env" fn proxy_get_property(path: [*]const u8, path_len: usize, out: *?[*]u8, out_len: *usize) u32;
-
-const OK: u32 = 0;
-const NOT_FOUND: u32 = 1;
-const CAS_MISMATCH: u32 = 8;
-const REQUEST_HEADERS: u32 = 0;
-const PLUGIN_CONFIGURATION: u32 = 7;
-const COUNTER: u32 = 0;
-const LOG_DEBUG: u32 = 1;
-const LOG_INFO: u32 = 2;
-const LOG_WARN: u32 = 3;
-const LOG_ERROR: u32 = 4;
-const CONTINUE: u32 = 0;
-const STOP_ITERATION: u32 = 1;
-const NO_GRPC_STATUS: i32 = -1;
+const abi = @import("proxy_wasm.zig");
+const OK = abi.OK;
+const CONTINUE = abi.CONTINUE;
+const STOP_ITERATION = abi.STOP_ITERATION;
+const bump = abi.bump;
+const log = abi.log;
+const metric = abi.metric;
+const scratch = &abi.scratch;
 
 const gpa = std.heap.wasm_allocator;
-/// Everything the host hands us (header values, config bytes, shared data) lives here and is
-/// dropped at the end of each exported call: the host never keeps pointers into our memory.
-var scratch = std.heap.ArenaAllocator.init(std.heap.wasm_allocator);
 
 // ---- configuration (the JSON compiled by policy.py) ----
 const RateLimitJson = struct { max_tokens: u64, tokens_per_fill: u64, fill_interval_ms: u64 };
@@ -64,14 +42,14 @@ const TenantJson = struct {
     allow: []const []const u8,
     rate_limit: ?RateLimitJson = null,
 };
-/// A workload that may call (issue 14): `principal` is a SPIFFE ID, or a prefix of IDs ending
+/// A workload that may call (`callers`): `principal` is a SPIFFE ID, or a prefix of IDs ending
 /// in `*`; `paths` the request paths it may ask for, null for any.
 const CallerJson = struct {
     name: []const u8,
     principal: []const u8,
     paths: ?[]const []const u8 = null,
 };
-/// An OpenAI HTTP path (issue 17) and the gRPC method it counts as; `/*` at the end matches one
+/// An OpenAI HTTP path and the gRPC method it counts as; `/*` at the end matches one
 /// more path segment.
 const HttpPathJson = struct { path: []const u8, method: []const u8 };
 const ConfigJson = struct {
@@ -148,7 +126,7 @@ var m_missing: u32 = 0;
 var m_unknown: u32 = 0;
 var m_no_policy: u32 = 0;
 var m_unknown_caller: u32 = 0;
-/// A mirrored copy's denials (issue 18), `meshlm_authz.shadow_denied.<reason>`: counted apart so
+/// A mirrored copy's denials, `meshlm_authz.shadow_denied.<reason>`: counted apart so
 /// the denial and tenant counters (the dashboard's, the demo's) count each client call once.
 const ShadowDenied = enum { no_policy, unknown_caller, caller_forbidden, missing_key, unknown_key, forbidden, rate_limited };
 var m_shadow_denied: [@typeInfo(ShadowDenied).@"enum".field_names.len]u32 = @splat(0);
@@ -159,34 +137,7 @@ fn countDenial(m: u32, shadow: bool, reason: ShadowDenied) void {
     bump(if (shadow) m_shadow_denied[@intFromEnum(reason)] else m);
 }
 
-fn log(level: u32, comptime fmt: []const u8, args: anytype) void {
-    var buf: [512]u8 = undefined;
-    const msg = std.fmt.bufPrint(&buf, fmt, args) catch buf[0..];
-    _ = proxy_log(level, msg.ptr, msg.len);
-}
-
-fn metric(name: []const u8) u32 {
-    var id: u32 = 0;
-    if (proxy_define_metric(COUNTER, name.ptr, name.len, &id) != OK) return 0;
-    return id;
-}
-
-fn bump(id: u32) void {
-    if (id != 0) _ = proxy_increment_metric(id, 1);
-}
-
-// ---- exports: lifecycle ----
-export fn proxy_abi_version_0_2_1() void {}
-
-export fn proxy_on_memory_allocate(size: usize) ?[*]u8 {
-    const mem = scratch.allocator().alloc(u8, @max(size, 1)) catch return null;
-    return mem.ptr;
-}
-
-export fn proxy_on_vm_start(_: u32, _: usize) u32 {
-    return 1;
-}
-
+// ---- exports: lifecycle (the ABI version, memory and VM start: proxy_wasm.zig) ----
 export fn proxy_on_context_create(id: u32, parent: u32) void {
     if (parent == 0) {
         const root = gpa.create(Root) catch return;
@@ -218,16 +169,14 @@ export fn proxy_on_configure(root_id: u32, size: usize) u32 {
         }
         globals_defined = true;
     }
-    var ptr: ?[*]u8 = null;
-    var len: usize = 0;
-    if (size == 0 or proxy_get_buffer_bytes(PLUGIN_CONFIGURATION, 0, size, &ptr, &len) != OK or ptr == null) {
-        log(LOG_ERROR, "rejected configuration: empty (every request will be denied)", .{});
+    const raw = (if (size == 0) null else abi.bufferBytes(abi.PLUGIN_CONFIGURATION, 0, size)) orelse {
+        log(abi.LOG_ERROR, "rejected configuration: empty (every request will be denied)", .{});
         return 0;
-    }
+    };
     var arena = std.heap.ArenaAllocator.init(gpa);
-    const policy = parsePolicy(arena.allocator(), ptr.?[0..len]) catch |e| {
+    const policy = parsePolicy(arena.allocator(), raw) catch |e| {
         arena.deinit();
-        log(LOG_ERROR, "rejected configuration: {s}", .{@errorName(e)});
+        log(abi.LOG_ERROR, "rejected configuration: {s}", .{@errorName(e)});
         return 0;
     };
     // Swap in the new policy; a failed reconfigure above kept the last good one.
@@ -235,7 +184,7 @@ export fn proxy_on_configure(root_id: u32, size: usize) u32 {
     root.arena = arena;
     root.policy = policy;
     for (policy.tenants) |*t| initBucket(t);
-    log(LOG_INFO, "policy loaded for service {s}: {d} tenants", .{ policy.cfg.service, policy.tenants.len });
+    log(abi.LOG_INFO, "policy loaded for service {s}: {d} tenants", .{ policy.cfg.service, policy.tenants.len });
     return 1;
 }
 
@@ -309,17 +258,13 @@ fn parseCallers(a: std.mem.Allocator, cfg: *const ConfigJson) !?[]Caller {
 // ---- token bucket in shared data: 16 bytes, tokens (u64 LE) + last fill time ns (u64 LE) ----
 const Bucket = struct { tokens: u64, last_ns: u64 };
 
-fn now_ns() u64 {
-    var t: u64 = 0;
-    _ = proxy_get_current_time_nanoseconds(&t);
-    return t;
-}
+const now_ns = abi.nowNs;
 
 fn readBucket(key: []const u8, cas: *u32) ?Bucket {
     var ptr: ?[*]u8 = null;
     var len: usize = 0;
     cas.* = 0;
-    if (proxy_get_shared_data(key.ptr, key.len, &ptr, &len, cas) != OK) return null;
+    if (abi.proxy_get_shared_data(key.ptr, key.len, &ptr, &len, cas) != OK) return null;
     if (ptr == null or len != 16) return null;
     const b = ptr.?[0..16];
     return .{ .tokens = std.mem.readInt(u64, b[0..8], .little), .last_ns = std.mem.readInt(u64, b[8..16], .little) };
@@ -329,7 +274,7 @@ fn writeBucket(key: []const u8, b: Bucket, cas: u32) u32 {
     var buf: [16]u8 = undefined;
     std.mem.writeInt(u64, buf[0..8], b.tokens, .little);
     std.mem.writeInt(u64, buf[8..16], b.last_ns, .little);
-    return proxy_set_shared_data(key.ptr, key.len, &buf, buf.len, cas);
+    return abi.proxy_set_shared_data(key.ptr, key.len, &buf, buf.len, cas);
 }
 
 /// Create a full bucket once. Runs in every worker's configure, before that worker takes
@@ -393,9 +338,9 @@ fn takeToken(t: *Tenant) u64 {
             if (cas != 0) t.written = .{ .bucket = b, .cas = casAfter(cas), .at_ns = now };
             return 0;
         }
-        if (rc != CAS_MISMATCH) break;
+        if (rc != abi.CAS_MISMATCH) break;
     }
-    log(LOG_WARN, "token bucket for tenant {s} contended, denying", .{t.json.name});
+    log(abi.LOG_WARN, "token bucket for tenant {s} contended, denying", .{t.json.name});
     return 1;
 }
 
@@ -430,10 +375,7 @@ const RequestHeaders = struct {
 /// Header map serialization of ABI 0.2.1: count, (key len, value len)*, then "key\0value\0"*.
 /// A map that does not parse reads as no headers at all, which denies the request.
 fn requestHeaders() RequestHeaders {
-    var ptr: ?[*]u8 = null;
-    var len: usize = 0;
-    if (proxy_get_header_map_pairs(REQUEST_HEADERS, &ptr, &len) != OK or ptr == null) return .{};
-    return parsePairs(ptr.?[0..len]) orelse .{};
+    return parsePairs(abi.requestHeaderPairs() orelse return .{}) orelse .{};
 }
 
 fn parsePairs(raw: []const u8) ?RequestHeaders {
@@ -473,13 +415,8 @@ fn nonEmpty(v: ?[]const u8) ?[]const u8 {
     return if (s.len == 0) null else s;
 }
 
-fn setHeader(name: []const u8, value: []const u8) void {
-    _ = proxy_replace_header_map_value(REQUEST_HEADERS, name.ptr, name.len, value.ptr, value.len);
-}
-
-fn removeHeader(name: []const u8) void {
-    _ = proxy_remove_header_map_value(REQUEST_HEADERS, name.ptr, name.len);
-}
+const setHeader = abi.setRequestHeader;
+const removeHeader = abi.removeRequestHeader;
 
 const ows = " \t";
 
@@ -574,11 +511,7 @@ fn grpcPathOf(cfg: *const ConfigJson, raw_path: []const u8) ?[]const u8 {
 /// The caller's SPIFFE ID: the first URI SAN of the certificate it presented on this connection,
 /// which the listener's TLS context has verified; null on a plaintext connection.
 fn peerPrincipal() ?[]const u8 {
-    const path = "connection\x00uri_san_peer_certificate"; // proxy-wasm: path parts split by NUL
-    var ptr: ?[*]u8 = null;
-    var len: usize = 0;
-    if (proxy_get_property(path.ptr, path.len, &ptr, &len) != OK or ptr == null or len == 0) return null;
-    return ptr.?[0..len];
+    return abi.property("connection\x00uri_san_peer_certificate");
 }
 
 fn principalMatches(rule: []const u8, principal: []const u8) bool {
@@ -624,22 +557,6 @@ fn denial(code: u32, grpc: i32, comptime details: []const u8, comptime msg: []co
     return .{ .code = code, .grpc = grpc, .details = details, .msg = msg, .json = json };
 }
 
-/// Header map serialization of ABI 0.2.1: count, (key len, value len)*, then "key\0value\0"*.
-fn headerMap(buf: []u8, pairs: []const [2][]const u8) []const u8 {
-    std.mem.writeInt(u32, buf[0..4], @intCast(pairs.len), .little);
-    var at: usize = 4 + 8 * pairs.len;
-    for (pairs, 0..) |kv, i| {
-        std.mem.writeInt(u32, buf[4 + 8 * i ..][0..4], @intCast(kv[0].len), .little);
-        std.mem.writeInt(u32, buf[8 + 8 * i ..][0..4], @intCast(kv[1].len), .little);
-        for (kv) |part| {
-            @memcpy(buf[at..][0..part.len], part);
-            buf[at + part.len] = 0;
-            at += part.len + 1;
-        }
-    }
-    return buf[0..at];
-}
-
 fn deny(d: Deny, is_grpc: bool, retry_after: u64) u32 {
     var val: [20]u8 = undefined;
     var pairs: [2][2][]const u8 = undefined;
@@ -653,9 +570,9 @@ fn deny(d: Deny, is_grpc: bool, retry_after: u64) u32 {
         n += 1;
     }
     var hbuf: [128]u8 = undefined;
-    const headers = headerMap(&hbuf, pairs[0..n]);
+    const headers = abi.headerMap(&hbuf, pairs[0..n]);
     const body = if (is_grpc) d.msg else d.json;
-    _ = proxy_send_local_response(d.code, d.details.ptr, d.details.len, body.ptr, body.len, headers.ptr, headers.len, if (is_grpc) d.grpc else NO_GRPC_STATUS);
+    _ = abi.proxy_send_local_response(d.code, d.details.ptr, d.details.len, body.ptr, body.len, headers.ptr, headers.len, if (is_grpc) d.grpc else abi.NO_GRPC_STATUS);
     return STOP_ITERATION;
 }
 
@@ -673,23 +590,23 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
     defer _ = scratch.reset(.{ .retain_with_limit = 256 * 1024 });
     const h = requestHeaders();
     const is_grpc = std.mem.startsWith(u8, nonEmpty(h.content_type) orelse "", "application/grpc");
-    // Decided first, so a denied copy is counted as one (issue 18); it is denied all the same.
+    // Decided first, so a denied copy is counted as one; it is denied all the same.
     const shadow = isShadow(nonEmpty(h.authority) orelse "");
     const root_id = stream_root.get(ctx) orelse 0;
     const root = roots.get(root_id) orelse {
         countDenial(m_no_policy, shadow, .no_policy);
-        log(LOG_ERROR, "no root context for stream; denying", .{});
+        log(abi.LOG_ERROR, "no root context for stream; denying", .{});
         return deny(NO_POLICY, is_grpc, 0);
     };
     const p = if (root.policy) |*pp| pp else {
         countDenial(m_no_policy, shadow, .no_policy);
-        log(LOG_ERROR, "no valid policy loaded; denying", .{});
+        log(abi.LOG_ERROR, "no valid policy loaded; denying", .{});
         return deny(NO_POLICY, is_grpc, 0);
     };
-    // An OpenAI HTTP path is checked as the gRPC method it runs (issue 17).
+    // An OpenAI HTTP path is checked as the gRPC method it runs.
     const raw_path = nonEmpty(h.path) orelse "";
     const path = grpcPathOf(&p.cfg, raw_path) orelse raw_path;
-    // Workload first: an unlisted caller reaches no key check (issue 14).
+    // Workload first: an unlisted caller reaches no key check.
     const principal = if (p.cfg.peer_identity) peerPrincipal() else null;
     if (p.callers) |cs| {
         if (checkCaller(cs, principal, path, shadow)) |d| return deny(d, is_grpc, 0);
@@ -711,7 +628,7 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
     }
     if (!allowed) {
         countDenial(t.m_forbidden, shadow, .forbidden);
-        log(LOG_DEBUG, "tenant {s} denied method (forbidden)", .{t.json.name});
+        log(abi.LOG_DEBUG, "tenant {s} denied method (forbidden)", .{t.json.name});
         return deny(FORBIDDEN, is_grpc, 0);
     }
     // A copy passes only while the tenant's bucket has a token, and takes none (the tenant's

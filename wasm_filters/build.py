@@ -1,9 +1,10 @@
 """Build the Wasm filters: `python -m wasm_filters.build [--check]`.
 
-Each `<name>.zig` here (the authz filter, the class filter) builds to `<name>.wasm`, committed
-and shipped as package data. `--check` rebuilds every module into a temporary folder and fails
-if any differs from the committed file (CI runs it), so each shipped module is the one its
-source and the pinned zig (PyPI `ziglang`) produce.
+Each module here (the authz filter, the class filter: MODULES) builds from `<name>.zig`, which
+imports the proxy-wasm ABI glue of `proxy_wasm.zig`, to `<name>.wasm`, committed and shipped as
+package data. `--check` rebuilds every module into a temporary folder and fails if any differs
+from the committed file (CI runs it), so each shipped module is the one its source and the
+pinned zig (PyPI `ziglang`) produce.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ ZIG_FLAGS = [
     "-target", "wasm32-freestanding",
     "-fno-entry", "-rdynamic", "-fstrip",
 ]  # fmt: skip
-# The authz filter runs on every inbound request: speed over size (issue 19).
+# The authz filter runs on every inbound request: speed over size.
 OPTIMIZE = {"authz": "ReleaseFast"}
 
 

@@ -1,6 +1,6 @@
 //! meshlm classify: a proxy-wasm (ABI 0.2.1) HTTP filter for the caller-side (outbound)
 //! listener that sets `x-meshlm-class` on every Generate call, so routes can steer a request
-//! class (issue 11: semantic circuit breaking).
+//! class (semantic circuit breaking: a failing class is quarantined by the control plane).
 //!
 //! The class key: sha256("meshlm-class-v1", :authority, kind, normalised text), first 8 bytes as
 //! 16 lowercase hex characters. kind is what the request carries: the last user message of
@@ -19,9 +19,9 @@
 //! the runtime's 256 KiB prompt limit) have arrived, then classifies. A frame over the limit is
 //! classified by its prefix: text that lies inside it counts (the class it would get whole);
 //! text past it (builders put strings behind the table) leaves the kind alone, marked truncated,
-//! so such oversized requests of one kind share a class. A body that is
-//! not a GenerateRequest (bad offsets, compressed frame, no text field) gets no class and passes
-//! on unchanged; the runtime rejects it as before. A client-sent `x-meshlm-class` is always
+//! so such oversized requests of one kind share a class. A body that is not a GenerateRequest
+//! (bad offsets, compressed frame, no text field) gets no class and passes on unchanged; the
+//! runtime rejects it as it would without this filter. A client-sent `x-meshlm-class` is always
 //! removed. Every read of the body is bounds-checked: a hostile body cannot crash the VM.
 //! This is not an authz filter: it is deployed with failure_policy FAIL_OPEN (after a VM failure
 //! calls pass unclassified; Envoy fails the one call that was inside the VM with UNAVAILABLE; the
@@ -30,33 +30,17 @@
 
 const std = @import("std");
 const Sha256 = std.crypto.hash.sha2.Sha256;
-
-extern "env" fn proxy_log(level: u32, msg: [*]const u8, len: usize) u32;
-extern "env" fn proxy_get_buffer_bytes(kind: u32, start: usize, max: usize, out: *?[*]u8, out_len: *usize) u32;
-extern "env" fn proxy_get_header_map_value(map: u32, key: [*]const u8, key_len: usize, out: *?[*]u8, out_len: *usize) u32;
-extern "env" fn proxy_replace_header_map_value(map: u32, key: [*]const u8, key_len: usize, val: [*]const u8, val_len: usize) u32;
-extern "env" fn proxy_remove_header_map_value(map: u32, key: [*]const u8, key_len: usize) u32;
-extern "env" fn proxy_define_metric(kind: u32, name: [*]const u8, name_len: usize, out_id: *u32) u32;
-extern "env" fn proxy_increment_metric(id: u32, offset: i64) u32;
-
-const OK: u32 = 0;
-const REQUEST_HEADERS: u32 = 0;
-const REQUEST_BODY: u32 = 0; // BufferType::HttpRequestBody
-const PLUGIN_CONFIGURATION: u32 = 7;
-const COUNTER: u32 = 0;
-const LOG_INFO: u32 = 2;
-const LOG_ERROR: u32 = 4;
-const CONTINUE: u32 = 0;
-const STOP_ITERATION: u32 = 1; // headers: FilterHeadersStatus::StopIteration
-const STOP_AND_BUFFER: u32 = 1; // body: FilterDataStatus::StopIterationAndBuffer
+const abi = @import("proxy_wasm.zig");
+const CONTINUE = abi.CONTINUE;
+const bump = abi.bump;
+const log = abi.log;
+const scratch = &abi.scratch;
 
 const CLASS_HEADER = "x-meshlm-class";
 const GENERATE_PATH = "/meshlm.inference.v1.Inference/Generate";
 const FRAME_PREFIX = 5; // gRPC: compressed flag (1) + message length (u32 big endian)
 
 const gpa = std.heap.wasm_allocator;
-/// What the host hands us lives here and is dropped at the end of each exported call.
-var scratch = std.heap.ArenaAllocator.init(std.heap.wasm_allocator);
 
 const Config = struct { prefix_bytes: u32 = 64, max_body_bytes: u32 = 320 * 1024 };
 
@@ -71,34 +55,7 @@ var m_invalid: u32 = 0;
 var m_no_body: u32 = 0;
 var globals_defined = false;
 
-fn log(level: u32, comptime fmt: []const u8, args: anytype) void {
-    var buf: [256]u8 = undefined;
-    const msg = std.fmt.bufPrint(&buf, fmt, args) catch buf[0..];
-    _ = proxy_log(level, msg.ptr, msg.len);
-}
-
-fn metric(name: []const u8) u32 {
-    var id: u32 = 0;
-    if (proxy_define_metric(COUNTER, name.ptr, name.len, &id) != OK) return 0;
-    return id;
-}
-
-fn bump(id: u32) void {
-    if (id != 0) _ = proxy_increment_metric(id, 1);
-}
-
-// ---- lifecycle ----
-export fn proxy_abi_version_0_2_1() void {}
-
-export fn proxy_on_memory_allocate(size: usize) ?[*]u8 {
-    const mem = scratch.allocator().alloc(u8, @max(size, 1)) catch return null;
-    return mem.ptr;
-}
-
-export fn proxy_on_vm_start(_: u32, _: usize) u32 {
-    return 1;
-}
-
+// ---- lifecycle (the ABI version, memory and VM start: proxy_wasm.zig) ----
 export fn proxy_on_context_create(id: u32, parent: u32) void {
     if (parent == 0) {
         roots.put(gpa, id, .{}) catch {};
@@ -120,28 +77,26 @@ export fn proxy_on_delete(id: u32) void {
 export fn proxy_on_configure(root_id: u32, size: usize) u32 {
     defer _ = scratch.reset(.{ .retain_with_limit = 16 * 1024 });
     if (!globals_defined) {
-        m_classified = metric("meshlm_classify.classified");
-        m_prefix = metric("meshlm_classify.classified_by_prefix");
-        m_invalid = metric("meshlm_classify.unclassified.invalid");
-        m_no_body = metric("meshlm_classify.unclassified.no_body");
+        m_classified = abi.metric("meshlm_classify.classified");
+        m_prefix = abi.metric("meshlm_classify.classified_by_prefix");
+        m_invalid = abi.metric("meshlm_classify.unclassified.invalid");
+        m_no_body = abi.metric("meshlm_classify.unclassified.no_body");
         globals_defined = true;
     }
     const slot = roots.getPtr(root_id) orelse return 0;
     var cfg = Config{};
     if (size > 0) {
-        var ptr: ?[*]u8 = null;
-        var len: usize = 0;
-        if (proxy_get_buffer_bytes(PLUGIN_CONFIGURATION, 0, size, &ptr, &len) != OK or ptr == null) {
-            log(LOG_ERROR, "rejected configuration: unreadable", .{});
+        const raw = abi.bufferBytes(abi.PLUGIN_CONFIGURATION, 0, size) orelse {
+            log(abi.LOG_ERROR, "rejected configuration: unreadable", .{});
             return 0;
-        }
-        cfg = parseConfig(ptr.?[0..len]) catch |e| {
-            log(LOG_ERROR, "rejected configuration: {s}", .{@errorName(e)});
+        };
+        cfg = parseConfig(raw) catch |e| {
+            log(abi.LOG_ERROR, "rejected configuration: {s}", .{@errorName(e)});
             return 0;
         };
     }
     slot.* = cfg;
-    log(LOG_INFO, "classify: prefix_bytes={d} max_body_bytes={d}", .{ cfg.prefix_bytes, cfg.max_body_bytes });
+    log(abi.LOG_INFO, "classify: prefix_bytes={d} max_body_bytes={d}", .{ cfg.prefix_bytes, cfg.max_body_bytes });
     return 1;
 }
 
@@ -154,18 +109,12 @@ fn parseConfig(raw: []const u8) !Config {
 }
 
 // ---- headers ----
-fn header(name: []const u8) ?[]const u8 {
-    var ptr: ?[*]u8 = null;
-    var len: usize = 0;
-    if (proxy_get_header_map_value(REQUEST_HEADERS, name.ptr, name.len, &ptr, &len) != OK) return null;
-    if (ptr == null) return null;
-    return ptr.?[0..len];
-}
+const header = abi.requestHeader;
 
 export fn proxy_on_request_headers(ctx: u32, _: u32, end_of_stream: u32) u32 {
     defer _ = scratch.reset(.{ .retain_with_limit = 16 * 1024 });
     // The class is ours alone, whatever happens next.
-    _ = proxy_remove_header_map_value(REQUEST_HEADERS, CLASS_HEADER.ptr, CLASS_HEADER.len);
+    abi.removeRequestHeader(CLASS_HEADER);
     const path = header(":path") orelse return CONTINUE;
     const ctype = header("content-type") orelse return CONTINUE;
     if (!std.mem.eql(u8, path, GENERATE_PATH) or !std.mem.startsWith(u8, ctype, "application/grpc"))
@@ -176,7 +125,7 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, end_of_stream: u32) u32 {
     }
     pending.put(gpa, ctx, {}) catch return CONTINUE; // out of memory: unclassified, not stuck
     // Hold the headers (and so route selection) until the body says which class this is.
-    return STOP_ITERATION;
+    return abi.STOP_ITERATION;
 }
 
 export fn proxy_on_request_body(ctx: u32, body_size: usize, end_of_stream: u32) u32 {
@@ -184,26 +133,24 @@ export fn proxy_on_request_body(ctx: u32, body_size: usize, end_of_stream: u32) 
     if (!pending.contains(ctx)) return CONTINUE;
     const cfg = roots.get(stream_root.get(ctx) orelse 0) orelse Config{};
     const want = wanted(body_size, cfg.max_body_bytes);
-    if (body_size < want and end_of_stream == 0) return STOP_AND_BUFFER;
+    if (body_size < want and end_of_stream == 0) return abi.STOP_AND_BUFFER;
     _ = pending.remove(ctx);
     if (body_size < want) { // the stream ended inside its first frame
         bump(m_invalid);
         return CONTINUE;
     }
-    var ptr: ?[*]u8 = null;
-    var len: usize = 0;
     const n = @min(body_size, want);
-    if (n == 0 or proxy_get_buffer_bytes(REQUEST_BODY, 0, n, &ptr, &len) != OK or ptr == null) {
+    const body = (if (n == 0) null else abi.bufferBytes(abi.REQUEST_BODY, 0, n)) orelse {
         bump(m_invalid);
         return CONTINUE;
-    }
+    };
     var key: [16]u8 = undefined;
-    const by_prefix = classify(ptr.?[0..@min(len, n)], header(":authority") orelse "", cfg.prefix_bytes, &key) catch {
+    const by_prefix = classify(body[0..@min(body.len, n)], header(":authority") orelse "", cfg.prefix_bytes, &key) catch {
         bump(m_invalid);
         return CONTINUE;
     };
     // Setting a request header from Wasm clears the route cache: RDS matches see the class.
-    _ = proxy_replace_header_map_value(REQUEST_HEADERS, CLASS_HEADER.ptr, CLASS_HEADER.len, &key, key.len);
+    abi.setRequestHeader(CLASS_HEADER, &key);
     bump(m_classified);
     if (by_prefix) bump(m_prefix);
     return CONTINUE;
@@ -218,11 +165,9 @@ export fn proxy_on_request_trailers(ctx: u32, _: u32) u32 {
 /// Bytes to wait for: the whole first frame, capped at the limit; the prefix first.
 fn wanted(body_size: usize, limit: usize) usize {
     if (body_size < FRAME_PREFIX) return FRAME_PREFIX;
-    var ptr: ?[*]u8 = null;
-    var len: usize = 0;
-    if (proxy_get_buffer_bytes(REQUEST_BODY, 0, FRAME_PREFIX, &ptr, &len) != OK or ptr == null or len < FRAME_PREFIX)
-        return 0;
-    const msg_len = std.mem.readInt(u32, ptr.?[1..5], .big);
+    const prefix = abi.bufferBytes(abi.REQUEST_BODY, 0, FRAME_PREFIX) orelse return 0;
+    if (prefix.len < FRAME_PREFIX) return 0;
+    const msg_len = std.mem.readInt(u32, prefix[1..5], .big);
     return @min(@as(usize, FRAME_PREFIX) +| msg_len, limit);
 }
 

@@ -26,7 +26,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.extensions.wasm.v3 import wasm_pb2
 from google.protobuf import wrappers_pb2
 
-from wasm_filters.xds import _any
+from wasm_filters.xds import pack
 
 CLASSIFY_WASM = Path(__file__).resolve().parent / "classify.wasm"
 CLASSIFY_FILTER = "meshlm.classify"
@@ -59,7 +59,7 @@ def classify_filter_config(
                 local=base_pb2.DataSource(inline_bytes=CLASSIFY_WASM.read_bytes())
             ),
         ),
-        configuration=_any(wrappers_pb2.StringValue(value=settings)),
+        configuration=pack(wrappers_pb2.StringValue(value=settings)),
         failure_policy=wasm_pb2.FAIL_OPEN,
         allow_on_headers_stop_iteration=wrappers_pb2.BoolValue(value=True),
     )
@@ -69,5 +69,5 @@ def classify_filter_config(
 def classify_http_filter(*, name: str = CLASSIFY_FILTER, **settings: int) -> hcm_pb2.HttpFilter:
     """The filter inline in a listener (static bootstraps, tests, benchmarks)."""
     return hcm_pb2.HttpFilter(
-        name=name, typed_config=_any(classify_filter_config(name=name, **settings))
+        name=name, typed_config=pack(classify_filter_config(name=name, **settings))
     )

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 METHOD_PREFIX = "/meshlm.inference.v1.Inference/"
-# The OpenAI-compatible HTTP API (issue 17, model_runtime/openai_http.py): each path counts as
+# The OpenAI-compatible HTTP API (model_runtime/openai_http.py): each path counts as
 # the gRPC method it runs, for allow rules and `callers` alike, so `llm/Generate` covers both
 # completions endpoints and `llm/Info` the model list. A path ending in `/*` matches one more
 # segment (`/v1/models/{id}`). Any other /v1/ path matches no rule (denied).
@@ -227,7 +227,7 @@ def parse_policy(
 
 @dataclass(frozen=True)
 class CallerRule:
-    """A workload that may call the service (issue 14): `principal` is its SPIFFE ID, or a
+    """A workload that may call the service (mesh `callers`): `principal` is its SPIFFE ID, or a
     prefix of IDs followed by `*`; `paths` the request paths it may ask for, None for any.
     `name` (the mesh file's service account) names the rule in stats and explanations."""
 

@@ -66,7 +66,8 @@ WASM_PATH = Path(__file__).resolve().parent / "authz.wasm"
 VM_ID = "meshlm_authz"  # shared data (the token buckets) is scoped by vm_id
 
 
-def _any(msg: object) -> any_pb2.Any:
+def pack(msg: object) -> any_pb2.Any:
+    """`msg` in a google.protobuf.Any (typed_config, a Wasm configuration)."""
     a = any_pb2.Any()
     a.Pack(msg)  # type: ignore[arg-type]
     return a
@@ -97,7 +98,7 @@ def wasm_filter_config(
             runtime="envoy.wasm.runtime.v8",
             code=base_pb2.AsyncDataSource(local=code),
         ),
-        configuration=_any(
+        configuration=pack(
             wrappers_pb2.StringValue(
                 value=compile_filter_config(
                     policy, service=service, peer_identity=peer_identity, callers=callers
@@ -127,7 +128,7 @@ def wasm_extension_config(
         peer_identity=peer_identity,
         callers=callers,
     )
-    return extension_pb2.TypedExtensionConfig(name=name, typed_config=_any(cfg))
+    return extension_pb2.TypedExtensionConfig(name=name, typed_config=pack(cfg))
 
 
 def wasm_http_filter(
@@ -142,7 +143,7 @@ def wasm_http_filter(
     cfg = wasm_filter_config(
         policy, service=service, name=name, peer_identity=peer_identity, callers=callers
     )
-    return hcm_pb2.HttpFilter(name=name, typed_config=_any(cfg))
+    return hcm_pb2.HttpFilter(name=name, typed_config=pack(cfg))
 
 
 def ecds_http_filter(*, name: str = "meshlm.authz") -> hcm_pb2.HttpFilter:
@@ -290,10 +291,10 @@ def native_http_filters(
         ],
     )
     return [
-        hcm_pb2.HttpFilter(name="envoy.filters.http.header_mutation", typed_config=_any(strip)),
-        hcm_pb2.HttpFilter(name="envoy.filters.http.api_key_auth", typed_config=_any(api_key)),
-        hcm_pb2.HttpFilter(name="envoy.filters.http.rbac", typed_config=_any(rbac)),
-        hcm_pb2.HttpFilter(name="envoy.filters.http.local_ratelimit", typed_config=_any(ratelimit)),
+        hcm_pb2.HttpFilter(name="envoy.filters.http.header_mutation", typed_config=pack(strip)),
+        hcm_pb2.HttpFilter(name="envoy.filters.http.api_key_auth", typed_config=pack(api_key)),
+        hcm_pb2.HttpFilter(name="envoy.filters.http.rbac", typed_config=pack(rbac)),
+        hcm_pb2.HttpFilter(name="envoy.filters.http.local_ratelimit", typed_config=pack(ratelimit)),
     ]
 
 

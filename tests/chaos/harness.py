@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 
 from mesh_common.ports import free_port
-from meshlm.procs import Proc, wait_until
+from meshlm.demo.procs import Proc, wait_until
 
 ECHO = "/meshlm.inference.v1.Inference/Who"  # inside the API an `llm/*` rule allows
 TOKEN = "chaos-admin-token-" + "x" * 16

@@ -9,7 +9,7 @@ import sys
 import time
 
 from mesh_common.ports import free_port
-from meshlm.procs import wait_until
+from meshlm.demo.procs import wait_until
 from tests.chaos.harness import TOKEN, EchoUpstream, Mesh, children, echo_call, kill_pid
 from tests.chaos.load import Load, failures, recovery
 from tests.chaos.record import record

@@ -8,7 +8,7 @@ import time
 import urllib.request
 
 from mesh_common.ports import free_port
-from meshlm.procs import wait_until
+from meshlm.demo.procs import wait_until
 from tests.chaos.harness import EchoUpstream, Mesh, echo_call, envoy_stats
 from tests.chaos.load import Load, failures, percentile
 from tests.chaos.record import record

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from meshlm.procs import wait_until
+from meshlm.demo.procs import wait_until
 from tests.chaos.harness import EchoUpstream, Mesh, children, echo_call, kill_pid
 from tests.chaos.load import Load, failures, recovery
 from tests.chaos.record import record

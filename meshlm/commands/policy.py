@@ -2,7 +2,7 @@
 
 `test` runs the real authz.wasm in the Python proxy-wasm host, so its answer is the filter's,
 and explains it from the filter's own counters: which workload rule (`--principal`, the
-caller's SPIFFE ID; issue 14) and which tenant check allowed or denied the call.
+caller's SPIFFE ID) and which tenant check allowed or denied the call.
 """
 
 from __future__ import annotations

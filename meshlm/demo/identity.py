@@ -1,4 +1,4 @@
-"""What the demo's sidecars hold and use for workload identity (issue 14), for its report.
+"""What the demo's sidecars hold and use for workload identity, for its report.
 
 Certificates as the sidecars' agents hold them (their credentials file, read for the public
 certificate only: the key in it is never read into the report), watched while the demo runs, so

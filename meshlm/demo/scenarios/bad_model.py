@@ -1,16 +1,15 @@
-"""`meshlm demo --scenario bad-model` (issue 18): the canary is the int4 model re-quantized at group
-64 (`meshlm serve --group-size 64`; perplexity +50 %, degenerate greedy answers) - as fast and
+"""`meshlm demo --scenario bad-model`: the canary is the int4 model re-quantized at group
+64 (`meshlm serve --group-size 64`: a worse perplexity, degenerate greedy answers) - as fast and
 healthy as the good int4 by every latency and error metric. The demo's rollout carries the quality
-gate in mirror mode (meshlm/demo_mesh.yaml): while a step runs, the caller sidecar copies half of
+gate in mirror mode (meshlm/demo/mesh.yaml): while a step runs, the caller sidecar copies half of
 the tenants' greedy calls to the canary, the control plane joins each copy's answer with the
 stable's by request id and compares them; the canary is rolled back on quality alone, and
 report.json shows the agreement per step (`quality_per_step`). The canary scenario's flow
-(meshlm/scenarios/canary.py) runs it.
+(meshlm/demo/scenarios/canary.py) runs it.
 
-Thresholds, from `python -m bench quality` (bf16 stable, 16 prompts x 16 tokens): int4 g32
-disagrees on ~3 % of positions with a drift of ~0.01 nats/token, g64 on ~25 % with ~0.4. The
-demo's gate bounds the drift at 0.1, between them; over a few mirrored calls of the demo's five
-prompts the token share is noisy (int4 0-22 % an interval here), so its bound (40 %) is loose.
+Thresholds: the demo's gate bounds the logprob drift between what `python -m bench quality`
+finds for a sound int4 g32 canary and for g64 (BENCHMARKS.md); over a few mirrored calls of the
+demo's five prompts the share of differing tokens is noisy, so its bound (40 %) is loose.
 """
 
 from __future__ import annotations

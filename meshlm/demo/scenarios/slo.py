@@ -6,8 +6,8 @@ at a base load. The TTFT p99 SLO is set from the base load's own TTFT p99 on thi
 (BASE_FACTOR times the median of three intervals' p99, at least BASE_FLOOR_MS) and applied
 with `meshlm apply`'s API after the mesh is up: the loop picks up a block applied later. Free
 asks for stories as long as make its step STEP_LOAD times the replica's decode capacity, which
-`decode_capacity` measures first (CPUs differ 3x). Then free floods (inside its rate limit) for
-STEP_INTERVALS intervals: the runtime-wide TTFT p99 breaches the SLO; after `intervals`
+`decode_capacity` measures first (CPUs differ several-fold). Then free floods (inside its rate
+limit) for STEP_INTERVALS intervals: the runtime-wide TTFT p99 breaches the SLO; after `intervals`
 breached intervals the loop sheds free at the sidecars (a quarter of its rate), then scales
 out (`--scaler local`: another `meshlm serve` and its sidecar, added by EDS once it serves) if
 that was not enough. The replica starts off the loop's interval: every interval is still
@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshlm.scenarios import report_of, running, say, write_report
-from meshlm.scenarios.capacity import STORY_PROMPTS, decode_capacity, flood_tokens
+from meshlm.demo.scenario import report_of, running, say, write_report
+from meshlm.demo.scenarios.capacity import STORY_PROMPTS, decode_capacity, flood_tokens
 
 BENCH_TITLE = "SLO loop: a low-priority tenant's load step against a TTFT p99 SLO"
 GOAL_INTERVALS = 3
@@ -95,7 +95,7 @@ def drain_intervals() -> int:
     behind MAX_BATCH running) have their first token within ceil(MAX_QUEUE / MAX_BATCH)
     answers, and a call's TTFT enters the runtime's window when it ends, one answer later:
     5.3 s, 2 intervals of 5 s (the shed's push to the sidecars fits in what is left of the
-    second). Issue 12's goal (GOAL_INTERVALS) holds where the shed lands before the queue
+    second). The SLO loop's goal (GOAL_INTERVALS) holds where the shed lands before the queue
     fills; where it does not, the loop restores within this bound (and may scale out meanwhile).
     """
     answer_s = MAX_BATCH * STEP_LOAD / FREE_STEP_RATE
@@ -117,7 +117,7 @@ def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
 
 def scenario(workdir: Path | None, act: bool, say: Any) -> dict[str, Any]:
     """One run; `act=False` leaves the loop watching only (it never reaches `intervals`)."""
-    from meshlm.sla import latency, sla
+    from meshlm.demo.sla import latency, sla
 
     mesh = _local_mesh(workdir)
     say(f"logs and report in {mesh.workdir}")
@@ -331,7 +331,7 @@ def _runtime_ttft_p99(mesh: Any) -> float:
 
 
 def _local_mesh(workdir: Path | None) -> Any:
-    from meshlm.launcher import SERVICE, LocalMesh, scenario_mesh
+    from meshlm.demo.launcher import SERVICE, LocalMesh, scenario_mesh
     from wasm_filters.policy import hash_key
 
     mesh = scenario_mesh({"v1": 100})
@@ -349,8 +349,8 @@ def _local_mesh(workdir: Path | None) -> Any:
 
 
 def _traffic(mesh: Any, tenant: str, rate: float, tokens: int) -> Any:
-    from meshlm.launcher import SERVICE
-    from meshlm.traffic import PROMPTS, TenantLoad, Traffic
+    from meshlm.demo.launcher import SERVICE
+    from meshlm.demo.traffic import PROMPTS, TenantLoad, Traffic
 
     prompts = STORY_PROMPTS if tenant == "free" else PROMPTS
     load = TenantLoad(tenant, KEYS[tenant], rate=rate, prompts=prompts)

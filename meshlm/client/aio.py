@@ -1,6 +1,7 @@
-"""AsyncCaller: the Python client (meshlm.caller.Caller) on asyncio (grpc.aio), the same API
+"""AsyncCaller: the Python client (meshlm.client.Caller) on asyncio (grpc.aio), the same API
 awaited: generate() gives an async iterator that resumes a stalled or broken stream the same
-way, complete(), chat() and info() are coroutines, errors are the same meshlm.errors classes.
+way, complete(), chat() and info() are coroutines, errors are the same meshlm.client.errors
+classes. What it shares with Caller (requests, resume decisions, errors) is meshlm/client/core.py.
 
     async with AsyncCaller("127.0.0.1:15001", api_key=KEY, authority="llm") as llm:
         async for chunk in llm.generate(messages=[{"role": "user", "content": "Hi"}]):
@@ -20,11 +21,11 @@ import grpc
 import grpc.aio
 
 from mesh_common.headers import API_KEY_HEADER
-from meshlm.caller import CallerBase, Completion, Progress, build_request
-from meshlm.errors import from_rpc_error
-from model_runtime.client import GENERATE, INFO, Metadata, mirror_safe
+from meshlm.client.core import SILENT, CallerBase, Completion, Ended, Progress, string_headers
+from meshlm.client.errors import from_rpc_error
+from model_runtime.client import GENERATE, INFO, Metadata
 from schemas import codec
-from schemas.codec import ChatMessage, GenerateRequest, ModelInfo, TokenChunk
+from schemas.codec import ChatMessage, ModelInfo, TokenChunk
 from xds_server.mesh import Stall
 
 __all__ = ["AsyncCaller", "AsyncStream"]
@@ -43,10 +44,9 @@ class AsyncCaller(CallerBase):
         metadata: Metadata = (),
         stall: Stall | None = None,
     ) -> None:
-        super().__init__(stall)
+        super().__init__(stall, list(metadata) + ([(API_KEY_HEADER, api_key)] if api_key else []))
         options = [("grpc.default_authority", authority)] if authority else []
         self.channel = grpc.aio.insecure_channel(target, options=options)
-        self.metadata = list(metadata) + ([(API_KEY_HEADER, api_key)] if api_key else [])
         self._generate = self.channel.unary_stream(GENERATE)
         self._info = self.channel.unary_unary(INFO)
 
@@ -84,10 +84,17 @@ class AsyncCaller(CallerBase):
         **params: Any,
     ) -> AsyncStream:
         """Caller.generate as an async iterator (`async for chunk in ...`); a greedy call is
-        marked `x-meshlm-mirror: safe` unless `mirror=False` (meshlm.caller's doc)."""
-        req = build_request(prompt, messages, prompt_token_ids, params)
-        md = self.metadata + list(metadata)
-        return AsyncStream(self, req, timeout, md, mirror=mirror_safe(req, mirror, md))
+        marked `x-meshlm-mirror: safe` unless `mirror=False` (meshlm.client.caller's doc)."""
+        progress = self.progress(
+            prompt,
+            messages,
+            prompt_token_ids,
+            params,
+            timeout=timeout,
+            metadata=metadata,
+            mirror=mirror,
+        )
+        return AsyncStream(self, progress)
 
     async def complete(
         self,
@@ -123,19 +130,11 @@ class AsyncCaller(CallerBase):
 class AsyncStream:
     """An async iterator of TokenChunk with Stream's `token_ids`, `resumes` and `replicas`."""
 
-    def __init__(
-        self,
-        caller: AsyncCaller,
-        request: GenerateRequest,
-        timeout: float | None,
-        md: list,
-        mirror: bool = False,
-    ) -> None:
-        self.caller, self.request = caller, request
-        self.progress = Progress(caller, request, timeout, md, mirror)
-        self.token_ids = self.progress.token_ids
-        self.resumes = self.progress.resumes
-        self.replicas = self.progress.replicas
+    def __init__(self, caller: AsyncCaller, progress: Progress) -> None:
+        self.caller, self.request, self.progress = caller, progress.request, progress
+        self.token_ids = progress.token_ids
+        self.resumes = progress.resumes
+        self.replicas = progress.replicas
         self._gen = self._run()
 
     def __aiter__(self) -> AsyncIterator[TokenChunk]:
@@ -158,28 +157,25 @@ class AsyncStream:
         p = self.progress
         while True:
             request, timeout, md = p.attempt()
+            md = self.caller.metadata + md
             call = self.caller._generate(request, timeout=timeout, metadata=md)
             attempt = _AsyncAttempt(call)
-            failure = None
             try:
                 while True:
                     try:
-                        kind, value, at = await asyncio.wait_for(attempt.events.get(), p.wait())
+                        event = await asyncio.wait_for(attempt.events.get(), p.wait())
                     except TimeoutError:
-                        failure = p.silent()
+                        event = SILENT
+                    out = p.event(*event)
+                    if isinstance(out, Ended):
                         break
-                    if kind == "headers":
-                        p.headers(value)
-                    elif kind == "error":
-                        failure = p.error(value)
-                        break
-                    elif kind == "end":
-                        return
-                    else:
-                        yield p.chunk(value, at)
+                    if out is not None:
+                        yield out
             finally:
                 await attempt.stop()  # a no-op once the stream ended; on close: the cancel
-            p.failed(failure, attempt.headers)
+            if out.failure is None:
+                return
+            p.failed(out.failure, attempt.headers)
 
 
 class _AsyncAttempt:
@@ -194,8 +190,7 @@ class _AsyncAttempt:
     async def _read(self) -> None:
         put = self.events.put_nowait
         try:
-            md = await self.call.initial_metadata()
-            self.headers = {k: v for k, v in md or () if isinstance(v, str)}
+            self.headers = string_headers(await self.call.initial_metadata())
             put(("headers", self.headers, time.monotonic()))
             async for buf in self.call:
                 put(("chunk", buf, time.monotonic()))

@@ -1,4 +1,5 @@
-"""`meshlm demo --scenario NAME`: each scenario is a module with `run(args, name) -> int` that
+"""The scenarios of `meshlm demo --scenario NAME` (modules in meshlm/demo/scenarios/) and what
+they share. Each scenario is a module with `run(args, name) -> int` that
 starts a local mesh, drives traffic and faults, prints a report, writes `report.json` in the
 work dir and stops every process. A scenario that `python -m bench sla` also runs exports
 `measure(mechanism: bool, quick: bool) -> dict` (the same traffic and faults with its mechanism
@@ -17,14 +18,14 @@ from typing import Any
 
 # name -> module; the canary module runs both of its names.
 SCENARIOS: dict[str, str] = {
-    "canary": "meshlm.scenarios.canary",
-    "faulty-canary": "meshlm.scenarios.canary",
-    "bad-model": "meshlm.scenarios.canary",  # bad_model.py: its canary and report
-    "noisy-tenant": "meshlm.scenarios.noisy_tenant",
-    "hot-replica": "meshlm.scenarios.hot_replica",
-    "poison": "meshlm.scenarios.poison",
-    "stall": "meshlm.scenarios.stall",
-    "slo": "meshlm.scenarios.slo",
+    "canary": "meshlm.demo.scenarios.canary",
+    "faulty-canary": "meshlm.demo.scenarios.canary",
+    "bad-model": "meshlm.demo.scenarios.canary",  # bad_model.py: its canary and report
+    "noisy-tenant": "meshlm.demo.scenarios.noisy_tenant",
+    "hot-replica": "meshlm.demo.scenarios.hot_replica",
+    "poison": "meshlm.demo.scenarios.poison",
+    "stall": "meshlm.demo.scenarios.stall",
+    "slo": "meshlm.demo.scenarios.slo",
 }
 
 
@@ -53,7 +54,7 @@ def report_of(
 
 @contextlib.contextmanager
 def running(mesh: Any, say: Callable[[str], None]) -> Iterator[contextlib.ExitStack]:
-    """Start `mesh` (a meshlm.launcher.LocalMesh) for the block; after it, whatever happened,
+    """Start `mesh` (a meshlm.demo.launcher.LocalMesh) for the block; after it, whatever happened,
     run the stops the block put on the stack (`stack.callback(traffic.stop)`), last first, then
     stop every process of the mesh."""
     with contextlib.ExitStack() as stack:

@@ -1,9 +1,9 @@
 """Tenants' traffic for the demo: real gRPC Generate (or Info) calls through a caller-side
 sidecar, open loop at a fixed rate per tenant, every outcome recorded by gRPC status. Generate
-goes through the caller library (meshlm/caller.py: stalled streams resume on another replica);
+goes through the caller library (meshlm.client: stalled streams resume on another replica);
 `resume=False` uses the bare client instead (what plain Envoy retries give). A load with
 `api="openai"` streams chat completions with the `openai` SDK through the same sidecar (the
-OpenAI HTTP API, issue 17); its failures are recorded by the gRPC status their HTTP status
+OpenAI HTTP API); its failures are recorded by the gRPC status their HTTP status
 stands for (model_runtime/openai_api.py's mapping), so a tenant's outcomes read alike."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import grpc
 
 from mesh_common.headers import REPLICA_HEADER
-from meshlm.caller import Caller
-from meshlm.sla import percentile
+from meshlm.client.caller import Caller
+from meshlm.demo.sla import percentile
 from model_runtime.client import Client
 
 PROMPTS = (

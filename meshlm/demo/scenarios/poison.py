@@ -1,4 +1,4 @@
-"""`meshlm demo --scenario poison`: a query of death, and the semantic circuit breaker (issue 11).
+"""`meshlm demo --scenario poison`: a query of death, and the semantic circuit breaker.
 
 Two int4 replicas of v1 (the main pool) and one of `q` (the isolation pool, weight 0), every
 runtime started with `--fault-poison POISON-PILL` (a matching request makes it exit hard), the
@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from mesh_common.headers import CLASS_HEADER
-from meshlm.scenarios import report_of, running, say, write_report
+from meshlm.demo.scenario import report_of, running, say, write_report
 
 BENCH_TITLE = "Semantic circuit breaking: a query of death at 1/s"
 POISON_REGEX = "POISON-PILL"
@@ -80,7 +80,7 @@ def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
 
 
 def _mesh(mechanism: bool) -> dict[str, Any]:
-    from meshlm.launcher import SERVICE, scenario_mesh
+    from meshlm.demo.launcher import SERVICE, scenario_mesh
 
     mesh = scenario_mesh({"v1": 100, "q": 0})
     if mechanism:
@@ -89,9 +89,9 @@ def _mesh(mechanism: bool) -> dict[str, Any]:
 
 
 def _run(*, mechanism: bool, phases: tuple[float, float], workdir: Any, say: Any) -> dict[str, Any]:
-    from meshlm.launcher import SERVICE, LocalMesh
-    from meshlm.sla import DENIALS, sla
-    from meshlm.traffic import TenantLoad, Traffic
+    from meshlm.demo.launcher import SERVICE, LocalMesh
+    from meshlm.demo.sla import DENIALS, sla
+    from meshlm.demo.traffic import TenantLoad, Traffic
 
     baseline_s, poison_s = phases
     fault = ["--fault-poison", POISON_REGEX]
@@ -197,7 +197,7 @@ def _main_restarts(mesh: Any) -> int:
 
 
 def _quarantined(mesh: Any) -> list[dict[str, Any]]:
-    from meshlm.launcher import SERVICE
+    from meshlm.demo.launcher import SERVICE
 
     doc = mesh.admin("GET", "/isolation").get(SERVICE) or {}
     return [
@@ -208,7 +208,7 @@ def _quarantined(mesh: Any) -> list[dict[str, Any]]:
 
 def _watch_quarantine(mesh: Any, t0: float, limit_s: float) -> float | None:
     """The monotonic time at which a quarantine was ACKed by every sidecar, if it was."""
-    from meshlm.launcher import SERVICE
+    from meshlm.demo.launcher import SERVICE
 
     while time.monotonic() - t0 < limit_s:
         try:
@@ -253,7 +253,7 @@ class PoisonTrickle:
             self._stop.wait(max(0.0, start + n / POISON_RATE - time.monotonic()))
 
     def _call(self) -> None:
-        from meshlm.traffic import Outcome
+        from meshlm.demo.traffic import Outcome
 
         t0, status = time.monotonic(), "OK"
         try:

@@ -34,7 +34,7 @@ def _get(admin: AdminClient, path: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.csds:  # CSDS on the ADS port instead of the admin API (issue 16)
+    if args.csds:  # CSDS on the ADS port instead of the admin API
         return watch(lambda: status_csds.show(args), args.watch)
     try:
         admin = AdminClient.from_args(args)
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
 def show(admin: AdminClient, as_json: bool, cacert: str | None = None) -> int:
     """Print the status once; 1 when the control plane cannot be read. `cacert` is also the
-    root of the leader's admin API when replicas are asked (issue 15)."""
+    root of the leader's admin API when replicas are asked."""
     try:
         doc = _get(admin, "/debug/syncz")
     except AdminError as e:
@@ -80,7 +80,7 @@ def show(admin: AdminClient, as_json: bool, cacert: str | None = None) -> int:
 
 
 def render_replica(admin: AdminClient, cacert: str | None = None) -> str:
-    """Replicas on a store (issue 15): which one answers, who leads, and what the leader's work
+    """Replicas on a store: which one answers, who leads, and what the leader's work
     (rollouts, SLO loop) is doing, as the leader itself says; "" for a single control plane."""
     with contextlib.suppress(AdminError):
         me = _get(admin, "/")
@@ -130,7 +130,7 @@ def render_slo(slo: dict[str, Any]) -> str:
 
 
 def render_isolation(isolation: dict[str, Any]) -> str:
-    """One line per quarantined request class (issue 11)."""
+    """One line per quarantined request class."""
     lines = ["QUARANTINE  CLASS  STATE  SINCE  ACKED  WHY"]
     for service, s in sorted(isolation.items()):
         for q in s.get("quarantined", []):
@@ -156,7 +156,7 @@ def render(doc: dict[str, Any]) -> str:
         name = node_id if ns.get("connected") else f"{node_id} (disconnected)"
         if ns.get("lagging"):  # left out of the ACK quorum (control_plane.lagging_after)
             name += " (lagging)"
-        if ns.get("spiffe_id"):  # from its client certificate: ADS over mTLS (issue 14)
+        if ns.get("spiffe_id"):  # from its client certificate: ADS over mTLS
             name += f" {ns['spiffe_id']}"
         if ns.get("error"):
             rows.append((name, "-", "-", "-", escape(ns["error"])))

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshlm.demo_identity import handshakes
-from meshlm.launcher import SERVICE, LocalMesh
-from meshlm.sla import percentile
-from meshlm.traffic import Outcome
+from meshlm.demo.identity import handshakes
+from meshlm.demo.launcher import SERVICE, LocalMesh
+from meshlm.demo.sla import percentile
+from meshlm.demo.traffic import Outcome
 from sidecar.bootstrap import XDS_CLUSTER
 from xds_server.resources.names import inbound_cluster, outbound_cluster
 

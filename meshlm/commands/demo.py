@@ -1,5 +1,5 @@
 """`meshlm demo [--scenario NAME]`: the local mesh end to end, as real processes on loopback.
-The default scenario is the canary rollout (meshlm/scenarios/canary.py); each other scenario
+The default scenario is the canary rollout (meshlm/demo/scenarios/canary.py); each other scenario
 shows one mechanism of the SLA engine with its faults. Every scenario prints its progress and a
 report, writes `report.json` in the work dir and stops every process it started."""
 
@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from meshlm.scenarios import SCENARIOS, load
+from meshlm.demo.scenario import SCENARIOS, load
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,5 +1,6 @@
 """How fast a replica decodes with its batch slots full, measured before a scenario floods it:
-CPUs differ 3x, so a load fixed in calls per second floods one machine and idles another."""
+CPUs differ several-fold, so a load fixed in calls per second floods one machine and idles
+another."""
 
 from __future__ import annotations
 

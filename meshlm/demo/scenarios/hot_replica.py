@@ -6,7 +6,7 @@ tenant's open-loop Generate traffic. Replica v1-1 runs with `--fault-slow-decode
 out-of-band reports (the slow one holds each stream longer, so at the same rps its time-averaged
 utilization is higher and it gets fewer calls, model_runtime/orca.py); with `round_robin` each
 gets half. The report adds `share_by_replica` (Generate calls each runtime answered, from its own
-/metrics.json totals) and the `sla` object (meshlm/sla.py).
+/metrics.json totals) and the `sla` object (meshlm/demo/sla.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import urllib.request
 from typing import Any
 
-from meshlm.scenarios import report_of, running, say, write_report
+from meshlm.demo.scenario import report_of, running, say, write_report
 
 BENCH_TITLE = "Load-aware routing: one replica of two decodes at half speed"
 SLOW, FAST = "v1-1", "v1-0"
@@ -46,7 +46,7 @@ def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
 
 
 def _mesh(least_loaded: bool) -> dict[str, Any]:
-    from meshlm.launcher import SERVICE, scenario_mesh
+    from meshlm.demo.launcher import SERVICE, scenario_mesh
 
     mesh = scenario_mesh({"v1": 100})
     mesh["services"][SERVICE]["load_balancing"] = "least_loaded" if least_loaded else "round_robin"
@@ -54,9 +54,9 @@ def _mesh(least_loaded: bool) -> dict[str, Any]:
 
 
 def _run(*, least_loaded: bool, seconds: float, workdir: Any, say: Any) -> dict[str, Any]:
-    from meshlm.launcher import SERVICE, LocalMesh
-    from meshlm.sla import sla
-    from meshlm.traffic import TenantLoad, Traffic
+    from meshlm.demo.launcher import SERVICE, LocalMesh
+    from meshlm.demo.sla import sla
+    from meshlm.demo.traffic import TenantLoad, Traffic
 
     lb = "least_loaded" if least_loaded else "round_robin"
     faults = {SLOW: ["--fault-slow-decode", SLOW_FACTOR]}
@@ -100,8 +100,8 @@ def _run(*, least_loaded: bool, seconds: float, workdir: Any, say: Any) -> dict[
 def _warm_up(mesh: Any, say: Any) -> None:
     """A few calls through the mesh (first-call costs out of the figures), then past Envoy's
     blackout period, so least_loaded starts with weights from real reports."""
-    from meshlm.launcher import SERVICE
-    from meshlm.traffic import TenantLoad, Traffic
+    from meshlm.demo.launcher import SERVICE
+    from meshlm.demo.traffic import TenantLoad, Traffic
     from xds_server.resources.clusters import BLACKOUT_PERIOD
 
     warm = Traffic(mesh.caller_target, [TenantLoad("acme", "demo-acme-key", rate=2.0)],

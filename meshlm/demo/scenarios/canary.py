@@ -15,25 +15,25 @@ TERMINAL = ("Succeeded", "RolledBack", "Failed")
 
 
 def run(args: argparse.Namespace, name: str) -> int:
-    from meshlm.demo_report import (
+    from meshlm.demo.launcher import SERVICE, LocalMesh
+    from meshlm.demo.report import (
         gates_beside_client,
         identity_report,
         render,
         sidecar_denials,
     )
-    from meshlm.launcher import SERVICE, LocalMesh
-    from meshlm.scenarios.bad_model import SERVE_ARGS, quality_per_step
-    from meshlm.traffic import TenantLoad, Traffic, summarize, write_calls
+    from meshlm.demo.scenarios.bad_model import SERVE_ARGS, quality_per_step
+    from meshlm.demo.traffic import TenantLoad, Traffic, summarize, write_calls
 
     faulty, bad = name == "faulty-canary", name == "bad-model"
     faults = {"v2": ["--fault-error-percent", "10", "--fault-delay-ms", "1500"]}
-    if bad:  # fast and healthy, answers wrong: the quality gate's case (issue 18)
+    if bad:  # fast and healthy, answers wrong: the quality gate's case
         faults = SERVE_ARGS
     mesh = LocalMesh(workdir=args.workdir, faults=faults if faulty or bad else None)
     print(f"meshlm demo: logs and report in {mesh.workdir}", flush=True)
     loads = [
         TenantLoad("acme", "demo-acme-key", rate=2.0),
-        # A third of acme's calls: the OpenAI HTTP API with the openai SDK (issue 17).
+        # A third of acme's calls: the OpenAI HTTP API with the openai SDK.
         TenantLoad("acme", "demo-acme-key", rate=1.0, api="openai"),
         TenantLoad("free", "demo-free-key", rate=1.0),  # over its 1 per 2 s bucket: 429s
         TenantLoad("free", "demo-free-key", rate=0.2, method="Info"),  # not allowed: 403

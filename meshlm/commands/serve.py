@@ -155,8 +155,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _loopback(host: str) -> bool:
-    """Whether `host` is this machine's loopback (issue 14: the runtime accepts connections
-    only from its own sidecar)."""
+    """Whether `host` is this machine's loopback (with workload identity the runtime accepts
+    connections only from its own sidecar)."""
     if host == "localhost":
         return True
     try:

@@ -1,7 +1,7 @@
 """`meshlm demo --scenario stall`: streams that survive a replica that stalls, then dies.
 
 Two int4 replicas of v1 behind their sidecars, the caller-side sidecar, the usual tenants'
-traffic through the caller library (meshlm/caller.py). Replica v1-1 first stalls every stream
+traffic through the caller library (meshlm.client). Replica v1-1 first stalls every stream
 after a few tokens (for good: `--fault-stall-after`), then is restarted with `--fault-exit-after`
 and dies hard in the middle of its first stream; the launcher does not restart it. With resume on
 (the service's `stall` block) the caller resumes each broken stream on v1-0 with the tokens it
@@ -21,7 +21,7 @@ import urllib.request
 from collections import Counter
 from typing import Any
 
-from meshlm.scenarios import report_of, running, say, write_report
+from meshlm.demo.scenario import report_of, running, say, write_report
 
 BENCH_TITLE = "Token-stall resume: a replica stalls mid-stream, then dies"
 # Sized for a 2-core machine, where a loaded replica's first token may take seconds and its
@@ -55,7 +55,7 @@ def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
 
 
 def _mesh(mechanism: bool) -> dict[str, Any]:
-    from meshlm.launcher import SERVICE, scenario_mesh
+    from meshlm.demo.launcher import SERVICE, scenario_mesh
 
     mesh = scenario_mesh({"v1": 100})
     svc = mesh["services"][SERVICE]
@@ -74,9 +74,9 @@ def _mesh(mechanism: bool) -> dict[str, Any]:
 
 
 def _run(*, mechanism: bool, phase_s: float, workdir: Any, say: Any) -> dict[str, Any]:
-    from meshlm.launcher import SERVICE, LocalMesh
-    from meshlm.sla import DENIALS, sla
-    from meshlm.traffic import TenantLoad, Traffic
+    from meshlm.demo.launcher import SERVICE, LocalMesh
+    from meshlm.demo.sla import DENIALS, sla
+    from meshlm.demo.traffic import TenantLoad, Traffic
 
     stall = ["--fault-stall-after", str(STALL_AFTER)]
     mesh = LocalMesh(_mesh(mechanism), workdir=workdir, replicas={"v1": 2}, faults={FAULTY: stall})

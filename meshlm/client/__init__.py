@@ -33,8 +33,8 @@ delayed). Pass mirror=False for a call that must not run twice. Sampled calls an
 attempts are never marked; calls through the OpenAI HTTP API are never mirrored.
 
 Errors are grpc.RpcError subclasses, one per status a caller handles differently (see
-meshlm.errors): Unauthenticated (no or unknown key), PermissionDenied (the tenant may not call
-it), RateLimited (the tenant's limit or a full queue: retry later), Unavailable (no replica;
+meshlm.client.errors): Unauthenticated (no or unknown key), PermissionDenied (the tenant may not
+call it), RateLimited (the tenant's limit or a full queue: retry later), Unavailable (no replica;
 StreamLost when a stream's resumes ran out), InvalidArgument (names the field; also a
 ValueError), DeadlineExceeded, NoRoute (the authority is not a service of the mesh),
 InternalError; MeshlmError is their base.
@@ -42,9 +42,10 @@ InternalError; MeshlmError is their base.
 
 from __future__ import annotations
 
-from meshlm.aio import AsyncCaller, AsyncStream
-from meshlm.caller import Caller, Completion, Resume, Stall, Stream
-from meshlm.errors import (
+from meshlm.client.aio import AsyncCaller, AsyncStream
+from meshlm.client.caller import Caller, Stall, Stream
+from meshlm.client.core import Completion, Resume
+from meshlm.client.errors import (
     Cancelled,
     DeadlineExceeded,
     InternalError,

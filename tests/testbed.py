@@ -1,9 +1,9 @@
 """A real Envoy in front of tiny real upstreams, to check authz filters end to end.
 
-Used by the real-Envoy tests and `bench/bench_authz.py`: an echo gRPC server (grpcio, generic
-handler: the reply is the request metadata as JSON), an echo HTTP server (the reply is the
-request headers as JSON) and a static bootstrap whose one listener runs the given HTTP filters
-and routes gRPC to the first upstream and everything else to the second.
+An echo gRPC server (grpcio, generic handler: the reply is the request metadata as JSON), an
+echo HTTP server (the reply is the request headers as JSON) and a static bootstrap whose one
+listener runs the given HTTP filters and routes gRPC to the first upstream and everything else
+to the second; ECDS from a file instead of a control plane.
 """
 
 from __future__ import annotations
@@ -117,7 +117,6 @@ def bootstrap(
     http_port: int,
     listener_port: int | None = None,
     exact_balance: bool = False,
-    direct_response: bool = False,
 ) -> dict[str, Any]:
     """Static bootstrap: listener -> `http_filters` (protos or dicts) + router -> upstreams."""
     port = listener_port or free_port()
@@ -131,9 +130,6 @@ def bootstrap(
         {"match": {"prefix": "/", "headers": [grpc_match]}, "route": {"cluster": "grpc_upstream"}},
         {"match": {"prefix": "/"}, "route": {"cluster": "http_upstream"}},
     ]
-    if direct_response:  # benchmarks: measure Envoy and its filters, not a Python upstream
-        ok = {"status": 200, "body": {"inline_string": "ok"}}
-        routes = [{"match": {"prefix": "/"}, "direct_response": ok}]
     listener: dict[str, Any] = {
         "name": "inbound",
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},

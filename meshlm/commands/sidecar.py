@@ -27,7 +27,7 @@ def _ip(value: str) -> str:
 
 
 def _hostports(value: str) -> list[tuple[str, int]]:
-    """HOST:PORT[,HOST:PORT...]: every control-plane replica (issue 15)."""
+    """HOST:PORT[,HOST:PORT...]: every control-plane replica."""
     return [_hostport(v.strip()) for v in value.split(",") if v.strip()] or [_hostport(value)]
 
 
@@ -105,7 +105,7 @@ def _identity_agent(args: argparse.Namespace, node_id: str):  # -> IdentityAgent
     state = args.identity_dir or run_dir() / f"sidecar-{node_id}"
     token = args.join_token_file
     if token:
-        from meshlm.cmd_identity import find_token_file
+        from meshlm.commands.identity import find_token_file
 
         token = find_token_file(token)
     return IdentityAgent(

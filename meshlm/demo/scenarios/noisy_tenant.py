@@ -12,7 +12,7 @@ p50/p99 and
                                    / (quiet TTFT p99 degradation without)
 
 where a degradation is the quiet tenant's TTFT p99 beside the flood minus alone, on the same
-runtime; plus the `sla` object (meshlm/sla.py) of the isolated flood phase.
+runtime; plus the `sla` object (meshlm/demo/sla.py) of the isolated flood phase.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshlm.scenarios import report_of, running, say, write_report
-from meshlm.scenarios.capacity import STORY_PROMPTS, decode_capacity, flood_tokens
+from meshlm.demo.scenario import report_of, running, say, write_report
+from meshlm.demo.scenarios.capacity import STORY_PROMPTS, decode_capacity, flood_tokens
 
 BENCH_TITLE = "Tenant isolation: a tenant floods long generations beside a quiet one"
 GOAL = 0.95
@@ -101,7 +101,7 @@ def measure_both(phases: str, workdir: Path | None, say: Any) -> dict[str, Any]:
 
 
 def _local_mesh(workdir: Path | None, versions: list[str]) -> Any:
-    from meshlm.launcher import SERVICE, LocalMesh, scenario_mesh
+    from meshlm.demo.launcher import SERVICE, LocalMesh, scenario_mesh
     from wasm_filters.policy import hash_key
 
     mesh = scenario_mesh({v: 100 // len(versions) for v in versions})
@@ -131,8 +131,8 @@ def _flood_tokens(mesh: Any, version: str, say: Any) -> int:
 
 
 def _traffic(target: str, tenant: str, rate: float, tokens: int, prompts: Any = None) -> Any:
-    from meshlm.launcher import SERVICE
-    from meshlm.traffic import PROMPTS, TenantLoad, Traffic
+    from meshlm.demo.launcher import SERVICE
+    from meshlm.demo.traffic import PROMPTS, TenantLoad, Traffic
 
     load = TenantLoad(tenant, KEYS[tenant], rate=rate, prompts=prompts or PROMPTS)
     # the bare client: a caller that resumes slow streams elsewhere would hide the scheduler
@@ -144,7 +144,7 @@ def _phases(
 ) -> dict[str, Any]:
     """On one runtime, through its inbound sidecar: warm-up, the quiet tenant alone, then the
     quiet tenant beside the flood (its first seconds left out while the backlog builds)."""
-    from meshlm.sla import latency, sla
+    from meshlm.demo.sla import latency, sla
 
     alone_s, flood_s, settle_s = durations
     target = f"127.0.0.1:{mesh.runtimes[version].inbound_port}"

@@ -1,5 +1,5 @@
 """`meshlm generate`: stream a generation from a runtime or, through a sidecar, from the mesh, with
-the caller library (meshlm/caller.py): a stream whose replica stalls or dies resumes on another."""
+the caller library (meshlm.client): a stream whose replica stalls or dies resumes on another."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def _header(text: str) -> tuple[str, str]:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from meshlm.caller import Caller
-    from meshlm.errors import InvalidArgument
+    from meshlm.client.caller import Caller
+    from meshlm.client.errors import InvalidArgument
     from model_runtime.client import GENERATE
 
     if args.raw:

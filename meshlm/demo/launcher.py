@@ -25,9 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mesh_common.ports import free_port
 from mesh_common.private_files import write_private
 from meshlm.admin_client import AdminClient, local_url
-from meshlm.crashloop import CrashLoopBackoff
-from meshlm.demo_identity import CertWatch
-from meshlm.procs import Proc, wait_until
+from meshlm.demo.crashloop import CrashLoopBackoff
+from meshlm.demo.identity import CertWatch
+from meshlm.demo.procs import Proc, wait_until
 
 SERVICE = "llm"
 MESH_ID_ENV = "MESHLM_MESH_ID"
@@ -36,7 +36,7 @@ CALLER_SERVICE_ACCOUNT = "default/caller"
 
 
 def demo_mesh() -> dict[str, Any]:
-    return yaml.safe_load(resources.files("meshlm").joinpath("demo_mesh.yaml").read_text())
+    return yaml.safe_load(resources.files("meshlm.demo").joinpath("mesh.yaml").read_text())
 
 
 def scenario_mesh(weights: dict[str, int]) -> dict[str, Any]:
@@ -47,8 +47,8 @@ def scenario_mesh(weights: dict[str, int]) -> dict[str, Any]:
     svc["versions"] = {v: {"precision": "int4", "endpoints": []} for v in weights}
     svc["route"] = {**svc["route"], "weights": dict(weights)}
     mesh.pop("rollouts", None)
-    # The SLA scenarios stay plaintext: their measured figures (python -m bench sla) predate
-    # mTLS, and the SLO loop's scaler starts sidecars without join tokens.
+    # The SLA scenarios stay plaintext, as `python -m bench sla` measures them, and the SLO
+    # loop's scaler starts sidecars without join tokens.
     mesh.pop("identity", None)
     return mesh
 
@@ -62,7 +62,7 @@ class Runtime:
     precision: str
     name: str = ""
     port: int = field(default_factory=free_port)
-    http_port: int = field(default_factory=free_port)  # its OpenAI HTTP API (issue 17)
+    http_port: int = field(default_factory=free_port)  # its OpenAI HTTP API
     metrics_port: int = field(default_factory=free_port)
     inbound_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
@@ -117,7 +117,7 @@ class LocalMesh:
             "grpc_port": self.grpc_port,
             "admin_port": self.admin_port,
         }
-        # With an `identity` block every sidecar gets a SPIFFE certificate (issue 14): the mesh
+        # With an `identity` block every sidecar gets a SPIFFE certificate: the mesh
         # CA's ports, and a private dir per sidecar for its key and SDS socket, short enough for
         # a unix socket path whatever the work dir (removed at stop).
         self.identity_dir: Path | None = None

@@ -1,5 +1,5 @@
-"""`meshlm etcd`: a local etcd of 1 or 3 members for control-plane replicas on one machine
-(issue 15). Member i serves clients on PORT+2i and peers on PORT+2i+1 (2379/2380 for one
+"""`meshlm etcd`: a local etcd of 1 or 3 members for control-plane replicas on one machine.
+Member i serves clients on PORT+2i and peers on PORT+2i+1 (2379/2380 for one
 member, as etcd's defaults); prints the --store URL for `meshlm xds-server` once every member is
 healthy, and stops them on Ctrl-C. Loopback only.
 

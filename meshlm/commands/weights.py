@@ -11,7 +11,7 @@ import sys
 from urllib.parse import quote
 
 from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
-from meshlm.cmd_apply import acked_line, failure
+from meshlm.commands.apply import acked_line, failure
 from xds_server.admin.token import TokenError
 
 

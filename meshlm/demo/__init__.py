@@ -1,0 +1,3 @@
+"""`meshlm demo`: the local mesh as real processes on loopback (launcher.py, procs.py), tenants'
+traffic through it (traffic.py), what a caller saw (sla.py) and the report (report.py,
+identity.py); scenario.py lists the scenarios in scenarios/ and holds what they share."""
