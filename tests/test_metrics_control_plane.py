@@ -21,10 +21,10 @@ from tests.test_rollout_controller import FakeGrpcCounts
 from tests.test_xds_support import AdsClient, eventually, sotw
 from tests.test_xds_sync import boot
 from xds_server.admin.api import AdminServer
-from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 from xds_server.rollout.controller import RolloutController
 from xds_server.rollout.gates import Sources
+from xds_server.server import XdsServer
 from xds_server.slo.loop import SloLoops
 from xds_server.xds import type_urls as t
 
@@ -51,8 +51,8 @@ def _mesh(*versions: str):
 
 
 @pytest.fixture
-def plane() -> Iterator[tuple[ControlPlane, AdminServer]]:
-    cp = ControlPlane(_mesh("v1", "v2"), debounce=0.02).start()
+def plane() -> Iterator[tuple[XdsServer, AdminServer]]:
+    cp = XdsServer(_mesh("v1", "v2"), debounce=0.02).start()
     admin = AdminServer(cp, token=TOKEN).start()
     try:
         yield cp, admin
@@ -129,8 +129,11 @@ def test_rollout_and_slo_metrics(plane, tmp_path: Path) -> None:
         counts.add(ok=30)
         rollouts.tick("llm", force=True)
         assert rollouts.status("llm")["canary_weight"] == 50
-        admin.metrics.rollouts, admin.metrics.slo = rollouts, slo
-        fams = _scrape(admin)
+        running = AdminServer(cp, token=TOKEN, work=lambda: (rollouts, slo)).start()
+        try:
+            fams = _scrape(running)
+        finally:
+            running.stop()
     finally:
         rollouts.close()
         slo.stop()
@@ -154,7 +157,7 @@ def test_quarantined_classes_are_counted_never_named(tmp_path: Path) -> None:
     from tests.test_isolation_envoy import the_mesh
 
     key = "0123456789abcdef"  # a request class (a prompt's fingerprint): not a label value
-    cp = ControlPlane(the_mesh(SimpleNamespace(port=9), SimpleNamespace(port=10)))
+    cp = XdsServer(the_mesh(SimpleNamespace(port=9), SimpleNamespace(port=10)))
     admin = AdminServer(cp, token=TOKEN).start()
     try:
         cp.isolation.pin("llm", key)

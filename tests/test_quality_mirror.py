@@ -23,18 +23,18 @@ from tests.runtime_fixtures import calls_in_background
 from tests.test_quality_rollout import PROMPTS, Served, degraded, serve
 from tests.test_rollout_envoy import wait_terminal
 from tests.test_xds_support import dynamic_clusters, eventually
-from xds_server.control_plane import ControlPlane
 from xds_server.mesh import Mirror, parse_mesh
 from xds_server.rollout.controller import RolloutController
 from xds_server.rollout.gates import _get_json, mesh_sources, parse_histograms
 from xds_server.rollout.quality import MirrorSource, parse_quality
+from xds_server.server import XdsServer
 
 VERSIONS = ("v1", "v2", "v3")
 
 
 @dataclass
 class Mesh:
-    cp: ControlPlane
+    cp: XdsServer
     caller: EnvoyProcess
     target: str  # the caller sidecar's outbound listener
     inbound: dict[str, str]  # version -> its inbound sidecar's host:port
@@ -92,7 +92,7 @@ def mesh(smollm_int4) -> Iterator[Mesh]:
                 }
             }
         }
-        cp = ControlPlane(parse_mesh(doc), debounce=0.02).start()
+        cp = XdsServer(parse_mesh(doc), debounce=0.02).start()
         stack.callback(cp.stop)
         xds = ("127.0.0.1", cp.grpc_port)
         for v, port in ports.items():

@@ -11,9 +11,9 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
 from tests.test_xds_support import AdsClient, sotw
-from xds_server.control_plane import ControlPlane
 from xds_server.mesh import parse_mesh
 from xds_server.resources import clusters, endpoints, listeners
+from xds_server.server import XdsServer
 from xds_server.xds import type_urls as t
 from xds_server.xds.snapshot import InconsistentSnapshot, build_snapshot
 
@@ -31,8 +31,8 @@ MESH = {
 
 
 @pytest.fixture
-def cp() -> Iterator[ControlPlane]:
-    plane = ControlPlane(parse_mesh(MESH), debounce=0.02).start()
+def cp() -> Iterator[XdsServer]:
+    plane = XdsServer(parse_mesh(MESH), debounce=0.02).start()
     try:
         yield plane
     finally:
@@ -49,7 +49,7 @@ def names_of(resp) -> set[str]:
     return out
 
 
-def test_ack_records_version_and_nothing_more_is_sent(cp: ControlPlane) -> None:
+def test_ack_records_version_and_nothing_more_is_sent(cp: XdsServer) -> None:
     c = AdsClient(cp.grpc_port, "n1")
     try:
         c.send(sotw(t.CLUSTER))
@@ -64,7 +64,7 @@ def test_ack_records_version_and_nothing_more_is_sent(cp: ControlPlane) -> None:
         c.close()
 
 
-def test_stale_nonce_is_ignored(cp: ControlPlane) -> None:
+def test_stale_nonce_is_ignored(cp: XdsServer) -> None:
     c = AdsClient(cp.grpc_port, "n1")
     try:
         c.send(sotw(t.CLUSTER))
@@ -83,7 +83,7 @@ def test_stale_nonce_is_ignored(cp: ControlPlane) -> None:
         c.close()
 
 
-def test_nack_is_recorded_and_the_rejected_version_never_resent(cp: ControlPlane) -> None:
+def test_nack_is_recorded_and_the_rejected_version_never_resent(cp: XdsServer) -> None:
     c = AdsClient(cp.grpc_port, "n1")
     try:
         c.send(sotw(t.CLUSTER))
@@ -107,7 +107,7 @@ def test_nack_is_recorded_and_the_rejected_version_never_resent(cp: ControlPlane
         c.close()
 
 
-def test_sotw_make_before_break_keeps_stale_clusters_until_routes_acked(cp: ControlPlane) -> None:
+def test_sotw_make_before_break_keeps_stale_clusters_until_routes_acked(cp: XdsServer) -> None:
     c = AdsClient(cp.grpc_port, "n1")
     try:
         acked = _sotw_boot(c)
@@ -143,7 +143,7 @@ def test_sotw_make_before_break_keeps_stale_clusters_until_routes_acked(cp: Cont
         c.close()
 
 
-def test_delta_unsubscribe_subscribe_and_unknown_names(cp: ControlPlane) -> None:
+def test_delta_unsubscribe_subscribe_and_unknown_names(cp: XdsServer) -> None:
     c = AdsClient(cp.grpc_port, "d1", delta=True)
     try:
         c.send(
@@ -174,7 +174,7 @@ def test_delta_unsubscribe_subscribe_and_unknown_names(cp: ControlPlane) -> None
         c.close()
 
 
-def test_delta_sends_only_changes_and_removals(cp: ControlPlane) -> None:
+def test_delta_sends_only_changes_and_removals(cp: XdsServer) -> None:
     c = AdsClient(cp.grpc_port, "d1", delta=True)
     try:
         c.send(discovery_pb2.DeltaDiscoveryRequest(type_url=t.CLUSTER))  # wildcard
@@ -197,7 +197,7 @@ def test_delta_sends_only_changes_and_removals(cp: ControlPlane) -> None:
 
 
 def test_debounce_coalesces_a_burst_into_one_push() -> None:
-    plane = ControlPlane(parse_mesh(MESH), debounce=1.0).start()
+    plane = XdsServer(parse_mesh(MESH), debounce=1.0).start()
     c = AdsClient(plane.grpc_port, "n1")
     try:
         acked = _sotw_boot(c)
@@ -215,8 +215,8 @@ def test_debounce_coalesces_a_burst_into_one_push() -> None:
 
 
 def test_versions_carry_a_per_incarnation_prefix() -> None:
-    a = ControlPlane(parse_mesh(MESH))
-    b = ControlPlane(parse_mesh(MESH))
+    a = XdsServer(parse_mesh(MESH))
+    b = XdsServer(parse_mesh(MESH))
     assert a.incarnation != b.incarnation
     with pytest.raises(ValueError, match="not from this control plane"):
         a.wait_for_ack(f"{b.incarnation}.1", [], timeout=0)
@@ -273,7 +273,7 @@ def _sotw_boot(c: AdsClient) -> dict[str, str]:
     return acked
 
 
-def _with_version(cp: ControlPlane, version: str, endpoint: str):
+def _with_version(cp: XdsServer, version: str, endpoint: str):
     raw = {
         "services": {
             "llm": {
@@ -288,7 +288,7 @@ def _with_version(cp: ControlPlane, version: str, endpoint: str):
     return parse_mesh(raw)
 
 
-def _sync(cp: ControlPlane, node: str, short: str) -> dict:
+def _sync(cp: XdsServer, node: str, short: str) -> dict:
     return cp.syncz()["nodes"][node]["types"][short]
 
 
