@@ -114,7 +114,7 @@ def _le(item: tuple) -> float:
 
 
 def test_rollout_and_slo_metrics(plane, tmp_path: Path) -> None:
-    cp, admin = plane
+    cp, _ = plane  # its own admin server below reads the rollouts and SLO loops
     sidecar = AdsClient(cp.grpc_port, "n1", auto_ack=True)
     counts = FakeGrpcCounts()  # a caller sidecar's counters, stood in
     rollouts = RolloutController(

@@ -167,8 +167,8 @@ class XdsServer(ControlPlane):
         if self.replication is not None:  # the store's state before the first sidecar's
             self.replication.start(self)
         self._runner = LoopThread("xds")
-        self._debouncer.run_in(self._runner.loop)
         self.grpc_port = self._runner.start(lambda: self._boot(host, grpc_port))
+        self._debouncer.run_in(self._runner.loop)
         self._loops_stop.clear()
         for target, args, name in (
             (push_loop, (self.isolation, self.push_isolation), "isolation"),
@@ -183,6 +183,7 @@ class XdsServer(ControlPlane):
         if self._runner is None or self._server is None:
             return
         self._loops_stop.set()
+        self._debouncer.stop()  # from now on a change is published at once
         if self.replication is not None:
             self.replication.stop()
 
@@ -195,7 +196,6 @@ class XdsServer(ControlPlane):
             await self._server.stop(grace)
 
         self._runner.stop(shutdown, timeout=grace + 10)  # and it cancels the open streams
-        self._debouncer.stop()
         self._server = None
 
     @property
