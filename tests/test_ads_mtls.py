@@ -23,6 +23,7 @@ from sidecar.supervisor import Supervisor
 from tests.test_identity_support import join_token_file, short_dir
 from tests.test_xds_support import AdsClient, eventually, sotw, upstreams
 from wasm_filters.policy import hash_key
+from xds_server.compose import build_server
 from xds_server.identity import ca as ca_mod
 from xds_server.mesh import Mesh, parse_mesh
 from xds_server.ratelimit import shares as membership
@@ -121,7 +122,7 @@ def _verified(cp: XdsServer, node_id: str) -> str:
 def cp():
     with (
         upstreams("v1") as ups,
-        XdsServer(_mesh(ups["v1"].address), debounce=0.02) as cp,
+        build_server(_mesh(ups["v1"].address), debounce=0.02) as cp,
     ):
         yield cp
 
@@ -132,7 +133,7 @@ def test_sidecar_with_identity_gets_its_config_over_mtls_and_survives_a_restart(
     with upstreams("v1") as ups:
         # CA ports of its own (by default a restart on a fixed ADS port takes the next two).
         mesh = _mesh(ups["v1"].address, ca_port=free_port(), ca_mtls_port=free_port())
-        first = XdsServer(mesh, debounce=0.02, identity_dir=str(d / "cp")).start()
+        first = build_server(mesh, debounce=0.02, identity_dir=str(d / "cp")).start()
         port = first.grpc_port
         agent = IdentityAgent(d / "sc", join_token_file=join_token_file(first, "default/caller", d))
         sv = _supervisor(port, "caller-a", d, agent, events)
@@ -145,7 +146,7 @@ def test_sidecar_with_identity_gets_its_config_over_mtls_and_survives_a_restart(
             assert stats["cluster.xds_cluster.ssl.handshake"] >= 1, "ADS went over TLS"
             first.stop()
             # Same port, same CA state: the same Envoy reconnects and ACKs again.
-            second = XdsServer(mesh, debounce=0.02, identity_dir=str(d / "cp")).start(port)
+            second = build_server(mesh, debounce=0.02, identity_dir=str(d / "cp")).start(port)
             assert eventually(lambda: _verified(second, "caller-a"), what="back") == CALLER
             assert sv.failed is None and sv.envoy.proc.poll() is None
         finally:
@@ -187,7 +188,7 @@ def test_sidecar_and_control_plane_disagreeing_on_mtls_fail_with_a_clear_message
     assert "requires mTLS" in failed and "--identity" in failed
     # Identity, a control plane (no identity block) that serves ADS in plaintext.
     token = join_token_file(cp, "default/caller", d)
-    with upstreams("v1") as ups, XdsServer(_plain(ups["v1"].address)) as plain_cp:
+    with upstreams("v1") as ups, build_server(_plain(ups["v1"].address)) as plain_cp:
         sv = _supervisor(
             plain_cp.grpc_port, "with-id", d, IdentityAgent(d / "sc", join_token_file=token), []
         )
@@ -318,7 +319,7 @@ def test_global_rate_limit_takes_only_the_services_sidecars_and_keeps_buckets_on
             "rate_limits": {"mode": "global"},
             "identity": {"trust_domain": TD},
         }
-        with XdsServer(parse_mesh(doc), debounce=0.02) as cp:
+        with build_server(parse_mesh(doc), debounce=0.02) as cp:
             request = rls_pb2.RateLimitRequest(domain=DOMAIN)
             entries = request.descriptors.add().entries
             entries.add(key="tenant", value="acme")

@@ -23,8 +23,8 @@ from schemas import codec
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.runtime_fixtures import serving_runtime
+from xds_server.compose import build_server
 from xds_server.mesh import VERSION_HEADER, parse_mesh
-from xds_server.server import XdsServer
 
 CHAT = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 N = 14  # max_new_tokens: the faults strike after 5
@@ -94,7 +94,7 @@ def rig(smollm_int4, tmp_path_factory) -> Iterator[Rig]:
                 }
             }
         )
-        cp = XdsServer(mesh, debounce=0.02).start()
+        cp = build_server(mesh, debounce=0.02).start()
         caller_port = free_port()
         boot = ads_bootstrap(
             "caller-1", xds_address=("127.0.0.1", cp.grpc_port), outbound_port=caller_port

@@ -16,6 +16,7 @@ from envoy.type.matcher.v3 import node_pb2, regex_pb2, string_pb2
 
 from tests import test_ads_mtls as mtls
 from tests.test_xds_support import AdsClient, eventually, sotw, upstreams
+from xds_server.compose import build_server
 from xds_server.server import XdsServer
 from xds_server.xds import type_urls as t
 
@@ -24,7 +25,7 @@ VICTIM = "a" * 29  # (a+)+b on this takes Python's backtracking re 2**29 steps
 
 @pytest.fixture(scope="module")
 def cp() -> Iterator[XdsServer]:
-    with upstreams("v1") as ups, XdsServer(mtls._mesh(ups["v1"].address), debounce=0.02) as cp:
+    with upstreams("v1") as ups, build_server(mtls._mesh(ups["v1"].address), debounce=0.02) as cp:
         yield cp
 
 

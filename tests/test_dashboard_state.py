@@ -14,6 +14,7 @@ import pytest
 from tests.test_xds_support import AdsClient, eventually, sotw
 from xds_server.admin.api import AdminServer
 from xds_server.admin.dashboard import MAX_SUBSCRIBERS
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.server import XdsServer
 from xds_server.xds import type_urls as t
@@ -31,7 +32,7 @@ def _mesh(*versions: str):
 
 @pytest.fixture
 def plane() -> Iterator[tuple[XdsServer, AdminServer]]:
-    cp = XdsServer(_mesh("v1", "v2"), debounce=0.02).start()
+    cp = build_server(_mesh("v1", "v2"), debounce=0.02).start()
     admin = AdminServer(cp, token=TOKEN).start()
     try:
         yield cp, admin

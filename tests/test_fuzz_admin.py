@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from tests.test_xds_support import upstreams
 from xds_server.admin.api import AdminServer
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.rollout.api import RolloutAPI, spec_from_mesh
 from xds_server.rollout.controller import RolloutController
@@ -40,7 +41,7 @@ def admin(tmp_path_factory) -> Iterator[tuple[AdminServer, XdsServer, RolloutCon
                 "rollouts": {"llm": {"stable": "v1", "canary": "v2", "steps": [50, 100]}},
             }
         )
-        cp = XdsServer(mesh, debounce=0.01).start()
+        cp = build_server(mesh, debounce=0.01).start()
         store = tmp_path_factory.mktemp("admin") / "rollouts.json"
         rollouts = RolloutController(cp, str(store), configured_sources(cp))
         api = RolloutAPI(rollouts, lambda s: spec_from_mesh(cp.mesh, s))

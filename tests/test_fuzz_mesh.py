@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshlm.launcher import demo_mesh
+from xds_server.compose import build_server
 from xds_server.mesh import Mesh, MeshError, load_yaml, parse_mesh
-from xds_server.server import XdsServer
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 VALID = demo_mesh()
@@ -117,7 +117,7 @@ def test_a_line_repeated_elsewhere(line: int, at: int) -> None:
 
 def test_bad_weights_push_nothing() -> None:
     mesh = parse_mesh(VALID)
-    with XdsServer(mesh, debounce=0.01) as cp:
+    with build_server(mesh, debounce=0.01) as cp:
         gen = cp.cache.generation
         for weights in ({"v1": 50}, {"v1": 101, "v2": -1}, {"v3": 100}, {"v1": "100"}, {}):
             try:

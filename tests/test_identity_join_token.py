@@ -16,6 +16,7 @@ import pytest
 from mesh_common.private_files import write_private
 from sidecar.identity import IdentityAgent
 from tests.test_identity_support import identity_mesh, join_token_file, short_dir
+from xds_server.compose import build_server
 from xds_server.identity.ca import MeshCA, pem
 from xds_server.server import XdsServer
 
@@ -24,7 +25,7 @@ CALLER = "spiffe://meshlm.local/ns/default/sa/caller"
 
 @pytest.fixture(scope="module")
 def cp() -> Iterator[XdsServer]:
-    with XdsServer(identity_mesh("127.0.0.1:1")) as cp:
+    with build_server(identity_mesh("127.0.0.1:1")) as cp:
         yield cp
 
 

@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from meshlm.cli import main as meshlm
 from tests.test_identity_support import identity_mesh, mode
 from xds_server.admin.api import AdminServer
+from xds_server.compose import build_server
 from xds_server.identity.ca import CA_SERVER_NAME, MeshCA, key_pem, new_key, uri_sans
 from xds_server.identity.workload import METHOD, SERVICE
 from xds_server.server import XdsServer
@@ -54,7 +55,7 @@ def _issue(cp: XdsServer, sa: str = "default/caller", ttl: str = "1h") -> str:
 
 @pytest.fixture(scope="module")
 def cp():
-    with XdsServer(identity_mesh("127.0.0.1:1")) as cp:
+    with build_server(identity_mesh("127.0.0.1:1")) as cp:
         yield cp
 
 

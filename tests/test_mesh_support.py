@@ -17,6 +17,7 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from wasm_filters.policy import hash_key
 from wasm_filters.testbed import EchoGrpcUpstream
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.server import XdsServer
 
@@ -60,7 +61,7 @@ def two_hops(**mesh_extra: Any) -> Iterator[TwoHops]:
                 **mesh_extra,
             }
         )
-        cp = XdsServer(mesh, debounce=0.02).start()
+        cp = build_server(mesh, debounce=0.02).start()
         outbound = free_port()
         xds = ("127.0.0.1", cp.grpc_port)
         try:

@@ -21,6 +21,7 @@ from tests.test_rollout_controller import FakeGrpcCounts
 from tests.test_xds_support import AdsClient, eventually, sotw
 from tests.test_xds_sync import boot
 from xds_server.admin.api import AdminServer
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.rollout.controller import RolloutController
 from xds_server.rollout.gates import Sources
@@ -52,7 +53,7 @@ def _mesh(*versions: str):
 
 @pytest.fixture
 def plane() -> Iterator[tuple[XdsServer, AdminServer]]:
-    cp = XdsServer(_mesh("v1", "v2"), debounce=0.02).start()
+    cp = build_server(_mesh("v1", "v2"), debounce=0.02).start()
     admin = AdminServer(cp, token=TOKEN).start()
     try:
         yield cp, admin
@@ -157,7 +158,7 @@ def test_quarantined_classes_are_counted_never_named(tmp_path: Path) -> None:
     from tests.test_isolation_envoy import the_mesh
 
     key = "0123456789abcdef"  # a request class (a prompt's fingerprint): not a label value
-    cp = XdsServer(the_mesh(SimpleNamespace(port=9), SimpleNamespace(port=10)))
+    cp = build_server(the_mesh(SimpleNamespace(port=9), SimpleNamespace(port=10)))
     admin = AdminServer(cp, token=TOKEN).start()
     try:
         cp.isolation.pin("llm", key)

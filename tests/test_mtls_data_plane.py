@@ -46,6 +46,7 @@ from tests.test_identity_support import (
 from tests.test_lb_least_loaded import OrcaReplica
 from tests.test_mesh_support import json_lines
 from tests.test_xds_support import METHOD, CallLoop, eventually
+from xds_server.compose import build_server
 from xds_server.identity.ca import MeshCA, key_pem, uri_sans
 from xds_server.mesh import parse_mesh
 from xds_server.resources import ResourceError, build_resources
@@ -176,7 +177,7 @@ def mesh() -> Iterator[Mesh]:
             "access_log": {"path": str(d / "access.log"), "inbound": "all"},
         }
     )
-    cp = XdsServer(spec, debounce=0.02, identity_dir=str(d / "cp")).start()
+    cp = build_server(spec, debounce=0.02, identity_dir=str(d / "cp")).start()
     sidecars: list[Sidecar] = []
     try:
         impostor = Impostor.start(cp, d, ports["bad"], "default/impostor")
@@ -453,7 +454,7 @@ def test_a_sidecar_restarted_while_the_control_plane_is_down_serves_mtls_from_lk
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, d, True)
         stack.callback(replica.stop)
-        cp = stack.enter_context(XdsServer(spec, debounce=0.02, identity_dir=str(d / "cp")))
+        cp = stack.enter_context(build_server(spec, debounce=0.02, identity_dir=str(d / "cp")))
         caller = identity_sidecar(cp, d, "caller", join_token_file(cp, "default/caller", d),
                                   outbound_port=caller_port)  # fmt: skip
         inbound = identity_sidecar(cp, d, "llm-1", join_token_file(cp, "default/llm", d), lkg, **kw)

@@ -23,6 +23,7 @@ from sidecar.envoy_process import EnvoyProcess
 from tests.runtime_fixtures import serving_runtime
 from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.rollout.gates import FAIL, HTTP_5XX, EnvoyStatsSource, delta, evaluate
 from xds_server.rollout.spec import Gates
@@ -88,7 +89,7 @@ def mesh(smollm_int4) -> Iterator[Mesh]:
         },
         "tenants": tenants,
     }
-    cp = XdsServer(parse_mesh(doc), debounce=0.02).start()
+    cp = build_server(parse_mesh(doc), debounce=0.02).start()
     xds = ("127.0.0.1", cp.grpc_port)
     outbound = free_port()
     envoys: list[EnvoyProcess] = []

@@ -24,8 +24,8 @@ from sidecar.envoy_process import EnvoyProcess
 from tests.runtime_fixtures import serving_runtime
 from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
-from xds_server.server import XdsServer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
 ANSWER = "The capital of France is Paris."
@@ -70,7 +70,7 @@ def mesh(smollm_int4) -> Iterator[Mesh]:
             "slow": {"key_sha256": hash_key(KEYS["slow"]), "allow": ["llm/*"]},
         },
     }
-    cp = XdsServer(parse_mesh(doc), debounce=0.02).start()
+    cp = build_server(parse_mesh(doc), debounce=0.02).start()
     xds = ("127.0.0.1", cp.grpc_port)
     envoys: list[EnvoyProcess] = []
     try:

@@ -23,6 +23,7 @@ from tests.runtime_fixtures import calls_in_background
 from tests.test_quality_rollout import PROMPTS, Served, degraded, serve
 from tests.test_rollout_envoy import wait_terminal
 from tests.test_xds_support import dynamic_clusters, eventually
+from xds_server.compose import build_server
 from xds_server.mesh import Mirror, parse_mesh
 from xds_server.rollout.controller import RolloutController
 from xds_server.rollout.gates import _get_json, mesh_sources, parse_histograms
@@ -92,7 +93,7 @@ def mesh(smollm_int4) -> Iterator[Mesh]:
                 }
             }
         }
-        cp = XdsServer(parse_mesh(doc), debounce=0.02).start()
+        cp = build_server(parse_mesh(doc), debounce=0.02).start()
         stack.callback(cp.stop)
         xds = ("127.0.0.1", cp.grpc_port)
         for v, port in ports.items():

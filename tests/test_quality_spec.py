@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from xds_server.compose import build_server
 from xds_server.mesh import MeshError, parse_mesh
 from xds_server.rollout.api import spec_from_mesh
 from xds_server.rollout.controller import Rollout
@@ -15,7 +16,6 @@ from xds_server.rollout.gates import FAIL, HALT, PASS, Verdict
 from xds_server.rollout.quality import Sample, agreement, judge, with_quality
 from xds_server.rollout.sources import configured_sources
 from xds_server.rollout.spec import RolloutSpecError, parse_rollout
-from xds_server.server import XdsServer
 
 BASE = {"stable": "v1", "canary": "v2"}
 Q = {"replay_via": "127.0.0.1:15001", "prompts": ["a", "b", "c"], "min_samples": 2}
@@ -143,6 +143,6 @@ def test_the_mesh_replays_with_its_routes_canary_header() -> None:
             },
         }
     )
-    src = configured_sources(XdsServer(mesh))(spec())
+    src = configured_sources(build_server(mesh))(spec())
     assert src.quality.canary_header == "x-pick"
     assert src.quality.gate.prompts == ("a", "b", "c")

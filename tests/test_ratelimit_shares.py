@@ -21,6 +21,7 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_xds_support import Upstream, eventually, upstreams
 from wasm_filters.policy import RateLimit, hash_key
+from xds_server.compose import build_server
 from xds_server.mesh import Mesh, MeshError, SloState, parse_mesh
 from xds_server.resources import build_resources
 from xds_server.resources.names import AUTHZ_FILTER
@@ -117,7 +118,7 @@ def test_replicas_share_a_tenant_limit_without_asking_the_control_plane(authz, t
         keys.chmod(0o600)
         top["authz"] = {"mode": "native", "keys_file": str(keys)}
     with upstreams("ra", "rb", "rc") as ups:
-        cp = XdsServer(
+        cp = build_server(
             parse_mesh(_mesh([u.address for u in ups.values()], **top)), debounce=0.02
         ).start()
         live: list[Sidecar] = []

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.etcd_support import EtcdCluster, wait_for
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.replica.replication import Replication
 from xds_server.server import XdsServer
@@ -48,7 +49,7 @@ def replicas(etcd, tmp_path) -> Iterator[list[XdsServer]]:
     root = f"/t-{uuid.uuid4().hex}/"
     stores = [EtcdStore(etcd.endpoints, root=root, timeout=1.0) for _ in range(2)]
     cps = [
-        XdsServer(parse_mesh(DOC), isolation_store=str(tmp_path / f"iso-{n}.json"),
+        build_server(parse_mesh(DOC), isolation_store=str(tmp_path / f"iso-{n}.json"),
                      replication=Replication(s, n, DOC)).start()
         for n, s in zip("ab", stores, strict=True)
     ]  # fmt: skip

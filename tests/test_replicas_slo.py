@@ -12,6 +12,7 @@ import pytest
 
 from tests.etcd_support import EtcdCluster, wait_for
 from wasm_filters.policy import hash_key
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.replica.election import Election, NotLeader
 from xds_server.replica.leader import FencedChanges, StoreSlo
@@ -49,7 +50,7 @@ class Leader:
 
     def __init__(self, etcd: EtcdCluster, root: str, name: str) -> None:
         self.store = EtcdStore(etcd.endpoints, root=root, timeout=1.0)
-        self.cp = XdsServer(parse_mesh(DOC), replication=Replication(self.store, name, DOC))
+        self.cp = build_server(parse_mesh(DOC), replication=Replication(self.store, name, DOC))
         self.cp.start()
         self.election = Election(self.store, name, ttl=2.0).start()
         assert self.election.wait(True, 10), f"{name} does not lead"

@@ -16,6 +16,7 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.etcd_support import EtcdCluster, wait_for
 from tests.rollout_upstreams import Traffic, Upstream
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.replica.replication import Replication
 from xds_server.server import XdsServer
@@ -51,7 +52,7 @@ def upstreams():
 
 @contextlib.contextmanager
 def replica(store, name: str, doc: dict, port: int = 0) -> Iterator[XdsServer]:
-    cp = XdsServer(parse_mesh(doc), replication=Replication(store, name, doc)).start(port)
+    cp = build_server(parse_mesh(doc), replication=Replication(store, name, doc)).start(port)
     try:
         yield cp
     finally:
@@ -137,7 +138,7 @@ def test_a_sidecar_fails_over_to_another_replica_with_no_failed_call(etcd, upstr
     port_b = free_port()
     with contextlib.ExitStack() as stack:
         sa, sb = (stack.enter_context(etcd_store(etcd, root)) for _ in range(2))
-        a = XdsServer(parse_mesh(doc), replication=Replication(sa, "a", doc)).start()
+        a = build_server(parse_mesh(doc), replication=Replication(sa, "a", doc)).start()
         stack.callback(a.stop)
         # The bootstrap lists both; b is not up yet, so the sidecar's stream is a's.
         listen = free_port()

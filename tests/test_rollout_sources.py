@@ -25,12 +25,12 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_rollout_controller import FakeControlPlane, FakeGrpcCounts
 from tests.test_xds_support import Upstream
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.rollout.controller import RolloutController, RolloutError
 from xds_server.rollout.gates import Sources
 from xds_server.rollout.liveness import GrpcHealthSource
 from xds_server.rollout.sources import configured_sources
-from xds_server.server import XdsServer
 
 TOKEN = "rollout-sources-test-token-0123456789"
 ROLLOUT = {"stable": "v1", "canary": "v2", "steps": [50, 100], "interval": "1s",
@@ -201,7 +201,7 @@ def test_a_rollout_without_configured_or_readable_sources_does_not_start(tmp_pat
                 f"counts cannot be read: {dead}",
             ),
         ):
-            cp = XdsServer(mesh)  # never started: only its mesh is read
+            cp = build_server(mesh)  # never started: only its mesh is read
             c = RolloutController(
                 cp, str(tmp_path / "r.json"), configured_sources(cp), autorun=False
             )

@@ -19,6 +19,7 @@ from tests.test_identity_support import Sidecar, identity_sidecar, join_token_fi
 from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
 from wasm_filters.testbed import EchoGrpcUpstream
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.server import XdsServer
 
@@ -79,7 +80,7 @@ def mesh() -> Iterator[Mesh]:
     inbound_port = free_port()
     with EchoGrpcUpstream() as runtime:
         spec = parse_mesh(mesh_doc(runtime.port, inbound_port, CALLERS))
-        cp = XdsServer(spec, debounce=0.02, identity_dir=str(d / "cp")).start()
+        cp = build_server(spec, debounce=0.02, identity_dir=str(d / "cp")).start()
         sidecars: list[Sidecar] = []
         try:
             inbound = _supervised(

@@ -11,6 +11,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
 from tests.test_xds_support import AdsClient, sotw
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.resources import clusters, endpoints, listeners
 from xds_server.server import XdsServer
@@ -32,7 +33,7 @@ MESH = {
 
 @pytest.fixture
 def cp() -> Iterator[XdsServer]:
-    plane = XdsServer(parse_mesh(MESH), debounce=0.02).start()
+    plane = build_server(parse_mesh(MESH), debounce=0.02).start()
     try:
         yield plane
     finally:
@@ -197,7 +198,7 @@ def test_delta_sends_only_changes_and_removals(cp: XdsServer) -> None:
 
 
 def test_debounce_coalesces_a_burst_into_one_push() -> None:
-    plane = XdsServer(parse_mesh(MESH), debounce=1.0).start()
+    plane = build_server(parse_mesh(MESH), debounce=1.0).start()
     c = AdsClient(plane.grpc_port, "n1")
     try:
         acked = _sotw_boot(c)
@@ -215,8 +216,8 @@ def test_debounce_coalesces_a_burst_into_one_push() -> None:
 
 
 def test_versions_carry_a_per_incarnation_prefix() -> None:
-    a = XdsServer(parse_mesh(MESH))
-    b = XdsServer(parse_mesh(MESH))
+    a = build_server(parse_mesh(MESH))
+    b = build_server(parse_mesh(MESH))
     assert a.incarnation != b.incarnation
     with pytest.raises(ValueError, match="not from this control plane"):
         a.wait_for_ack(f"{b.incarnation}.1", [], timeout=0)

@@ -20,6 +20,7 @@ from meshlm.cmd_sidecar import _default_node_id
 from meshlm.cmd_status import render
 from tests.test_xds_support import AdsClient, eventually, sotw
 from xds_server.admin.api import AdminServer
+from xds_server.compose import build_server
 from xds_server.mesh import MeshError, parse_mesh
 from xds_server.server import XdsServer
 from xds_server.xds import type_urls as t
@@ -46,7 +47,7 @@ def mesh(*versions: str, lagging_after: str = "30s", **weights: int):
 
 @pytest.fixture
 def cp() -> Iterator[XdsServer]:
-    plane = XdsServer(mesh("v1", "v2"), debounce=0.02).start()
+    plane = build_server(mesh("v1", "v2"), debounce=0.02).start()
     try:
         yield plane
     finally:
@@ -107,7 +108,7 @@ def test_sidecars_get_unique_node_ids_by_default() -> None:
 
 
 def test_a_never_acking_sidecar_is_reported_lagging_and_left_out_of_the_quorum() -> None:
-    plane = XdsServer(mesh("v1", "v2", lagging_after="1s"), debounce=0.02).start()
+    plane = build_server(mesh("v1", "v2", lagging_after="1s"), debounce=0.02).start()
     good = AdsClient(plane.grpc_port, "good", auto_ack=True)
     stuck = AdsClient(plane.grpc_port, "stuck")
     try:
@@ -180,7 +181,7 @@ def test_a_bad_timeout_is_400_and_stages_nothing(cp: XdsServer, timeout: str) ->
 
 
 def test_a_departed_sidecars_group_does_not_veto_removing_its_version() -> None:
-    plane = XdsServer(mesh("v1", "v2"), debounce=0.02, limits=Limits(forget_after=0.5)).start()
+    plane = build_server(mesh("v1", "v2"), debounce=0.02, limits=Limits(forget_after=0.5)).start()
     inbound = {
         "meshlm.service": "llm",
         "meshlm.version": "v2",
@@ -234,7 +235,7 @@ def test_oversized_or_malformed_metadata_is_invalid_argument_naming_the_limit(
 
 
 def test_the_node_table_is_bounded_and_departed_nodes_make_room() -> None:
-    plane = XdsServer(mesh("v1", "v2"), debounce=0.02, limits=Limits(max_nodes=3)).start()
+    plane = build_server(mesh("v1", "v2"), debounce=0.02, limits=Limits(max_nodes=3)).start()
     clients: list[AdsClient] = []
     try:
         for i in range(3):  # come and go

@@ -3,8 +3,9 @@
 `Process.start()` builds every part by constructor arguments and starts them in order:
 
   1. the link to the shared state store, when there is one (`Replication`)
-  2. the control plane and its gRPC port (`XdsServer`: ADS, rate limits, access logs, health,
-     CSDS; the mesh CA's ports; the debouncer, push loops and the port's TLS renewal)
+  2. the control plane and its gRPC port (`build_server`: the snapshot cache, sync status and
+     isolation controller; ADS, rate limits, access logs, health and CSDS on the port; the
+     mesh CA; the debouncer; `XdsServer` runs them, the push loops and the port's renewal)
   3. the admin API (`AdminServer`: metrics, dashboard, its mounts), its CA file and token file
   4. the leader's work: rollouts and the SLO loop on their local files (`LocalWork`), or, for a
      replica, the election that runs them on the leader only (`ReplicaRole`)
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,15 +28,20 @@ from urllib.parse import urlsplit
 from xds_server import mesh as m
 from xds_server.admin import token as admin_token
 from xds_server.admin.api import AdminServer, Mount
+from xds_server.control_plane import new_incarnation
+from xds_server.identity.workload import Identity
+from xds_server.ratelimit import service as ratelimit
 from xds_server.replica.leader import import_rollouts
 from xds_server.replica.replication import Replication
 from xds_server.replica.serve import ReplicaRole, default_replica_id
-from xds_server.resources.tls import plaintext_warning
+from xds_server.resources import tls
 from xds_server.rollout.api import RolloutAPI, spec_from_mesh
 from xds_server.rollout.controller import RolloutController
 from xds_server.rollout.sources import configured_sources
-from xds_server.server import XdsServer
+from xds_server.server import Debouncer, GrpcService, XdsServer
+from xds_server.slo import access_log_service as accesslog
 from xds_server.slo.loop import SloLoops
+from xds_server.slo.quarantine import Isolation
 from xds_server.slo.scaler import (
     CommandScaler,
     LocalScaler,
@@ -43,6 +50,10 @@ from xds_server.slo.scaler import (
 )
 from xds_server.store import StoreError, open_store
 from xds_server.store.state_file import RolloutStoreError
+from xds_server.xds import csds, health
+from xds_server.xds.ads import AdsServicer
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.sync import Limits, SyncStatus
 
 Say = Callable[[str], None]
 # GET / on a control plane alone on its local files.
@@ -80,6 +91,68 @@ class Options:
     store: str | None = None  # the shared state store's URL; None: one control plane alone
     leader_ttl: float = 30.0
     replica_id: str | None = None
+
+
+def build_server(
+    mesh: m.Mesh,
+    *,
+    debounce: float | None = None,
+    incarnation: str | None = None,
+    limits: Limits | None = None,
+    isolation_store: str | None = None,
+    identity_dir: str | None = None,
+    replication: Replication | None = None,
+) -> XdsServer:
+    """The control plane of `mesh` and every service on its gRPC port; nothing is bound until
+    its start(). `debounce`: seconds of quiet before a push (default: the mesh's).
+    `isolation_store`: the quarantines kept across restarts (None: in memory). `identity_dir`:
+    where the mesh CA keeps its root and join tokens, a private dir (None: in memory); the CA
+    runs only when the mesh has an `identity` block. `replication`: this control plane is one
+    replica of several sharing a store."""
+    # Quarantined request classes restored from their store are in the very first snapshot,
+    # so a restart leaves no window of unprotected traffic.
+    isolation = Isolation(lambda: cache.mesh, isolation_store)
+    mesh = isolation.overlay(mesh)
+    cache = SnapshotCache(mesh, incarnation or new_incarnation())
+    members_changed = threading.Event()  # a sidecar came or went: rate-limit shares to re-divide
+    sync = SyncStatus(
+        cache.expected_generations,
+        cache.generation_of,
+        limits or Limits(lagging_after=mesh.control_plane.lagging_after),
+        retain_groups=cache.retain,
+        membership_changed=members_changed.set,
+    )
+    delay = mesh.control_plane.debounce if debounce is None else debounce
+    # ADS, and the rate-limit and access-log services on its port, over mTLS with identity.
+    mtls = tls.mtls(mesh)
+    td = mesh.identity.trust_domain if mtls else None
+    server: XdsServer  # its health service answers from it
+
+    def serving() -> bool:
+        return server.serving
+
+    services = [
+        GrpcService(
+            ratelimit.add_to_server,
+            ratelimit.RateLimitServicer(lambda: cache.mesh, trust_domain=td),
+        ),
+        GrpcService(accesslog.add_to_server, accesslog.AccessLogServicer(isolation)),
+        GrpcService(health.add_to_server, health.HealthServicer(serving)),
+        GrpcService(csds.add_to_server, csds.CsdsServicer(cache, sync)),
+    ]
+    server = XdsServer(
+        cache,
+        sync,
+        isolation,
+        ads=AdsServicer(cache, sync, td),
+        services=services,
+        debouncer=Debouncer(cache.publish, delay),
+        members_changed=members_changed,
+        identity=Identity(mesh.identity, identity_dir) if mesh.identity else None,
+        mtls=mtls,
+        replication=replication,
+    )
+    return server
 
 
 class LocalWork:
@@ -138,7 +211,7 @@ class Process:
         try:
             replication = self._replication(replica_id)
             # The mesh CA's root and join tokens (only with an `identity` block), 0700 / 0600.
-            server = XdsServer(
+            server = build_server(
                 mesh,
                 debounce=o.debounce,
                 isolation_store=str(isolation),
@@ -279,7 +352,7 @@ class Process:
             self._say(f"xds-server: {line}")
         trust = f" (HTTPS with the mesh CA: trust {ca_file}, see the README)" if ca_file else ""
         self._say(f"xds-server: dashboard at {admin.url}/dashboard/{trust}")
-        if warning := plaintext_warning(o.mesh):
+        if warning := tls.plaintext_warning(o.mesh):
             self._warn(f"xds-server: warning: {warning}")
         if server.identity:
             self._say(

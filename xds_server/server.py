@@ -1,18 +1,12 @@
 """The control plane serving its sidecars: the desired state (`ControlPlane`) with the gRPC port
-around it and everything that keeps that port current.
+around it and what keeps that port current.
 
-    with XdsServer(load_mesh("mesh.yaml"), debounce=0.02).start(grpc_port=18000) as server:
-        server.set_weights("llm", {"v1": 90, "v2": 10}, timeout=10)
-
-`XdsServer` builds the desired state's collaborators (snapshot cache, sync status, the isolation
-controller) and the services on the gRPC port: ADS, the tenants' mesh-wide rate limits, the
-caller sidecars' access logs, grpc.health.v1 and CSDS; with an `identity` block the mesh CA on
-its own two ports, and the gRPC port over mTLS with a certificate it renews. `start()` binds and
-starts them in the loop thread, then the debouncer and the loops that restage when quarantines
-change or sidecars come and go; `stop()` undoes it in reverse.
-
-The admin API, rollouts, the SLO loop and the replica's election are built around an XdsServer
-by xds_server/compose.py.
+`XdsServer` serves ADS and the services given to it (xds_server/compose.py builds them: the
+tenants' mesh-wide rate limits, the caller sidecars' access logs, grpc.health.v1, CSDS) on one
+gRPC port; with an `identity` block the mesh CA on its own two ports, and the gRPC port over
+mTLS with a certificate it renews. `start()` binds and starts them in the loop thread, then the
+debouncer and the loops that restage when quarantines change or sidecars come and go; `stop()`
+undoes it in reverse.
 """
 
 from __future__ import annotations
@@ -22,26 +16,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from mesh_common.listen import listen_error
 from mesh_common.loop_thread import LoopThread
-from xds_server import mesh as m
-from xds_server.control_plane import ControlPlane, new_incarnation
+from xds_server.control_plane import ControlPlane
 from xds_server.identity.workload import REFRESH_INTERVAL, Identity
-from xds_server.ratelimit import service as ratelimit
 from xds_server.ratelimit import shares as membership
 from xds_server.replica.replication import Replication
-from xds_server.resources import tls
-from xds_server.slo import access_log_service as accesslog
 from xds_server.slo.quarantine import Isolation, push_loop
-from xds_server.xds import csds, health
+from xds_server.xds import health
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import SnapshotCache
-from xds_server.xds.sync import Limits, SyncStatus
+from xds_server.xds.sync import SyncStatus
 
 log = logging.getLogger(__name__)
 
@@ -98,58 +88,47 @@ class Debouncer:
         self.publish()
 
 
+class GrpcService(NamedTuple):
+    """A service on the gRPC port: `add_to_server(server, servicer)` registers it."""
+
+    add_to_server: Callable[[grpc.aio.Server, Any], None]
+    servicer: Any
+
+
 class XdsServer(ControlPlane):
     """A ControlPlane with its gRPC port, the mesh CA's ports and the loops that keep them
-    current. Nothing is bound or started before start()."""
+    current, from parts built by xds_server/compose.py (`build_server`). Nothing is bound or
+    started before start()."""
 
     def __init__(
         self,
-        mesh: m.Mesh,
+        cache: SnapshotCache,
+        sync: SyncStatus,
+        isolation: Isolation,
         *,
-        debounce: float | None = None,
-        incarnation: str | None = None,
-        limits: Limits | None = None,
-        isolation_store: str | None = None,
-        identity_dir: str | None = None,
+        ads: AdsServicer,
+        services: list[GrpcService],
+        debouncer: Debouncer,
+        members_changed: threading.Event,
+        identity: Identity | None = None,
+        mtls: bool = False,
         replication: Replication | None = None,
     ) -> None:
-        """`identity_dir`: where the mesh CA keeps its root and join tokens (a private dir);
-        None keeps them in memory. The CA runs only when the mesh has an `identity` block.
-        `isolation_store`: the quarantines kept across restarts (None: in memory).
-        `replication`: this server is one replica of several sharing a store."""
-        # Quarantined request classes restored from their store are in the very first
-        # snapshot, so a restart leaves no window of unprotected traffic.
-        isolation = Isolation(lambda: cache.mesh, isolation_store)
-        mesh = isolation.overlay(mesh)
-        cache = SnapshotCache(mesh, incarnation or new_incarnation())
-        self._members_changed = threading.Event()  # rate-limit shares to re-divide
-        sync = SyncStatus(
-            cache.expected_generations,
-            cache.generation_of,
-            limits or Limits(lagging_after=mesh.control_plane.lagging_after),
-            retain_groups=cache.retain,
-            membership_changed=self._members_changed.set,
-        )
-        delay = mesh.control_plane.debounce if debounce is None else debounce
-        self._debouncer = Debouncer(cache.publish, delay)
+        """`ads` and `services` are served on the gRPC port, the same servicers across
+        restarts of its server (rate-limit buckets live in one); over mTLS when `mtls`, with
+        a certificate of `identity`'s CA, which serves on ports of its own. `debouncer`
+        publishes the staged changes; `members_changed` is set when a sidecar joins or
+        leaves (the rate-limit shares are re-divided then). `replication`: this server is one
+        replica of several sharing a store."""
         super().__init__(
-            cache, sync, isolation, publish=self._debouncer.schedule, replication=replication
+            cache, sync, isolation, publish=debouncer.schedule, replication=replication
         )
-        self.identity = Identity(mesh.identity, identity_dir) if mesh.identity else None
-        # ADS (and the rate-limit and access-log services on its port) over mTLS.
-        self.ads_mtls = tls.mtls(mesh)
-        td = mesh.identity.trust_domain if self.ads_mtls else None
-        # One servicer each across restarts of the gRPC server (rate-limit buckets live in one).
-        self._ads = AdsServicer(cache, sync, td)
-        rls = ratelimit.RateLimitServicer(lambda: cache.mesh, trust_domain=td)
-        # (add_to_server(server, servicer), servicer) for each service on the gRPC port
-        self._servicers: list[tuple[Callable[[grpc.aio.Server, Any], None], Any]] = [
-            (_add_ads, self._ads),
-            (ratelimit.add_to_server, rls),
-            (accesslog.add_to_server, accesslog.AccessLogServicer(isolation)),
-            (health.add_to_server, health.HealthServicer(lambda: self.serving)),
-            (csds.add_to_server, csds.CsdsServicer(cache, sync)),
-        ]
+        self.identity = identity
+        self.ads_mtls = mtls
+        self._ads = ads
+        self._services = [GrpcService(_add_ads, ads), *services]
+        self._debouncer = debouncer
+        self._members_changed = members_changed
         self._tls_served: tuple[bytes, bytes] = (b"", b"")  # chain, trust bundle
         self._tls_renewer: asyncio.Task | None = None
         self._runner: LoopThread | None = None
@@ -244,7 +223,7 @@ class XdsServer(ControlPlane):
     def _grpc_server(self, host: str, port: int) -> tuple[grpc.aio.Server, int]:
         """The server of every service on the gRPC port, bound to `host:port`."""
         server = grpc.aio.server(options=GRPC_OPTIONS)
-        for add, servicer in self._servicers:
+        for add, servicer in self._services:
             add(server, servicer)
         address = f"{host}:{port}"
         try:
