@@ -21,6 +21,7 @@ from tests.test_rollout_controller import FakeGrpcCounts
 from tests.test_xds_support import AdsClient, eventually, sotw
 from tests.test_xds_sync import boot
 from xds_server.admin.api import AdminServer
+from xds_server.admin.metrics import ControlPlaneMetrics
 from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.rollout.controller import RolloutController
@@ -130,7 +131,8 @@ def test_rollout_and_slo_metrics(plane, tmp_path: Path) -> None:
         counts.add(ok=30)
         rollouts.tick("llm", force=True)
         assert rollouts.status("llm")["canary_weight"] == 50
-        running = AdminServer(cp, token=TOKEN, work=lambda: (rollouts, slo)).start()
+        metrics = ControlPlaneMetrics(cp, lambda: (rollouts, slo))
+        running = AdminServer(cp, token=TOKEN, metrics=metrics).start()
         try:
             fams = _scrape(running)
         finally:

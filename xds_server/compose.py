@@ -6,7 +6,8 @@
   2. the control plane and its gRPC port (`build_server`: the snapshot cache, sync status and
      isolation controller; ADS, rate limits, access logs, health and CSDS on the port; the
      mesh CA; the debouncer; `XdsServer` runs them, the push loops and the port's renewal)
-  3. the admin API (`AdminServer`: metrics, dashboard, its mounts), its CA file and token file
+  3. the admin API (`AdminServer`) with its metrics, dashboard and mounts, its CA file and
+     token file
   4. the leader's work: rollouts and the SLO loop on their local files (`LocalWork`), or, for a
      replica, the election that runs them on the leader only (`ReplicaRole`)
 
@@ -28,6 +29,8 @@ from urllib.parse import urlsplit
 from xds_server import mesh as m
 from xds_server.admin import token as admin_token
 from xds_server.admin.api import AdminServer, Mount
+from xds_server.admin.dashboard import Dashboard
+from xds_server.admin.metrics import ControlPlaneMetrics
 from xds_server.control_plane import new_incarnation
 from xds_server.identity.workload import Identity
 from xds_server.ratelimit import service as ratelimit
@@ -290,7 +293,8 @@ class Process:
                 port=admin_port,
                 mounts={"/slo": self._mounted("/slo"), "/rollouts": self._mounted("/rollouts")},
                 status=self._status,
-                work=self._current,
+                metrics=ControlPlaneMetrics(server, self._current),
+                dashboard=Dashboard(server, self._current),
             )
         except OSError as e:
             server.stop()

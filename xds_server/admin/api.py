@@ -63,8 +63,6 @@ from xds_server.xds import health
 log = logging.getLogger(__name__)
 # (method, path, body) -> (status, JSON-able reply)
 Mount = Callable[[str, str, bytes], tuple[int, Any]]
-# () -> (RolloutController or None, SloLoops or None): the leader's work running here now
-Work = Callable[[], tuple[Any, Any]]
 
 
 MAX_BODY = 4 << 20  # bytes: a mesh file with thousands of tenants
@@ -83,21 +81,21 @@ class AdminServer:
         host: str = "127.0.0.1",
         mounts: dict[str, Mount] | None = None,
         status: Callable[[], dict[str, Any]] | None = None,
-        work: Work | None = None,
+        metrics: ControlPlaneMetrics | None = None,
+        dashboard: Dashboard | None = None,
     ) -> None:
         """`mounts`: more APIs by path prefix (rollouts, the SLO loop). `status()`: the reply to
-        GET / (which replica this is and which leads). `work()`: the rollout controller and SLO
-        loops running here now, read by the metrics and the dashboard at each reading."""
+        GET / (which replica this is and which leads). `metrics` and `dashboard` read the
+        rollouts and SLO loops running here (default: none); the dashboard is closed at stop()."""
         if not token:
             raise ValueError("admin token must not be empty")
         self.cp = cp
         self.token = token
         self.mounts = dict(mounts or {})
-        work = work or (lambda: (None, None))
         # Without a token, as every GET: scrapers hold no secret, and nothing in it is one.
-        self.metrics = ControlPlaneMetrics(cp, work)
+        self.metrics = metrics or ControlPlaneMetrics(cp)
         self.status = status
-        self.dashboard = Dashboard(cp, work)
+        self.dashboard = dashboard or Dashboard(cp, lambda: (None, None))
         # GET /isolation, POST /isolation/{service}/{class}/release|pin
         self.mounts.setdefault("/isolation", cp.isolation.handle)
         self.mounts.setdefault("/traffic", traffic_check.handle(cp))
