@@ -1,7 +1,7 @@
 """The control plane's desired state: change it, stage a snapshot per sidecar group, wait until
 the sidecars hold it.
 
-    server = XdsServer(load_mesh("mesh.yaml")).start(grpc_port=18000)  # xds_server/server.py
+    server = build_server(load_mesh("mesh.yaml")).start(grpc_port=18000)  # xds_server/compose.py
     result = server.set_weights("llm", {"v1": 90, "v2": 10}, timeout=10)
     result.ok, result.acked, result.missing, result.errors
 
@@ -10,8 +10,9 @@ most-reported bug is 503s from acting before the sidecars have the new routes), 
 that have left a push un-ACKed for `control_plane.lagging_after`: those are reported as lagging
 and no longer hold changes back, so one stuck sidecar cannot fail every change.
 
-`ControlPlane` serves nothing itself: `XdsServer` builds it with its collaborators and runs the
-ports, loops and renewals around it.
+`ControlPlane` serves nothing itself and builds none of its collaborators: it is given them
+(xds_server/compose.py builds them), and `XdsServer` (xds_server/server.py) runs the ports, loops
+and renewals around it.
 """
 
 from __future__ import annotations
@@ -23,13 +24,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf import json_format
 
 from xds_server import mesh as m
 from xds_server.ratelimit import shares as membership
-from xds_server.replica.replication import Replication
 from xds_server.slo.quarantine import Isolation
 from xds_server.store.base import Fence
 from xds_server.xds import type_urls as t
@@ -86,6 +86,23 @@ def new_incarnation() -> str:
     return f"{_b36(int(time.time() * 1000))}{secrets.token_hex(2)}"
 
 
+class SharedState(Protocol):
+    """The desired state on a store shared by replicas (xds_server/replica/replication.py):
+    where this control plane writes its changes and learns when every replica's sidecars hold
+    them."""
+
+    def change(
+        self, edit: Callable[[m.Mesh], m.Mesh | None], *, source: Any, fence: Fence | None
+    ) -> tuple[int, int] | None:
+        """Write `edit(desired mesh)`, staging it here; (store revision, generation), or None
+        when it changes nothing."""
+
+    def wait(self, revision: int, timeout: float) -> tuple[list, dict, list, list]:
+        """(acked, errors, missing, lagging) once every replica's sidecars hold `revision`."""
+
+    def status(self) -> dict[str, Any]: ...
+
+
 class ControlPlane:
     def __init__(
         self,
@@ -94,7 +111,7 @@ class ControlPlane:
         isolation: Isolation,
         *,
         publish: Callable[[], None] | None = None,
-        replication: Replication | None = None,
+        replication: SharedState | None = None,
     ) -> None:
         """`cache` holds the desired state (its mesh, with `isolation`'s quarantines over it) and
         the staged snapshots; `sync` what each sidecar holds. `publish()` sends the newest
