@@ -22,7 +22,7 @@ from sidecar.bootstrap import XDS_CLUSTER, static_cluster
 from sidecar.envoy_process import EnvoyProcess
 from wasm_filters import xds
 from wasm_filters.policy import hash_key, parse_policy
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.resources.ratelimit import ratelimit_filter
 
@@ -85,7 +85,7 @@ def main(quick: bool = False) -> str:
     sat: dict[str, list[h2load.Run]] = {m: [] for m in modes}
     lat: dict[str, list[h2load.Run]] = {m: [] for m in modes}
     with ExitStack() as stack:
-        cp = stack.enter_context(ControlPlane(mesh))  # serves the RateLimitService
+        cp = stack.enter_context(build_server(mesh))  # serves the RateLimitService
         ports: dict[str, int] = {}
         pids: dict[str, int] = {}
         envoys: dict[str, EnvoyProcess] = {}

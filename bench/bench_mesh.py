@@ -35,8 +35,9 @@ from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
+from xds_server.server import XdsServer
 
 GEN = "/meshlm.inference.v1.Inference/Generate"
 KEY = "bench-mesh-key"
@@ -111,7 +112,7 @@ def _mesh(
     return parse_mesh(raw)
 
 
-def _inbound(cp: ControlPlane, service: str, port: int, local: int) -> EnvoyProcess:
+def _inbound(cp: XdsServer, service: str, port: int, local: int) -> EnvoyProcess:
     return EnvoyProcess(
         ads_bootstrap(
             f"{service}-inbound-{port}",
@@ -124,7 +125,7 @@ def _inbound(cp: ControlPlane, service: str, port: int, local: int) -> EnvoyProc
     )
 
 
-def _caller(cp: ControlPlane, port: int) -> EnvoyProcess:
+def _caller(cp: XdsServer, port: int) -> EnvoyProcess:
     boot = ads_bootstrap("caller", xds_address=("127.0.0.1", cp.grpc_port), outbound_port=port)
     return EnvoyProcess(boot)
 
@@ -247,12 +248,12 @@ def main(quick: bool = False) -> str:
         up = stack.enter_context(EnvoyProcess(parts.grpc_ok_upstream(up_port)))
         in1, in2, in_m, out2 = free_port(), free_port(), free_port(), free_port()
         # One sidecar: its own control plane, no authz (authz is mesh-wide).
-        cp1 = stack.enter_context(ControlPlane(_mesh({"llm": in1}, authz=False)))
+        cp1 = stack.enter_context(build_server(_mesh({"llm": in1}, authz=False)))
         e1 = stack.enter_context(_inbound(cp1, "llm", in1, up_port))
         # Two sidecars, Wasm authz on the inbound ones, the tenant's share of its rate limit;
         # `model` fronts the real runtime.
         mesh2 = _mesh({"llm": in2, "model": in_m}, authz=True, rate_limit=True)
-        cp2 = stack.enter_context(ControlPlane(mesh2))
+        cp2 = stack.enter_context(build_server(mesh2))
         e2 = stack.enter_context(_inbound(cp2, "llm", in2, up_port))
         em = stack.enter_context(_inbound(cp2, "model", in_m, rt))
         ec = stack.enter_context(_caller(cp2, out2))
@@ -263,7 +264,7 @@ def main(quick: bool = False) -> str:
         ]
         # The inbound config part by part, each a static sidecar in front of the same upstream.
         meshes = {o: _mesh({"llm": 1}, authz=True, rate_limit=True, opt_in=o) for o in OPT_INS}
-        cp3 = stack.enter_context(ControlPlane(meshes["global rate limits"]))  # the RLS
+        cp3 = stack.enter_context(build_server(meshes["global rate limits"]))  # the RLS
         variants = []
         for name, (opt_in, on) in VARIANTS.items():
             res = parts.inbound_resources(meshes[opt_in], "llm", "v1", up_port)

@@ -51,10 +51,10 @@ def convergence(n_envoys: int, changes: int, debounce: float) -> dict:
     from mesh_common.ports import free_port
     from sidecar.bootstrap import ads_bootstrap
     from sidecar.envoy_process import EnvoyProcess
-    from xds_server.control_plane import ControlPlane
+    from xds_server.compose import build_server
     from xds_server.mesh import parse_mesh
 
-    cp = ControlPlane(parse_mesh(MESH), debounce=debounce).start()
+    cp = build_server(parse_mesh(MESH), debounce=debounce).start()
     envoys = []
     try:
         for i in range(n_envoys):
@@ -152,10 +152,10 @@ def _cpu() -> float:
 
 
 def scale(m: int, changes: int, per_channel: int = 1) -> dict:
-    from xds_server.control_plane import ControlPlane
+    from xds_server.compose import build_server
     from xds_server.mesh import parse_mesh
 
-    cp = ControlPlane(parse_mesh(MESH), debounce=0.0).start()
+    cp = build_server(parse_mesh(MESH), debounce=0.0).start()
     rss0, cpu0 = _rss_mib(), _cpu()
     procs = _sim_sidecars([cp], m, per_channel)
     try:

@@ -69,7 +69,7 @@ def _etcd(tmp: Path):
 @contextlib.contextmanager
 def _control_planes(kind: str, tmp: Path, cluster):
     """One replica on a file store ("file"), or REPLICAS on the etcd `cluster` ("etcd")."""
-    from xds_server.control_plane import ControlPlane
+    from xds_server.compose import build_server
     from xds_server.mesh import parse_mesh
     from xds_server.replica.replication import Replication
     from xds_server.store import EtcdStore, FileStore
@@ -84,7 +84,7 @@ def _control_planes(kind: str, tmp: Path, cluster):
                 store = EtcdStore(cluster.endpoints, root=root, timeout=2.0)
             stores.append(store)
             rep = Replication(store, f"{kind}{i}", MESH)
-            cps.append(ControlPlane(parse_mesh(MESH), debounce=0.0, replication=rep).start())
+            cps.append(build_server(parse_mesh(MESH), debounce=0.0, replication=rep).start())
         yield cps
     finally:
         for cp in cps:

@@ -1,5 +1,5 @@
 """An asyncio event loop in a daemon thread of its own, for grpc.aio servers that blocking code
-starts and stops: the control plane's ADS server (xds_server/control_plane.py) and a sidecar's
+starts and stops: the control plane's ADS server (xds_server/server.py) and a sidecar's
 SDS server (sidecar/sds.py).
 """
 

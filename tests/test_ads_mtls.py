@@ -24,11 +24,12 @@ from sidecar.supervisor import Supervisor
 from tests.test_identity_support import join_token_file, short_dir
 from tests.test_xds_support import AdsClient, eventually, sotw, upstreams
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.identity import ca as ca_mod
 from xds_server.mesh import Mesh, parse_mesh
 from xds_server.ratelimit import shares as membership
 from xds_server.ratelimit.service import DOMAIN
+from xds_server.server import XdsServer
 
 TD = "meshlm.local"
 CALLER = f"spiffe://{TD}/ns/default/sa/caller"
@@ -60,7 +61,7 @@ def _inbound(port: int) -> dict:
     }
 
 
-def _channel(cp: ControlPlane, identity: str, signer: ca_mod.MeshCA | None = None) -> grpc.Channel:
+def _channel(cp: XdsServer, identity: str, signer: ca_mod.MeshCA | None = None) -> grpc.Channel:
     """A TLS channel to `cp`'s ADS port with a client certificate for `identity` signed by
     `signer` (default: the mesh CA), trusting the mesh's roots."""
     key = ca_mod.new_key()
@@ -83,7 +84,7 @@ def _channel(cp: ControlPlane, identity: str, signer: ca_mod.MeshCA | None = Non
     )
 
 
-def _client(cp: ControlPlane, node_id: str, channel: grpc.Channel, **kw) -> AdsClient:
+def _client(cp: XdsServer, node_id: str, channel: grpc.Channel, **kw) -> AdsClient:
     c = AdsClient(cp.grpc_port, node_id, channel=channel, **kw)
     c.send(sotw(t.CLUSTER))
     return c
@@ -109,7 +110,7 @@ def _supervisor(
     )
 
 
-def _verified(cp: ControlPlane, node_id: str) -> str:
+def _verified(cp: XdsServer, node_id: str) -> str:
     """The SPIFFE ID /debug/syncz shows for a connected node that ACKed its listeners."""
     node = cp.syncz()["nodes"].get(node_id)
     if not node or not node["connected"] or not node["types"].get("LDS", {}).get("acked_version"):
@@ -121,7 +122,7 @@ def _verified(cp: ControlPlane, node_id: str) -> str:
 def cp():
     with (
         upstreams("v1") as ups,
-        ControlPlane(_mesh(ups["v1"].address), debounce=0.02) as cp,
+        build_server(_mesh(ups["v1"].address), debounce=0.02) as cp,
     ):
         yield cp
 
@@ -132,7 +133,7 @@ def test_sidecar_with_identity_gets_its_config_over_mtls_and_survives_a_restart(
     with upstreams("v1") as ups:
         # CA ports of its own (by default a restart on a fixed ADS port takes the next two).
         mesh = _mesh(ups["v1"].address, ca_port=free_port(), ca_mtls_port=free_port())
-        first = ControlPlane(mesh, debounce=0.02, identity_dir=str(d / "cp")).start()
+        first = build_server(mesh, debounce=0.02, identity_dir=str(d / "cp")).start()
         port = first.grpc_port
         agent = IdentityAgent(d / "sc", join_token_file=join_token_file(first, "default/caller", d))
         sv = _supervisor(port, "caller-a", d, agent, events)
@@ -145,7 +146,7 @@ def test_sidecar_with_identity_gets_its_config_over_mtls_and_survives_a_restart(
             assert stats["cluster.xds_cluster.ssl.handshake"] >= 1, "ADS went over TLS"
             first.stop()
             # Same port, same CA state: the same Envoy reconnects and ACKs again.
-            second = ControlPlane(mesh, debounce=0.02, identity_dir=str(d / "cp")).start(port)
+            second = build_server(mesh, debounce=0.02, identity_dir=str(d / "cp")).start(port)
             assert eventually(lambda: _verified(second, "caller-a"), what="back") == CALLER
             assert sv.failed is None and sv.envoy.proc.poll() is None
         finally:
@@ -187,7 +188,7 @@ def test_sidecar_and_control_plane_disagreeing_on_mtls_fail_with_a_clear_message
     assert "requires mTLS" in failed and "--identity" in failed
     # Identity, a control plane (no identity block) that serves ADS in plaintext.
     token = join_token_file(cp, "default/caller", d)
-    with upstreams("v1") as ups, ControlPlane(_plain(ups["v1"].address)) as plain_cp:
+    with upstreams("v1") as ups, build_server(_plain(ups["v1"].address)) as plain_cp:
         sv = _supervisor(
             plain_cp.grpc_port, "with-id", d, IdentityAgent(d / "sc", join_token_file=token), []
         )
@@ -299,7 +300,7 @@ def test_no_join_token_grants_the_control_planes_identity(cp) -> None:
 def test_global_rate_limit_takes_only_the_services_sidecars_and_keeps_buckets_on_restart(
     caplog,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="xds_server.control_plane")
+    caplog.set_level(logging.INFO, logger="xds_server.server")
     with upstreams("v1") as ups:
         doc = {
             "services": {
@@ -318,7 +319,7 @@ def test_global_rate_limit_takes_only_the_services_sidecars_and_keeps_buckets_on
             "rate_limits": {"mode": "global"},
             "identity": {"trust_domain": TD},
         }
-        with ControlPlane(parse_mesh(doc), debounce=0.02) as cp:
+        with build_server(parse_mesh(doc), debounce=0.02) as cp:
             request = rls_pb2.RateLimitRequest(domain=DOMAIN)
             entries = request.descriptors.add().entries
             entries.add(key="tenant", value="acme")

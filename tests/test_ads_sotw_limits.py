@@ -14,7 +14,7 @@ from mesh_common import type_urls as t
 from mesh_common.ports import free_port
 from tests.test_admin_token import Xds, env  # noqa: F401  (the fixture)
 from tests.test_xds_support import AdsClient, llm_mesh, sotw, upstreams
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.xds.sync import Limits
 
 # Just under gRPC's 4 MiB message limit: ~480,000 distinct names of a few bytes each.
@@ -96,7 +96,7 @@ def test_delta_names_are_bounded_per_request_too() -> None:
     """The delta path: too many names in one request, or one name too long, close the stream
     before anything is stored (in-process control plane, real gRPC)."""
     limit = Limits()
-    with upstreams("v1") as ups, ControlPlane(llm_mesh(ups), debounce=0.02) as cp:
+    with upstreams("v1") as ups, build_server(llm_mesh(ups), debounce=0.02) as cp:
         for node, req, field in (
             ("d-many", discovery_pb2.DeltaDiscoveryRequest(
                 type_url=t.ENDPOINT, resource_names_subscribe=NAMES[:limit.max_resource_names + 1]

@@ -15,7 +15,7 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.testbed import EchoGrpcUpstream
 from wasm_filters.policy import hash_key, parse_policy
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 
 GEN = "/meshlm.inference.v1.Inference/Generate"
@@ -51,7 +51,7 @@ def test_policy_push_by_ecds_under_traffic() -> None:
                 "tenants": {"acme": {"key_sha256": hash_key("k-old"), **ACME}},
             }
         )
-        cp = ControlPlane(mesh, debounce=0.02).start()
+        cp = build_server(mesh, debounce=0.02).start()
         inbound = free_port()
         boot = ads_bootstrap(
             "authz-1",

@@ -24,7 +24,7 @@ from schemas import codec
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.runtime_fixtures import serving_runtime
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 
 CHAT = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
@@ -95,7 +95,7 @@ def rig(smollm_int4, tmp_path_factory) -> Iterator[Rig]:
                 }
             }
         )
-        cp = ControlPlane(mesh, debounce=0.02).start()
+        cp = build_server(mesh, debounce=0.02).start()
         caller_port = free_port()
         boot = ads_bootstrap(
             "caller-1", xds_address=("127.0.0.1", cp.grpc_port), outbound_port=caller_port

@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from tests.test_xds_support import Caller, eventually, llm_mesh, sidecar, upstreams
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 
 
 def meshlm(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -61,7 +61,7 @@ def test_generate_with_a_negative_seed() -> None:
 
 def test_generate_with_an_authority_the_mesh_does_not_route() -> None:
     with upstreams("v1") as ups:
-        cp = ControlPlane(llm_mesh(ups), debounce=0.01).start()
+        cp = build_server(llm_mesh(ups), debounce=0.01).start()
         try:
             envoy, port = sidecar(cp, "caller-cli")
             with envoy:

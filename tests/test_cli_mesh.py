@@ -25,10 +25,11 @@ from model_runtime.client import GENERATE
 from schemas import codec
 from tests.test_xds_support import eventually, sidecar
 from xds_server.admin.api import AdminServer
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.rollout.api import RolloutAPI
 from xds_server.rollout.controller import RolloutController
+from xds_server.server import XdsServer
 
 TOKEN = "cli-test-token"
 
@@ -51,7 +52,7 @@ class _Named(grpc.GenericRpcHandler):
 
 @dataclass
 class Rig:
-    cp: ControlPlane
+    cp: XdsServer
     admin: AdminServer
     port: int  # the caller sidecar's outbound listener
     addresses: dict[str, str]
@@ -85,7 +86,7 @@ def rig(tmp_path_factory) -> Iterator[Rig]:
         s.start()
     addresses = {n: f"127.0.0.1:{p}" for n, (_, p) in servers.items()}
     rig = Rig(None, None, 0, addresses)  # type: ignore[arg-type]
-    cp = ControlPlane(parse_mesh(rig.mesh_file({"v1": 100, "v2": 0})), debounce=0.01).start()
+    cp = build_server(parse_mesh(rig.mesh_file({"v1": 100, "v2": 0})), debounce=0.01).start()
     store = str(tmp_path_factory.mktemp("rollouts") / "r.json")
     rollouts = RolloutAPI(RolloutController(cp, store, lambda *a: None, autorun=False))
     admin = AdminServer(cp, token=TOKEN, mounts={"/rollouts": rollouts.handle}).start()

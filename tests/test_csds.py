@@ -31,7 +31,7 @@ from tests.test_xds_support import (
     upstreams,
     with_unvalidated_endpoint,
 )
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.identity import ca as ca_mod
 from xds_server.mesh import parse_mesh
 
@@ -41,7 +41,7 @@ SYNCED, ERROR = csds_pb2.ConfigStatus.SYNCED, csds_pb2.ConfigStatus.ERROR
 @pytest.fixture(scope="module")
 def mesh_env() -> Iterator[dict]:
     with upstreams("v1", "v2") as ups:
-        cp = ControlPlane(llm_mesh(ups), debounce=0.05).start()
+        cp = build_server(llm_mesh(ups), debounce=0.05).start()
         envoy, _ = sidecar(cp, "caller-1")
         channel = grpc.insecure_channel(f"127.0.0.1:{cp.grpc_port}")
         try:
@@ -169,7 +169,7 @@ def test_csds_never_shows_native_authz_keys(tmp_path) -> None:
             "tenants": TENANTS,
             "authz": {"mode": "native", "keys_file": str(keys)},
         }
-        cp = ControlPlane(parse_mesh(raw), debounce=0.02).start()
+        cp = build_server(parse_mesh(raw), debounce=0.02).start()
         boot, _ = _inbound(cp, "native-1", ups["runtime"].address)
         try:
             with EnvoyProcess(boot), grpc.insecure_channel(f"127.0.0.1:{cp.grpc_port}") as ch:
@@ -186,7 +186,7 @@ def test_meshlm_status_reads_csds_over_mtls_with_a_mesh_certificate(tmp_path) ->
     """With identity the ADS port (and CSDS on it) takes mesh certificates only: `meshlm status
     --csds` presents one (--cert/--key, --cacert the mesh roots); without it, a clear error."""
     with upstreams("v1") as ups:
-        cp = ControlPlane(mtls_mesh(ups["v1"].address), debounce=0.02).start()
+        cp = build_server(mtls_mesh(ups["v1"].address), debounce=0.02).start()
         try:
             sidecar_ch = mtls_channel(cp, mtls.CALLER)
             client = AdsClient(cp.grpc_port, "caller-m", channel=sidecar_ch, auto_ack=True)

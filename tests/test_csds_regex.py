@@ -17,14 +17,15 @@ from envoy.type.matcher.v3 import node_pb2, regex_pb2, string_pb2
 from mesh_common import type_urls as t
 from tests import test_ads_mtls as mtls
 from tests.test_xds_support import AdsClient, eventually, sotw, upstreams
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
+from xds_server.server import XdsServer
 
 VICTIM = "a" * 29  # (a+)+b on this takes Python's backtracking re 2**29 steps
 
 
 @pytest.fixture(scope="module")
-def cp() -> Iterator[ControlPlane]:
-    with upstreams("v1") as ups, ControlPlane(mtls._mesh(ups["v1"].address), debounce=0.02) as cp:
+def cp() -> Iterator[XdsServer]:
+    with upstreams("v1") as ups, build_server(mtls._mesh(ups["v1"].address), debounce=0.02) as cp:
         yield cp
 
 
@@ -35,7 +36,7 @@ def _regex(pattern: str) -> csds_pb2.ClientStatusRequest:
     return csds_pb2.ClientStatusRequest(node_matchers=[m], exclude_resource_contents=True)
 
 
-def test_pathological_regex_answers_at_once_and_ads_keeps_serving(cp: ControlPlane) -> None:
+def test_pathological_regex_answers_at_once_and_ads_keeps_serving(cp: XdsServer) -> None:
     clients = []
     ch = mtls._channel(cp, mtls.CALLER)
     try:
@@ -76,7 +77,7 @@ def test_pathological_regex_answers_at_once_and_ads_keeps_serving(cp: ControlPla
         ch.close()
 
 
-def test_regexes_re2_refuses_are_invalid_argument_naming_the_field(cp: ControlPlane) -> None:
+def test_regexes_re2_refuses_are_invalid_argument_naming_the_field(cp: XdsServer) -> None:
     ch = mtls._channel(cp, mtls.CALLER)
     stub = csds_pb2_grpc.ClientStatusDiscoveryServiceStub(ch)
     try:

@@ -15,8 +15,9 @@ from mesh_common import type_urls as t
 from tests.test_xds_support import AdsClient, eventually, sotw
 from xds_server.admin.api import AdminServer
 from xds_server.admin.dashboard.service import MAX_SUBSCRIBERS
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
+from xds_server.server import XdsServer
 
 TOKEN = "dashboard-state-token"
 
@@ -30,8 +31,8 @@ def _mesh(*versions: str):
 
 
 @pytest.fixture
-def plane() -> Iterator[tuple[ControlPlane, AdminServer]]:
-    cp = ControlPlane(_mesh("v1", "v2"), debounce=0.02).start()
+def plane() -> Iterator[tuple[XdsServer, AdminServer]]:
+    cp = build_server(_mesh("v1", "v2"), debounce=0.02).start()
     admin = AdminServer(cp, token=TOKEN).start()
     try:
         yield cp, admin

@@ -16,18 +16,19 @@ from hypothesis import strategies as st
 
 from tests.test_xds_support import upstreams
 from xds_server.admin.api import AdminServer
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.rollout.api import RolloutAPI, spec_from_mesh
 from xds_server.rollout.controller import RolloutController
 from xds_server.rollout.sources import configured_sources
+from xds_server.server import XdsServer
 
 TOKEN = "fuzz-admin-token-0123456789"
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module")
-def admin(tmp_path_factory) -> Iterator[tuple[AdminServer, ControlPlane, RolloutController]]:
+def admin(tmp_path_factory) -> Iterator[tuple[AdminServer, XdsServer, RolloutController]]:
     with upstreams("v1", "v2") as ups:
         mesh = parse_mesh(
             {
@@ -40,14 +41,11 @@ def admin(tmp_path_factory) -> Iterator[tuple[AdminServer, ControlPlane, Rollout
                 "rollouts": {"llm": {"stable": "v1", "canary": "v2", "steps": [50, 100]}},
             }
         )
-        cp = ControlPlane(mesh, debounce=0.01).start()
+        cp = build_server(mesh, debounce=0.01).start()
         store = tmp_path_factory.mktemp("admin") / "rollouts.json"
         rollouts = RolloutController(cp, str(store), configured_sources(cp))
-        server = AdminServer(cp, token=TOKEN)
-        server.mounts["/rollouts"] = RolloutAPI(
-            rollouts, lambda s: spec_from_mesh(cp.mesh, s)
-        ).handle
-        server.start()
+        api = RolloutAPI(rollouts, lambda s: spec_from_mesh(cp.mesh, s))
+        server = AdminServer(cp, token=TOKEN, mounts={"/rollouts": api.handle}).start()
         try:
             yield server, cp, rollouts
         finally:
@@ -56,7 +54,7 @@ def admin(tmp_path_factory) -> Iterator[tuple[AdminServer, ControlPlane, Rollout
             cp.stop()
 
 
-def _state(cp: ControlPlane, rollouts: RolloutController) -> tuple:
+def _state(cp: XdsServer, rollouts: RolloutController) -> tuple:
     return cp.cache.generation, json.dumps(rollouts.status(), sort_keys=True, default=str)
 
 

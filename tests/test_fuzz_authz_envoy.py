@@ -20,7 +20,7 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_xds_support import upstreams
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 
 KEY = "fuzz-valid-key-9f3a"
@@ -41,7 +41,7 @@ def inbound() -> Iterator[tuple[int, EnvoyProcess]]:
                                                     "fill_interval": "1s"}}},
             }
         )  # fmt: skip
-        cp = ControlPlane(mesh, debounce=0.01).start()
+        cp = build_server(mesh, debounce=0.01).start()
         port = free_port()
         b = ads_bootstrap("fuzz-inbound", xds_address=("127.0.0.1", cp.grpc_port),
                           service="llm", version="v1", inbound_port=port,

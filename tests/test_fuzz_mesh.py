@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshlm.demo.launcher import demo_mesh
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import Mesh, MeshError, load_yaml, parse_mesh
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
@@ -117,7 +117,7 @@ def test_a_line_repeated_elsewhere(line: int, at: int) -> None:
 
 def test_bad_weights_push_nothing() -> None:
     mesh = parse_mesh(VALID)
-    with ControlPlane(mesh, debounce=0.01) as cp:
+    with build_server(mesh, debounce=0.01) as cp:
         gen = cp.cache.generation
         for weights in ({"v1": 50}, {"v1": 101, "v2": -1}, {"v3": 100}, {"v1": "100"}, {}):
             try:

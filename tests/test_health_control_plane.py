@@ -21,7 +21,7 @@ from mesh_common.ports import free_port
 from tests.etcd_support import EtcdCluster, wait_for
 from tests.test_replicas_cli import MESH, Replica, env  # noqa: F401 (env: a fixture)
 from xds_server.admin.api import AdminServer
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.xds.health import ADS_SERVICE
 
@@ -101,7 +101,7 @@ def test_a_control_plane_is_alive_and_ready_on_both_ports(tmp_path, env, started
 
 
 def test_readyz_is_503_until_the_ads_port_serves_and_after_it_stops():
-    cp = ControlPlane(parse_mesh(MESH))
+    cp = build_server(parse_mesh(MESH))
     admin = AdminServer(cp, token="t" * 32).start()
     try:
         code, doc = get(admin.url + "/readyz")

@@ -16,15 +16,16 @@ import pytest
 from mesh_common.private_files import write_private
 from sidecar.identity import IdentityAgent
 from tests.test_identity_support import identity_mesh, join_token_file, short_dir
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.identity.ca import MeshCA, pem
+from xds_server.server import XdsServer
 
 CALLER = "spiffe://meshlm.local/ns/default/sa/caller"
 
 
 @pytest.fixture(scope="module")
-def cp() -> Iterator[ControlPlane]:
-    with ControlPlane(identity_mesh("127.0.0.1:1")) as cp:
+def cp() -> Iterator[XdsServer]:
+    with build_server(identity_mesh("127.0.0.1:1")) as cp:
         yield cp
 
 

@@ -18,9 +18,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from meshlm.cli import main as meshlm
 from tests.test_identity_support import identity_mesh, mode
 from xds_server.admin.api import AdminServer
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.identity.ca import CA_SERVER_NAME, MeshCA, key_pem, new_key, uri_sans
 from xds_server.identity.workload import METHOD, SERVICE
+from xds_server.server import XdsServer
 
 PATH = f"/{SERVICE}/{METHOD}"
 CALLER = "spiffe://meshlm.local/ns/default/sa/caller"
@@ -45,7 +46,7 @@ def _call(address: str, creds: grpc.ChannelCredentials, body: dict, token: str |
     return json.loads(reply)
 
 
-def _issue(cp: ControlPlane, sa: str = "default/caller", ttl: str = "1h") -> str:
+def _issue(cp: XdsServer, sa: str = "default/caller", ttl: str = "1h") -> str:
     body = json.dumps({"service_account": sa, "ttl": ttl}).encode()
     status, doc = cp.identity.handle("POST", "/identity/tokens", body)
     assert status == 200, doc
@@ -54,11 +55,11 @@ def _issue(cp: ControlPlane, sa: str = "default/caller", ttl: str = "1h") -> str
 
 @pytest.fixture(scope="module")
 def cp():
-    with ControlPlane(identity_mesh("127.0.0.1:1")) as cp:
+    with build_server(identity_mesh("127.0.0.1:1")) as cp:
         yield cp
 
 
-def _tls(cp: ControlPlane) -> grpc.ChannelCredentials:
+def _tls(cp: XdsServer) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates=cp.identity.ca.bundle_pem())
 
 

@@ -26,7 +26,7 @@ from tests.test_identity_support import (
     tls_listener,
 )
 from tests.test_xds_support import eventually, upstreams
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 
 SPIFFE_CALLER = "spiffe://meshlm.local/ns/default/sa/caller"
 
@@ -73,7 +73,7 @@ def test_certificate_by_sds_renewed_under_load_and_no_secret_leaks(caplog) -> No
     events: list[str] = []
     with (
         upstreams("v1") as ups,
-        ControlPlane(identity_mesh(ups["v1"].address, cert_ttl="20s"), debounce=0.02) as cp,
+        build_server(identity_mesh(ups["v1"].address, cert_ttl="20s"), debounce=0.02) as cp,
     ):
         token_file = join_token_file(cp, "default/caller", d)
         token = json.loads(token_file.read_text())["token"]
@@ -126,7 +126,7 @@ def test_restarted_sidecar_boots_with_its_certificate_while_control_plane_is_dow
     events: list[str] = []
     lkg = LastKnownGood(d / "lkg.json")
     with upstreams("v1") as ups:
-        with ControlPlane(identity_mesh(ups["v1"].address), debounce=0.02) as cp:
+        with build_server(identity_mesh(ups["v1"].address), debounce=0.02) as cp:
             token_file = join_token_file(cp, "default/caller", d)
             agent = IdentityAgent(d / "sc", join_token_file=token_file, on_event=events.append)
             sv, tls_port = _sidecar(cp.grpc_port, d, lkg, agent, events)

@@ -24,9 +24,9 @@ from sidecar.identity import IdentityAgent
 from sidecar.lkg import LastKnownGood
 from sidecar.sds import secret_ref
 from sidecar.supervisor import Supervisor
-from xds_server.control_plane import ControlPlane
 from xds_server.identity.ca import uri_sans
 from xds_server.mesh import Mesh, parse_mesh
+from xds_server.server import XdsServer
 
 _HCM = "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _TLS = "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"
@@ -51,7 +51,7 @@ def short_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="m1-"))
 
 
-def join_token_file(cp: ControlPlane, service_account: str, where: Path, ttl: str = "1h") -> Path:
+def join_token_file(cp: XdsServer, service_account: str, where: Path, ttl: str = "1h") -> Path:
     """A join token file as `meshlm identity token` writes it (0600)."""
     body = json.dumps({"service_account": service_account, "ttl": ttl}).encode()
     status, doc = cp.identity.handle("POST", "/identity/tokens", body)
@@ -79,7 +79,7 @@ class Sidecar:
 
 
 def identity_sidecar(
-    cp: ControlPlane,
+    cp: XdsServer,
     where: Path,
     node: str,
     token: Path | None,

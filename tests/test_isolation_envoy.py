@@ -32,9 +32,10 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_xds_support import eventually
 from xds_server.admin.api import AdminServer
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.resources.routes import QUARANTINED_MESSAGE
+from xds_server.server import XdsServer
 
 GEN = "/meshlm.inference.v1.Inference/Generate"
 POISON_KEY = "00000000deadbeef"
@@ -68,7 +69,7 @@ class Upstream:
 
 @dataclass
 class Rig:
-    cp: ControlPlane
+    cp: XdsServer
     caller: EnvoyProcess
     port: int
     main: Upstream
@@ -134,7 +135,7 @@ def the_mesh(main: Upstream, spare: Upstream, **isolation: Any):
 def rig(tmp_path, **isolation: Any) -> Iterator[Rig]:
     main, pool = Upstream("v1", poisoned=True), Upstream("q", poisoned=False)
     store = str(tmp_path / "isolation.json")
-    cp = ControlPlane(the_mesh(main, pool, **isolation), isolation_store=store).start()
+    cp = build_server(the_mesh(main, pool, **isolation), isolation_store=store).start()
     port = free_port()
     boot = ads_bootstrap("caller-0", xds_address=("127.0.0.1", cp.grpc_port), outbound_port=port)
     try:
@@ -233,7 +234,7 @@ def test_a_control_plane_restart_keeps_the_quarantine(tmp_path) -> None:
         stopped = r.main.poison_calls
         assert {r.poison()[0] for _ in range(3)} == {"q"}  # Envoy keeps its routes meanwhile
         store = str(tmp_path / "isolation.json")
-        r.cp = ControlPlane(the_mesh(r.main, r.pool, cooldown="1h"), isolation_store=store)
+        r.cp = build_server(the_mesh(r.main, r.pool, cooldown="1h"), isolation_store=store)
         r.cp.start(grpc_port)
         # The new control plane's first push to the reconnecting sidecar carries the route.
         eventually(lambda: r.cp.syncz()["nodes"].get("caller-0", {}).get("connected"), what="ADS")

@@ -21,7 +21,7 @@ from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_xds_support import eventually
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 
 GEN = "/meshlm.inference.v1.Inference/Generate"
@@ -82,7 +82,7 @@ def pool_of_two() -> Iterator[Pool]:
             }
         }
     )
-    cp = ControlPlane(mesh, debounce=0.02).start()
+    cp = build_server(mesh, debounce=0.02).start()
     xds = ("127.0.0.1", cp.grpc_port)
     runtimes: dict[str, subprocess.Popen] = {}
     try:

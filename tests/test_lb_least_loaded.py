@@ -23,9 +23,10 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_xds_support import METHOD, eventually
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.resources.routes import ORCA_PATH
+from xds_server.server import XdsServer
 
 KEY = "test-acme-key-lb-7d2e"
 
@@ -70,7 +71,7 @@ class OrcaReplica(grpc.GenericRpcHandler):
 
 @dataclass
 class Mesh2:
-    cp: ControlPlane
+    cp: XdsServer
     caller: EnvoyProcess
     caller_port: int
     replicas: dict[str, OrcaReplica]
@@ -103,7 +104,7 @@ def two_replicas(load_balancing: str, **route: object) -> Iterator[Mesh2]:
             "tenants": {"acme": {"key_sha256": hash_key(KEY), "allow": ["llm/*"]}},
         }
     )
-    cp = ControlPlane(mesh, debounce=0.02).start()
+    cp = build_server(mesh, debounce=0.02).start()
     xds = ("127.0.0.1", cp.grpc_port)
     caller_port = free_port()
     try:

@@ -16,11 +16,12 @@ from sidecar.bootstrap import with_sds
 from sidecar.envoy_process import EnvoyProcess
 from sidecar.sds import SdsServer, SecretStore
 from tests.test_identity_support import identity_mesh, short_dir, tls_listener
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.identity.ca import MeshCA, key_pem, new_key, spiffe_id
 from xds_server.mesh.rollout_spec import RolloutSpec
 from xds_server.rollout.liveness import not_live_reason
 from xds_server.rollout.sources import configured_sources
+from xds_server.server import XdsServer
 
 LLM = "spiffe://meshlm.local/ns/default/sa/llm"
 
@@ -49,14 +50,14 @@ def _tls_endpoint(port: int, ca: MeshCA, service_account: str) -> Iterator[None]
         sds.stop()
 
 
-def _live(cp: ControlPlane) -> list:
+def _live(cp: XdsServer) -> list:
     spec = RolloutSpec(service="llm", stable="v1", canary="v1")
     return configured_sources(cp)(spec).live.read()
 
 
 def test_the_canary_of_an_mtls_mesh_is_live_when_it_proves_the_service_identity() -> None:
     port = free_port()
-    with ControlPlane(identity_mesh(f"127.0.0.1:{port}")) as cp:
+    with build_server(identity_mesh(f"127.0.0.1:{port}")) as cp:
         ca = cp.identity.ca
         with _tls_endpoint(port, ca, "default/llm"):
             (seen,) = _live(cp)
@@ -76,7 +77,7 @@ def test_a_canary_port_with_nothing_listening_is_named_so_on_an_mtls_mesh() -> N
     """The README's new user starts a rollout before the canary's runtime and sidecar: the
     refusal says nothing listens there, not "mTLS handshake failed: Connection refused"."""
     port = free_port()
-    with ControlPlane(identity_mesh(f"127.0.0.1:{port}")) as cp:
+    with build_server(identity_mesh(f"127.0.0.1:{port}")) as cp:
         (seen,) = _live(cp)
         assert not seen.live and seen.detail == "nothing listening", seen
         reason = not_live_reason("v1", [seen])

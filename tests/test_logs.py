@@ -27,7 +27,7 @@ from tests.test_xds_support import (
     with_unvalidated_endpoint,
 )
 from xds_server.admin.token import token_path
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 
 
 def test_every_command_takes_log_level_and_log_format() -> None:
@@ -124,7 +124,7 @@ def test_nack_line_carries_envoys_error() -> None:
     sync_log.setLevel(logging.INFO)
     try:
         with upstreams("v1", "v2") as ups:
-            cp = ControlPlane(llm_mesh(ups), debounce=0.05).start()
+            cp = build_server(llm_mesh(ups), debounce=0.05).start()
             envoy, _ = sidecar(cp, "nack-1")
             try:
                 with envoy:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tests.rollout_upstreams import Upstream
 from tests.test_rollout_envoy import caller_mesh, mesh, routed_to, sources
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.rollout.controller import RolloutController
 
 SPEC = {
@@ -41,7 +41,7 @@ def test_never_pins_the_new_stable_after_success(tmp_path: Path) -> None:
 
         # A control plane restarted from the mesh file (which still says v1 first) learns the
         # pins back from the persisted rollout.
-        fresh = ControlPlane(mesh(v1.port, v2.port))
+        fresh = build_server(mesh(v1.port, v2.port))
         assert fresh.mesh.services["llm"].route.pins is None
         with RolloutController(fresh, store, sources(envoy), autorun=False) as again:
             assert again.status("llm")["state"] == "Succeeded"

@@ -11,7 +11,7 @@ from collections import defaultdict
 import pytest
 
 from tests.test_xds_support import Caller, eventually, llm_mesh, sidecar, upstreams
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import MeshError, parse_mesh
 
 SESSION = "x-meshlm-session"
@@ -50,7 +50,7 @@ def test_use_hash_policy_needs_a_hash_policy() -> None:
 
 def test_sessions_stick_to_one_version_per_step_and_spread_without_it() -> None:
     with upstreams("v1", "v2") as ups:
-        cp = ControlPlane(llm_mesh(ups, route=_route(True)), debounce=0.02).start()
+        cp = build_server(llm_mesh(ups, route=_route(True)), debounce=0.02).start()
         envoy, port = sidecar(cp, "sticky-1")
         try:
             with envoy:

@@ -17,8 +17,9 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.testbed import EchoGrpcUpstream
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
+from xds_server.server import XdsServer
 
 GEN = "/meshlm.inference.v1.Inference/Generate"
 ACME_KEY = "test-acme-key-4f1c"
@@ -28,7 +29,7 @@ FLUSH_FAST = ("--file-flush-interval-msec", "100")
 
 @dataclass
 class TwoHops:
-    cp: ControlPlane
+    cp: XdsServer
     caller: EnvoyProcess  # outbound listener on `outbound_port`
     runtime_side: EnvoyProcess  # inbound listener (authz) on `inbound_port`
     outbound_port: int
@@ -60,7 +61,7 @@ def two_hops(**mesh_extra: Any) -> Iterator[TwoHops]:
                 **mesh_extra,
             }
         )
-        cp = ControlPlane(mesh, debounce=0.02).start()
+        cp = build_server(mesh, debounce=0.02).start()
         outbound = free_port()
         xds = ("127.0.0.1", cp.grpc_port)
         try:

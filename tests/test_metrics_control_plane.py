@@ -22,10 +22,12 @@ from tests.test_rollout_controller import FakeGrpcCounts
 from tests.test_xds_support import AdsClient, eventually, sotw
 from tests.test_xds_sync import boot
 from xds_server.admin.api import AdminServer
-from xds_server.control_plane import ControlPlane
+from xds_server.admin.metrics import ControlPlaneMetrics
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.rollout.controller import RolloutController
 from xds_server.rollout.gates.sources import Sources
+from xds_server.server import XdsServer
 from xds_server.slo.loop import SloLoops
 
 TOKEN = "t0ken-of-the-admin-api"
@@ -51,8 +53,8 @@ def _mesh(*versions: str):
 
 
 @pytest.fixture
-def plane() -> Iterator[tuple[ControlPlane, AdminServer]]:
-    cp = ControlPlane(_mesh("v1", "v2"), debounce=0.02).start()
+def plane() -> Iterator[tuple[XdsServer, AdminServer]]:
+    cp = build_server(_mesh("v1", "v2"), debounce=0.02).start()
     admin = AdminServer(cp, token=TOKEN).start()
     try:
         yield cp, admin
@@ -114,7 +116,7 @@ def _le(item: tuple) -> float:
 
 
 def test_rollout_and_slo_metrics(plane, tmp_path: Path) -> None:
-    cp, admin = plane
+    cp, _ = plane  # its own admin server below reads the rollouts and SLO loops
     sidecar = AdsClient(cp.grpc_port, "n1", auto_ack=True)
     counts = FakeGrpcCounts()  # a caller sidecar's counters, stood in
     rollouts = RolloutController(
@@ -129,8 +131,12 @@ def test_rollout_and_slo_metrics(plane, tmp_path: Path) -> None:
         counts.add(ok=30)
         rollouts.tick("llm", force=True)
         assert rollouts.status("llm")["canary_weight"] == 50
-        admin.metrics.rollouts, admin.metrics.slo = rollouts, slo
-        fams = _scrape(admin)
+        metrics = ControlPlaneMetrics(cp, lambda: (rollouts, slo))
+        running = AdminServer(cp, token=TOKEN, metrics=metrics).start()
+        try:
+            fams = _scrape(running)
+        finally:
+            running.stop()
     finally:
         rollouts.close()
         slo.stop()
@@ -154,7 +160,7 @@ def test_quarantined_classes_are_counted_never_named(tmp_path: Path) -> None:
     from tests.test_isolation_envoy import the_mesh
 
     key = "0123456789abcdef"  # a request class (a prompt's fingerprint): not a label value
-    cp = ControlPlane(the_mesh(SimpleNamespace(port=9), SimpleNamespace(port=10)))
+    cp = build_server(the_mesh(SimpleNamespace(port=9), SimpleNamespace(port=10)))
     admin = AdminServer(cp, token=TOKEN).start()
     try:
         cp.isolation.pin("llm", key)

@@ -47,11 +47,12 @@ from tests.test_identity_support import (
 from tests.test_lb_least_loaded import OrcaReplica
 from tests.test_mesh_support import json_lines
 from tests.test_xds_support import METHOD, CallLoop, eventually
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.identity.ca import MeshCA, key_pem, uri_sans
 from xds_server.mesh import parse_mesh
 from xds_server.resources.build import ResourceError, build_resources
 from xds_server.resources.listeners import HCM
+from xds_server.server import XdsServer
 from xds_server.xds.node import NodeInfo
 
 TD = "meshlm.local"
@@ -81,7 +82,7 @@ class Replica(OrcaReplica):
         return super()._who(request, context)
 
 
-def _inbound(cp: ControlPlane, d: Path, node: str, sa: str, service: str, port: int, runtime: int):
+def _inbound(cp: XdsServer, d: Path, node: str, sa: str, service: str, port: int, runtime: int):
     token = join_token_file(cp, sa, d)
     return identity_sidecar(
         cp, d, node, token, service=service, version="v1", inbound_port=port,
@@ -99,7 +100,7 @@ class Impostor:
     agent: IdentityAgent
 
     @classmethod
-    def start(cls, cp: ControlPlane, d: Path, port: int, sa: str) -> Impostor:
+    def start(cls, cp: XdsServer, d: Path, port: int, sa: str) -> Impostor:
         agent = IdentityAgent(d / "impostor", join_token_file=join_token_file(cp, sa, d)).start()
         boot = {
             "node": {"id": "impostor", "cluster": "meshlm"},
@@ -122,7 +123,7 @@ def _listener_ssl(port: int) -> str:
 
 @dataclass
 class Mesh:
-    cp: ControlPlane
+    cp: XdsServer
     cp_dir: Path  # the mesh CA's state (its root key), for minting test certificates
     caller: Sidecar
     caller_port: int
@@ -176,7 +177,7 @@ def mesh() -> Iterator[Mesh]:
             "access_log": {"path": str(d / "access.log"), "inbound": "all"},
         }
     )
-    cp = ControlPlane(spec, debounce=0.02, identity_dir=str(d / "cp")).start()
+    cp = build_server(spec, debounce=0.02, identity_dir=str(d / "cp")).start()
     sidecars: list[Sidecar] = []
     try:
         impostor = Impostor.start(cp, d, ports["bad"], "default/impostor")
@@ -453,7 +454,7 @@ def test_a_sidecar_restarted_while_the_control_plane_is_down_serves_mtls_from_lk
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, d, True)
         stack.callback(replica.stop)
-        cp = stack.enter_context(ControlPlane(spec, debounce=0.02, identity_dir=str(d / "cp")))
+        cp = stack.enter_context(build_server(spec, debounce=0.02, identity_dir=str(d / "cp")))
         caller = identity_sidecar(cp, d, "caller", join_token_file(cp, "default/caller", d),
                                   outbound_port=caller_port)  # fmt: skip
         inbound = identity_sidecar(cp, d, "llm-1", join_token_file(cp, "default/llm", d), lkg, **kw)

@@ -16,7 +16,7 @@ import pytest
 
 from tests.test_identity_support import identity_mesh
 from xds_server.admin.api import AdminServer
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.identity.ca import parse_spiffe_id
 from xds_server.mesh import MeshError, parse_mesh
 
@@ -25,7 +25,7 @@ PRODUCT = ("xds_server", "sidecar", "meshlm", "model_runtime", "wasm_filters", "
 
 
 def test_token_endpoint_refuses_names_with_a_trailing_newline(tmp_path: Path) -> None:
-    with ControlPlane(identity_mesh("127.0.0.1:1")) as cp:
+    with build_server(identity_mesh("127.0.0.1:1")) as cp:
         admin = AdminServer(cp, token="admin-secret-1").start()
         roots = tmp_path / "roots.pem"
         roots.write_bytes(cp.identity.ca.bundle_pem())

@@ -13,7 +13,7 @@ from mesh_common.ports import free_port
 from meshlm.admin_client import AdminClient, AdminError
 from sidecar.identity import IdentityAgent
 from tests.test_identity_support import identity_mesh, join_token_file, short_dir
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 
 
 def test_cli_with_no_control_plane_names_the_port_and_what_to_check() -> None:
@@ -35,7 +35,7 @@ def test_failed_renewal_says_until_when_calls_keep_working() -> None:
     d = short_dir()
     events: list[str] = []
     try:
-        with ControlPlane(identity_mesh("127.0.0.1:9", cert_ttl="20s"), debounce=0.02) as cp:
+        with build_server(identity_mesh("127.0.0.1:9", cert_ttl="20s"), debounce=0.02) as cp:
             token_file = join_token_file(cp, "default/caller", d)
             agent = IdentityAgent(d / "sc", join_token_file=token_file, on_event=events.append)
             agent.start()

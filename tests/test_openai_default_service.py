@@ -20,15 +20,16 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.runtime_fixtures import serving_runtime
 from tests.test_xds_support import eventually
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import MeshError, parse_mesh
+from xds_server.server import XdsServer
 
 HI = [{"role": "user", "content": "Hi!"}]
 
 
 @dataclass
 class Rig:
-    cp: ControlPlane
+    cp: XdsServer
     inbound: dict[str, EnvoyProcess]
     ports: dict[str, int]  # version -> its inbound sidecar's port
     outbound_port: int
@@ -72,7 +73,7 @@ def rig(smollm_int4) -> Iterator[Rig]:
     http = OpenAIServer(rt)
     ports = {"v1": free_port(), "v2": free_port()}
     r = Rig(None, {}, ports, free_port())  # type: ignore[arg-type]
-    cp = ControlPlane(parse_mesh(r.doc()), debounce=0.02).start()
+    cp = build_server(parse_mesh(r.doc()), debounce=0.02).start()
     r.cp, r.model = cp, rt.service.model_info.name
     xds = ("127.0.0.1", cp.grpc_port)
     envoys: list[EnvoyProcess] = []

@@ -23,12 +23,13 @@ from sidecar.envoy_process import EnvoyProcess
 from tests.runtime_fixtures import serving_runtime
 from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.mesh.rollout_spec import Gates
 from xds_server.rollout.gates.direct import evaluate
 from xds_server.rollout.gates.envoy_stats import HTTP_5XX, EnvoyStatsSource, delta
 from xds_server.rollout.verdict import FAIL
+from xds_server.server import XdsServer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
 ANSWER = "The capital of France is Paris."  # greedy (DESIGN.md: the deterministic check)
@@ -38,7 +39,7 @@ KEYS = {"acme": "acme-openai-key", "gen": "gen-only-key", "tiny": "tiny-tenant-k
 
 @dataclass
 class Mesh:
-    cp: ControlPlane
+    cp: XdsServer
     caller: EnvoyProcess
     inbound: dict[str, EnvoyProcess]  # version -> its inbound sidecar
     outbound_port: int
@@ -90,7 +91,7 @@ def mesh(smollm_int4) -> Iterator[Mesh]:
         },
         "tenants": tenants,
     }
-    cp = ControlPlane(parse_mesh(doc), debounce=0.02).start()
+    cp = build_server(parse_mesh(doc), debounce=0.02).start()
     xds = ("127.0.0.1", cp.grpc_port)
     outbound = free_port()
     envoys: list[EnvoyProcess] = []

@@ -25,7 +25,7 @@ from sidecar.envoy_process import EnvoyProcess
 from tests.runtime_fixtures import serving_runtime
 from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
@@ -71,7 +71,7 @@ def mesh(smollm_int4) -> Iterator[Mesh]:
             "slow": {"key_sha256": hash_key(KEYS["slow"]), "allow": ["llm/*"]},
         },
     }
-    cp = ControlPlane(parse_mesh(doc), debounce=0.02).start()
+    cp = build_server(parse_mesh(doc), debounce=0.02).start()
     xds = ("127.0.0.1", cp.grpc_port)
     envoys: list[EnvoyProcess] = []
     try:

@@ -18,7 +18,7 @@ from tests.runtime_fixtures import serving_runtime
 from tests.test_identity_support import Sidecar, identity_sidecar, join_token_file, short_dir
 from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 
 TD = "meshlm.local"
@@ -59,7 +59,7 @@ def mesh(smollm_int4) -> Iterator[Mesh]:
         "tenants": {"acme": {"key_sha256": hash_key(KEY), "allow": ["llm/*"]}},
         "identity": {"trust_domain": TD},
     }
-    cp = ControlPlane(parse_mesh(doc), debounce=0.02, identity_dir=str(d / "cp")).start()
+    cp = build_server(parse_mesh(doc), debounce=0.02, identity_dir=str(d / "cp")).start()
     sidecars: list[Sidecar] = []
     try:
         inbound = identity_sidecar(

@@ -29,7 +29,7 @@ from tests.test_identity_support import Sidecar, identity_sidecar, join_token_fi
 from tests.test_lb_least_loaded import OrcaReplica
 from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.resources.clusters import ORCA_MAX_REQUESTS
 from xds_server.resources.routes import ORCA_PATH
@@ -66,7 +66,7 @@ def mesh_with_runtime(loaded) -> Iterator[Hop]:
             "tenants": {"acme": {"key_sha256": hash_key(KEY), "allow": ["llm/*"]}},
         }
     )
-    cp = ControlPlane(mesh, debounce=0.02).start()
+    cp = build_server(mesh, debounce=0.02).start()
     xds = ("127.0.0.1", cp.grpc_port)
     caller_port = free_port()
     try:
@@ -212,7 +212,7 @@ def test_with_callers_only_the_listed_workloads_sidecars_get_load_reports() -> N
         "tenants": {"acme": {"key_sha256": hash_key(KEY), "allow": ["llm/*"]}},
         "identity": {"trust_domain": "meshlm.local"},
     }
-    cp = ControlPlane(parse_mesh(doc), debounce=0.02, identity_dir=str(d / "cp")).start()
+    cp = build_server(parse_mesh(doc), debounce=0.02, identity_dir=str(d / "cp")).start()
     sidecars: list[Sidecar] = []
     try:
         runtime_side = dict(

@@ -23,7 +23,7 @@ from tests.runtime_fixtures import calls_in_background
 from tests.test_quality_rollout import PROMPTS, Served, degraded, serve
 from tests.test_rollout_envoy import wait_terminal
 from tests.test_xds_support import dynamic_clusters, eventually
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import Mirror, parse_mesh
 from xds_server.mesh.quality_spec import parse_quality
 from xds_server.rollout.controller import RolloutController
@@ -31,13 +31,14 @@ from xds_server.rollout.gates.fetch import get_json
 from xds_server.rollout.gates.runtime_metrics import parse_histograms
 from xds_server.rollout.gates.sources import mesh_sources
 from xds_server.rollout.quality import MirrorSource
+from xds_server.server import XdsServer
 
 VERSIONS = ("v1", "v2", "v3")
 
 
 @dataclass
 class Mesh:
-    cp: ControlPlane
+    cp: XdsServer
     caller: EnvoyProcess
     target: str  # the caller sidecar's outbound listener
     inbound: dict[str, str]  # version -> its inbound sidecar's host:port
@@ -95,7 +96,7 @@ def mesh(smollm_int4) -> Iterator[Mesh]:
                 }
             }
         }
-        cp = ControlPlane(parse_mesh(doc), debounce=0.02).start()
+        cp = build_server(parse_mesh(doc), debounce=0.02).start()
         stack.callback(cp.stop)
         xds = ("127.0.0.1", cp.grpc_port)
         for v, port in ports.items():

@@ -22,7 +22,7 @@ from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
 
 from mesh_common import type_urls as t
 from tests.test_rollout_controller import FakeApplyResult, FakeControlPlane, FakeGrpcCounts
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import MeshError, Mirror, parse_mesh
 from xds_server.mesh.rollout_spec import RolloutSpecError, parse_rollout
 from xds_server.replica.replication import desired_mesh, live_doc
@@ -66,7 +66,7 @@ def test_a_mirror_gate_needs_no_prompts_and_is_kept_whole() -> None:
     assert again == s
     from_file = parse_rollout("llm", spec_from_mesh(parse_mesh(mesh_doc(MIRROR)), "llm"))
     assert from_file.quality == q
-    src = configured_sources(ControlPlane(parse_mesh(mesh_doc())))(s)
+    src = configured_sources(build_server(parse_mesh(mesh_doc())))(s)
     assert isinstance(src.quality, MirrorSource)
 
 
@@ -248,7 +248,7 @@ def test_a_slow_quality_verdict_holds_no_lock_and_a_pause_meanwhile_discards_it(
 
 def test_the_mirror_is_live_state_kept_by_a_new_mesh_file_and_by_replicas() -> None:
     doc = mesh_doc()
-    cp = ControlPlane(parse_mesh(doc))
+    cp = build_server(parse_mesh(doc))
     cp.set_mirror("llm", Mirror("v2", 10), timeout=1)
     cp.apply_mesh(parse_mesh(doc), timeout=1)  # the operator's file does not say: kept
     svc = cp.mesh.services["llm"]

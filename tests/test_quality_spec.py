@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import MeshError, parse_mesh
 from xds_server.mesh.rollout_spec import RolloutSpecError, parse_rollout
 from xds_server.rollout.api import spec_from_mesh
@@ -143,6 +143,6 @@ def test_the_mesh_replays_with_its_routes_canary_header() -> None:
             },
         }
     )
-    src = configured_sources(ControlPlane(mesh))(spec())
+    src = configured_sources(build_server(mesh))(spec())
     assert src.quality.canary_header == "x-pick"
     assert src.quality.gate.prompts == ("a", "b", "c")

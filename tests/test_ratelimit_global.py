@@ -18,7 +18,7 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_xds_support import eventually, upstreams
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.ratelimit.service import DOMAIN
 from xds_server.resources import ratelimit as ratelimit_resource
@@ -74,7 +74,7 @@ def _alternate(channels: list[grpc.Channel], key: str, n: int) -> list[str]:
 
 def _two_versions_enforce_one_limit(make_raw: Callable[[dict], dict]) -> None:
     with upstreams("v1", "v2") as ups:
-        cp = ControlPlane(parse_mesh(make_raw(ups)), debounce=0.02).start()
+        cp = build_server(parse_mesh(make_raw(ups)), debounce=0.02).start()
         envoys, channels = [], []
         try:
             for v, u in sorted(ups.items()):
@@ -146,7 +146,7 @@ def _ask(stub: rls_pb2_grpc.RateLimitServiceStub, tenant: str, domain: str = DOM
 
 def test_limits_follow_the_control_plane_mesh_and_bad_requests_are_invalid() -> None:
     with upstreams("v1", "v2") as ups:
-        cp = ControlPlane(parse_mesh(_raw(ups, TENANTS)), debounce=0.02).start()
+        cp = build_server(parse_mesh(_raw(ups, TENANTS)), debounce=0.02).start()
         try:
             with grpc.insecure_channel(f"127.0.0.1:{cp.grpc_port}") as ch:
                 stub = rls_pb2_grpc.RateLimitServiceStub(ch)

@@ -22,11 +22,12 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_xds_support import Upstream, eventually, upstreams
 from wasm_filters.policy import RateLimit, hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import Mesh, MeshError, SloState, parse_mesh
 from xds_server.resources.build import build_resources
 from xds_server.resources.names import AUTHZ_FILTER
 from xds_server.resources.ratelimit import MAX_FILL_INTERVAL_MS, share
+from xds_server.server import XdsServer
 from xds_server.xds.node import NodeInfo
 from xds_server.xds.snapshot import make_version
 
@@ -51,7 +52,7 @@ OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 class Sidecar:
     """An inbound sidecar of llm/v1 in front of one replica, and a channel to it."""
 
-    def __init__(self, cp: ControlPlane, name: str, replica: Upstream, authz: str) -> None:
+    def __init__(self, cp: XdsServer, name: str, replica: Upstream, authz: str) -> None:
         port = free_port()
         xds = ("127.0.0.1", cp.grpc_port)
         boot = ads_bootstrap(name, xds_address=xds, service="llm", version="v1",
@@ -91,7 +92,7 @@ class Sidecar:
 WARMING = r"^listener_manager\.total_listeners_warming$"
 
 
-def shares_for(cp: ControlPlane, sidecars: list[Sidecar]) -> bool:
+def shares_for(cp: XdsServer, sidecars: list[Sidecar]) -> bool:
     """The limits are divided among exactly `sidecars`, every one of them ACKed that, and none
     still warms a listener: Envoy ACKs a listener before it serves, and until then new
     connections reach the old one (native filters, with the old shares: red once in CI)."""
@@ -117,7 +118,7 @@ def test_replicas_share_a_tenant_limit_without_asking_the_control_plane(authz, t
         keys.chmod(0o600)
         top["authz"] = {"mode": "native", "keys_file": str(keys)}
     with upstreams("ra", "rb", "rc") as ups:
-        cp = ControlPlane(
+        cp = build_server(
             parse_mesh(_mesh([u.address for u in ups.values()], **top)), debounce=0.02
         ).start()
         live: list[Sidecar] = []

@@ -12,9 +12,10 @@ from collections.abc import Iterator
 import pytest
 
 from tests.etcd_support import EtcdCluster, wait_for
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.replica.replication import Replication
+from xds_server.server import XdsServer
 from xds_server.slo.quarantine import Isolation, SharedQuarantine
 from xds_server.store import EtcdStore
 
@@ -44,11 +45,11 @@ def etcd():
 
 
 @pytest.fixture
-def replicas(etcd, tmp_path) -> Iterator[list[ControlPlane]]:
+def replicas(etcd, tmp_path) -> Iterator[list[XdsServer]]:
     root = f"/t-{uuid.uuid4().hex}/"
     stores = [EtcdStore(etcd.endpoints, root=root, timeout=1.0) for _ in range(2)]
     cps = [
-        ControlPlane(parse_mesh(DOC), isolation_store=str(tmp_path / f"iso-{n}.json"),
+        build_server(parse_mesh(DOC), isolation_store=str(tmp_path / f"iso-{n}.json"),
                      replication=Replication(s, n, DOC)).start()
         for n, s in zip("ab", stores, strict=True)
     ]  # fmt: skip
@@ -59,12 +60,12 @@ def replicas(etcd, tmp_path) -> Iterator[list[ControlPlane]]:
         s.close()
 
 
-def quarantined(cp: ControlPlane) -> list[str]:
+def quarantined(cp: XdsServer) -> list[str]:
     """The classes the routes this replica serves send to the quarantine pool."""
     return [q.key for q in cp.isolation.overlay(cp.mesh).services["llm"].quarantined]
 
 
-def trip(cp: ControlPlane) -> None:
+def trip(cp: XdsServer) -> None:
     for _ in range(4):
         cp.isolation.observe("llm", POISON, True, reason="a poison prompt")
 
@@ -91,7 +92,7 @@ def test_two_replicas_tripping_one_class_at_once_keep_one_decision(replicas):
     assert [e.key for e in entries] == [f"isolation/llm/{POISON}"]
     stored = entries[0].json()["since"]
 
-    def since(cp: ControlPlane) -> list[float]:
+    def since(cp: XdsServer) -> list[float]:
         return [t["since"] for t in cp.isolation.status()["llm"]["quarantined"]]
 
     # Both take the stored decision (the later writer's own is dropped), one route each.

@@ -17,7 +17,7 @@ from sidecar.envoy_process import EnvoyProcess
 from tests.etcd_support import EtcdCluster, Partition, wait_for
 from tests.rollout_upstreams import Traffic, Upstream
 from tests.test_replicas_sync import source
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.replica.election import Election
 from xds_server.replica.leader import (
@@ -51,7 +51,7 @@ class Replica:
 
     def __init__(self, store: EtcdStore, name: str, doc: dict, sources, ttl: float = TTL) -> None:
         self.store = store
-        self.cp = ControlPlane(parse_mesh(doc), replication=Replication(store, name, doc))
+        self.cp = build_server(parse_mesh(doc), replication=Replication(store, name, doc))
         self.cp.start()
         self.election = Election(store, name, ttl=ttl, on_change=lambda up: self.work.changed(up))
 

@@ -14,7 +14,7 @@ from mesh_common.process_group import stop_group
 from sidecar.lkg import LastKnownGood
 from tests.test_sidecar_supervisor import _envoy_children, _gone, _meshlm_sidecar
 from tests.test_xds_support import Caller, eventually, llm_mesh, upstreams
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 
 
 def test_sidecar_follows_ads_from_the_second_replica_when_the_first_is_down(tmp_path) -> None:
@@ -22,7 +22,7 @@ def test_sidecar_follows_ads_from_the_second_replica_when_the_first_is_down(tmp_
     dead, live = free_port(), free_port()  # nothing ever listens on `dead`
     args = ("--node-id", node, "--outbound-port", str(port), "--lkg-file", str(lkg))
     with upstreams("v1", "v2") as ups:
-        cp = ControlPlane(llm_mesh(ups, weights={"v1": 100, "v2": 0}), debounce=0.02)
+        cp = build_server(llm_mesh(ups, weights={"v1": 100, "v2": 0}), debounce=0.02)
         cp.start(grpc_port=live)
         sidecar = None
         try:
@@ -48,7 +48,7 @@ def test_sidecar_follows_ads_from_the_second_replica_when_the_first_is_down(tmp_
             _crash(envoy)
             eventually(lambda: "envoy ready (lkg)" in log.read_text(), 60, what=_tail(log))
             assert [caller.who() for _ in range(5)] == ["v2"] * 5
-            cp = ControlPlane(llm_mesh(ups, weights={"v1": 100, "v2": 0}), debounce=0.02)
+            cp = build_server(llm_mesh(ups, weights={"v1": 100, "v2": 0}), debounce=0.02)
             cp.start(grpc_port=live)
             assert eventually(lambda: caller.who() == "v1", 60, what=f"back on B: {_tail(log)}")
             assert "hot restart from last-known-good onto ADS" in log.read_text(), _tail(log)

@@ -12,11 +12,12 @@ import pytest
 
 from tests.etcd_support import EtcdCluster, wait_for
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.replica.election import Election, NotLeader
 from xds_server.replica.leader import FencedChanges, StoreSlo
 from xds_server.replica.replication import Replication
+from xds_server.server import XdsServer
 from xds_server.slo.loop import Reading, SloController
 from xds_server.store import EtcdStore, Fenced
 
@@ -49,7 +50,7 @@ class Leader:
 
     def __init__(self, etcd: EtcdCluster, root: str, name: str) -> None:
         self.store = EtcdStore(etcd.endpoints, root=root, timeout=1.0)
-        self.cp = ControlPlane(parse_mesh(DOC), replication=Replication(self.store, name, DOC))
+        self.cp = build_server(parse_mesh(DOC), replication=Replication(self.store, name, DOC))
         self.cp.start()
         self.election = Election(self.store, name, ttl=2.0).start()
         assert self.election.wait(True, 10), f"{name} does not lead"
@@ -68,7 +69,7 @@ class Leader:
         self.store.close()
 
 
-def shed(cp: ControlPlane) -> tuple[str, ...]:
+def shed(cp: XdsServer) -> tuple[str, ...]:
     return cp.mesh.services["llm"].slo_state.shed_tenants
 
 

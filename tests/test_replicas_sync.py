@@ -16,9 +16,10 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.etcd_support import EtcdCluster, wait_for
 from tests.rollout_upstreams import Traffic, Upstream
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.replica.replication import Replication
+from xds_server.server import XdsServer
 from xds_server.store import EtcdStore, FileStore
 
 
@@ -50,8 +51,8 @@ def upstreams():
 
 
 @contextlib.contextmanager
-def replica(store, name: str, doc: dict, port: int = 0) -> Iterator[ControlPlane]:
-    cp = ControlPlane(parse_mesh(doc), replication=Replication(store, name, doc)).start(port)
+def replica(store, name: str, doc: dict, port: int = 0) -> Iterator[XdsServer]:
+    cp = build_server(parse_mesh(doc), replication=Replication(store, name, doc)).start(port)
     try:
         yield cp
     finally:
@@ -59,7 +60,7 @@ def replica(store, name: str, doc: dict, port: int = 0) -> Iterator[ControlPlane
 
 
 @contextlib.contextmanager
-def caller(node: str, *cps: ControlPlane) -> Iterator[str]:
+def caller(node: str, *cps: XdsServer) -> Iterator[str]:
     """A caller-side Envoy whose bootstrap lists `cps`; yields its listener address."""
     listen = free_port()
     boot = ads_bootstrap(
@@ -78,7 +79,7 @@ def routed(target: str, n: int = 20) -> dict[str, int]:
         t.channel.close()
 
 
-def connected(cp: ControlPlane) -> set[str]:
+def connected(cp: XdsServer) -> set[str]:
     return {n for n, d in cp.syncz()["nodes"].items() if d["connected"]}
 
 
@@ -137,7 +138,7 @@ def test_a_sidecar_fails_over_to_another_replica_with_no_failed_call(etcd, upstr
     port_b = free_port()
     with contextlib.ExitStack() as stack:
         sa, sb = (stack.enter_context(etcd_store(etcd, root)) for _ in range(2))
-        a = ControlPlane(parse_mesh(doc), replication=Replication(sa, "a", doc)).start()
+        a = build_server(parse_mesh(doc), replication=Replication(sa, "a", doc)).start()
         stack.callback(a.stop)
         # The bootstrap lists both; b is not up yet, so the sidecar's stream is a's.
         listen = free_port()

@@ -15,10 +15,11 @@ from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.rollout_upstreams import METHOD, Traffic, Upstream
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.rollout.controller import TERMINAL, RolloutController
 from xds_server.rollout.gates.sources import mesh_sources
+from xds_server.server import XdsServer
 
 SPEC = {
     "service": "llm",
@@ -50,9 +51,9 @@ def mesh(v1: int, v2: int):
 
 
 @contextmanager
-def caller_mesh(v1: Upstream, v2: Upstream) -> Iterator[tuple[ControlPlane, EnvoyProcess, str]]:
+def caller_mesh(v1: Upstream, v2: Upstream) -> Iterator[tuple[XdsServer, EnvoyProcess, str]]:
     """A started control plane and one caller-side Envoy that took its config over ADS."""
-    cp = ControlPlane(mesh(v1.port, v2.port)).start()
+    cp = build_server(mesh(v1.port, v2.port)).start()
     listen = free_port()
     boot = ads_bootstrap("caller-0", xds_address=("127.0.0.1", cp.grpc_port), outbound_port=listen)
     try:
@@ -76,7 +77,7 @@ def wait_terminal(c: RolloutController, timeout: float = 45.0) -> dict:
     raise AssertionError(f"rollout did not finish: {c.status('llm')}")
 
 
-def wait_connected(cp: ControlPlane, node: str, timeout: float = 20.0) -> None:
+def wait_connected(cp: XdsServer, node: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cp.syncz()["nodes"].get(node, {}).get("connected"):
@@ -166,7 +167,7 @@ def test_control_plane_killed_mid_rollout_traffic_flows_and_rollout_resumes(tmp_
     grpc_port, listen = free_port(), free_port()
     with Upstream("v1") as v1, Upstream("v2") as v2:
         the_mesh = mesh(v1.port, v2.port)
-        cp = ControlPlane(the_mesh).start(grpc_port=grpc_port)
+        cp = build_server(the_mesh).start(grpc_port=grpc_port)
         boot = ads_bootstrap("caller-0", xds_address=("127.0.0.1", grpc_port), outbound_port=listen)
         try:
             with EnvoyProcess(boot) as envoy, Traffic(f"127.0.0.1:{listen}", authority="llm") as tr:
@@ -179,7 +180,7 @@ def test_control_plane_killed_mid_rollout_traffic_flows_and_rollout_resumes(tmp_
                 before = v2.calls
                 time.sleep(1.0)
                 assert v2.calls > before  # Envoy keeps its last config: 10 % still flows
-                cp = ControlPlane(the_mesh).start(grpc_port=grpc_port)
+                cp = build_server(the_mesh).start(grpc_port=grpc_port)
                 c = RolloutController(cp, store, sources(envoy), poll_s=0.05)
                 try:
                     st = c.status("llm")

@@ -25,7 +25,7 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_rollout_controller import FakeControlPlane, FakeGrpcCounts
 from tests.test_xds_support import Upstream
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.rollout.controller import RolloutController, RolloutError
 from xds_server.rollout.gates.sources import Sources
@@ -201,7 +201,7 @@ def test_a_rollout_without_configured_or_readable_sources_does_not_start(tmp_pat
                 f"counts cannot be read: {dead}",
             ),
         ):
-            cp = ControlPlane(mesh)  # never started: only its mesh is read
+            cp = build_server(mesh)  # never started: only its mesh is read
             c = RolloutController(
                 cp, str(tmp_path / "r.json"), configured_sources(cp), autorun=False
             )

@@ -30,7 +30,7 @@ from sidecar.envoy_process import EnvoyProcess
 from tests.test_xds_support import upstreams
 from wasm_filters.policy import hash_key
 from xds_server.admin.api import AdminServer
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 
 KEY = "sec-plaintext-key-7c1e9d"
@@ -57,7 +57,7 @@ def test_admin_endpoints_bind_to_loopback_by_default() -> None:
     with upstreams("v1") as ups:
         mesh = parse_mesh({"services": {"llm": {"versions": {"v1": {"endpoints": [
             ups["v1"].address]}}}}})  # fmt: skip
-        cp = ControlPlane(mesh).start()
+        cp = build_server(mesh).start()
         admin = AdminServer(cp, token="t" * 20).start()
         metrics = MetricsServer(Telemetry(), 0)
         try:
@@ -101,7 +101,7 @@ def test_plaintext_keys_never_in_dumps_stats_or_logs(tmp_path) -> None:
         root, level = logging.getLogger(), logging.getLogger().level
         root.addHandler(handler)
         root.setLevel(logging.DEBUG)
-        cp = ControlPlane(mesh, debounce=0.01).start()
+        cp = build_server(mesh, debounce=0.01).start()
         admin = AdminServer(cp, token="t" * 20).start()
         port = free_port()
         boot = ads_bootstrap("sec-inbound", xds_address=("127.0.0.1", cp.grpc_port),

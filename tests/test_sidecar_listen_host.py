@@ -13,7 +13,7 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.lkg import LastKnownGood
 from sidecar.supervisor import Supervisor
 from tests.test_xds_support import Caller, eventually, llm_mesh, upstreams
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 
 
 def _listener_addresses(admin_port: int) -> list[str]:
@@ -28,7 +28,7 @@ def _listener_addresses(admin_port: int) -> list[str]:
 
 
 def test_a_sidecar_binds_its_listeners_where_listen_host_says() -> None:
-    with upstreams("v1") as ups, ControlPlane(llm_mesh(ups), debounce=0.02) as cp:
+    with upstreams("v1") as ups, build_server(llm_mesh(ups), debounce=0.02) as cp:
         outbound = free_port()
         boot = ads_bootstrap(
             "caller-any",

@@ -22,7 +22,7 @@ from sidecar.lkg import LastKnownGood
 from sidecar.supervisor import Supervisor
 from tests.test_xds_support import Caller, CallLoop, eventually, llm_mesh, upstreams
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 
 
@@ -39,7 +39,7 @@ def _supervisor(cp_port: int, lkg: LastKnownGood) -> tuple[Supervisor, int]:
 
 
 def test_crashed_envoy_is_restarted_and_serves_again() -> None:
-    with upstreams("v1") as ups, ControlPlane(llm_mesh(ups), debounce=0.02) as cp:
+    with upstreams("v1") as ups, build_server(llm_mesh(ups), debounce=0.02) as cp:
         sv, port = _supervisor(cp.grpc_port, LastKnownGood())
         sv.start()
         try:
@@ -59,7 +59,7 @@ def test_crashed_envoy_is_restarted_and_serves_again() -> None:
 
 def test_envoy_restarted_while_control_plane_down_serves_last_known_good(tmp_path) -> None:
     with upstreams("v1", "v2") as ups:
-        cp = ControlPlane(llm_mesh(ups, weights={"v1": 0, "v2": 100}), debounce=0.02).start()
+        cp = build_server(llm_mesh(ups, weights={"v1": 0, "v2": 100}), debounce=0.02).start()
         cp_port = cp.grpc_port
         lkg = LastKnownGood(tmp_path / "lkg.json")
         sv, port = _supervisor(cp_port, lkg)
@@ -84,7 +84,7 @@ def test_envoy_restarted_while_control_plane_down_serves_last_known_good(tmp_pat
 
             lkg_pid = sv.envoy.proc.pid
             with CallLoop(port) as loop:
-                cp = ControlPlane(llm_mesh(ups, weights={"v1": 100, "v2": 0}), debounce=0.02)
+                cp = build_server(llm_mesh(ups, weights={"v1": 100, "v2": 0}), debounce=0.02)
                 cp.start(grpc_port=cp_port)
                 eventually(lambda: sv.mode == "ads" and sv.ready, what="back on ADS")
                 assert eventually(lambda: caller.who() == "v1", what="follows the control plane")
@@ -125,7 +125,7 @@ def _gone(pid: int) -> bool:
 
 
 def test_second_sidecar_on_the_same_ports_exits_with_address_in_use(tmp_path) -> None:
-    with upstreams("v1") as ups, ControlPlane(llm_mesh(ups), debounce=0.02) as cp:
+    with upstreams("v1") as ups, build_server(llm_mesh(ups), debounce=0.02) as cp:
         sv, port = _supervisor(cp.grpc_port, LastKnownGood())
         sv.start()
         try:
@@ -150,7 +150,7 @@ def test_second_sidecar_on_the_same_ports_exits_with_address_in_use(tmp_path) ->
 
 
 def test_killed_sidecar_takes_its_envoy_along_and_a_new_one_serves(tmp_path) -> None:
-    with upstreams("v1") as ups, ControlPlane(llm_mesh(ups), debounce=0.02) as cp:
+    with upstreams("v1") as ups, build_server(llm_mesh(ups), debounce=0.02) as cp:
         port, admin = free_port(), free_port()
         args = ("--xds", f"127.0.0.1:{cp.grpc_port}", "--node-id", "caller-k9",
                 "--outbound-port", str(port), "--admin-port", str(admin))  # fmt: skip
@@ -189,7 +189,7 @@ def test_sidecar_without_control_plane_says_it_waits_then_that_config_arrived() 
             eventually(lambda: any("waiting for the control plane" in e for e in events),
                        what=f"says it waits (events: {events})")  # fmt: skip
             assert not any("ready (ads)" in e for e in events), events
-            cp = ControlPlane(llm_mesh(ups), debounce=0.02).start(grpc_port=cp_port)
+            cp = build_server(llm_mesh(ups), debounce=0.02).start(grpc_port=cp_port)
             try:
                 caller = Caller(port)
                 assert eventually(lambda: caller.who() == "v1", 30, what="routed once it answers")
@@ -202,7 +202,7 @@ def test_sidecar_without_control_plane_says_it_waits_then_that_config_arrived() 
 
 
 def test_envoy_temp_dirs_are_removed_on_crash_restart_and_on_stop() -> None:
-    with upstreams("v1") as ups, ControlPlane(llm_mesh(ups), debounce=0.02) as cp:
+    with upstreams("v1") as ups, build_server(llm_mesh(ups), debounce=0.02) as cp:
         sv, _port = _supervisor(cp.grpc_port, LastKnownGood())
         sv.start()
         try:
@@ -275,7 +275,7 @@ def test_native_authz_last_known_good_boot_allows_keys_and_denies_bad_ones(tmp_p
             "tenants": TENANTS,
             "authz": {"mode": "native", "keys_file": str(keys)},
         }
-        cp = ControlPlane(parse_mesh(raw), debounce=0.02).start()
+        cp = build_server(parse_mesh(raw), debounce=0.02).start()
         port = free_port()
         boot = ads_bootstrap("native-sv", xds_address=("127.0.0.1", cp.grpc_port),
                              service="llm", version="v1", inbound_port=port,

@@ -22,8 +22,9 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_xds_support import METHOD, Upstream, eventually
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
+from xds_server.server import XdsServer
 from xds_server.slo.loop import SloController, SloLoops
 
 KEYS = {"gold": "test-gold-key-slo-1a", "free": "test-free-key-slo-2b"}
@@ -82,7 +83,7 @@ class ReplicaScaler:
 
 @dataclass
 class World:
-    cp: ControlPlane
+    cp: XdsServer
     caller: EnvoyProcess
     caller_port: int
     metrics: Metrics
@@ -149,7 +150,7 @@ def world() -> Iterator[World]:
             "caller_sidecars": [{"admin_url": f"http://127.0.0.1:{caller_admin}"}],
         }
     )
-    cp = ControlPlane(mesh, debounce=0.02).start()
+    cp = build_server(mesh, debounce=0.02).start()
     xds = ("127.0.0.1", cp.grpc_port)
     scaler = ReplicaScaler(xds)
     try:

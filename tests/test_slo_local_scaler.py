@@ -20,7 +20,7 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_identity_support import identity_sidecar, join_token_file, mode, short_dir
 from tests.test_xds_support import eventually
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.slo.scaler import LocalScaler, control_plane_join_tokens
 
@@ -44,7 +44,7 @@ def test_local_scaler_replica_serves_through_the_mesh_and_is_stopped(tmp_path) -
     mesh = parse_mesh(
         {"services": {"llm": {"versions": {"v1": {"precision": "int4", "endpoints": []}}}}}
     )
-    with ControlPlane(mesh, debounce=0.02) as cp:
+    with build_server(mesh, debounce=0.02) as cp:
         scaler = LocalScaler(
             f"127.0.0.1:{cp.grpc_port}", serve_args=["--precision", "int4"], workdir=str(tmp_path)
         )
@@ -74,7 +74,7 @@ def test_local_scaler_replica_of_an_identity_mesh_enrols_and_serves_over_mtls(tm
     llm = {"versions": {"v1": {"precision": "int4", "endpoints": []}}, "service_account": "ai/llm"}
     mesh = parse_mesh({"services": {"llm": llm}, "identity": {"trust_domain": "meshlm.local"}})
     d = short_dir()
-    with ControlPlane(mesh, debounce=0.02, identity_dir=str(d / "cp")) as cp:
+    with build_server(mesh, debounce=0.02, identity_dir=str(d / "cp")) as cp:
         scaler = LocalScaler(
             f"127.0.0.1:{cp.grpc_port}", serve_args=["--precision", "int4"],
             workdir=str(tmp_path), join_tokens=control_plane_join_tokens(cp),

@@ -15,8 +15,9 @@ from typing import Any
 
 from tests.test_slo_envoy import Metrics
 from tests.test_xds_support import eventually
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
+from xds_server.server import XdsServer
 from xds_server.slo.loop import Reading, SloController, SloLoops
 from xds_server.slo.scaler import ScalerError
 
@@ -53,7 +54,7 @@ class BlockingScalerFake:
 class Loop:
     """An SloController on a real control plane, fed the readings the test sets."""
 
-    def __init__(self, cp: ControlPlane, scaler: BlockingScalerFake) -> None:
+    def __init__(self, cp: XdsServer, scaler: BlockingScalerFake) -> None:
         self.cp, self.scaler, self.reading = cp, scaler, BREACHED
         clock = itertools.count(1000)
         self.c = SloController(cp, "llm", scaler=scaler, read=lambda: self.reading,
@@ -83,7 +84,7 @@ def mesh(metrics_urls: tuple[str, ...] = (), **slo: Any) -> Any:
 
 @contextmanager
 def loop_of(scaler: BlockingScalerFake, **slo: Any) -> Iterator[Loop]:
-    with ControlPlane(mesh(**slo), debounce=0.02) as cp:
+    with build_server(mesh(**slo), debounce=0.02) as cp:
         loop = Loop(cp, scaler)
         try:
             yield loop
@@ -152,7 +153,7 @@ def test_stopping_the_loops_during_a_start_stops_the_replica_it_produces() -> No
     scaler, metrics = BlockingScalerFake(), Metrics()
     metrics.ttft_ms = 2000.0
     url = f"http://127.0.0.1:{metrics.server_port}/metrics"
-    with ControlPlane(mesh((url,)), debounce=0.02) as cp:
+    with build_server(mesh((url,)), debounce=0.02) as cp:
         loops = SloLoops(cp, scaler)  # not started: its loop is ticked here
         loop = loops.loops["llm"]
         loop.tick()

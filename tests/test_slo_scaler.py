@@ -18,7 +18,7 @@ import yaml
 from mesh_common.ports import free_port
 from tests.test_slo_envoy import Metrics
 from tests.test_xds_support import eventually
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.slo.loop import Reading, SloController
 from xds_server.slo.scaler import CommandScaler, ScalerError
@@ -132,7 +132,7 @@ def test_the_loop_keeps_measuring_while_a_scale_out_command_runs(tmp_path: Path)
              "print('127.0.0.1:9')")  # fmt: skip
     slo = {"ttft_p99": "1s", "intervals": 1, "actions": ["scale_out"], "min_requests": 0}
     mesh = parse_mesh({"services": {"llm": {"versions": {"v1": {"endpoints": []}}, "slo": slo}}})
-    with ControlPlane(mesh, debounce=0.02) as cp:
+    with build_server(mesh, debounce=0.02) as cp:
         ttft = [5.0]
         loop = SloController(
             cp, "llm", scaler=CommandScaler(out, "true"), read=lambda: Reading(ttft_p99=ttft[0])

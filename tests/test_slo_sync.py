@@ -9,7 +9,7 @@ from typing import Any
 from tests.test_slo_envoy import Metrics, started
 from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.slo.loop import SloController, SloLoops
 
@@ -38,7 +38,7 @@ def mesh_doc(metrics: Metrics, slo: dict | None, actions: list[str] | None = Non
 def test_a_slo_block_applied_later_gets_a_loop_and_removing_it_undoes_its_actions() -> None:
     metrics = Metrics()
     metrics.ttft_ms = 1000.0  # breached from the start
-    with ControlPlane(mesh_doc(metrics, None), debounce=0.02) as cp:
+    with build_server(mesh_doc(metrics, None), debounce=0.02) as cp:
         loops = SloLoops(cp, poll=0.05).start()
         try:
             assert loops.handle("GET", "/slo") == (200, {})
@@ -82,7 +82,7 @@ def test_the_ttft_of_a_replica_the_loop_added_counts_in_its_readings() -> None:
     version, replica = Metrics(), Metrics()
     version.ttft_ms = replica.ttft_ms = 1000.0
     slo = {**SLO, "recover_intervals": 1}
-    with ControlPlane(mesh_doc(version, slo, ["scale_out"]), debounce=0.02) as cp:
+    with build_server(mesh_doc(version, slo, ["scale_out"]), debounce=0.02) as cp:
         scaler = ReplicasFake(replica)
         loop = SloController(cp, "llm", scaler=scaler)
         loop.tick()

@@ -19,8 +19,9 @@ from tests.test_identity_support import Sidecar, identity_sidecar, join_token_fi
 from tests.test_xds_support import eventually
 from tests.testbed import EchoGrpcUpstream
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
+from xds_server.server import XdsServer
 
 TD = "meshlm.local"
 GENERATE = "/meshlm.inference.v1.Inference/Generate"
@@ -48,7 +49,7 @@ CALLERS = [{"service_account": "apps/chat", "methods": ["Generate"]}]
 
 @dataclass
 class Mesh:
-    cp: ControlPlane
+    cp: XdsServer
     inbound: Sidecar
     callers: dict[str, int]  # service account -> its caller sidecar's outbound port
     runtime_port: int
@@ -69,7 +70,7 @@ class Mesh:
         return self.inbound.stat(name)
 
 
-def _supervised(cp: ControlPlane, d: Path, node: str, sa: str, **kw) -> Sidecar:
+def _supervised(cp: XdsServer, d: Path, node: str, sa: str, **kw) -> Sidecar:
     return identity_sidecar(cp, d, node, join_token_file(cp, sa, d), **kw)
 
 
@@ -79,7 +80,7 @@ def mesh() -> Iterator[Mesh]:
     inbound_port = free_port()
     with EchoGrpcUpstream() as runtime:
         spec = parse_mesh(mesh_doc(runtime.port, inbound_port, CALLERS))
-        cp = ControlPlane(spec, debounce=0.02, identity_dir=str(d / "cp")).start()
+        cp = build_server(spec, debounce=0.02, identity_dir=str(d / "cp")).start()
         sidecars: list[Sidecar] = []
         try:
             inbound = _supervised(

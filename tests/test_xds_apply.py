@@ -18,7 +18,7 @@ from sidecar.envoy_process import EnvoyProcess
 from tests.test_xds_support import Caller, upstreams
 from wasm_filters.policy import hash_key
 from xds_server.admin.api import AdminServer
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 
 TOKEN = "apply-test-token"
@@ -48,7 +48,7 @@ def _apply(admin: AdminServer, path: Path) -> subprocess.CompletedProcess:
 
 def test_apply_adds_a_tenant_live_keeps_weights_and_refuses_a_bad_file(tmp_path: Path) -> None:
     with upstreams("v1", "v2") as ups:
-        cp = ControlPlane(parse_mesh(_mesh(ups, {"acme": "acme-key"})), debounce=0.02).start()
+        cp = build_server(parse_mesh(_mesh(ups, {"acme": "acme-key"})), debounce=0.02).start()
         admin = AdminServer(cp, token=TOKEN).start()
         inbound, outbound = free_port(), free_port()
         boot = ads_bootstrap(

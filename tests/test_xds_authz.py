@@ -13,8 +13,9 @@ from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_xds_support import upstreams
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
+from xds_server.server import XdsServer
 
 GENERATE = "/meshlm.inference.v1.Inference/Generate"
 TOKENIZE = "/meshlm.inference.v1.Inference/Tokenize"
@@ -43,7 +44,7 @@ def _call(channel: grpc.Channel, method: str, key: str | None) -> str:
         return e.code().name
 
 
-def _inbound(cp: ControlPlane, node_id: str, runtime: str) -> tuple[dict, int]:
+def _inbound(cp: XdsServer, node_id: str, runtime: str) -> tuple[dict, int]:
     """The bootstrap of a runtime-side sidecar for llm/v1 in front of `runtime`, and its port."""
     port = free_port()
     b = ads_bootstrap(
@@ -60,7 +61,7 @@ def _inbound(cp: ControlPlane, node_id: str, runtime: str) -> tuple[dict, int]:
 def test_inbound_listener_enforces_the_policy_from_ecds() -> None:
     with upstreams("runtime") as ups:
         runtime = ups["runtime"].address
-        cp = ControlPlane(_mesh(runtime, TENANTS), debounce=0.02).start()
+        cp = build_server(_mesh(runtime, TENANTS), debounce=0.02).start()
         assert cp.mesh.authz.mode == "wasm"  # the default once tenants exist
         b, port = _inbound(cp, "runtime-side-1", runtime)
         try:
@@ -107,7 +108,7 @@ def test_native_mode_from_the_control_plane_enforces_the_same_policy(tmp_path) -
             "tenants": TENANTS,
             "authz": {"mode": "native", "keys_file": str(keys)},
         }
-        cp = ControlPlane(parse_mesh(raw), debounce=0.02).start()
+        cp = build_server(parse_mesh(raw), debounce=0.02).start()
         b, port = _inbound(cp, "runtime-side-native", runtime)
         try:
             with EnvoyProcess(b) as envoy, grpc.insecure_channel(f"127.0.0.1:{port}") as ch:

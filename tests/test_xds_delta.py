@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.test_xds_support import Caller, dynamic_clusters, eventually, sidecar, upstreams
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 
 
@@ -24,7 +24,7 @@ def _mesh(ups, *, embed: bool, weights=None) -> object:
 
 def test_delta_adds_and_removes_clusters_and_routes_traffic() -> None:
     with upstreams("v1", "v2", "e1") as ups:
-        cp = ControlPlane(_mesh(ups, embed=False), debounce=0.02).start()
+        cp = build_server(_mesh(ups, embed=False), debounce=0.02).start()
         envoy, port = sidecar(cp, "delta-1", api_type="DELTA_GRPC")
         try:
             with envoy:

@@ -21,14 +21,14 @@ from tests.test_xds_support import (
     upstreams,
     with_unvalidated_endpoint,
 )
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 
 
 @pytest.fixture(scope="module")
 def mesh_env() -> Iterator[dict]:
     with upstreams("v1", "v2", "runtime") as ups:
         runtime = ups.pop("runtime")
-        cp = ControlPlane(llm_mesh(ups), debounce=0.05).start()
+        cp = build_server(llm_mesh(ups), debounce=0.05).start()
         inbound = free_port()
         envoy, outbound = sidecar(
             cp,
@@ -102,7 +102,7 @@ def test_canary_header_pins_a_version(mesh_env: dict) -> None:
 def test_grpc_health_check_ejects_a_not_serving_host() -> None:
     with upstreams("v1", health=True) as ups:
         mesh = llm_mesh(ups, health_check={"interval": "0.2s", "unhealthy_threshold": 1})
-        cp = ControlPlane(mesh, debounce=0.02).start()
+        cp = build_server(mesh, debounce=0.02).start()
         envoy, port = sidecar(cp, "hc-1")
         try:
             with envoy:
@@ -162,7 +162,7 @@ def test_control_plane_restart_keeps_traffic_and_reconverges() -> None:
     with upstreams("v1", "v2") as ups:
         mesh = llm_mesh(ups, {"v1": 50, "v2": 50})
         grpc_port = free_port()
-        cp = ControlPlane(mesh, debounce=0.02).start(grpc_port)
+        cp = build_server(mesh, debounce=0.02).start(grpc_port)
         envoy, port = sidecar(cp, "restart-1")
         try:
             with envoy, CallLoop(port) as calls:
@@ -171,7 +171,7 @@ def test_control_plane_restart_keeps_traffic_and_reconverges() -> None:
                 cp.stop(grace=0)
                 n_down = calls.total()
                 eventually(lambda: calls.total() > n_down + 20, what="traffic while down")
-                cp = ControlPlane(mesh, debounce=0.02).start(grpc_port)
+                cp = build_server(mesh, debounce=0.02).start(grpc_port)
                 assert cp.incarnation != first
                 # Envoy reconnects and ACKs the new incarnation's versions.
                 eventually(
@@ -191,7 +191,7 @@ def test_control_plane_restart_keeps_traffic_and_reconverges() -> None:
 
 def test_inbound_sidecar_for_unknown_service_is_reported() -> None:
     with upstreams("v1") as ups:
-        cp = ControlPlane(llm_mesh(ups), debounce=0.02).start()
+        cp = build_server(llm_mesh(ups), debounce=0.02).start()
         b = ads_bootstrap(
             "lost-1",
             xds_address=("127.0.0.1", cp.grpc_port),
@@ -219,7 +219,7 @@ def _clusters(envoy: EnvoyProcess) -> set[str]:
 def test_removing_a_version_under_traffic_fails_no_request(api_type: str) -> None:
     """Make before break: the routes leave v2 before its cluster goes."""
     with upstreams("v1", "v2") as ups:
-        cp = ControlPlane(llm_mesh(ups, {"v1": 50, "v2": 50}), debounce=0.02).start()
+        cp = build_server(llm_mesh(ups, {"v1": 50, "v2": 50}), debounce=0.02).start()
         envoy, port = sidecar(cp, f"mbb-{api_type}", api_type=api_type)
         try:
             with envoy, CallLoop(port) as calls:

@@ -12,9 +12,10 @@ from envoy.service.discovery.v3 import discovery_pb2
 
 from mesh_common import type_urls as t
 from tests.test_xds_support import AdsClient, sotw
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.resources import clusters, endpoints, listeners
+from xds_server.server import XdsServer
 from xds_server.xds.snapshot import InconsistentSnapshot, build_snapshot
 
 MESH = {
@@ -31,8 +32,8 @@ MESH = {
 
 
 @pytest.fixture
-def cp() -> Iterator[ControlPlane]:
-    plane = ControlPlane(parse_mesh(MESH), debounce=0.02).start()
+def cp() -> Iterator[XdsServer]:
+    plane = build_server(parse_mesh(MESH), debounce=0.02).start()
     try:
         yield plane
     finally:
@@ -49,7 +50,7 @@ def names_of(resp) -> set[str]:
     return out
 
 
-def test_ack_records_version_and_nothing_more_is_sent(cp: ControlPlane) -> None:
+def test_ack_records_version_and_nothing_more_is_sent(cp: XdsServer) -> None:
     c = AdsClient(cp.grpc_port, "n1")
     try:
         c.send(sotw(t.CLUSTER))
@@ -64,7 +65,7 @@ def test_ack_records_version_and_nothing_more_is_sent(cp: ControlPlane) -> None:
         c.close()
 
 
-def test_stale_nonce_is_ignored(cp: ControlPlane) -> None:
+def test_stale_nonce_is_ignored(cp: XdsServer) -> None:
     c = AdsClient(cp.grpc_port, "n1")
     try:
         c.send(sotw(t.CLUSTER))
@@ -83,7 +84,7 @@ def test_stale_nonce_is_ignored(cp: ControlPlane) -> None:
         c.close()
 
 
-def test_nack_is_recorded_and_the_rejected_version_never_resent(cp: ControlPlane) -> None:
+def test_nack_is_recorded_and_the_rejected_version_never_resent(cp: XdsServer) -> None:
     c = AdsClient(cp.grpc_port, "n1")
     try:
         c.send(sotw(t.CLUSTER))
@@ -107,7 +108,7 @@ def test_nack_is_recorded_and_the_rejected_version_never_resent(cp: ControlPlane
         c.close()
 
 
-def test_sotw_make_before_break_keeps_stale_clusters_until_routes_acked(cp: ControlPlane) -> None:
+def test_sotw_make_before_break_keeps_stale_clusters_until_routes_acked(cp: XdsServer) -> None:
     c = AdsClient(cp.grpc_port, "n1")
     try:
         acked = _sotw_boot(c)
@@ -143,7 +144,7 @@ def test_sotw_make_before_break_keeps_stale_clusters_until_routes_acked(cp: Cont
         c.close()
 
 
-def test_delta_unsubscribe_subscribe_and_unknown_names(cp: ControlPlane) -> None:
+def test_delta_unsubscribe_subscribe_and_unknown_names(cp: XdsServer) -> None:
     c = AdsClient(cp.grpc_port, "d1", delta=True)
     try:
         c.send(
@@ -174,7 +175,7 @@ def test_delta_unsubscribe_subscribe_and_unknown_names(cp: ControlPlane) -> None
         c.close()
 
 
-def test_delta_sends_only_changes_and_removals(cp: ControlPlane) -> None:
+def test_delta_sends_only_changes_and_removals(cp: XdsServer) -> None:
     c = AdsClient(cp.grpc_port, "d1", delta=True)
     try:
         c.send(discovery_pb2.DeltaDiscoveryRequest(type_url=t.CLUSTER))  # wildcard
@@ -197,7 +198,7 @@ def test_delta_sends_only_changes_and_removals(cp: ControlPlane) -> None:
 
 
 def test_debounce_coalesces_a_burst_into_one_push() -> None:
-    plane = ControlPlane(parse_mesh(MESH), debounce=1.0).start()
+    plane = build_server(parse_mesh(MESH), debounce=1.0).start()
     c = AdsClient(plane.grpc_port, "n1")
     try:
         acked = _sotw_boot(c)
@@ -215,8 +216,8 @@ def test_debounce_coalesces_a_burst_into_one_push() -> None:
 
 
 def test_versions_carry_a_per_incarnation_prefix() -> None:
-    a = ControlPlane(parse_mesh(MESH))
-    b = ControlPlane(parse_mesh(MESH))
+    a = build_server(parse_mesh(MESH))
+    b = build_server(parse_mesh(MESH))
     assert a.incarnation != b.incarnation
     with pytest.raises(ValueError, match="not from this control plane"):
         a.wait_for_ack(f"{b.incarnation}.1", [], timeout=0)
@@ -273,7 +274,7 @@ def _sotw_boot(c: AdsClient) -> dict[str, str]:
     return acked
 
 
-def _with_version(cp: ControlPlane, version: str, endpoint: str):
+def _with_version(cp: XdsServer, version: str, endpoint: str):
     raw = {
         "services": {
             "llm": {
@@ -288,7 +289,7 @@ def _with_version(cp: ControlPlane, version: str, endpoint: str):
     return parse_mesh(raw)
 
 
-def _sync(cp: ControlPlane, node: str, short: str) -> dict:
+def _sync(cp: XdsServer, node: str, short: str) -> dict:
     return cp.syncz()["nodes"][node]["types"][short]
 
 

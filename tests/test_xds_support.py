@@ -25,8 +25,8 @@ from grpc_health.v1.health import HealthServicer
 from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
-from xds_server.control_plane import ControlPlane
 from xds_server.mesh import Endpoint, Mesh, parse_mesh
+from xds_server.server import XdsServer
 
 METHOD = "/meshlm.inference.v1.Inference/Who"  # inside the API an `llm/*` rule allows
 
@@ -147,7 +147,7 @@ def llm_mesh(ups: dict[str, Upstream], weights: dict[str, int] | None = None, **
 
 
 def sidecar(
-    cp: ControlPlane, node_id: str, *, api_type: str = "GRPC", **kw: Any
+    cp: XdsServer, node_id: str, *, api_type: str = "GRPC", **kw: Any
 ) -> tuple[EnvoyProcess, int]:
     """An Envoy with an outbound listener, configured by `cp` alone; returns (envoy, port)."""
     port = free_port()

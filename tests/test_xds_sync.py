@@ -21,8 +21,9 @@ from meshlm.commands.sidecar import _default_node_id
 from meshlm.commands.status import render
 from tests.test_xds_support import AdsClient, eventually, sotw
 from xds_server.admin.api import AdminServer
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import MeshError, parse_mesh
+from xds_server.server import XdsServer
 from xds_server.xds.node import NodeInfo
 from xds_server.xds.sync import Limits
 
@@ -45,15 +46,15 @@ def mesh(*versions: str, lagging_after: str = "30s", **weights: int):
 
 
 @pytest.fixture
-def cp() -> Iterator[ControlPlane]:
-    plane = ControlPlane(mesh("v1", "v2"), debounce=0.02).start()
+def cp() -> Iterator[XdsServer]:
+    plane = build_server(mesh("v1", "v2"), debounce=0.02).start()
     try:
         yield plane
     finally:
         plane.stop()
 
 
-def boot(c: AdsClient, cp: ControlPlane, node: str) -> None:
+def boot(c: AdsClient, cp: XdsServer, node: str) -> None:
     """Subscribe like Envoy (CDS, EDS, LDS, RDS) on an auto-ACKing client; wait for the ACKs."""
     c.send(sotw(t.CLUSTER))
     c.send(sotw(t.ENDPOINT, ["outbound|llm|v1", "outbound|llm|v2"]))
@@ -68,7 +69,7 @@ def boot(c: AdsClient, cp: ControlPlane, node: str) -> None:
 
 
 def test_a_second_stream_with_a_live_node_id_is_rejected_and_its_end_keeps_the_holder(
-    cp: ControlPlane,
+    cp: XdsServer,
 ) -> None:
     holder = AdsClient(cp.grpc_port, "n1", auto_ack=True)
     dup = AdsClient(cp.grpc_port, "n1")
@@ -107,7 +108,7 @@ def test_sidecars_get_unique_node_ids_by_default() -> None:
 
 
 def test_a_never_acking_sidecar_is_reported_lagging_and_left_out_of_the_quorum() -> None:
-    plane = ControlPlane(mesh("v1", "v2", lagging_after="1s"), debounce=0.02).start()
+    plane = build_server(mesh("v1", "v2", lagging_after="1s"), debounce=0.02).start()
     good = AdsClient(plane.grpc_port, "good", auto_ack=True)
     stuck = AdsClient(plane.grpc_port, "stuck")
     try:
@@ -133,7 +134,7 @@ def test_lagging_after_must_be_positive() -> None:
         mesh("v1", lagging_after="0s")
 
 
-def test_a_waiting_change_does_not_block_the_next_one(cp: ControlPlane) -> None:
+def test_a_waiting_change_does_not_block_the_next_one(cp: XdsServer) -> None:
     stuck = AdsClient(cp.grpc_port, "stuck")
     try:
         stuck.send(sotw(t.CLUSTER))
@@ -155,7 +156,7 @@ def test_a_waiting_change_does_not_block_the_next_one(cp: ControlPlane) -> None:
 
 
 @pytest.mark.parametrize("timeout", ["inf", "nan", "-1", "1e9"])
-def test_a_bad_timeout_is_400_and_stages_nothing(cp: ControlPlane, timeout: str) -> None:
+def test_a_bad_timeout_is_400_and_stages_nothing(cp: XdsServer, timeout: str) -> None:
     before = dict(cp.mesh.services["llm"].route.weights)
     admin = AdminServer(cp, token="t0ken").start()
     try:
@@ -180,7 +181,7 @@ def test_a_bad_timeout_is_400_and_stages_nothing(cp: ControlPlane, timeout: str)
 
 
 def test_a_departed_sidecars_group_does_not_veto_removing_its_version() -> None:
-    plane = ControlPlane(mesh("v1", "v2"), debounce=0.02, limits=Limits(forget_after=0.5)).start()
+    plane = build_server(mesh("v1", "v2"), debounce=0.02, limits=Limits(forget_after=0.5)).start()
     inbound = {
         "meshlm.service": "llm",
         "meshlm.version": "v2",
@@ -212,7 +213,7 @@ def test_a_departed_sidecars_group_does_not_veto_removing_its_version() -> None:
 
 
 def test_oversized_or_malformed_metadata_is_invalid_argument_naming_the_limit(
-    cp: ControlPlane,
+    cp: XdsServer,
 ) -> None:
     big = AdsClient(
         cp.grpc_port, "big", metadata={"meshlm.outbound_port": 15001, "junk": "x" * 20_000}
@@ -234,7 +235,7 @@ def test_oversized_or_malformed_metadata_is_invalid_argument_naming_the_limit(
 
 
 def test_the_node_table_is_bounded_and_departed_nodes_make_room() -> None:
-    plane = ControlPlane(mesh("v1", "v2"), debounce=0.02, limits=Limits(max_nodes=3)).start()
+    plane = build_server(mesh("v1", "v2"), debounce=0.02, limits=Limits(max_nodes=3)).start()
     clients: list[AdsClient] = []
     try:
         for i in range(3):  # come and go
@@ -261,7 +262,7 @@ def test_the_node_table_is_bounded_and_departed_nodes_make_room() -> None:
         plane.stop()
 
 
-def test_unknown_type_urls_get_an_empty_answer_and_are_not_kept(cp: ControlPlane) -> None:
+def test_unknown_type_urls_get_an_empty_answer_and_are_not_kept(cp: XdsServer) -> None:
     c = AdsClient(cp.grpc_port, "n1")
     try:
         c.send(sotw(t.CLUSTER))
@@ -278,7 +279,7 @@ def test_unknown_type_urls_get_an_empty_answer_and_are_not_kept(cp: ControlPlane
         c.close()
 
 
-def test_syncz_is_built_off_the_lock_ads_needs(cp: ControlPlane) -> None:
+def test_syncz_is_built_off_the_lock_ads_needs(cp: XdsServer) -> None:
     # Many sidecars with much metadata (registered directly: this is about the lock, not the
     # limits): a status that takes a second or more to build.
     md = {f"meshlm.k{j}": "v" * 20 for j in range(500)}
@@ -305,7 +306,7 @@ def test_syncz_is_built_off_the_lock_ads_needs(cp: ControlPlane) -> None:
 # -- defect 13: recovered NACKs -------------------------------------------------------------------
 
 
-def test_a_nack_is_cleared_once_a_later_version_is_acked(cp: ControlPlane) -> None:
+def test_a_nack_is_cleared_once_a_later_version_is_acked(cp: XdsServer) -> None:
     c = AdsClient(cp.grpc_port, "n1")
     try:
         c.send(sotw(t.CLUSTER))

@@ -1,51 +1,42 @@
-"""The control plane as a Python API: change desired state, wait until the sidecars hold it.
+"""The control plane's desired state: change it, stage a snapshot per sidecar group, wait until
+the sidecars hold it.
 
-    cp = ControlPlane(load_mesh("mesh.yaml")).start(grpc_port=18000)
-    result = cp.set_weights("llm", {"v1": 90, "v2": 10}, timeout=10)
+    server = build_server(load_mesh("mesh.yaml")).start(grpc_port=18000)  # xds_server/compose.py
+    result = server.set_weights("llm", {"v1": 90, "v2": 10}, timeout=10)
     result.ok, result.acked, result.missing, result.errors
 
 A change counts as applied only when every affected, connected sidecar ACKed it (Argo Rollouts'
 most-reported bug is 503s from acting before the sidecars have the new routes), except sidecars
 that have left a push un-ACKed for `control_plane.lagging_after`: those are reported as lagging
 and no longer hold changes back, so one stuck sidecar cannot fail every change.
+
+`ControlPlane` serves nothing itself and builds none of its collaborators: it is given them
+(xds_server/compose.py builds them), and `XdsServer` (xds_server/server.py) runs the ports, loops
+and renewals around it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import logging
 import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-import grpc
-from envoy.service.discovery.v3 import ads_pb2_grpc
+from google.protobuf import json_format
 
-from mesh_common.listen import listen_error
-from mesh_common.loop_thread import LoopThread
 from xds_server import mesh as m
-from xds_server.identity.workload import REFRESH_INTERVAL, Identity
-from xds_server.ratelimit import service as ratelimit
 from xds_server.ratelimit import shares as membership
-from xds_server.resources import tls
-from xds_server.slo import access_log_service as accesslog
-from xds_server.slo.quarantine import Isolation, push_loop
-from xds_server.xds import csds, health
-from xds_server.xds.ads import AdsServicer
+from xds_server.slo.quarantine import Isolation
+from xds_server.store.base import Fence
 from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.csds import redact
 from xds_server.xds.snapshot import make_version
-from xds_server.xds.sync import Limits, SyncStatus
+from xds_server.xds.sync import SyncStatus
 
-if TYPE_CHECKING:
-    from xds_server.replica.replication import Replication
-    from xds_server.store.base import Fence
-
-log = logging.getLogger(__name__)
 # The longest a caller may wait for ACKs (seconds); longer asks are refused before staging.
 MAX_TIMEOUT = 600.0
 
@@ -60,7 +51,7 @@ class ApplyResult:
     missing: list[str] = field(default_factory=list)  # NACKed or not yet ACKed
     errors: dict[str, str] = field(default_factory=dict)  # node -> NACK error
     lagging: list[str] = field(default_factory=list)  # left out: un-ACKed for lagging_after
-    revision: int = 0  # the store revision written (replicas on a store, issue 15)
+    revision: int = 0  # the store revision written (replicas on a store)
     changed: bool = True  # False: the desired state was already so (a no-op change)
 
     def to_json(self) -> dict:
@@ -94,198 +85,47 @@ def new_incarnation() -> str:
     return f"{_b36(int(time.time() * 1000))}{secrets.token_hex(2)}"
 
 
+class SharedState(Protocol):
+    """The desired state on a store shared by replicas (xds_server/replica/replication.py):
+    where this control plane writes its changes and learns when every replica's sidecars hold
+    them."""
+
+    def change(
+        self, edit: Callable[[m.Mesh], m.Mesh | None], *, source: Any, fence: Fence | None
+    ) -> tuple[int, int] | None:
+        """Write `edit(desired mesh)`, staging it here; (store revision, generation), or None
+        when it changes nothing."""
+
+    def wait(self, revision: int, timeout: float) -> tuple[list, dict, list, list]:
+        """(acked, errors, missing, lagging) once every replica's sidecars hold `revision`."""
+
+    def status(self) -> dict[str, Any]: ...
+
+
 class ControlPlane:
     def __init__(
         self,
-        mesh: m.Mesh,
+        cache: SnapshotCache,
+        sync: SyncStatus,
+        isolation: Isolation,
         *,
-        debounce: float | None = None,
-        incarnation: str | None = None,
-        limits: Limits | None = None,
-        isolation_store: str | None = None,
-        identity_dir: str | None = None,
-        replication: Replication | None = None,
+        publish: Callable[[], None] | None = None,
+        replication: SharedState | None = None,
     ) -> None:
-        """`identity_dir`: where the mesh CA keeps its root and join tokens (a private dir);
-        None keeps them in memory. The CA runs only when the mesh has an `identity` block.
-        `replication`: this control plane is one replica of several sharing a store (issue 15);
-        its desired state is the store's, and changes are written there."""
+        """`cache` holds the desired state (its mesh, with `isolation`'s quarantines over it) and
+        the staged snapshots; `sync` what each sidecar holds. `publish()` sends the newest
+        staged generation out, now or after a debounce (default: now). `replication`: this
+        control plane is one replica of several sharing a store; its desired state is the
+        store's, and changes are written there."""
+        self.cache = cache
+        self.sync = sync
+        self.isolation = isolation
+        self.incarnation = cache.incarnation
         self.replication = replication
+        self._publish = publish or cache.publish
+        # Held while the desired state is read and staged; replicas stage under it too.
+        self.mutating = threading.Lock()
         self._fence = threading.local()  # the leader's fence for the current thread's writes
-        self.incarnation = incarnation or new_incarnation()
-        # Quarantined request classes (issue 11); restored ones are in the very first snapshot,
-        # so a restart leaves no window of unprotected traffic.
-        self.isolation = Isolation(lambda: self.cache.mesh, isolation_store)
-        mesh = self.isolation.overlay(mesh)
-        self.cache = SnapshotCache(mesh, self.incarnation)
-        limits = limits or Limits(lagging_after=mesh.control_plane.lagging_after)
-        self._members_changed = threading.Event()  # rate-limit shares to re-divide (issue 19)
-        self.sync = SyncStatus(
-            self.cache.expected_generations,
-            self.cache.generation_of,
-            limits,
-            retain_groups=self.cache.retain,
-            membership_changed=self._members_changed.set,
-        )
-        self.debounce = mesh.control_plane.debounce if debounce is None else debounce
-        self.identity = Identity(mesh.identity, identity_dir) if mesh.identity else None
-        # ADS (and the rate-limit and access-log services on its port) over mTLS (issue 14).
-        self.ads_mtls = tls.mtls(mesh)
-        td = mesh.identity.trust_domain if self.ads_mtls else None
-        # One servicer each across restarts of the server (rate-limit buckets live in one).
-        self._ads = AdsServicer(self.cache, self.sync, td)
-        self._rls = ratelimit.RateLimitServicer(lambda: self.cache.mesh, trust_domain=td)
-        self._als = accesslog.AccessLogServicer(self.isolation)
-        self._health = health.HealthServicer(lambda: self.serving)  # grpc.health.v1 (issue 16)
-        self._csds = csds.CsdsServicer(self.cache, self.sync)  # proxy-status (issue 16)
-        self._tls_served: tuple[bytes, bytes] = (b"", b"")  # chain, trust bundle
-        self._tls_renewer: asyncio.Task | None = None
-        self._mutate = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._runner: LoopThread | None = None
-        self._server: grpc.aio.Server | None = None
-        self._flush: asyncio.TimerHandle | None = None
-        self._first_pending = 0.0
-        self.grpc_port = 0
-
-    # -- lifecycle ----------------------------------------------------------------------------
-    def start(self, grpc_port: int = 0, host: str = "127.0.0.1") -> ControlPlane:
-        if self.replication is not None:  # the store's state before the first sidecar's
-            self.replication.start(self)
-        self._runner = LoopThread("xds")
-        self._loop = self._runner.loop
-        self.grpc_port = self._serve(host, grpc_port)
-        self._isolation_stop = threading.Event()
-        threading.Thread(
-            target=push_loop,
-            args=(self.isolation, self._push_isolation, self._isolation_stop),
-            name="isolation",
-            daemon=True,
-        ).start()
-        threading.Thread(
-            target=membership.push_loop,
-            args=(self._members_changed, self._push_shares, self._isolation_stop),
-            name="rate-limit-shares",
-            daemon=True,
-        ).start()
-        return self
-
-    def stop(self, grace: float = 0.5) -> None:
-        if self._loop is None or self._server is None:
-            return
-        self._isolation_stop.set()
-        if self.replication is not None:
-            self.replication.stop()
-
-        async def shutdown() -> None:
-            if self._tls_renewer:
-                self._tls_renewer.cancel()
-            await self._ads.close()  # sidecars see UNAVAILABLE "control plane stopping"
-            if self.identity:
-                await self.identity.stop()
-            await self._server.stop(grace)
-
-        self._runner.stop(shutdown, timeout=grace + 10)  # and it cancels the open streams
-        self._server = None
-
-    @property
-    def serving(self) -> bool:
-        """The ADS port is bound and serving (from start() until stop())."""
-        return self._server is not None
-
-    def __enter__(self) -> ControlPlane:
-        return self if self._server else self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _serve(self, host: str, port: int) -> int:
-        """Bind and start the servers in the loop thread; the bound gRPC port."""
-
-        async def boot() -> int:
-            reason = listen_error(host, port)  # before gRPC, which would log its own error
-            if reason:
-                raise OSError(reason)
-            server, bound = self._grpc_server(host, port)
-            if self.identity:  # the CSR signing service on its TLS ports (issue 14)
-                cp = self.mesh.control_plane
-                ports = [
-                    p if p is not None else (port + 2 + i if port else 0)
-                    for i, p in enumerate((cp.ca_port, cp.ca_mtls_port))
-                ]
-                for p in ports:
-                    reason = listen_error(host, p)
-                    if reason:
-                        raise OSError(f"CA port {p}: {reason}")
-                await self.identity.start(host, *ports)
-            await server.start()
-            self._server = server
-            if self.ads_mtls:
-                self._tls_renewer = asyncio.create_task(self._renew_tls(host, bound))
-            return bound
-
-        return self._runner.start(boot)
-
-    def _grpc_server(self, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-        """The server of ADS, tenants' mesh-wide rate limits (sidecars reach it by
-        xds_cluster) and caller sidecars' access logs (issue 11), bound to `host:port`."""
-        server = grpc.aio.server(
-            options=[
-                # Linux lets a second SO_REUSEPORT server share the port and take half of
-                # the sidecars; gRPC sets it unless told not to.
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_concurrent_streams", 100_000),
-                ("grpc.keepalive_time_ms", 30_000),
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            ]
-        )
-        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(self._ads, server)
-        ratelimit.add_to_server(server, self._rls)
-        accesslog.add_to_server(server, self._als)
-        health.add_to_server(server, self._health)
-        csds.add_to_server(server, self._csds)
-        address = f"{host}:{port}"
-        try:
-            if self.ads_mtls:
-                bound = server.add_secure_port(address, self._tls_credentials())
-            else:
-                bound = server.add_insecure_port(address)
-        except RuntimeError:  # taken between the check and now
-            bound = 0
-        if not bound or (port and bound != port):
-            raise OSError(listen_error(host, port) or f"gRPC could not bind {address}")
-        return server, bound
-
-    def _tls_credentials(self) -> grpc.ServerCredentials:
-        """The CA's certificate for the control plane's SPIFFE ID (the CA ports' own), and a
-        client certificate of the mesh's trust bundle required."""
-        key, chain, _ = self.identity.ca.serving_credentials()
-        bundle = self.identity.ca.bundle_pem()
-        self._tls_served = (chain, bundle)
-        return grpc.ssl_server_credentials([(key, chain)], bundle, require_client_auth=True)
-
-    async def _renew_tls(self, host: str, port: int) -> None:
-        """Serve a renewed certificate (at half-life, or a new signer) or a new trust bundle
-        (root rotation). Credentials are fixed per gRPC server (see
-        xds_server/identity/workload.py), so
-        the server restarts on the same port; Envoy reconnects within its 2 s back-off and the
-        servicers, with their state, carry over."""
-        while True:
-            await asyncio.sleep(REFRESH_INTERVAL)
-            _, chain, _ = self.identity.ca.serving_credentials()
-            if (chain, self.identity.ca.bundle_pem()) == self._tls_served:
-                continue
-            log.info("ADS port: new certificate or trust bundle; restarting its server")
-            await self._server.stop(0.5)
-            while True:
-                try:
-                    server, _ = self._grpc_server(host, port)
-                    await server.start()
-                    self._server = server
-                    break
-                except OSError as e:  # the old socket may take a moment to go
-                    log.warning("ADS port: %s; trying again", e)
-                    await asyncio.sleep(0.2)
 
     # -- desired state --------------------------------------------------------------------------
     @property
@@ -326,7 +166,7 @@ class ControlPlane:
     def set_mirror(
         self, service: str, mirror: m.Mirror | None, *, timeout: float = 10.0
     ) -> ApplyResult | None:
-        """The quality gate's mirror (issue 18) on the callers' routes; None when already so."""
+        """The quality gate's mirror on the callers' routes; None when already so."""
 
         def edit(live: m.Mesh) -> m.Mesh | None:
             if live.services[service].route.mirror == mirror:
@@ -416,7 +256,7 @@ class ControlPlane:
     def _change_here(
         self, edit: Callable[[m.Mesh], m.Mesh | None], timeout: float
     ) -> ApplyResult | None:
-        with self._mutate:
+        with self.mutating:
             mesh = edit(self.mesh)
             if mesh is None:
                 return None
@@ -440,31 +280,31 @@ class ControlPlane:
         acked, errors, missing, lagging = self.replication.wait(revision, timeout)
         return ApplyResult(version, not missing, acked, missing, errors, lagging, revision)
 
-    def _check_desired(self, mesh: m.Mesh) -> None:
+    def check_desired(self, mesh: m.Mesh) -> None:
         """ValueError if a group with a connected sidecar cannot take `mesh`; stages nothing."""
         mesh = membership.overlay(
             self.isolation.overlay(mesh), membership.inbound_sidecars(self.sync)
         )
         self.cache.check(mesh, self.sync.live_groups())
 
-    def _stage_desired(self, mesh: m.Mesh) -> int:
+    def stage_desired(self, mesh: m.Mesh) -> int:
         """Stage `mesh` (desired state, read from the store) with the isolation controller's
         routes over it; the new generation. The caller holds the mutation lock."""
         self._stage(self.isolation.overlay(mesh))
         return self.cache.generation
 
-    def _push_isolation(self) -> tuple[m.Mesh, ApplyResult] | None:
+    def push_isolation(self) -> tuple[m.Mesh, ApplyResult] | None:
         """The isolation controller's routes, when they differ from the live ones."""
-        with self._mutate:
+        with self.mutating:
             mesh = self.isolation.overlay(self.mesh)
             if mesh is self.mesh:
                 return None
             version, nodes = self._stage(mesh)
         return mesh, self.wait_for_ack(version, nodes, timeout=10.0)
 
-    def _push_shares(self) -> None:
+    def push_shares(self) -> None:
         """A sidecar joined or left: re-divide tenants' rate limits when any are divided."""
-        with self._mutate:
+        with self.mutating:
             mesh = membership.overlay(self.mesh, membership.inbound_sidecars(self.sync))
             if mesh is not self.mesh and membership.shares_matter(mesh):
                 self._stage(mesh)
@@ -479,7 +319,7 @@ class ControlPlane:
             self.sync.limits = dataclasses.replace(self.sync.limits, lagging_after=lagging_after)
         nodes = self._affected(gen)
         self.sync.track(gen, nodes)
-        self._schedule_publish()
+        self._publish()
         return make_version(self.incarnation, gen), nodes
 
     def _affected(self, generation: int) -> list[str]:
@@ -510,27 +350,6 @@ class ControlPlane:
             lagging=lagging,
         )
 
-    # -- debounce: bursts of changes go out as one push (istiod: 100 ms) ----------------------
-    def _schedule_publish(self) -> None:
-        if self._loop is None:
-            self.cache.publish()
-            return
-        self._loop.call_soon_threadsafe(self._touch)
-
-    def _touch(self) -> None:
-        now = time.monotonic()
-        if self._flush is None:
-            self._first_pending = now
-        else:
-            self._flush.cancel()
-        # Wait for a quiet `debounce`, but never longer than 10 x debounce in all.
-        delay = min(self.debounce, self._first_pending + 10 * self.debounce - now)
-        self._flush = self._loop.call_later(max(0.0, delay), self._fire)
-
-    def _fire(self) -> None:
-        self._flush = None
-        self.cache.publish()
-
     # -- views ----------------------------------------------------------------------------------
     def syncz(self) -> dict:
         out = self.sync.to_json()
@@ -541,7 +360,6 @@ class ControlPlane:
         return out
 
     def config_dump(self) -> dict:
-        from google.protobuf import json_format
 
         from mesh_common import type_urls as t
 
@@ -569,24 +387,6 @@ class ControlPlane:
             "generation": self.cache.generation,
             "groups": groups,
         }
-
-
-# Configs that carry plaintext credentials (native authz mode): the admin API is readable
-# without a token, so their secrets are shown as Envoy shows sensitive fields.
-_SECRET_FIELDS = {"ApiKeyAuth": "credentials", "ApiKeyAuthPerRoute": "credentials"}
-
-
-def redact(doc: Any) -> Any:
-    """A config-dump dict with plaintext credentials replaced by "[redacted]"."""
-    if isinstance(doc, list):
-        return [redact(x) for x in doc]
-    if not isinstance(doc, dict):
-        return doc
-    out = {k: redact(v) for k, v in doc.items()}
-    field = _SECRET_FIELDS.get(str(doc.get("@type", "")).rsplit(".", 1)[-1])
-    if field and isinstance(out.get(field), list):
-        out[field] = [{**c, "key": "[redacted]"} for c in out[field] if isinstance(c, dict)]
-    return out
 
 
 def _b36(n: int) -> str:

@@ -16,7 +16,7 @@ from tests.chaos.record import record
 from tests.test_xds_support import with_unvalidated_endpoint
 from wasm_filters.policy import hash_key
 from xds_server.admin.api import AdminServer
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 
 RATE = 20.0
@@ -48,7 +48,7 @@ def test_invalid_config_is_nacked_traffic_continues_error_in_status(tmp_path) ->
     t_start = time.monotonic()
     v1 = EchoUpstream("v1")
     mesh = Mesh(tmp_path, {"services": _services({"v1": v1}, {"v1": 100})})
-    cp = ControlPlane(parse_mesh(mesh.mesh), debounce=0.02).start(mesh.grpc_port)
+    cp = build_server(parse_mesh(mesh.mesh), debounce=0.02).start(mesh.grpc_port)
     admin = AdminServer(cp, token=TOKEN, port=mesh.admin_port).start()
     try:
         port, _ = _caller(mesh)

@@ -13,7 +13,7 @@ from tests.chaos.harness import EchoUpstream, Mesh, echo_call, envoy_stats
 from tests.chaos.load import Load, failures, percentile
 from tests.chaos.record import record
 from wasm_filters.policy import hash_key
-from xds_server.control_plane import ControlPlane
+from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 
 
@@ -123,7 +123,7 @@ def test_weight_and_policy_change_every_second_no_allowed_request_fails(tmp_path
     ups = {"v1": EchoUpstream("v1"), "v2": EchoUpstream("v2")}
     inbound = {v: free_port() for v in ups}
     addrs = {v: f"127.0.0.1:{p}" for v, p in inbound.items()}
-    cp = ControlPlane(_mesh(addrs, {"v1": 100, "v2": 0}, TENANTS)).start()
+    cp = build_server(_mesh(addrs, {"v1": 100, "v2": 0}, TENANTS)).start()
     mesh = Mesh(tmp_path, {"services": {}})
     mesh.grpc_port = cp.grpc_port
     try:

@@ -24,7 +24,7 @@ mounted under their own prefix.
 
 With an `identity` block in the mesh the port serves HTTPS only, with a certificate of the mesh
 CA (xds_server/admin/tls.py; clients find the root in the run dir); a plain HTTP request gets a
-400 saying so. Without one it is plain HTTP, as before.
+400 saying so. Without one it is plain HTTP.
 
 Hardened for a loopback port that any local process (or a browser page, by DNS rebinding) can
 reach: the Host header must name a loopback address with the admin port (403); the token is
@@ -52,8 +52,9 @@ from xds_server.admin import traffic as traffic_check
 from xds_server.admin.dashboard.service import Busy, Dashboard
 from xds_server.admin.metrics import ControlPlaneMetrics, Exposition
 from xds_server.admin.tls import AdminTLS, drop_ca
-from xds_server.control_plane import ApplyResult, ControlPlane
+from xds_server.control_plane import ApplyResult
 from xds_server.mesh import load_yaml, parse_mesh
+from xds_server.server import XdsServer
 from xds_server.store.base import Conflict, StoreError
 from xds_server.xds import health
 
@@ -71,29 +72,35 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 class AdminServer:
     def __init__(
         self,
-        cp: ControlPlane,
+        cp: XdsServer,
         *,
         token: str,
         port: int = 0,
         host: str = "127.0.0.1",
         mounts: dict[str, Mount] | None = None,
+        status: Callable[[], dict[str, Any]] | None = None,
+        metrics: ControlPlaneMetrics | None = None,
+        dashboard: Dashboard | None = None,
     ) -> None:
+        """`mounts`: more APIs by path prefix (rollouts, the SLO loop). `status()`: the reply to
+        GET / (which replica this is and which leads). `metrics` and `dashboard` read the
+        rollouts and SLO loops running here (default: none); the dashboard is closed at stop()."""
         if not token:
             raise ValueError("admin token must not be empty")
         self.cp = cp
         self.token = token
         self.mounts = dict(mounts or {})
         # Without a token, as every GET: scrapers hold no secret, and nothing in it is one.
-        self.metrics = ControlPlaneMetrics(cp)
-        self.status: Callable[[], dict[str, Any]] | None = None  # GET /
-        self.dashboard = Dashboard(cp, lambda: (self.metrics.rollouts, self.metrics.slo))
-        # GET /isolation, POST /isolation/{service}/{class}/release|pin (issue 11)
+        self.metrics = metrics or ControlPlaneMetrics(cp)
+        self.status = status
+        self.dashboard = dashboard or Dashboard(cp, lambda: (None, None))
+        # GET /isolation, POST /isolation/{service}/{class}/release|pin
         self.mounts.setdefault("/isolation", cp.isolation.handle)
         self.mounts.setdefault("/traffic", traffic_check.handle(cp))
-        if cp.identity:  # GET /identity, POST /identity/tokens|rotate-root (issue 14)
+        if cp.identity:  # GET /identity, POST /identity/tokens|rotate-root
             self.mounts.setdefault("/identity", cp.identity.handle)
         self.host = host
-        # HTTPS whenever the mesh has a CA (issue 14): the token never travels in the clear.
+        # HTTPS whenever the mesh has a CA: the token never travels in the clear.
         self.tls = AdminTLS(cp.identity.ca, host, READ_DEADLINE) if cp.identity else None
         handler = type("Handler", (_Handler,), {"admin": self})
         self.httpd = _AdminHTTPServer((host, port), handler, self.tls)
@@ -138,9 +145,9 @@ class AdminServer:
         parts = [p for p in url.path.split("/") if p]
         query = parse_qs(url.query)
         if method == "GET" and not parts and self.status is not None:
-            return 200, self.status()  # which replica this is and which leads (issue 15)
+            return 200, self.status()  # which replica this is and which leads
         if method == "GET" and parts in (["healthz"], ["readyz"]):
-            return health.http(parts[0], self.cp)  # no token: kubelet probes hold none
+            return health.http(parts[0], self.cp.readiness)  # no token: kubelet probes hold none
         if method == "GET" and parts == ["debug", "syncz"]:
             return 200, self.cp.syncz()
         if method == "GET" and parts == ["metrics"]:

@@ -12,7 +12,7 @@ version, state and action names from the mesh file: no key, token, prompt or req
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from prometheus_client.core import (
@@ -64,7 +64,8 @@ class _Collector(Collector):
     def collect(self) -> Iterator[Metric]:
         o = self.owner
         yield from _xds(o.cp)
-        for name, source in (("rollouts", o.rollouts), ("slo", o.slo)):
+        rollouts, slo = o.work()
+        for name, source in (("rollouts", rollouts), ("slo", slo)):
             if source is None:
                 continue
             try:  # one failing source must not cost the scrape the others
@@ -75,13 +76,12 @@ class _Collector(Collector):
 
 
 class ControlPlaneMetrics:
-    """One per admin server. `rollouts` (a RolloutController) and `slo` (SloLoops) are set
-    once they exist; their metrics appear from then on."""
+    """One per admin server. `work()` gives the RolloutController and SloLoops running now (None
+    for each that does not); their metrics appear while they run."""
 
-    def __init__(self, cp: Any) -> None:
+    def __init__(self, cp: Any, work: Callable[[], tuple[Any, Any]] = lambda: (None, None)) -> None:
         self.cp = cp
-        self.rollouts: Any = None
-        self.slo: Any = None
+        self.work = work
         self.registry = prometheus_text.registry(_Collector(self))
 
     def exposition(self) -> Exposition:

@@ -1,4 +1,4 @@
-"""HTTPS for the admin API of a control plane whose mesh has `identity` (issue 14, item 2).
+"""HTTPS for the admin API of a control plane whose mesh has `identity`.
 
 The certificate comes from the mesh CA: the control plane's SPIFFE ID
 (spiffe://<td>/ns/meshlm-system/sa/control-plane) plus DNS SAN `localhost` and an IP SAN of the

@@ -1,4 +1,4 @@
-"""Leader election on a store (issue 15): the singleton work of the control plane (rollouts, the
+"""Leader election on a store: the singleton work of the control plane (rollouts, the
 SLO loop, quarantine decisions) runs on one replica at a time, as istiod's does (a lease of
 30 s).
 

@@ -1,4 +1,4 @@
-"""The leader's work on replicas (issue 15): rollouts and the SLO loop run on the elected replica
+"""The leader's work on replicas: rollouts and the SLO loop run on the elected replica
 only, their writes fenced by its term, and stop the moment it may no longer lead.
 
 `LeaderWork` starts the work when the election says this replica leads and stops it when that

@@ -1,4 +1,4 @@
-"""A control plane's desired state on a store, shared by its replicas (issue 15).
+"""A control plane's desired state on a store, shared by its replicas.
 
 Every replica serves its own sidecars from the same desired state: the mesh as last applied
 (`mesh`: the document the mesh file parses from) and the live edits over it (`live/<service>`:
@@ -24,11 +24,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from xds_server import mesh as m
 from xds_server.mesh.model import parse_endpoint
-from xds_server.slo.quarantine import SharedQuarantine
+from xds_server.slo.quarantine import Isolation, SharedQuarantine
 from xds_server.store import keys
 from xds_server.store.base import (
     Check,
@@ -45,9 +46,7 @@ from xds_server.store.base import (
     encode,
 )
 from xds_server.store.documents import check_live, mesh_source
-
-if TYPE_CHECKING:
-    from xds_server.control_plane import ControlPlane
+from xds_server.xds.sync import SyncStatus
 
 log = logging.getLogger("meshlm.replica")
 RELIST_EVERY = 5.0  # seconds between full re-reads, watch or not
@@ -110,8 +109,25 @@ def apply_live(mesh: m.Mesh, name: str, doc: Any) -> m.Mesh:
         raise m.MeshError(f"{key}: not a live document ({e!r})") from None
 
 
+class Staging(Protocol):
+    """What a replica's link to the store needs of its control plane."""
+
+    mutating: AbstractContextManager[Any]  # held while the desired state is read and staged
+    sync: SyncStatus
+    isolation: Isolation
+
+    @property
+    def mesh(self) -> m.Mesh: ...
+
+    def check_desired(self, mesh: m.Mesh) -> None:
+        """ValueError when a connected sidecar cannot take `mesh`."""
+
+    def stage_desired(self, mesh: m.Mesh) -> int:
+        """Stage `mesh`; the new generation."""
+
+
 class Replication:
-    """Ties one ControlPlane (a replica) to the store. `start(cp)` before the ADS port opens."""
+    """Ties one control plane (a replica) to the store. `start(cp)` before the ADS port opens."""
 
     def __init__(
         self,
@@ -132,7 +148,7 @@ class Replication:
         self.rejected: dict[str, str] = {}  # key -> why its document was refused
         self.broken = ""  # why the watch loop failed, "" once it runs again
         self._good: dict[str, tuple[int, Any]] = {}  # key -> (revision, last good document)
-        self._cp: ControlPlane | None = None
+        self._cp: Staging | None = None
         self._revs: dict[str, int] = {}  # mesh/live key -> revision, as staged
         self._staged: list[tuple[int, int]] = []  # (store revision, cache generation)
         self._stop = threading.Event()
@@ -140,7 +156,7 @@ class Replication:
         self._watch: Watch | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self, cp: ControlPlane) -> None:
+    def start(self, cp: Staging) -> None:
         self._cp = cp
         self._seed()
         self.reload()
@@ -187,7 +203,7 @@ class Replication:
         entries, rev = self.store.list("")
         docs = {e.key: e for e in entries if e.key == keys.MESH or e.key.startswith(keys.LIVE)}
         revs = {k: e.revision for k, e in docs.items()}
-        with cp._mutate:
+        with cp.mutating:
             if revs == self._revs:
                 self.revision = max(self.revision, rev)
                 return
@@ -195,7 +211,7 @@ class Replication:
             mesh, rejected = self._desired(docs)
             if mesh is not None:
                 try:
-                    gen = cp._stage_desired(mesh)
+                    gen = cp.stage_desired(mesh)
                 except ValueError as e:  # a connected sidecar cannot take it
                     rejected["(desired state)"] = str(e)
                     mesh = None
@@ -292,14 +308,14 @@ class Replication:
     ) -> tuple[int, int] | Conflict | None:
         """One try of `change`: the Conflict (other than the fence's) is returned, not raised."""
         cp = self._cp
-        with cp._mutate:
+        with cp.mutating:
             base = cp.mesh
             new = edit(base)
             if new is None:
                 return None
             checks, ops = self._writes(base, new, source)
             checks = ([fence.check()] if fence else []) + checks
-            cp._check_desired(new)  # ValueError: nothing written
+            cp.check_desired(new)  # ValueError: nothing written
             try:
                 rev = self.store.txn(checks, ops)
             except Conflict as e:
@@ -310,7 +326,7 @@ class Replication:
                 self._revs = {}  # it may or may not have landed: the next reload says
                 raise
             # Staged only once written: sidecars never see what the store refused.
-            gen = cp._stage_desired(new)
+            gen = cp.stage_desired(new)
             for op in ops:
                 if isinstance(op, Put):
                     self._revs[op.key] = rev

@@ -1,4 +1,4 @@
-"""`meshlm xds-server --store URL`: one replica's wiring (issue 15). The election decides which
+"""`meshlm xds-server --store URL`: one replica's wiring. The election decides which
 replica runs the rollouts and the SLO loop; every replica serves ADS and the admin API.
 
 On a follower, rollout status is read from the store and rollout or SLO commands are refused
@@ -43,10 +43,7 @@ class ReplicaRole:
         info: dict[str, Any],
         rollouts: Callable[[Any, Any], Any],  # (control plane, rollout store) -> controller
         slo: Callable[[Any, Any], Any],  # (control plane, SLO memory) -> started SloLoops
-        on_work: Callable[[Any, Any], None] = lambda rollouts, slo: None,
     ) -> None:
-        """`on_work(controller, loops)` when this replica takes office, (None, None) when it
-        leaves it (the admin API's metrics follow)."""
         self.store, self.id, self.cp = store, replica_id, cp
         self.election = Election(
             store, replica_id, ttl=ttl, info=info, on_change=lambda up: self.work.changed(up)
@@ -56,12 +53,10 @@ class ReplicaRole:
             changes = FencedChanges(cp, self.election)
             controller = rollouts(changes, StoreRollouts(store, self.election))
             loops = slo(changes, StoreSlo(store, self.election))
-            on_work(controller, loops)
             return controller, loops
 
         def stop(handle: tuple[Any, Any]) -> None:
             controller, loops = handle
-            on_work(None, None)
             controller.close()
             loops.stop()
 
@@ -74,6 +69,10 @@ class ReplicaRole:
     def stop(self) -> None:
         self.work.close()
         self.election.stop(resign=True)  # the next replica takes over at once
+
+    def current(self) -> tuple[Any, Any]:
+        """(rollout controller, SLO loops) while this replica leads, else (None, None)."""
+        return self.work.handle or (None, None)
 
     def status(self) -> dict[str, Any]:
         """GET /: this replica, who leads, what the leader's work is doing, the store."""

@@ -1,4 +1,4 @@
-"""CSDS (envoy.service.status.v3.ClientStatusDiscoveryService) on the ADS port (issue 16): for
+"""CSDS (envoy.service.status.v3.ClientStatusDiscoveryService) on the ADS port: for
 each connected sidecar, every resource the control plane holds for it with the version last
 sent and whether the sidecar ACKed or NACKed it, as `istioctl proxy-status` reads.
 
@@ -10,6 +10,7 @@ answer came, ERROR when it was NACKed (error_state carries the NACK's detail).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import re2
@@ -29,6 +30,10 @@ MAX_NODE_MATCHERS = 64
 MAX_REGEX_PROGRAM_SIZE = 100
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.log_errors = False  # RE2 would print the (caller's) pattern to stderr
+# Configs that carry plaintext credentials (native authz mode): CSDS and the admin API's config
+# dump are readable without the admin token, so their secrets are shown as Envoy shows
+# sensitive fields.
+_SECRET_FIELDS = {"ApiKeyAuth": "credentials", "ApiKeyAuthPerRoute": "credentials"}
 
 
 class BadRequest(ValueError):
@@ -133,13 +138,24 @@ def _generic(
 def _redacted(resource: any_pb2.Any) -> any_pb2.Any:
     """The resource with plaintext credentials (native authz mode) replaced, as the admin
     API's config dump shows them: CSDS is readable by any holder of a mesh certificate."""
-    from xds_server.control_plane import redact  # control_plane imports this module
-
     doc = json_format.MessageToDict(resource)
     clean = redact(doc)
     if clean == doc:
         return resource
     return json_format.ParseDict(clean, any_pb2.Any())
+
+
+def redact(doc: Any) -> Any:
+    """A config-dump dict with plaintext credentials replaced by "[redacted]"."""
+    if isinstance(doc, list):
+        return [redact(x) for x in doc]
+    if not isinstance(doc, dict):
+        return doc
+    out = {k: redact(v) for k, v in doc.items()}
+    field = _SECRET_FIELDS.get(str(doc.get("@type", "")).rsplit(".", 1)[-1])
+    if field and isinstance(out.get(field), list):
+        out[field] = [{**c, "key": "[redacted]"} for c in out[field] if isinstance(c, dict)]
+    return out
 
 
 def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:

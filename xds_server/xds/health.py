@@ -1,4 +1,4 @@
-"""Is the control plane alive, and ready to serve ADS? (issue 16, item 3)
+"""Is the control plane alive, and ready to serve ADS?
 
 One answer, two doors: `GET /healthz` and `GET /readyz` on the admin port, and
 `grpc.health.v1.Health` on the ADS port (service "" and the ADS service's name).
@@ -23,50 +23,52 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-if TYPE_CHECKING:
-    from xds_server.control_plane import ControlPlane
 
 ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 SERVICES = ("", ADS_SERVICE)  # "": the server as a whole (grpc health protocol)
 WATCH_EVERY = 0.5  # seconds between two looks at readiness for a Watch stream
 
 
-def readiness(cp: ControlPlane) -> tuple[bool, dict[str, Any]]:
-    """(ready, what a person reading /readyz needs to know)."""
-    detail: dict[str, Any] = {"ads_port": cp.grpc_port, "generation": cp.cache.generation}
-    if not cp.serving:
+Readiness = tuple[bool, dict[str, Any]]  # (ready, what a person reading /readyz needs to know)
+
+
+def readiness(
+    *, serving: bool, ads_port: int, generation: int, replica: dict[str, Any] | None
+) -> Readiness:
+    """Readiness from the ADS server's state: whether it `serving`, its port, the newest staged
+    generation and, for a replica on a store, `Replication.status()`."""
+    detail: dict[str, Any] = {"ads_port": ads_port, "generation": generation}
+    if not serving:
         return False, {**detail, "reason": "the ADS server is not serving (starting or stopping)"}
-    if cp.replication is not None:
-        status = cp.replication.status()
-        error = status["store_error"]
-        detail["replica"] = status["replica"]
-        detail["store_revision"] = status["revision"]
+    if replica is not None:
+        error = replica["store_error"]
+        detail["replica"] = replica["replica"]
+        detail["store_revision"] = replica["revision"]
         detail["store"] = (
             f"not answering ({error}): serving the last good config, changes refused"
             if error
             else "answering"
         )
-        if status["watch_error"]:
-            why = f"the store watch failed ({status['watch_error']}): serving the last good config"
+        if replica["watch_error"]:
+            why = f"the store watch failed ({replica['watch_error']}): serving the last good config"
             return False, {**detail, "reason": why}
-        if status["rejected"]:
-            refused = "; ".join(status["rejected"].values())
+        if replica["rejected"]:
+            refused = "; ".join(replica["rejected"].values())
             why = f"the store holds a document refused ({refused}): serving its last good version"
-            return False, {**detail, "reason": why, "rejected": status["rejected"]}
+            return False, {**detail, "reason": why, "rejected": replica["rejected"]}
     return True, detail
 
 
-def http(path: str, cp: ControlPlane) -> tuple[int, dict[str, Any]]:
-    """The admin port's reply to GET /healthz or /readyz."""
+def http(path: str, ready: Callable[[], Readiness]) -> tuple[int, dict[str, Any]]:
+    """The admin port's reply to GET /healthz or /readyz; `ready()` gives the readiness."""
     if path == "healthz":
         return 200, {"status": "alive"}
-    ready, detail = readiness(cp)
-    return (200 if ready else 503), {"status": "ready" if ready else "not ready", **detail}
+    is_ready, detail = ready()
+    return (200 if is_ready else 503), {"status": "ready" if is_ready else "not ready", **detail}
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):
