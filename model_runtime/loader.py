@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model_runtime import cuda_graphs, kernels, native_attention, native_step, sealed
-from model_runtime.gguf_loader import Q4_1, default_gguf_path, read_gguf
+from model_runtime import accelerators, cuda_graphs, kernels, native_attention, native_step, sealed
+from model_runtime.gguf_loader import default_gguf_path, read_gguf
 from model_runtime.model import ModelArgs, Transformer, rope_table
 from model_runtime.quant import (
+    Q4_1,
     Int4Linear,
     Int8Linear,
     NonFiniteGuard,
@@ -101,8 +102,9 @@ def build_model(
     head_bits: int = 8,
     dtype: torch.dtype | None = None,
 ) -> Transformer:
-    """Assemble a Transformer from GGUF-named tensors (q/k already in the interleaved layout).
-    dtype: of the dense weights and activations (default: the precision's own)."""
+    """Assemble a Transformer from GGUF-named tensors (q/k already in the interleaved layout),
+    its accelerators attached (accelerators.py). dtype: of the dense weights and activations
+    (default: the precision's own)."""
     dtype = dtype or _dtype(precision, device)
     int4 = precision == "int4"
     with torch.device("meta"):
@@ -139,7 +141,7 @@ def build_model(
         model.output.weight = model.tok_embeddings.weight  # tied: one tensor, not two
     else:
         model.output = lin(head)
-    return model.to(device).eval()
+    return accelerators.attach(model.to(device).eval())
 
 
 def weight_bytes(model: nn.Module) -> int:

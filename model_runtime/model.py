@@ -117,7 +117,8 @@ class Attention(nn.Module):
     def forward(
         self, x, rope, layer: int, cache: KVCache | None, lay: BatchLayout | None, mask, native=None
     ):
-        """`native`: native_attention.NativeAttention (decode steps, prefill chunks), or None."""
+        """`native`: attention over the cache in one call (decode steps, prefill chunks),
+        (qkv, cache.kv, layer, lay) -> output or None where it does not apply; or None."""
         B, T, _ = x.shape
         nq = self.n_heads + self.n_kv
         qkv = self.wqkv(x).view(B, T, nq + self.n_kv, self.hd)
@@ -185,6 +186,8 @@ class Block(nn.Module):
 
 # guard(layer_index, block, block_input, block_output, recompute) -> output to use
 LayerGuard = Callable[[int, nn.Module, torch.Tensor, torch.Tensor, Callable], torch.Tensor]
+# accelerate(model, "native_step" | "native_attention"): sets that attribute of the model
+Accelerate = Callable[["Transformer", str], None]
 
 
 class Transformer(nn.Module):
@@ -197,13 +200,14 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("freqs", rope_table(args), persistent=False)
         self.guard: LayerGuard | None = None
-        # decode steps in one native call (native_step.py) or, on a CUDA device, replayed from
-        # a CUDA graph (cuda_graphs.py): "auto" until the first decode step decides (the
-        # linears are swapped for quantized ones, the model moved, after construction)
+        # a whole decode step in one call, (tokens, cache, layout) -> (logits, finite) or None
+        # where it does not apply: "auto" until the first decode step asks `accelerate`
         self.native_step: Callable | str | None = "auto"
-        # attention alone, for prefill chunks and decode steps the step does not take
-        # (native_attention.py): "auto" alike
+        # attention alone, for prefill chunks and decode steps the step does not take (the
+        # `native` of Attention.forward): "auto" alike
         self.native_attention: Callable | str | None = "auto"
+        # what resolves an "auto" above (the loader attaches one); None: torch ops
+        self.accelerate: Accelerate | None = None
         self.requires_grad_(False)
 
     @property
@@ -225,16 +229,17 @@ class Transformer(nn.Module):
             h = out
         return h
 
+    def resolve(self, name: str) -> None:
+        """Replace the "auto" of `name` ("native_step" | "native_attention") by what
+        `accelerate` chooses, or by None (torch ops) where nothing is attached."""
+        if self.accelerate is None:
+            setattr(self, name, None)
+        else:
+            self.accelerate(self, name)
+
     def _native_decode(self, tokens, cache: KVCache, lay: BatchLayout) -> torch.Tensor | None:
         if self.native_step == "auto":
-            if self.device.type == "cuda":
-                from model_runtime import cuda_graphs
-
-                cuda_graphs.use(self, True)
-            else:
-                from model_runtime import native_step
-
-                native_step.use(self, True)
+            self.resolve("native_step")
         if self.native_step is None or lay.last_idx is not None:
             return None
         out = self.native_step(tokens, cache, lay)
@@ -261,9 +266,7 @@ class Transformer(nn.Module):
                 if logits is not None:
                     return logits
             if self.native_attention == "auto":
-                from model_runtime import native_attention
-
-                native_attention.use(self, True)
+                self.resolve("native_attention")
             native = self.native_attention
         return self.ops_forward(tokens, cache, lay, all_logits, native, self.guard)
 

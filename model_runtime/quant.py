@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model_runtime import kernels
-from model_runtime.gguf_loader import Q4_1
 
 NATIVE_BLOCK = 64  # output columns per block of the native layout (kernels/qmm.c)
 _SHIFTS = torch.tensor([[0, 16], [4, 20], [8, 24], [12, 28]], dtype=torch.int32)  # [j, k % 2]
@@ -70,6 +70,20 @@ def pack_head_q8(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     u8 = (q.to(torch.int16) + 128).to(torch.uint8)
     return u8.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+@dataclass
+class Q4_1:
+    """One Q4_1 matrix [n, k]: codes 0..15 and per-32-block d, m with w = q * d + m."""
+
+    codes: torch.Tensor  # int32 [n, k]
+    d: torch.Tensor  # float32 [n, k // 32]
+    m: torch.Tensor  # float32 [n, k // 32]
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        q = self.codes.view(n, k // 32, 32).float()
+        return (q * self.d[..., None] + self.m[..., None]).view(n, k)
 
 
 class Int4Linear(nn.Module):
