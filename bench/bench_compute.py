@@ -38,9 +38,10 @@ def _child(n: int, p_len: int, rounds: int) -> dict:
     """In this process (ONEDNN_MAX_CPU_ISA as the parent set it): variant -> figures."""
     import torch
 
-    from model_runtime import generate, kernels
-    from model_runtime.loader import load
-    from model_runtime.perplexity import stdlib_text
+    from model_runtime import kernels
+    from model_runtime.engine import generate
+    from model_runtime.engine.perplexity import stdlib_text
+    from model_runtime.loading.loader import load
 
     models = {}
     for name, precision, dtype in VARIANTS:

@@ -28,12 +28,14 @@ import torch
 
 from bench.llama_peer import LlamaPeer, PeerError, installed
 from bench.machine import describe, describe_flags
-from model_runtime import generate, kernels, native_attention, native_step
-from model_runtime.engine import Engine, GenerateParams
-from model_runtime.gguf_loader import default_gguf_path
-from model_runtime.loader import load
-from model_runtime.omp import own_thread
-from model_runtime.perplexity import decode_perplexity, perplexity, stdlib_text
+from model_runtime import kernels
+from model_runtime.engine import generate
+from model_runtime.engine.engine import Engine, GenerateParams
+from model_runtime.engine.omp import own_thread
+from model_runtime.engine.perplexity import decode_perplexity, perplexity, stdlib_text
+from model_runtime.llm import native_attention, native_step
+from model_runtime.loading.gguf_loader import default_gguf_path
+from model_runtime.loading.loader import load
 
 BY_CPU_KIND = True  # bench/__main__.py: one section per CPU kind
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
@@ -161,7 +163,7 @@ def _step_rounds(int4, ids: list[int], n: int, add) -> None:
 def _with_engine(lm, fn, **engine_args):
     """`fn(engine)` on a fresh Engine over `lm` (warmed by one short call), shut down after: its
     thread, and the OpenMP pool of that thread, end with it, so that no measurement runs beside
-    another thread's pool (model_runtime/omp.py: two pools on 2 cores halve decode speed)."""
+    another thread's pool (model_runtime/engine/omp.py: two pools on 2 cores halve decode speed)."""
     engine = Engine(lm, **engine_args)
     engine.start()
     try:
@@ -533,7 +535,7 @@ def main(quick: bool) -> str:
             peer = LlamaPeer(str(default_gguf_path()), threads)
         except PeerError as e:
             why_not = f"**failed to start**: {e}; no comparison in this run."
-    # Torch work of this process runs on threads of its own (model_runtime/omp.py): this one
+    # Torch work of this process runs on threads of its own (model_runtime/engine/omp.py): this one
     # starts no OpenMP pool that would outlive a measurement.
     models = {
         "int4": own_thread(load, precision="int4"),
@@ -589,7 +591,7 @@ def main(quick: bool) -> str:
         "forward (best of 3 runs) against llama.cpp's high-level completion API including "
         "prefill and sampling; those figures are not comparable with these. Each of our "
         "measurements runs alone on a thread of its own or on a fresh Engine's "
-        "(model_runtime/omp.py: a second OpenMP pool on 2 cores halves decode speed); "
+        "(model_runtime/engine/omp.py: a second OpenMP pool on 2 cores halves decode speed); "
         "sections measured before that ran beside a used Engine's pool and read low.",
         "",
         f"Perplexity over {n_win}x{win} tokens of pydoc_data/topics.py: one forward a window "

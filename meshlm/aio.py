@@ -21,7 +21,7 @@ import grpc.aio
 
 from meshlm.caller import CallerBase, Completion, Progress, build_request
 from meshlm.errors import from_rpc_error
-from model_runtime.client import GENERATE, INFO, Metadata, mirror_safe
+from model_runtime.serving.client import GENERATE, INFO, Metadata, mirror_safe
 from schemas import codec
 from schemas.codec import ChatMessage, GenerateRequest, ModelInfo, TokenChunk
 from xds_server.mesh import Stall

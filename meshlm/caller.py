@@ -46,7 +46,13 @@ import grpc
 from opentelemetry import trace
 
 from meshlm.errors import DeadlineExceeded, InvalidArgument, StreamLost, from_rpc_error
-from model_runtime.client import MIRROR_HEADER, Client, Metadata, generate_request, mirror_safe
+from model_runtime.serving.client import (
+    MIRROR_HEADER,
+    Client,
+    Metadata,
+    generate_request,
+    mirror_safe,
+)
 from schemas import codec
 from schemas.codec import ChatMessage, GenerateRequest, ModelInfo, TokenChunk
 from xds_server.mesh import STALL_HEADER, VERSION_HEADER, Stall

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     from meshlm.caller import Caller
     from meshlm.errors import InvalidArgument
-    from model_runtime.client import GENERATE
+    from model_runtime.serving.client import GENERATE
 
     if args.raw:
         what = {"prompt": args.prompt}

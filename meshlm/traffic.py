@@ -22,8 +22,8 @@ import grpc
 
 from meshlm.caller import Caller
 from meshlm.sla import percentile
-from model_runtime.client import Client
-from model_runtime.service import REPLICA_HEADER
+from model_runtime.serving.client import Client
+from model_runtime.serving.service import REPLICA_HEADER
 
 PROMPTS = (
     "What is the capital of France? Answer with one word.",

@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 from mesh_common.ports import free_port
-from model_runtime.client import Client
-from model_runtime.engine import Engine
-from model_runtime.service import TENANT_HEADER, Runtime
+from model_runtime.engine.engine import Engine
+from model_runtime.serving.client import Client
+from model_runtime.serving.service import TENANT_HEADER, Runtime
 from schemas import codec
 from sidecar.envoy_process import EnvoyProcess
 from wasm_filters import testbed, xds

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from model_runtime.client import Client
-from model_runtime.engine import Engine, EngineFull, GenerateParams, TokenEvent
-from model_runtime.fair import FairQueue
-from model_runtime.service import PRIORITY_HEADER, TENANT_HEADER, Runtime
+from model_runtime.engine.engine import Engine, EngineFull, GenerateParams, TokenEvent
+from model_runtime.engine.fair import FairQueue
+from model_runtime.serving.client import Client
+from model_runtime.serving.service import PRIORITY_HEADER, TENANT_HEADER, Runtime
 
 TIMEOUT = 120
 

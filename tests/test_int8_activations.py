@@ -17,19 +17,21 @@ from bench.bench_quality import GOLDEN
 from mesh_common.ports import free_port
 from meshlm.launcher import _serving
 from meshlm.procs import Proc, wait_until
-from model_runtime import generate, kernels, native_step
-from model_runtime.client import Client
-from model_runtime.kvcache import layout_decode
-from model_runtime.loader import load
-from model_runtime.perplexity import decode_perplexity, perplexity, stdlib_text
-from model_runtime.quant import (
+from model_runtime import kernels
+from model_runtime.engine import generate
+from model_runtime.engine.kvcache import layout_decode
+from model_runtime.engine.perplexity import decode_perplexity, perplexity, stdlib_text
+from model_runtime.llm import native_step
+from model_runtime.llm.quant import (
     Int4Linear,
     Int8Linear,
     pack_head_q8,
     pack_q8,
     use_int8_activations,
 )
-from model_runtime.records import teacher_forced
+from model_runtime.loading.loader import load
+from model_runtime.serving.client import Client
+from model_runtime.serving.records import teacher_forced
 from tests.test_native_step import BS, STORY, _prefilled, compare_steps
 from xds_server.rollout.quality import Sample, agreement
 

@@ -23,7 +23,7 @@ CHILD = r"""
 import hashlib, json, os, sys
 import torch
 from model_runtime import kernels
-from model_runtime.quant import Int4Linear, Int8Linear
+from model_runtime.llm.quant import Int4Linear, Int8Linear
 
 def close(ours, want):
     tol = want.float().abs() * 2.0**-7 + 1e-4 * want.float().abs().max()

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from model_runtime import kernels
-from model_runtime.loader import load
-from model_runtime.perplexity import perplexity, stdlib_text
-from model_runtime.quant import Int4Linear, Int8Linear
+from model_runtime.engine.perplexity import perplexity, stdlib_text
+from model_runtime.llm.quant import Int4Linear, Int8Linear
+from model_runtime.loading.loader import load
 from tests.test_model_quality import CONFIDENT, N_WINDOWS, WINDOW, greedy_chat
 
 

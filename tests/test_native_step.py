@@ -1,5 +1,5 @@
-"""The int4 decode step as one native call (model_runtime/native_step.py, kernels/step.c), and
-its attention alone in a step that runs in torch ops (model_runtime/native_attention.py).
+"""The int4 decode step as one native call (model_runtime/llm/native_step.py, kernels/step.c), and
+its attention alone in a step that runs in torch ops (model_runtime/llm/native_attention.py).
 
 Its attention's softmax is not torch's to the last bit, so these tests compare it with torch's
 ops within a tolerance and assert exactly only what holds on every CPU: the K/V it writes to the
@@ -18,9 +18,11 @@ import functools
 import pytest
 import torch
 
-from model_runtime import generate, kernels, native_attention, native_step
-from model_runtime.kvcache import layout_decode, layout_prefill
-from model_runtime.loader import load
+from model_runtime import kernels
+from model_runtime.engine import generate
+from model_runtime.engine.kvcache import layout_decode, layout_prefill
+from model_runtime.llm import native_attention, native_step
+from model_runtime.loading.loader import load
 
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 BS = 16

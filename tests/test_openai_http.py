@@ -16,10 +16,15 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from model_runtime.client import Client
-from model_runtime.faults import Faults
-from model_runtime.openai_http import OpenAIServer
-from model_runtime.service import PROMPT_TOKENS_HEADER, REPLICA_HEADER, TENANT_HEADER, Runtime
+from model_runtime.serving.client import Client
+from model_runtime.serving.faults import Faults
+from model_runtime.serving.openai_http import OpenAIServer
+from model_runtime.serving.service import (
+    PROMPT_TOKENS_HEADER,
+    REPLICA_HEADER,
+    TENANT_HEADER,
+    Runtime,
+)
 from tests.runtime_fixtures import serving_runtime
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import pytest
 
 from mesh_common.ports import free_port
-from model_runtime.openai_http import OpenAIServer
-from model_runtime.service import TENANT_HEADER, Runtime
+from model_runtime.serving.openai_http import OpenAIServer
+from model_runtime.serving.service import TENANT_HEADER, Runtime
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.runtime_fixtures import serving_runtime

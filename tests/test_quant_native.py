@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from model_runtime import kernels
-from model_runtime.gguf_loader import default_gguf_path, read_gguf
-from model_runtime.quant import Q4_1, Int4Linear, Int8Linear
+from model_runtime.llm.quant import Q4_1, Int4Linear, Int8Linear
+from model_runtime.loading.gguf_loader import default_gguf_path, read_gguf
 
 # one of each shape the model has: qkv [960, 576], wo [576, 576], gate|up [1536, 576] halves,
 # down [576, 1536]

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from model_runtime.client import Client
-from model_runtime.engine import Engine, GenerateParams
-from model_runtime.service import REPLICA_HEADER, Runtime
+from model_runtime.engine.engine import Engine, GenerateParams
+from model_runtime.serving.client import Client
+from model_runtime.serving.service import REPLICA_HEADER, Runtime
 from schemas import codec
 from tests.runtime_fixtures import serving_runtime
 from tests.test_engine_scheduler import chat, run

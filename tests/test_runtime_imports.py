@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import model_runtime
-from model_runtime.model import ModelArgs, Transformer
+from model_runtime.llm.model import ModelArgs, Transformer
 from tests.runtime_fixtures import cached_model
 
 ROOT = Path(model_runtime.__file__).resolve().parent
@@ -84,7 +84,7 @@ def test_a_bare_model_runs_in_torch_ops():
 
 
 def test_the_loader_attaches_the_accelerators():
-    from model_runtime import accelerators
+    from model_runtime.llm import accelerators
 
     lm = cached_model("bf16")
     assert lm.model.accelerate is accelerators.resolve

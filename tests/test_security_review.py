@@ -20,8 +20,8 @@ from envoy.service.status.v3 import csds_pb2, csds_pb2_grpc
 
 from mesh_common.ports import free_port
 from meshlm import cmd_serve, cmd_sidecar, cmd_xds, logs
-from model_runtime import sealed
-from model_runtime.telemetry import MetricsServer, Telemetry
+from model_runtime.loading import sealed
+from model_runtime.serving.telemetry import MetricsServer, Telemetry
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_xds_support import upstreams

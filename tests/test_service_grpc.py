@@ -20,12 +20,18 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from model_runtime import kernels
-from model_runtime.client import Client
-from model_runtime.engine import Engine
-from model_runtime.faults import Faults
-from model_runtime.loader import DTYPE_NAMES
-from model_runtime.service import PRIORITY_HEADER, SERVICE, InferenceService, Runtime, _priority
-from model_runtime.telemetry import MetricsServer, Telemetry
+from model_runtime.engine.engine import Engine
+from model_runtime.loading.loader import DTYPE_NAMES
+from model_runtime.serving.client import Client
+from model_runtime.serving.faults import Faults
+from model_runtime.serving.service import (
+    PRIORITY_HEADER,
+    SERVICE,
+    InferenceService,
+    Runtime,
+    _priority,
+)
+from model_runtime.serving.telemetry import MetricsServer, Telemetry
 from schemas import codec
 from tests.fuzz import codec as fuzz
 from tests.runtime_fixtures import serving_runtime

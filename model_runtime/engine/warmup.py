@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from model_runtime.engine import GenerateParams
+from model_runtime.engine.engine import GenerateParams
 
 PROMPT = "Count from one to twenty."  # a long answer: no request ends before the last starts
 

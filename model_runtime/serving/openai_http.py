@@ -31,7 +31,6 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from model_runtime import openai_api as api
 from model_runtime.http_bounds import (
     REQUEST_TIMEOUT_S,
     BodyError,
@@ -39,8 +38,9 @@ from model_runtime.http_bounds import (
     BoundedServer,
     peer_closed,
 )
-from model_runtime.openai_api import ApiError
-from model_runtime.service import PROMPT_TOKENS_HEADER, TENANT_HEADER
+from model_runtime.serving import openai_api as api
+from model_runtime.serving.openai_api import ApiError
+from model_runtime.serving.service import PROMPT_TOKENS_HEADER, TENANT_HEADER
 from schemas import codec
 from schemas.codec import Limits
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model_runtime.model import BatchLayout, KVCache, Transformer, all_finite
+from model_runtime.llm.model import BatchLayout, KVCache, Transformer, all_finite
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a step's batch is padded up to one of these
 KEYS = 256  # attended keys are padded to a multiple of this

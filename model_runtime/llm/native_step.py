@@ -23,7 +23,7 @@ import torch
 
 from model_runtime import kernels
 from model_runtime.kernels.isas import library_path
-from model_runtime.quant import Int4Linear, Int8Linear, TiedInt8Embedding
+from model_runtime.llm.quant import Int4Linear, Int8Linear, TiedInt8Embedding
 
 LIBRARY = library_path("step", "avx512")
 _P = ctypes.c_void_p

@@ -40,9 +40,9 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from model_runtime import otlp
 from model_runtime.http_bounds import BoundedHandler, BoundedServer
-from model_runtime.prometheus import (
+from model_runtime.serving import otlp
+from model_runtime.serving.prometheus import (
     CONTENT_TYPE,
     E2E_BUCKETS,
     ITL_BUCKETS,

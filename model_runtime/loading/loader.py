@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model_runtime import accelerators, cuda_graphs, kernels, native_attention, native_step, sealed
-from model_runtime.gguf_loader import default_gguf_path, read_gguf
-from model_runtime.model import ModelArgs, Transformer, rope_table
-from model_runtime.quant import (
+from model_runtime import kernels
+from model_runtime.llm import accelerators, cuda_graphs, native_attention, native_step
+from model_runtime.llm.model import ModelArgs, Transformer, rope_table
+from model_runtime.llm.quant import (
     Q4_1,
     Int4Linear,
     Int8Linear,
@@ -21,7 +21,9 @@ from model_runtime.quant import (
     TiedInt8Embedding,
     use_int8_activations,
 )
-from model_runtime.tokenizer import Tokenizer
+from model_runtime.loading import sealed
+from model_runtime.loading.gguf_loader import default_gguf_path, read_gguf
+from model_runtime.loading.tokenizer import Tokenizer
 
 PRECISIONS = ("int4", "bf16", "fp16", "fp32")
 log = logging.getLogger(__name__)
@@ -198,7 +200,7 @@ def load(
     if not path.exists():
         raise FileNotFoundError(f"model source {str(path)!r} does not exist")
     if path.is_dir():
-        from model_runtime.safetensors_loader import read_llama_folder
+        from model_runtime.loading.safetensors_loader import read_llama_folder
 
         args, tensors, tok, name = read_llama_folder(path)
         digest = _digest(b"".join(_digest(p).encode() for p in sorted(path.glob("*.safetensors"))))

@@ -10,8 +10,8 @@ and the model moved after construction, so the choice waits for the first forwar
 
 from __future__ import annotations
 
-from model_runtime import cuda_graphs, native_attention, native_step
-from model_runtime.model import Transformer
+from model_runtime.llm import cuda_graphs, native_attention, native_step
+from model_runtime.llm.model import Transformer
 
 NAMES = ("native_step", "native_attention")
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model_runtime.model import ModelArgs
-from model_runtime.quant import Q4_1
+from model_runtime.llm.model import ModelArgs
+from model_runtime.llm.quant import Q4_1
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -20,7 +20,8 @@ import ctypes
 
 import torch
 
-from model_runtime import kernels, native_step
+from model_runtime import kernels
+from model_runtime.llm import native_step
 
 
 def why_not(model: torch.nn.Module) -> str | None:

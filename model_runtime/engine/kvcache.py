@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from model_runtime.model import BatchLayout
+from model_runtime.llm.model import BatchLayout
 
 
 def block_keys(token_ids: list[int], block_size: int) -> list[bytes]:
