@@ -28,11 +28,11 @@ import torch
 
 from bench.llama_peer import LlamaPeer, PeerError, installed
 from bench.machine import describe, describe_flags
-from model_runtime import kernels
 from model_runtime.engine import generate
 from model_runtime.engine.engine import Engine, GenerateParams
 from model_runtime.engine.omp import own_thread
 from model_runtime.engine.perplexity import decode_perplexity, perplexity, stdlib_text
+from model_runtime.kernels import isas, qmm
 from model_runtime.llm import native_attention, native_step
 from model_runtime.loading.gguf_loader import default_gguf_path
 from model_runtime.loading.loader import load
@@ -276,8 +276,8 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
 
 
 def _dot_product_here() -> bool:
-    build = kernels.isa() if kernels.applies() else None
-    return build is not None and kernels.has_bf16_dot(build)
+    build = isas.isa() if qmm.applies() else None
+    return build is not None and isas.has_bf16_dot(build)
 
 
 class _without_dot_product:
@@ -285,13 +285,13 @@ class _without_dot_product:
     instruction: what a CPU without avx512_bf16 runs, the same bits."""
 
     def __enter__(self) -> None:
-        self.build = kernels.isa()
-        for lib in (kernels.library(self.build), native_step.library(self.build)):
-            kernels.set_dot(lib, self.build, False)
+        self.build = isas.isa()
+        for lib in (qmm.library(self.build), native_step.library(self.build)):
+            qmm.set_dot(lib, self.build, False)
 
     def __exit__(self, *exc) -> None:
-        for lib in (kernels.library(self.build), native_step.library(self.build)):
-            kernels.set_dot(lib, self.build)
+        for lib in (qmm.library(self.build), native_step.library(self.build)):
+            qmm.set_dot(lib, self.build)
 
 
 def _perplexity_rows(models: dict, win: int, n_win: int) -> list[str]:
@@ -543,25 +543,25 @@ def main(quick: bool) -> str:
         "int4 a8": own_thread(load, precision="int4", activations="int8"),
         "bf16": own_thread(load, precision="bf16"),
     }
-    # Which build of the native kernels ran (if any) is what kernels.choose says at load: the
+    # Which build of the native kernels ran (if any) is what compute.choose says at load: the
     # bench names no instruction set of its own.
     kernel_line = (
-        f"Compute chosen at load for this CPU (`kernels.choose`): int4 model: "
+        f"Compute chosen at load for this CPU (`compute.choose`): int4 model: "
         f"{models['int4'].info.compute}; bf16 model: {models['bf16'].info.compute} "
         "(`python -m bench compute`: both choices with and without native bf16 matmuls)."
     )
     kernel_line += (
         " The same int4 model on torch's int4/int8 kernels (MESHLM_INT4_KERNEL=torch) is "
         "measured beside the native ones in every round."
-        if kernels.applies()
-        else f" No native int4/int8 kernels here: {kernels.why_not()}."
+        if qmm.applies()
+        else f" No native int4/int8 kernels here: {qmm.why_not()}."
     )
-    if kernels.applies():  # the same model on torch's kernels, for the A/B in one run
+    if qmm.applies():  # the same model on torch's kernels, for the A/B in one run
         models["int4 torch-kernel"] = _load_with("MESHLM_INT4_KERNEL", "torch")
-    if kernels.isa() == "avx512" and kernels.runs("avx2"):  # what an AVX2-only CPU runs
-        models["int4 avx2"] = _load_with(kernels.ISA_ENV, "avx2")
+    if isas.isa() == "avx512" and isas.runs("avx2"):  # what an AVX2-only CPU runs
+        models["int4 avx2"] = _load_with(isas.ISA_ENV, "avx2")
         kernel_line += (
-            f" So is the AVX2 build of the native kernels ({kernels.ISA_ENV}=avx2: what a CPU "
+            f" So is the AVX2 build of the native kernels ({isas.ISA_ENV}=avx2: what a CPU "
             "without AVX-512 runs; the same bits, half-width vectors)."
         )
     try:

@@ -54,7 +54,7 @@ class GenerateParams:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop sequences (text)
-    resume_ids: list[int] = field(default_factory=list)  # already delivered (issue 10)
+    resume_ids: list[int] = field(default_factory=list)  # already delivered (a resumed stream)
     priority: int = 0  # higher first
     tenant: str = ""  # the verified tenant (fair share and per-tenant limits key on it)
 
@@ -160,7 +160,7 @@ class Engine:
         self.max_queue = max_queue
         self.tpot_target = None if tpot_target_ms is None else tpot_target_ms / 1000
         self.static = static_batching
-        # Tenant isolation (issue 12): fair share of tokens inside a priority class, per-tenant
+        # Tenant isolation: fair share of tokens inside a priority class, per-tenant
         # limits, shedding of the lowest priority when the queue is full. Off: priority + FIFO.
         self.isolation = tenant_isolation
         self.tenant_max_streams = tenant_max_streams
@@ -659,7 +659,7 @@ class Engine:
         return out, None
 
     def _replay(self, req: _Request) -> bool:
-        """Resume (issue 10): run the ids the caller already got through the text state, so
+        """Resume: run the ids the caller already got through the text state, so
         the resumed stream's deltas are exactly what the uninterrupted stream's would have been
         from there (no byte or space lost at the boundary; stop sequences match across it).
         True if those ids had already ended the stream: the final event is sent, nothing runs.

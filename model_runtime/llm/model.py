@@ -1,10 +1,12 @@
 """Llama-family transformer (RMSNorm, pairwise RoPE, GQA attention via SDPA, SwiGLU).
 
 One forward serves prefill and decode for a batch of sequences over a paged KV cache: the caller
-(`BatchLayout`, built by kvcache.py) says where each new token's K/V go (`write_slots`) and which
-cache slots each sequence attends (`gather_slots` + `mask`). Without a layout the forward is
+(`BatchLayout`, built by engine/kvcache.py) says where each new token's K/V go (`write_slots`) and
+which cache slots each sequence attends (`gather_slots` + `mask`). Without a layout the forward is
 plain causal attention over the given tokens (perplexity, tests). q/k weights use the interleaved
-(GGUF) layout, so RoPE rotates adjacent pairs; safetensors checkpoints are permuted at load.
+(GGUF) layout, so RoPE rotates adjacent pairs; safetensors checkpoints are permuted at load. The
+model runs in torch ops alone: its accelerators (a decode step in one native call or CUDA graphs,
+native attention) are attached from outside (llm/accelerators.py).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class ModelArgs:
 
 @dataclass
 class BatchLayout:
-    """Where a forward step reads and writes the paged KV cache (see kvcache.py)."""
+    """Where a forward step reads and writes the paged KV cache (see engine/kvcache.py)."""
 
     input_pos: torch.Tensor  # int64 [B, T] absolute positions of the new tokens
     write_slots: torch.Tensor  # int64 [B * T] cache slot of every new token
@@ -70,11 +72,10 @@ class KVCache(nn.Module):
 
 def all_finite(t: torch.Tensor) -> bool:
     """No inf or NaN in `t`, by one sum (an inf or NaN makes it non-finite) instead of a bool
-    tensor as large as `t`: 0.45 ms -> ~0.05 ms for a batch-8 step's logits. The sum is float32:
-    an fp16 one overflowed on every prefill of SmolLM2 past ~7 tokens (its hidden states reach
-    24k), and each read as non-finite ran again layer by layer (fp16 prefill at half bf16's speed
-    on an H200). Finite values whose float32 sum overflowed would still read as non-finite: a
-    needless recompute, never a missed one."""
+    tensor as large as `t`. The sum is float32: hidden states reach values whose fp16 sum
+    overflows on an ordinary prefill, and each false alarm would run the forward again layer by
+    layer. Finite values whose float32 sum overflowed would still read as non-finite: a needless
+    recompute, never a missed one."""
     return bool(torch.isfinite(t.sum(dtype=torch.float32)))
 
 
@@ -89,7 +90,7 @@ def rope_table(args: ModelArgs) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     # x [B, T, H, hd]; freqs [B, T, 1, hd/2]; adjacent pairs (x0, x1) rotate together. Complex,
     # not real (cos, sin) arithmetic: as fast in eager mode, and real arithmetic rounds
-    # differently (perplexity moved by 0.02 on 2 x 512 tokens)
+    # differently (the perplexity moves)
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(xc * freqs).flatten(-2)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model_runtime import kernels
+from model_runtime.kernels import compute
 from model_runtime.llm import accelerators, cuda_graphs, native_attention, native_step
 from model_runtime.llm.model import ModelArgs, Transformer, rope_table
 from model_runtime.llm.quant import (
@@ -37,7 +37,7 @@ class ModelInfo:
     context_length: int
     group_size: int | None = None
     weight_bytes: int = 0
-    compute: str = ""  # what it computes in on this CPU (kernels.choose), e.g. for a bf16 model
+    compute: str = ""  # what it computes in on this CPU (compute.choose), e.g. for a bf16 model
     compute_dtype: str = ""  # the chosen Compute's dtype: "bf16" | "fp32" | "fp16"
     kernels: str = ""  # what the built linear layers run on: "native" | "torch" | "native+torch"
 
@@ -105,7 +105,7 @@ def build_model(
     dtype: torch.dtype | None = None,
 ) -> Transformer:
     """Assemble a Transformer from GGUF-named tensors (q/k already in the interleaved layout),
-    its accelerators attached (accelerators.py). dtype: of the dense weights and activations
+    its accelerators attached (llm/accelerators.py). dtype: of the dense weights and activations
     (default: the precision's own)."""
     dtype = dtype or _dtype(precision, device)
     int4 = precision == "int4"
@@ -195,7 +195,7 @@ def load(
     _dtype(precision, device)
     if activations not in ("bf16", "int8"):
         raise ValueError(f"activations must be bf16 or int8, got {activations!r}")
-    compute = kernels.choose(precision, device, activations)
+    chosen = compute.choose(precision, device, activations)
     path = default_gguf_path() if source is None else Path(source)
     if not path.exists():
         raise FileNotFoundError(f"model source {str(path)!r} does not exist")
@@ -220,7 +220,7 @@ def load(
     if head_bits not in (4, 8):
         raise ValueError(f"head_bits must be 4 or 8, got {head_bits}")
     model = build_model(
-        args, tensors, precision, device, group_size, keep_dense, head_bits, compute.dtype
+        args, tensors, precision, device, group_size, keep_dense, head_bits, chosen.dtype
     )
     if activations == "int8":
         use_int8_activations(model)
@@ -228,7 +228,7 @@ def load(
     if nonfinite_guard:
         guard = NonFiniteGuard()
         model.guard = guard
-    description = compute.description
+    description = chosen.description
     if precision == "int4":  # what its first decode step will run (model.native_step "auto")
         why = native_step.why_not(model)
         step = "one native call" if why is None else f"torch ops ({why})"
@@ -255,10 +255,8 @@ def load(
         group_size=g_size,
         weight_bytes=weight_bytes(model),
         compute=description,
-        compute_dtype=DTYPE_NAMES.get(compute.dtype, str(compute.dtype).removeprefix("torch.")),
+        compute_dtype=DTYPE_NAMES.get(chosen.dtype, str(chosen.dtype).removeprefix("torch.")),
         kernels=linear_kernels(model),
     )
-    log.info(
-        "%s: %s (linear layers on %s kernels)", info.version, compute.description, info.kernels
-    )
+    log.info("%s: %s (linear layers on %s kernels)", info.version, chosen.description, info.kernels)
     return LoadedModel(model, tok, info, guard)

@@ -1,4 +1,4 @@
-"""What greedy calls produced, per request id, for the quality-gated canary (issue 18).
+"""What greedy calls produced, per request id, for the quality-gated canary.
 
 A bounded LRU: request id -> the prompt's token ids (kept in memory only, never served) and the
 generated token ids. The control plane joins the stable's and the canary's records by id and asks
