@@ -1,6 +1,6 @@
 """Compute dtype by the CPU's features (issue 13, item 2): what a bf16 model and the int4 model
 run fastest in with and without native bf16 matmuls (avx512_bf16 / AMX-BF16), and what
-`kernels.choose` picks on each.
+`compute.choose` picks on each.
 
 A CPU without them is emulated on this one by capping oneDNN's ISA in a child process
 (ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI: AVX-512 and VNNI, as on the 2-core Xeons of issue 13);
@@ -38,22 +38,23 @@ def _child(n: int, p_len: int, rounds: int) -> dict:
     """In this process (ONEDNN_MAX_CPU_ISA as the parent set it): variant -> figures."""
     import torch
 
-    from model_runtime import generate, kernels
-    from model_runtime.loader import load
-    from model_runtime.perplexity import stdlib_text
+    from model_runtime.engine import generate
+    from model_runtime.engine.perplexity import stdlib_text
+    from model_runtime.kernels import compute
+    from model_runtime.loading.loader import load
 
     models = {}
     for name, precision, dtype in VARIANTS:
-        os.environ.pop(kernels.COMPUTE_ENV, None)
+        os.environ.pop(compute.COMPUTE_ENV, None)
         if dtype:
-            os.environ[kernels.COMPUTE_ENV] = dtype
+            os.environ[compute.COMPUTE_ENV] = dtype
         models[name] = load(precision=precision)
-    os.environ.pop(kernels.COMPUTE_ENV, None)
+    os.environ.pop(compute.COMPUTE_ENV, None)
     tok = models["int4"].tokenizer
     ids, text = tok.encode_chat(STORY), tok.encode(stdlib_text())
     out: dict = {
-        "choice bf16": kernels.choose("bf16").description,
-        "choice int4": kernels.choose("int4").description,
+        "choice bf16": compute.choose("bf16").description,
+        "choice int4": compute.choose("int4").description,
         "threads": torch.get_num_threads(),
     }
     for lm in models.values():  # warm-up, not recorded
@@ -131,7 +132,7 @@ def main(quick: bool) -> str:
     lines += [
         "",
         "| CPU | fp32 / bf16 decode b1 | b8 | CPU per token (lower: fp32 cheaper) | prefill | "
-        "kernels.choose picks |",
+        "compute.choose picks |",
         "|---|---|---|---|---|---|",
     ]
     for label, r in results.items():

@@ -32,11 +32,12 @@ from bench.bench_runtime import (
     _with_engine,
 )
 from bench.machine import describe
-from model_runtime import cuda_graphs, generate
-from model_runtime.gguf_loader import default_gguf_path
-from model_runtime.loader import load
-from model_runtime.perplexity import decode_perplexity, perplexity, stdlib_text
-from model_runtime.warmup import warm_up
+from model_runtime.engine import generate
+from model_runtime.engine.perplexity import decode_perplexity, perplexity, stdlib_text
+from model_runtime.engine.warmup import warm_up
+from model_runtime.llm import cuda_graphs
+from model_runtime.loading.gguf_loader import default_gguf_path
+from model_runtime.loading.loader import load
 
 FRANCE = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
 BATCHES = (1, 8, 64)
@@ -96,7 +97,7 @@ def _hf_prefill(model, prompt: list[int]) -> float:
 def _engine_concurrent(lm, ids: list[int], n: int, k: int) -> float:
     """Tokens/s of k identical requests submitted at once to one Engine: all their tokens over
     the wall time from submitting to the last token, prefills included. The Engine is warmed up
-    as served (model_runtime/warmup.py: on a GPU that captures the graphs of batch 1..k)."""
+    as served (model_runtime/engine/warmup.py: on a GPU that captures the graphs of batch 1..k)."""
 
     def run(engine) -> float:
         warm_up(engine, lm.tokenizer)  # as `meshlm serve` does: decode at batch 1..k once

@@ -2,8 +2,8 @@
 int4 canary (exact Q4_1 remap, group 32), the same on int8 activations, and a degraded one
 (re-quantized at group 64), on a fixed golden prompt set, beside each model's perplexity. The
 figures are xds_server.rollout.quality's (`agreement`, the gate's own code), the stable being bf16;
-greedy answers come from model_runtime.generate.greedy, the scores from
-model_runtime.records.teacher_forced (what a runtime's GET /score runs).
+greedy answers come from model_runtime.engine.generate.greedy, the scores from
+model_runtime.serving.records.teacher_forced (what a runtime's GET /score runs).
 
 `python -m bench quality` (add --quick for a smoke run).
 """
@@ -14,10 +14,10 @@ import os
 import time
 
 from bench.machine import describe
-from model_runtime.generate import greedy
-from model_runtime.loader import load
-from model_runtime.perplexity import perplexity, stdlib_text
-from model_runtime.records import teacher_forced
+from model_runtime.engine.generate import greedy
+from model_runtime.engine.perplexity import perplexity, stdlib_text
+from model_runtime.loading.loader import load
+from model_runtime.serving.records import teacher_forced
 from xds_server.rollout.quality import Sample, agreement
 
 GOLDEN = [

@@ -28,12 +28,14 @@ import torch
 
 from bench.llama_peer import LlamaPeer, PeerError, installed
 from bench.machine import describe, describe_flags
-from model_runtime import generate, kernels, native_attention, native_step
-from model_runtime.engine import Engine, GenerateParams
-from model_runtime.gguf_loader import default_gguf_path
-from model_runtime.loader import load
-from model_runtime.omp import own_thread
-from model_runtime.perplexity import decode_perplexity, perplexity, stdlib_text
+from model_runtime.engine import generate
+from model_runtime.engine.engine import Engine, GenerateParams
+from model_runtime.engine.omp import own_thread
+from model_runtime.engine.perplexity import decode_perplexity, perplexity, stdlib_text
+from model_runtime.kernels import isas, qmm
+from model_runtime.llm import native_attention, native_step
+from model_runtime.loading.gguf_loader import default_gguf_path
+from model_runtime.loading.loader import load
 
 BY_CPU_KIND = True  # bench/__main__.py: one section per CPU kind
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
@@ -161,7 +163,7 @@ def _step_rounds(int4, ids: list[int], n: int, add) -> None:
 def _with_engine(lm, fn, **engine_args):
     """`fn(engine)` on a fresh Engine over `lm` (warmed by one short call), shut down after: its
     thread, and the OpenMP pool of that thread, end with it, so that no measurement runs beside
-    another thread's pool (model_runtime/omp.py: two pools on 2 cores halve decode speed)."""
+    another thread's pool (model_runtime/engine/omp.py: two pools on 2 cores halve decode speed)."""
     engine = Engine(lm, **engine_args)
     engine.start()
     try:
@@ -274,8 +276,8 @@ def _speed_rounds(models: dict, peer: LlamaPeer | None, n: int, p_len: int, roun
 
 
 def _dot_product_here() -> bool:
-    build = kernels.isa() if kernels.applies() else None
-    return build is not None and kernels.has_bf16_dot(build)
+    build = isas.isa() if qmm.applies() else None
+    return build is not None and isas.has_bf16_dot(build)
 
 
 class _without_dot_product:
@@ -283,13 +285,13 @@ class _without_dot_product:
     instruction: what a CPU without avx512_bf16 runs, the same bits."""
 
     def __enter__(self) -> None:
-        self.build = kernels.isa()
-        for lib in (kernels.library(self.build), native_step.library(self.build)):
-            kernels.set_dot(lib, self.build, False)
+        self.build = isas.isa()
+        for lib in (qmm.library(self.build), native_step.library(self.build)):
+            qmm.set_dot(lib, self.build, False)
 
     def __exit__(self, *exc) -> None:
-        for lib in (kernels.library(self.build), native_step.library(self.build)):
-            kernels.set_dot(lib, self.build)
+        for lib in (qmm.library(self.build), native_step.library(self.build)):
+            qmm.set_dot(lib, self.build)
 
 
 def _perplexity_rows(models: dict, win: int, n_win: int) -> list[str]:
@@ -533,7 +535,7 @@ def main(quick: bool) -> str:
             peer = LlamaPeer(str(default_gguf_path()), threads)
         except PeerError as e:
             why_not = f"**failed to start**: {e}; no comparison in this run."
-    # Torch work of this process runs on threads of its own (model_runtime/omp.py): this one
+    # Torch work of this process runs on threads of its own (model_runtime/engine/omp.py): this one
     # starts no OpenMP pool that would outlive a measurement.
     models = {
         "int4": own_thread(load, precision="int4"),
@@ -541,25 +543,25 @@ def main(quick: bool) -> str:
         "int4 a8": own_thread(load, precision="int4", activations="int8"),
         "bf16": own_thread(load, precision="bf16"),
     }
-    # Which build of the native kernels ran (if any) is what kernels.choose says at load: the
+    # Which build of the native kernels ran (if any) is what compute.choose says at load: the
     # bench names no instruction set of its own.
     kernel_line = (
-        f"Compute chosen at load for this CPU (`kernels.choose`): int4 model: "
+        f"Compute chosen at load for this CPU (`compute.choose`): int4 model: "
         f"{models['int4'].info.compute}; bf16 model: {models['bf16'].info.compute} "
         "(`python -m bench compute`: both choices with and without native bf16 matmuls)."
     )
     kernel_line += (
         " The same int4 model on torch's int4/int8 kernels (MESHLM_INT4_KERNEL=torch) is "
         "measured beside the native ones in every round."
-        if kernels.applies()
-        else f" No native int4/int8 kernels here: {kernels.why_not()}."
+        if qmm.applies()
+        else f" No native int4/int8 kernels here: {qmm.why_not()}."
     )
-    if kernels.applies():  # the same model on torch's kernels, for the A/B in one run
+    if qmm.applies():  # the same model on torch's kernels, for the A/B in one run
         models["int4 torch-kernel"] = _load_with("MESHLM_INT4_KERNEL", "torch")
-    if kernels.isa() == "avx512" and kernels.runs("avx2"):  # what an AVX2-only CPU runs
-        models["int4 avx2"] = _load_with(kernels.ISA_ENV, "avx2")
+    if isas.isa() == "avx512" and isas.runs("avx2"):  # what an AVX2-only CPU runs
+        models["int4 avx2"] = _load_with(isas.ISA_ENV, "avx2")
         kernel_line += (
-            f" So is the AVX2 build of the native kernels ({kernels.ISA_ENV}=avx2: what a CPU "
+            f" So is the AVX2 build of the native kernels ({isas.ISA_ENV}=avx2: what a CPU "
             "without AVX-512 runs; the same bits, half-width vectors)."
         )
     try:
@@ -589,7 +591,7 @@ def main(quick: bool) -> str:
         "forward (best of 3 runs) against llama.cpp's high-level completion API including "
         "prefill and sampling; those figures are not comparable with these. Each of our "
         "measurements runs alone on a thread of its own or on a fresh Engine's "
-        "(model_runtime/omp.py: a second OpenMP pool on 2 cores halves decode speed); "
+        "(model_runtime/engine/omp.py: a second OpenMP pool on 2 cores halves decode speed); "
         "sections measured before that ran beside a used Engine's pool and read low.",
         "",
         f"Perplexity over {n_win}x{win} tokens of pydoc_data/topics.py: one forward a window "

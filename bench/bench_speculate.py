@@ -15,8 +15,8 @@ import time
 import torch
 
 from bench.machine import describe
-from model_runtime.engine import Engine, GenerateParams
-from model_runtime.loader import load
+from model_runtime.engine.engine import Engine, GenerateParams
+from model_runtime.loading.loader import load
 
 _PARA = (
     "The old lighthouse stood at the edge of the cliff for more than two hundred years. Every "

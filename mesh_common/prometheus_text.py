@@ -1,5 +1,5 @@
 """Prometheus text exposition (format 0.0.4) for every `GET /metrics` of the mesh: the runtime's
-(model_runtime/prometheus.py) and the control plane's (xds_server/admin/metrics.py).
+(model_runtime/serving/prometheus.py) and the control plane's (xds_server/admin/metrics.py).
 
 prometheus_client writes the text; each server keeps a registry of its own, never the library's
 process-wide one, so several runtimes or control planes in one process (tests, benchmarks) never

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from model_runtime.service import Runtime
+from model_runtime.serving.service import Runtime
 from sidecar.envoy_process import EnvoyProcess
 from tests import testbed
 from tests.runtime_fixtures import serving_runtime

@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from model_runtime.loader import LoadedModel, load
+from model_runtime.loading.loader import LoadedModel, load
 
 
 @functools.cache
@@ -23,8 +23,8 @@ def cached_model(precision: str) -> LoadedModel:
 def serving_runtime(loaded: LoadedModel, *, max_batch: int = 4, max_queue: int = 8, **kw: Any):
     """A started gRPC runtime (`Runtime(**kw)`, e.g. faults, replica_id, telemetry) serving
     `loaded` through its own started Engine. The caller shuts it down."""
-    from model_runtime.engine import Engine
-    from model_runtime.service import Runtime
+    from model_runtime.engine.engine import Engine
+    from model_runtime.serving.service import Runtime
 
     engine = Engine(loaded, max_batch=max_batch, max_queue=max_queue)
     engine.start()
@@ -36,8 +36,8 @@ def serving_runtime(loaded: LoadedModel, *, max_batch: int = 4, max_queue: int =
 @contextlib.contextmanager
 def serving_records(loaded: LoadedModel):
     """(records URL base, Client, Runtime): a serving runtime with its metrics port's /records."""
-    from model_runtime.client import Client
-    from model_runtime.telemetry import MetricsServer
+    from model_runtime.serving.client import Client
+    from model_runtime.serving.telemetry import MetricsServer
 
     rt = serving_runtime(loaded)
     try:
@@ -62,7 +62,7 @@ def calls_in_background(target: str, calls: Sequence[Callable[[Any], object]], j
     (authority llm) until the block ends; an RPC error is left for the gates to count."""
     import grpc
 
-    from model_runtime.client import Client
+    from model_runtime.serving.client import Client
 
     stop = threading.Event()
 

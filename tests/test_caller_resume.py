@@ -17,9 +17,9 @@ from mesh_common.headers import VERSION_HEADER
 from mesh_common.ports import free_port
 from meshlm.client import Caller, Stall, StreamLost
 from meshlm.demo.procs import Proc, wait_until
-from model_runtime.client import Client
-from model_runtime.faults import Faults
-from model_runtime.service import Runtime
+from model_runtime.serving.client import Client
+from model_runtime.serving.faults import Faults
+from model_runtime.serving.service import Runtime
 from schemas import codec
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess

@@ -21,7 +21,7 @@ import yaml
 from grpc_health.v1 import health, health_pb2_grpc
 
 from mesh_common.ports import free_port
-from model_runtime.client import GENERATE
+from model_runtime.serving.client import GENERATE
 from schemas import codec
 from tests.test_xds_support import eventually, sidecar
 from xds_server.admin.api import AdminServer

@@ -19,7 +19,7 @@ from meshlm.client import (
     StreamLost,
     Unauthenticated,
 )
-from model_runtime.faults import Faults
+from model_runtime.serving.faults import Faults
 from tests.client_support import CHAT, Guarded, guarded_runtime
 from tests.runtime_fixtures import serving_runtime
 

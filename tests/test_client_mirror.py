@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from meshlm.client import AsyncCaller, Caller
-from model_runtime.client import GENERATE, Client
+from model_runtime.serving.client import GENERATE, Client
 from schemas import codec
 
 CHAT = [{"role": "user", "content": "Hi"}]

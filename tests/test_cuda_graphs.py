@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs (model_runtime/cuda_graphs.py).
+"""Decode steps replayed from CUDA graphs (model_runtime/llm/cuda_graphs.py).
 
 On the CPU the padded static step runs eagerly (`GraphStep.step_eager`): the same inputs, padding
 and mask that a captured graph reads, so these tests check that a padded batch and padded keys
@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_runtime import cuda_graphs, generate
-from model_runtime.kvcache import layout_decode, layout_prefill
+from model_runtime.engine import generate
+from model_runtime.engine.kvcache import layout_decode, layout_prefill
+from model_runtime.llm import cuda_graphs
 
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 BS = generate.BLOCK
@@ -79,7 +80,7 @@ def test_the_padded_static_step_gives_the_steps_logits_and_writes_only_its_slots
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_replayed_graphs_decode_like_eager_steps_on_a_cuda_device():
-    from model_runtime.loader import load
+    from model_runtime.loading.loader import load
 
     lm = load(precision="fp16", device="cuda")
     tok = lm.tokenizer

@@ -12,7 +12,7 @@ import grpc
 
 from mesh_common.ports import free_port
 from meshlm.demo.traffic import TenantLoad, Traffic
-from model_runtime.service import SERVICE
+from model_runtime.serving.service import SERVICE
 from schemas import codec
 
 CALLS = 40  # more than the old pool of 16 workers

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from model_runtime.engine import Engine, EngineFull, GenerateParams, TokenEvent
+from model_runtime.engine.engine import Engine, EngineFull, GenerateParams, TokenEvent
 
 PROMPTS = [
     "What is the capital of France? Answer with one word.",

@@ -13,9 +13,9 @@ import pytest
 
 from mesh_common.headers import TENANT_HEADER
 from mesh_common.ports import free_port
-from model_runtime.client import Client
-from model_runtime.engine import Engine
-from model_runtime.service import Runtime
+from model_runtime.engine.engine import Engine
+from model_runtime.serving.client import Client
+from model_runtime.serving.service import Runtime
 from schemas import codec
 from sidecar.envoy_process import EnvoyProcess
 from tests import testbed

@@ -14,10 +14,10 @@ import grpc
 import pytest
 
 from mesh_common.headers import PRIORITY_HEADER, TENANT_HEADER
-from model_runtime.client import Client
-from model_runtime.engine import Engine, EngineFull, GenerateParams, TokenEvent
-from model_runtime.fair import FairQueue
-from model_runtime.service import Runtime
+from model_runtime.engine.engine import Engine, EngineFull, GenerateParams, TokenEvent
+from model_runtime.engine.fair import FairQueue
+from model_runtime.serving.client import Client
+from model_runtime.serving.service import Runtime
 
 TIMEOUT = 120
 

@@ -22,9 +22,9 @@ import grpc
 import pytest
 
 from mesh_common.ports import free_port
-from model_runtime.client import Client
-from model_runtime.faults import Faults
-from model_runtime.telemetry import MetricsServer
+from model_runtime.serving.client import Client
+from model_runtime.serving.faults import Faults
+from model_runtime.serving.telemetry import MetricsServer
 from tests.runtime_fixtures import serving_runtime
 from tests.test_rollout_envoy import caller_mesh, sources, wait_terminal
 from xds_server.mesh.rollout_spec import PrometheusProvider, parse_rollout

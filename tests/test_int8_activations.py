@@ -17,23 +17,25 @@ from bench.bench_quality import GOLDEN
 from mesh_common.ports import free_port
 from meshlm.demo.launcher import _serving
 from meshlm.demo.procs import Proc, wait_until
-from model_runtime import generate, kernels, native_step
-from model_runtime.client import Client
-from model_runtime.kvcache import layout_decode
-from model_runtime.loader import load
-from model_runtime.perplexity import decode_perplexity, perplexity, stdlib_text
-from model_runtime.quant import (
+from model_runtime.engine import generate
+from model_runtime.engine.kvcache import layout_decode
+from model_runtime.engine.perplexity import decode_perplexity, perplexity, stdlib_text
+from model_runtime.kernels import isas, qmm
+from model_runtime.llm import native_step
+from model_runtime.llm.quant import (
     Int4Linear,
     Int8Linear,
     pack_head_q8,
     pack_q8,
     use_int8_activations,
 )
-from model_runtime.records import teacher_forced
+from model_runtime.loading.loader import load
+from model_runtime.serving.client import Client
+from model_runtime.serving.records import teacher_forced
 from tests.test_native_step import BS, STORY, _prefilled, compare_steps
 from xds_server.rollout.quality import Sample, agreement
 
-BUILDS = [b for b in kernels.BUILDS if kernels.runs(b)]
+BUILDS = [b for b in isas.BUILDS if isas.runs(b)]
 
 
 def _q8_mm(build: str, layer, x: torch.Tensor, vnni: bool, threads: int = 2):
@@ -44,7 +46,7 @@ def _q8_mm(build: str, layer, x: torch.Tensor, vnni: bool, threads: int = 2):
     else:
         fn, codes, sz = "int8mm_q8", pack_head_q8(layer.q), layer.scales
     y = torch.empty(x.shape[0], layer.out_features, dtype=torch.bfloat16)
-    rc = getattr(kernels.library(build), fn)(
+    rc = getattr(qmm.library(build), fn)(
         x.data_ptr(), x.shape[0], layer.in_features, codes.data_ptr(), sz.data_ptr(),
         layer.out_features, y.data_ptr(), threads, int(vnni),
     )  # fmt: skip
@@ -67,8 +69,8 @@ SHAPES = [("int4", 576, 1536), ("int4", 960, 576), ("int8", 1024, 576)]
 
 
 def _need_native():
-    if not BUILDS or not kernels.applies():
-        pytest.skip(f"no native kernels on this CPU: {kernels.why_not()}")
+    if not BUILDS or not qmm.applies():
+        pytest.skip(f"no native kernels on this CPU: {qmm.why_not()}")
 
 
 def test_pack_q8_puts_four_ks_of_a_column_in_a_lane():
@@ -109,7 +111,7 @@ def test_int8_activations_give_the_same_bits_alone_batched_any_threads_and_vnni(
     assert torch.equal(alone, ref)
     for threads in (1, 3):
         assert torch.equal(_q8_mm(build, lin, x, False, threads), ref)
-    if kernels.has_vnni(build):
+    if isas.has_vnni(build):
         assert torch.equal(_q8_mm(build, lin, x, vnni=True), ref)
 
 
@@ -118,7 +120,7 @@ def test_both_builds_give_the_same_int8_activation_bits(shape):
     if len(BUILDS) < 2:
         pytest.skip("this CPU does not run both builds")
     lin, x = _layer(*shape)
-    got = [_q8_mm(b, lin, x, kernels.has_vnni(b)) for b in BUILDS]
+    got = [_q8_mm(b, lin, x, isas.has_vnni(b)) for b in BUILDS]
     assert torch.equal(got[0], got[1])
 
 
@@ -132,7 +134,7 @@ def int4_a8():
 
 def test_load_says_it_computes_on_int8_activations(int4_a8, smollm_int4):
     assert int4_a8.info.version.endswith(":int4-a8")
-    how = "VNNI" if kernels.has_vnni(int4_a8.model.output.isa) else "no VNNI"
+    how = "VNNI" if isas.has_vnni(int4_a8.model.output.isa) else "no VNNI"
     assert f", int8 activations ({how}" in int4_a8.info.compute
     assert "; decode steps in one native call; prefill attention in one native call a layer" in (
         int4_a8.info.compute

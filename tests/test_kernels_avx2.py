@@ -3,7 +3,7 @@ them on any AVX2 CPU, as it does by itself on one without AVX-512), in a child p
 reads the variable once): each build's int4 and int8 results are within one bf16 rounding of
 torch's AVX2 int4pack and int8pack kernels, and the same bits as in a process where torch
 dispatches its own choice: the native kernels do not depend on which kernels torch dispatches
-(kernels/__init__.py)."""
+(kernels/qmm.py)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from model_runtime import kernels
+from model_runtime.kernels import isas
 
 ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
 import hashlib, json, os, sys
 import torch
-from model_runtime import kernels
-from model_runtime.quant import Int4Linear, Int8Linear
+from model_runtime.kernels import isas
+from model_runtime.llm.quant import Int4Linear, Int8Linear
 
 def close(ours, want):
     tol = want.float().abs() * 2.0**-7 + 1e-4 * want.float().abs().max()
@@ -32,7 +32,7 @@ def close(ours, want):
 out = {"capability": torch.backends.cpu.get_cpu_capability()}
 for build in sys.argv[1:]:
     gen = torch.Generator().manual_seed(0)
-    os.environ[kernels.ISA_ENV] = build
+    os.environ[isas.ISA_ENV] = build
     digest, within = hashlib.sha256(), []
     for n, k in ((960, 576), (576, 1536)):
         w = torch.randn(n, k, generator=gen)
@@ -74,7 +74,7 @@ def _child(builds: list[str], **env: str) -> dict:
 
 
 def test_native_kernels_give_their_bits_whatever_torch_dispatches():
-    builds = [b for b in kernels.BUILDS if kernels.runs(b)]
+    builds = [b for b in isas.BUILDS if isas.runs(b)]
     if "avx2" not in builds:
         pytest.skip("not an x86-64 Linux CPU with AVX2")
     avx2 = _child(builds, ATEN_CPU_CAPABILITY="avx2")

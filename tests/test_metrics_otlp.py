@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from mesh_common.ports import free_port
 from meshlm.demo.launcher import _serving
 from meshlm.demo.procs import Proc, wait_until
-from model_runtime.client import Client
+from model_runtime.serving.client import Client
 
 _MESSAGES = {
     "/v1/traces": (

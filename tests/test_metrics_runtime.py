@@ -12,9 +12,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from model_runtime.client import Client
-from model_runtime.prometheus import MAX_TENANTS, OTHER_TENANT
-from model_runtime.telemetry import MetricsServer, Telemetry
+from model_runtime.serving.client import Client
+from model_runtime.serving.prometheus import MAX_TENANTS, OTHER_TENANT
+from model_runtime.serving.telemetry import MetricsServer, Telemetry
 from tests.promtool_support import check_metrics, scrape
 from tests.runtime_fixtures import serving_runtime
 from xds_server.rollout.gates.fetch import MeasurementError

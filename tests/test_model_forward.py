@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_runtime.kvcache import SeqCache, layout_decode, layout_prefill
-from model_runtime.model import KVCache, ModelArgs, Transformer
+from model_runtime.engine.kvcache import SeqCache, layout_decode, layout_prefill
+from model_runtime.llm.model import KVCache, ModelArgs, Transformer
 
 ARGS = ModelArgs(
     dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=40, context_length=96

@@ -14,11 +14,11 @@ import copy
 import pytest
 import torch
 
-from model_runtime import generate
-from model_runtime.engine import Engine, GenerateParams
-from model_runtime.model import all_finite
-from model_runtime.perplexity import stdlib_text
-from model_runtime.quant import Int4Linear
+from model_runtime.engine import generate
+from model_runtime.engine.engine import Engine, GenerateParams
+from model_runtime.engine.perplexity import stdlib_text
+from model_runtime.llm.model import all_finite
+from model_runtime.llm.quant import Int4Linear
 from tests.runtime_fixtures import cached_model
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
@@ -82,8 +82,8 @@ def test_an_fp16_prefill_runs_its_layers_once():
     """SmolLM2's hidden states reach ~24k: their fp16 sum overflows on any prompt past a few
     tokens, and a guard that read that as non-finite ran every fp16 prefill a second time
     (CUDA's fp16 path; fp16 on the CPU here, built directly: load() keeps it for CUDA)."""
-    from model_runtime.gguf_loader import default_gguf_path, read_gguf
-    from model_runtime.loader import build_model
+    from model_runtime.loading.gguf_loader import default_gguf_path, read_gguf
+    from model_runtime.loading.loader import build_model
 
     g = read_gguf(default_gguf_path())
     model = build_model(g.args, g.tensors, "bf16", dtype=torch.float16)

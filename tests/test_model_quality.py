@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_runtime import generate
-from model_runtime.loader import load
-from model_runtime.perplexity import perplexity, stdlib_text
+from model_runtime.engine import generate
+from model_runtime.engine.perplexity import perplexity, stdlib_text
+from model_runtime.loading.loader import load
 
 # Prompts where the model is confident (top-1 margin is large at every step). "Name three
 # colors." was one until issue 13's kernels: its first token's two best logits tied in int4 (and

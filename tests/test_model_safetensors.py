@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from model_runtime.loader import load
-from model_runtime.safetensors_loader import read_safetensors
+from model_runtime.loading.loader import load
+from model_runtime.loading.safetensors_loader import read_safetensors
 
 CFG = {
     "architectures": ["LlamaForCausalLM"],

@@ -1,5 +1,5 @@
-"""The int4 decode step as one native call (model_runtime/native_step.py, kernels/step.c), and
-its attention alone in a step that runs in torch ops (model_runtime/native_attention.py).
+"""The int4 decode step as one native call (model_runtime/llm/native_step.py, kernels/step.c), and
+its attention alone in a step that runs in torch ops (model_runtime/llm/native_attention.py).
 
 Its attention's softmax is not torch's to the last bit, so these tests compare it with torch's
 ops within a tolerance and assert exactly only what holds on every CPU: the K/V it writes to the
@@ -18,9 +18,11 @@ import functools
 import pytest
 import torch
 
-from model_runtime import generate, kernels, native_attention, native_step
-from model_runtime.kvcache import layout_decode, layout_prefill
-from model_runtime.loader import load
+from model_runtime.engine import generate
+from model_runtime.engine.kvcache import layout_decode, layout_prefill
+from model_runtime.kernels import isas, qmm
+from model_runtime.llm import native_attention, native_step
+from model_runtime.loading.loader import load
 
 STORY = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
 BS = 16
@@ -35,9 +37,9 @@ def _checked(lm):
 
 def _loaded_for(build: str, smollm_int4):
     """The int4 model with its layers on `build` (the shared one where it already is)."""
-    if not kernels.runs(build):
+    if not isas.runs(build):
         pytest.skip(f"this CPU does not run the {build} build")
-    if smollm_int4.model.output.isa == build or not kernels.applies():
+    if smollm_int4.model.output.isa == build or not qmm.applies():
         return smollm_int4
     return _load(build)
 
@@ -45,13 +47,13 @@ def _loaded_for(build: str, smollm_int4):
 @functools.cache
 def _load(build: str):
     with pytest.MonkeyPatch.context() as m:
-        m.setenv(kernels.ISA_ENV, build)
+        m.setenv(isas.ISA_ENV, build)
         lm = load(precision="int4")
     assert lm.model.output.isa == build
     return lm
 
 
-@pytest.fixture(scope="module", params=kernels.BUILDS)
+@pytest.fixture(scope="module", params=isas.BUILDS)
 def int4(request, smollm_int4):
     """The int4 model on each build of the native kernels in turn."""
     return _checked(_loaded_for(request.param, smollm_int4))
@@ -250,7 +252,7 @@ def test_a_step_gives_the_same_bits_on_any_thread_count(int4, rows):
 @torch.inference_mode()
 def test_the_avx2_step_gives_the_avx512_steps_bits(smollm_int4):
     """One source, two builds: on a CPU that runs both, the same logits and K/V, step by step."""
-    if not (kernels.runs("avx512") and kernels.runs("avx2")):
+    if not (isas.runs("avx512") and isas.runs("avx2")):
         pytest.skip("this CPU does not run both builds")
     models = [_loaded_for(b, smollm_int4) for b in ("avx512", "avx2")]
     steps = [native_step.attach(lm.model) for lm in models]

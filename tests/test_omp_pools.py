@@ -1,6 +1,6 @@
-"""torch's parallel work on one thread at a time (model_runtime/omp.py, issue 13): a thread that
-ran a parallel region keeps an OpenMP pool (worker threads) until it ends, and two pools on
-2 cores halve decode speed. Pools are counted as the OS threads of a fresh process with 2 torch
+"""torch's parallel work on one thread at a time (model_runtime/engine/omp.py): a thread that ran
+a parallel region keeps an OpenMP pool (worker threads) until it ends, and two pools on 2 cores
+halve decode speed. Pools are counted as the OS threads of a fresh process with 2 torch
 threads (this test process's own threads hold pools already)."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import textwrap
 
 import pytest
 
-from model_runtime.omp import own_thread
+from model_runtime.engine.omp import own_thread
 
 COUNT = textwrap.dedent(
     """
     import json, os, sys, time
     import torch
     torch.set_num_threads(2)
-    from model_runtime.omp import own_thread
+    from model_runtime.engine.omp import own_thread
 
     def count():
         return len(os.listdir("/proc/self/task"))
@@ -39,8 +39,8 @@ COUNT = textwrap.dedent(
     own_thread(parallel)
     out["own_thread"] = settled(out["start"])
     if sys.argv[1] == "engine":
-        from model_runtime.engine import Engine
-        from model_runtime.loader import load
+        from model_runtime.engine.engine import Engine
+        from model_runtime.loading.loader import load
         lm = own_thread(load, precision="int4")
         out["loaded"] = settled(out["start"])
         engine = Engine(lm)  # allocates its KV cache

@@ -17,10 +17,10 @@ import openai
 import pytest
 
 from mesh_common.headers import PROMPT_TOKENS_HEADER, REPLICA_HEADER, TENANT_HEADER
-from model_runtime.client import Client
-from model_runtime.faults import Faults
-from model_runtime.openai_http import OpenAIServer
-from model_runtime.service import Runtime
+from model_runtime.serving.client import Client
+from model_runtime.serving.faults import Faults
+from model_runtime.serving.openai_http import OpenAIServer
+from model_runtime.serving.service import Runtime
 from tests.runtime_fixtures import serving_runtime
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]

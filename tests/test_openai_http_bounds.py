@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import pytest
 
 from mesh_common.headers import TENANT_HEADER
-from model_runtime.openai_http import OpenAIServer
-from model_runtime.service import Runtime
+from model_runtime.serving.openai_http import OpenAIServer
+from model_runtime.serving.service import Runtime
 from tests.runtime_fixtures import serving_runtime
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]

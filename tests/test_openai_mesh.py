@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from mesh_common.ports import free_port
-from model_runtime.client import Client
-from model_runtime.faults import Faults
-from model_runtime.openai_http import OpenAIServer
+from model_runtime.serving.client import Client
+from model_runtime.serving.faults import Faults
+from model_runtime.serving.openai_http import OpenAIServer
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.runtime_fixtures import serving_runtime

@@ -18,8 +18,8 @@ import pytest
 
 from mesh_common.headers import TENANT_HEADER
 from mesh_common.ports import free_port
-from model_runtime.openai_http import OpenAIServer
-from model_runtime.service import Runtime
+from model_runtime.serving.openai_http import OpenAIServer
+from model_runtime.serving.service import Runtime
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.runtime_fixtures import serving_runtime

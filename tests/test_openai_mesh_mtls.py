@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from mesh_common.ports import free_port
-from model_runtime.openai_http import OpenAIServer
+from model_runtime.serving.openai_http import OpenAIServer
 from tests.runtime_fixtures import serving_runtime
 from tests.test_identity_support import Sidecar, identity_sidecar, join_token_file, short_dir
 from tests.test_xds_support import eventually

@@ -19,9 +19,9 @@ from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
 from xds.service.orca.v3.orca_pb2 import OrcaLoadReportRequest
 
 from mesh_common.ports import free_port
-from model_runtime.client import Client
-from model_runtime.orca import MAX_STREAMS, MAX_STREAMS_PER_PEER
-from model_runtime.service import Runtime
+from model_runtime.serving.client import Client
+from model_runtime.serving.orca import MAX_STREAMS, MAX_STREAMS_PER_PEER
+from model_runtime.serving.service import Runtime
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.runtime_fixtures import serving_runtime

@@ -13,11 +13,11 @@ from google.protobuf.duration_pb2 import Duration
 from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
 from xds.service.orca.v3.orca_pb2 import OrcaLoadReportRequest
 
-from model_runtime.client import Client
-from model_runtime.engine import Engine, GenerateParams
-from model_runtime.faults import Faults
-from model_runtime.orca import UTILIZATION_FLOOR, UTILIZATION_SCALE, Sample, load
-from model_runtime.service import Runtime
+from model_runtime.engine.engine import Engine, GenerateParams
+from model_runtime.serving.client import Client
+from model_runtime.serving.faults import Faults
+from model_runtime.serving.orca import UTILIZATION_FLOOR, UTILIZATION_SCALE, Sample, load
+from model_runtime.serving.service import Runtime
 
 # Times real processes against its own baseline or a deadline: not beside another test (-n 2).
 pytestmark = pytest.mark.alone

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from mesh_common.ports import free_port
-from model_runtime.client import Client
+from model_runtime.serving.client import Client
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.runtime_fixtures import calls_in_background

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from model_runtime.client import Client
-from model_runtime.records import Records
+from model_runtime.serving.client import Client
+from model_runtime.serving.records import Records
 from tests.runtime_fixtures import get_json, serving_records
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from model_runtime.loader import load
-from model_runtime.telemetry import MetricsServer
+from model_runtime.loading.loader import load
+from model_runtime.serving.telemetry import MetricsServer
 from tests.runtime_fixtures import calls_in_background, serving_runtime
 from tests.test_rollout_envoy import caller_mesh, wait_terminal
 from xds_server.rollout.controller import RolloutController

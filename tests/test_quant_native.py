@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_runtime import kernels
-from model_runtime.gguf_loader import Q4_1, default_gguf_path, read_gguf
-from model_runtime.quant import Int4Linear, Int8Linear
+from model_runtime.kernels import isas, qmm
+from model_runtime.llm.quant import Q4_1, Int4Linear, Int8Linear
+from model_runtime.loading.gguf_loader import default_gguf_path, read_gguf
 
 # one of each shape the model has: qkv [960, 576], wo [576, 576], gate|up [1536, 576] halves,
 # down [576, 1536]
@@ -19,14 +19,14 @@ NAMES = ("blk.0.attn_q.weight", "blk.7.attn_output.weight", "blk.29.ffn_up.weigh
 NAMES += ("blk.13.ffn_down.weight",)
 
 
-@pytest.fixture(params=kernels.BUILDS)
+@pytest.fixture(params=isas.BUILDS)
 def build(request, monkeypatch):
     """Each build of the native kernels in turn, forced by MESHLM_KERNEL_ISA; skipped where the
     CPU does not run it."""
-    if not kernels.runs(request.param):
+    if not isas.runs(request.param):
         pytest.skip(f"this CPU does not run the {request.param} build")
-    monkeypatch.setenv(kernels.ISA_ENV, request.param)
-    assert kernels.isa() == request.param
+    monkeypatch.setenv(isas.ISA_ENV, request.param)
+    assert isas.isa() == request.param
     return request.param
 
 
@@ -46,7 +46,7 @@ def _pair(q, monkeypatch):
         m.setenv("MESHLM_INT4_KERNEL", "torch")
         reference = Int4Linear.from_q4_1(q)
     assert not reference.native
-    assert native.isa == (kernels.isa() if kernels.applies() else None)
+    assert native.isa == (isas.isa() if qmm.applies() else None)
     return native, reference
 
 
@@ -64,7 +64,7 @@ def test_native_kernel_is_within_one_bf16_rounding_of_torchs(q4_layers, build, m
     gen = torch.Generator().manual_seed(0)
     for q in q4_layers:
         native, reference = _pair(q, monkeypatch)
-        assert native.native == kernels.applies(), kernels.why_not()
+        assert native.native == qmm.applies(), qmm.why_not()
         for rows in (1, 3, 8, 13):
             x = (torch.randn(rows, q.codes.shape[1], generator=gen) * 2).to(torch.bfloat16)
             y = native(x)
@@ -118,9 +118,9 @@ def test_native_kernel_adds_the_products_in_its_documented_order(build, monkeypa
 
 @torch.inference_mode()
 def test_the_dot_product_instruction_and_fmas_give_the_same_bits(q4_layers, head_weights):
-    if not kernels.has_bf16_dot("avx512"):
+    if not isas.has_bf16_dot("avx512"):
         pytest.skip("this CPU lacks avx512_bf16 (the AVX-512 build's dot product)")
-    lib = kernels.library("avx512")
+    lib = qmm.library("avx512")
     layers = [Int4Linear.from_q4_1(q) for q in q4_layers] + [Int8Linear.from_dense(head_weights)]
     assert all(lin.isa == "avx512" for lin in layers)
     gen = torch.Generator().manual_seed(6)
@@ -128,12 +128,12 @@ def test_the_dot_product_instruction_and_fmas_give_the_same_bits(q4_layers, head
         for lin in layers:
             for rows in (1, 3, 8, 13):
                 x = (torch.randn(rows, lin.in_features, generator=gen) * 2).to(torch.bfloat16)
-                kernels.set_dot(lib, "avx512", True)
+                qmm.set_dot(lib, "avx512", True)
                 dot = lin(x)
-                kernels.set_dot(lib, "avx512", False)
+                qmm.set_dot(lib, "avx512", False)
                 assert torch.equal(lin(x), dot), (lin, rows)
     finally:
-        kernels.set_dot(lib, "avx512")
+        qmm.set_dot(lib, "avx512")
 
 
 @torch.inference_mode()
@@ -170,7 +170,7 @@ def test_dequantize_gives_the_weights_of_the_file(q4_layers, build, monkeypatch)
 def test_the_native_kernel_takes_bf16_activations_only(q4_layers):
     lin = Int4Linear.from_q4_1(q4_layers[0])
     if not lin.native:
-        assert kernels.why_not()  # the reason is said, torch's kernel serves instead
+        assert qmm.why_not()  # the reason is said, torch's kernel serves instead
         return
     with pytest.raises(TypeError, match=r"bf16 activations, got torch\.float32"):
         lin(torch.zeros(1, lin.in_features))
@@ -199,8 +199,8 @@ def _int8_in_order(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> to
 @torch.inference_mode()
 def test_native_int8_head_is_as_torchs_and_adds_in_its_documented_order(head_weights, build):
     head = Int8Linear.from_dense(head_weights)
-    assert head.native == kernels.applies(), kernels.why_not()
-    assert head.isa == (build if kernels.applies() else None)
+    assert head.native == qmm.applies(), qmm.why_not()
+    assert head.isa == (build if qmm.applies() else None)
     gen = torch.Generator().manual_seed(4)
     for rows in (1, 3, 8, 9):
         x = (torch.randn(rows, head.in_features, generator=gen) * 2).to(torch.bfloat16)

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from model_runtime.client import Client
-from model_runtime.service import Runtime
-from model_runtime.telemetry import MetricsServer
+from model_runtime.serving.client import Client
+from model_runtime.serving.service import Runtime
+from model_runtime.serving.telemetry import MetricsServer
 from tests.runtime_fixtures import serving_runtime
 
 LONG = [{"role": "user", "content": "Write a long story about a dragon who learns to sing."}]
@@ -104,7 +104,7 @@ def test_a_score_during_live_generation_runs_between_steps_and_changes_nothing(s
 
 
 def test_engine_run_returns_raises_and_refuses_once_stopped(smollm_int4) -> None:
-    from model_runtime.engine import Engine
+    from model_runtime.engine.engine import Engine
 
     engine = Engine(smollm_int4, max_batch=1, kv_blocks=8)
     assert engine.run(lambda: threading.current_thread().name) != "meshlm-engine"  # inline

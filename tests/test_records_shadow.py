@@ -13,9 +13,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from model_runtime.client import Client
-from model_runtime.records import Records
-from model_runtime.service import Runtime
+from model_runtime.serving.client import Client
+from model_runtime.serving.records import Records
+from model_runtime.serving.service import Runtime
 from tests.runtime_fixtures import get_json, serving_records
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]

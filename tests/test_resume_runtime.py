@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from mesh_common.headers import REPLICA_HEADER
-from model_runtime.client import Client
-from model_runtime.engine import Engine, GenerateParams
-from model_runtime.service import Runtime
+from model_runtime.engine.engine import Engine, GenerateParams
+from model_runtime.serving.client import Client
+from model_runtime.serving.service import Runtime
 from schemas import codec
 from tests.runtime_fixtures import serving_runtime
 from tests.test_engine_scheduler import chat, run

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mesh_common.ports import free_port
-from model_runtime.telemetry import MetricsServer, Telemetry
+from model_runtime.serving.telemetry import MetricsServer, Telemetry
 from sidecar.bootstrap import static_cluster
 from sidecar.envoy_process import EnvoyProcess
 from tests.rollout_upstreams import Traffic, Upstream
@@ -235,7 +235,7 @@ def _server_ttfts(target: str, prompts: list[str], max_new_tokens: int) -> list[
     with its first token (seconds): what its metrics count."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from model_runtime.client import Client
+    from model_runtime.serving.client import Client
 
     def one(prompt: str) -> float:
         with Client(target) as c:

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from model_runtime.engine import MAX_TASKS, Engine, EngineFull, GenerateParams
-from model_runtime.records import SCORE_MAX_FORWARD_TOKENS, Records
-from model_runtime.service import GRPC_HANDSHAKE_TIMEOUT_S, GRPC_MAX_CONNECTIONS, Runtime
-from model_runtime.telemetry import (
+from model_runtime.engine.engine import MAX_TASKS, Engine, EngineFull, GenerateParams
+from model_runtime.serving.records import SCORE_MAX_FORWARD_TOKENS, Records
+from model_runtime.serving.service import GRPC_HANDSHAKE_TIMEOUT_S, GRPC_MAX_CONNECTIONS, Runtime
+from model_runtime.serving.telemetry import (
     METRICS_IDLE_TIMEOUT_S,
     METRICS_MAX_CONNECTIONS,
     METRICS_READ_DEADLINE_S,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from model_runtime.sampling import greedy_ids, sample
+from model_runtime.engine.sampling import greedy_ids, sample
 
 
 def test_greedy_ids_choose_what_torch_argmax_chooses():

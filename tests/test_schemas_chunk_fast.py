@@ -131,7 +131,7 @@ def test_random_bytes_behind_the_fixed_header(tail: bytes) -> None:
 
 def test_the_runtime_streams_chunks_the_fast_path_reads(smollm_int4) -> None:
     """Over real gRPC from the real runtime: every chunk arrives as bytes in the fixed layout."""
-    from model_runtime.client import Client
+    from model_runtime.serving.client import Client
     from tests.runtime_fixtures import serving_runtime
 
     rt = serving_runtime(smollm_int4)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from model_runtime import generate, sealed
-from model_runtime.gguf_loader import default_gguf_path
-from model_runtime.loader import load
+from model_runtime.engine import generate
+from model_runtime.loading import sealed
+from model_runtime.loading.gguf_loader import default_gguf_path
+from model_runtime.loading.loader import load
 
 
 @pytest.fixture

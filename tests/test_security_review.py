@@ -23,8 +23,8 @@ from meshlm import logs
 from meshlm.commands import serve as cmd_serve
 from meshlm.commands import sidecar as cmd_sidecar
 from meshlm.commands import xds_server as cmd_xds
-from model_runtime import sealed
-from model_runtime.telemetry import MetricsServer, Telemetry
+from model_runtime.loading import sealed
+from model_runtime.serving.telemetry import MetricsServer, Telemetry
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_xds_support import upstreams

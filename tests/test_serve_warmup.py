@@ -12,7 +12,7 @@ import urllib.request
 from mesh_common.ports import free_port
 from meshlm.demo.launcher import _serving
 from meshlm.demo.procs import Proc, wait_until
-from model_runtime.client import Client
+from model_runtime.serving.client import Client
 
 MAX_BATCH = 3
 

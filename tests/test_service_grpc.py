@@ -20,13 +20,18 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from mesh_common.headers import PRIORITY_HEADER
-from model_runtime import kernels
-from model_runtime.client import Client
-from model_runtime.engine import Engine
-from model_runtime.faults import Faults
-from model_runtime.loader import DTYPE_NAMES
-from model_runtime.service import SERVICE, InferenceService, Runtime, _priority
-from model_runtime.telemetry import MetricsServer, Telemetry
+from model_runtime.engine.engine import Engine
+from model_runtime.kernels import compute, qmm
+from model_runtime.loading.loader import DTYPE_NAMES
+from model_runtime.serving.client import Client
+from model_runtime.serving.faults import Faults
+from model_runtime.serving.service import (
+    SERVICE,
+    InferenceService,
+    Runtime,
+    _priority,
+)
+from model_runtime.serving.telemetry import MetricsServer, Telemetry
 from schemas import codec
 from tests.fuzz import codec as fuzz
 from tests.runtime_fixtures import serving_runtime
@@ -83,7 +88,7 @@ def test_info_returns_model_info(client, loaded) -> None:
     # the native kernels where they apply (x86-64 with AVX-512), else on torch's
     assert info.compute == loaded.info.compute and info.compute.startswith("int4 weights on ")
     assert info.compute_dtype == "bf16" == DTYPE_NAMES[loaded.model.dtype]
-    assert info.kernels == ("native" if kernels.applies() else "torch") == loaded.info.kernels
+    assert info.kernels == ("native" if qmm.applies() else "torch") == loaded.info.kernels
 
 
 def test_info_of_a_bf16_model_says_the_dtype_it_computes_in(smollm_bf16) -> None:
@@ -93,7 +98,7 @@ def test_info_of_a_bf16_model_says_the_dtype_it_computes_in(smollm_bf16) -> None
     info = codec.decode_model_info(svc.info(codec.encode_info_request(), _Context()))
     assert info.precision == "bf16" and info.kernels == "torch"
     assert info.compute_dtype == DTYPE_NAMES[smollm_bf16.model.dtype]
-    assert info.compute_dtype == DTYPE_NAMES[kernels.choose("bf16").dtype]
+    assert info.compute_dtype == DTYPE_NAMES[compute.choose("bf16").dtype]
     assert info.compute == smollm_bf16.info.compute and info.compute.startswith("bf16 weights")
 
 

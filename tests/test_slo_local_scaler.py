@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mesh_common.ports import free_port
-from model_runtime.client import Client
+from model_runtime.serving.client import Client
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.test_identity_support import identity_sidecar, join_token_file, mode, short_dir

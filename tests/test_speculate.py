@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from model_runtime.engine import Engine, GenerateParams
-from model_runtime.speculate import PromptLookup
+from model_runtime.engine.engine import Engine, GenerateParams
+from model_runtime.engine.speculate import PromptLookup
 from tests.test_engine_scheduler import Stream, chat, reference_margins, run, wait_for
 
 PARA = (

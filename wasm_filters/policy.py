@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 METHOD_PREFIX = "/meshlm.inference.v1.Inference/"
-# The OpenAI-compatible HTTP API (model_runtime/openai_http.py): each path counts as
+# The OpenAI-compatible HTTP API (model_runtime/serving/openai_http.py): each path counts as
 # the gRPC method it runs, for allow rules and `callers` alike, so `llm/Generate` covers both
 # completions endpoints and `llm/Info` the model list. A path ending in `/*` matches one more
 # segment (`/v1/models/{id}`). Any other /v1/ path matches no rule (denied).

@@ -11,7 +11,8 @@
   4. the leader's work: rollouts and the SLO loop on their local files (`LocalWork`), or, for a
      replica, the election that runs them on the leader only (`ReplicaRole`)
 
-`stop()` stops them in reverse. The CLI (meshlm/commands/xds_server.py) reads the flags, the mesh file and
+`stop()` stops them in reverse. The CLI (meshlm/commands/xds_server.py) reads the flags, the mesh
+file and
 the token, and calls this; what goes wrong here is a StartError carrying its exit status.
 """
 

@@ -23,7 +23,7 @@ import grpc.aio
 from mesh_common.headers import API_KEY_HEADER
 from meshlm.client.core import SILENT, CallerBase, Completion, Ended, Progress, string_headers
 from meshlm.client.errors import from_rpc_error
-from model_runtime.client import GENERATE, INFO, Metadata
+from model_runtime.serving.client import GENERATE, INFO, Metadata
 from schemas import codec
 from schemas.codec import ChatMessage, ModelInfo, TokenChunk
 from xds_server.mesh import Stall

@@ -51,7 +51,7 @@ from meshlm.client.core import (
     string_headers,
 )
 from meshlm.client.errors import StreamLost, from_rpc_error
-from model_runtime.client import Client, Metadata
+from model_runtime.serving.client import Client, Metadata
 from schemas.codec import ChatMessage, ModelInfo, TokenChunk
 from xds_server.mesh import Stall
 

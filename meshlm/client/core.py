@@ -29,7 +29,7 @@ from mesh_common.headers import (
     VERSION_HEADER,
 )
 from meshlm.client.errors import DeadlineExceeded, InvalidArgument, StreamLost, from_rpc_error
-from model_runtime.client import Metadata, generate_request, mirror_safe
+from model_runtime.serving.client import Metadata, generate_request, mirror_safe
 from schemas import codec
 from schemas.codec import ChatMessage, GenerateRequest, TokenChunk
 from xds_server.mesh import Stall

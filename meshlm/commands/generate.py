@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     from meshlm.client.caller import Caller
     from meshlm.client.errors import InvalidArgument
-    from model_runtime.client import GENERATE
+    from model_runtime.serving.client import GENERATE
 
     if args.raw:
         what = {"prompt": args.prompt}

@@ -176,11 +176,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     log = logging.getLogger("meshlm.serve")
     from mesh_common.listen import listen_error
-    from model_runtime.faults import Faults
-    from model_runtime.openai_http import OpenAIServer
-    from model_runtime.otlp import OtlpConfigError
-    from model_runtime.service import Runtime
-    from model_runtime.telemetry import MetricsServer
+    from model_runtime.serving.faults import Faults
+    from model_runtime.serving.openai_http import OpenAIServer
+    from model_runtime.serving.otlp import OtlpConfigError
+    from model_runtime.serving.service import Runtime
+    from model_runtime.serving.telemetry import MetricsServer
 
     try:
         faults = Faults(
@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     weight_key = None
     if args.weight_key_file is not None:
-        from model_runtime import sealed
+        from model_runtime.loading import sealed
 
         try:
             weight_key = sealed.key_from_file(args.weight_key_file)
@@ -282,10 +282,10 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        from model_runtime.engine import Engine
-        from model_runtime.loader import load
-        from model_runtime.omp import own_thread
-        from model_runtime.warmup import warm_up
+        from model_runtime.engine.engine import Engine
+        from model_runtime.engine.omp import own_thread
+        from model_runtime.engine.warmup import warm_up
+        from model_runtime.loading.loader import load
 
         try:
             # on a thread of its own, so that the engine's is the only OpenMP pool (omp.py)

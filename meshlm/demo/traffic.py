@@ -4,7 +4,7 @@ goes through the caller library (meshlm.client: stalled streams resume on anothe
 `resume=False` uses the bare client instead (what plain Envoy retries give). A load with
 `api="openai"` streams chat completions with the `openai` SDK through the same sidecar (the
 OpenAI HTTP API); its failures are recorded by the gRPC status their HTTP status
-stands for (model_runtime/openai_api.py's mapping), so a tenant's outcomes read alike."""
+stands for (model_runtime/serving/openai_api.py's mapping), so a tenant's outcomes read alike."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import grpc
 from mesh_common.headers import REPLICA_HEADER
 from meshlm.client.caller import Caller
 from meshlm.demo.sla import percentile
-from model_runtime.client import Client
+from model_runtime.serving.client import Client
 
 PROMPTS = (
     "What is the capital of France? Answer with one word.",

@@ -4,9 +4,9 @@ qmm.c (the quantized matmuls) and step.c (the decode step, which includes qmm.c)
 simd.h, build with the pinned zig (PyPI `ziglang`, its clang) twice each: for AVX-512 F/BW
 (libqmm.so, libstep.so) and for AVX2 + FMA + F16C (libqmm_avx2.so, libstep_avx2.so), committed
 and shipped as package data like the Wasm filters, so an install needs no compiler
-(kernels/__init__.py loads the build this CPU runs). `--check` rebuilds all four into a temporary
-folder and fails if one differs from the committed file (CI runs it): the shipped libraries are
-the ones their sources and the pinned zig produce.
+(kernels/qmm.py and llm/native_step.py load the build this CPU runs). `--check` rebuilds all
+four into a temporary folder and fails if one differs from the committed file (CI runs it): the
+shipped libraries are the ones their sources and the pinned zig produce.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ TARGETS = [
 
 # x86-64 Linux against glibc (the only symbols used are malloc, free, memcpy, memset and libm's
 # expf, sqrtf); each library is loaded only where the CPU has its instruction set
-# (kernels/__init__.py). No debug info (-g0, -s): no source paths in the output, so builds are
+# (kernels/isas.py). No debug info (-g0, -s): no source paths in the output, so builds are
 # byte-identical.
 CC_FLAGS = ["-target", "x86_64-linux-gnu", "-O3", "-shared", "-fPIC", "-g0", "-s"]
 

@@ -1,4 +1,4 @@
-// int4 weights times int8 activations (opt-in: `meshlm serve --activations int8`, issue 13), as
+// int4 weights times int8 activations (opt-in: `meshlm serve --activations int8`), as
 // llama.cpp's Q4 x Q8 dot products: not torch's arithmetic, so not bit-identical to qmm.c's. The
 // quality gate judges a version that uses it against bf16 (docs/ARCHITECTURE.md). Included at
 // the end of qmm.c (its calls and threads), so step.c has it too.

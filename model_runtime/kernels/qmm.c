@@ -14,9 +14,9 @@
 // exact rounds once in both), and the results are the same bits. The instruction treats
 // denormal inputs as zero and flushes denormal results: the activations are flushed where they
 // are prepared (acts_t), and a denormal group sum needs activations near 2^-126, which a
-// model's never are. Before this kernel (issue 13) each output was torch's int4pack FMA chain
-// with the weight dequantized per k: a matmul of 8 rows 1.5-1.7x slower than the dot products'
-// (AMD Zen 5), as fast as these FMAs, results within one bf16 rounding of these.
+// model's never are. torch's int4pack kernel chains FMAs with the weight dequantized per k
+// instead: slower than the dot products here (BENCHMARKS.md), results within one bf16 rounding
+// of these.
 //
 // Weight layout (built by quant.py), in blocks of 64 output columns (4 panels of 16), so that a
 // block's weights are one sequential stream: codes [N / 64][K / 8][4][16] 32-bit lanes (lane l
@@ -175,7 +175,7 @@ static const block_fn BLOCKS[2][MAX_ROWS + 1] = {BLOCK_TABLE(int4_fma_), BLOCK_T
 #endif
 
 // 1: the int4 and int8 kernels use the dot-product instruction (the CPU has avx512_bf16; set
-// once at load by kernels/__init__.py, the same bits either way)
+// once at load by kernels/qmm.py, the same bits either way)
 static int use_dot;
 
 void qmm_set_dot(int on) {
@@ -213,8 +213,8 @@ static void int4_columns(const call_t *c, int a, int b) {
 // of k0 + 2l + 1 then k0 + 2l (the dot-product instruction's pairs, as the int4 kernel's: one
 // instruction where the CPU has it, two FMAs elsewhere, the same bits); the lanes summed as a
 // tree (vf_sums16), times the scale, rounded to bf16. Up to 8 rows share each weight vector.
-// Before issue 13's dot products this was torch's `_weight_int8pack_mm` order (lane l over
-// k = l, l + 16, ..., the weight times its scale first): 1.4-2.4x slower at 8 rows (AMD Zen 5).
+// torch's `_weight_int8pack_mm` sums in another order (lane l over k = l, l + 16, ..., the
+// weight times its scale first), slower at several rows (BENCHMARKS.md).
 
 // the weights of the output HEAD_AHEAD rows on, a cache line a chunk pair: without it a matmul
 // over the 49,152-row head waited on memory (AMD Zen 5, one thread: 1 row 818 -> 701 us, 8 rows

@@ -1,6 +1,6 @@
-// One decode step of the int4 model in one native call (issue 13): every row is one new token
+// One decode step of the int4 model in one native call: every row is one new token
 // (T = 1), all layers and the final norm and head run inside one OpenMP region of torch's own team
-// (GOMP_parallel once per step, GOMP_barrier between phases) instead of ~2,500 torch ops.
+// (GOMP_parallel once per step, GOMP_barrier between phases) instead of thousands of torch ops.
 //
 // The arithmetic follows model.py's rounding points: bf16 after rms_norm (fp32 normalize times the
 // weight), RoPE as torch's complex multiply of fp32 pairs (ac - bd, ad + bc: products

@@ -14,7 +14,7 @@ import pytest
 
 from mesh_common.ports import free_port
 from meshlm.demo.procs import wait_until
-from model_runtime.client import Client
+from model_runtime.serving.client import Client
 from tests.chaos.harness import Mesh, children, kill_pid, rss_mb, serving
 from tests.chaos.load import Load, failures, percentile
 from tests.chaos.record import record

@@ -10,7 +10,7 @@ from typing import Any
 from xds_server.mesh.rollout_fields import RolloutSpecError, parse_duration
 
 MAX_PROMPTS = 256
-MAX_MIRRORED = 1024  # the runtime keeps its newest 1024 records (model_runtime/records.py)
+MAX_MIRRORED = 1024  # the runtime keeps its newest 1024 records (model_runtime/serving/records.py)
 
 
 MODES = ("replay", "mirror")

@@ -22,7 +22,7 @@ _CSWRR = "envoy.load_balancing_policies.client_side_weighted_round_robin"
 # for BLACKOUT_PERIOD (a few reports) before its own weight counts, so a just-started replica is
 # not flooded on one low first report; weights are recomputed every WEIGHT_UPDATE_PERIOD; a host
 # silent for WEIGHT_EXPIRATION_PERIOD (its ORCA stream broken) falls back to the median weight.
-# The runtime averages its figures over 10 s (model_runtime/orca.py), so weights move over
+# The runtime averages its figures over 10 s (model_runtime/serving/orca.py), so weights move over
 # seconds; a replica that got no call in that window reports rps 0, which Envoy ignores, so its
 # weight expires and it serves at the median weight again: a starved replica is probed back.
 OOB_REPORTING_PERIOD = 1.0
@@ -115,7 +115,7 @@ def shadow_cluster(
 
 # An inbound sidecar's report streams to its runtime (ORCA, least_loaded): a cluster of their
 # own, so they never hold a slot of the calls' circuit breaker; its breaker is the runtime's own
-# bound on report streams (model_runtime/orca.py MAX_STREAMS).
+# bound on report streams (model_runtime/serving/orca.py MAX_STREAMS).
 ORCA_MAX_REQUESTS = 64
 
 

@@ -120,7 +120,7 @@ OPENAI_LOCAL_REPLY = (
     "request.path.startsWith('/v1/') && !('content-type' in response.headers && "
     "response.headers['content-type'].startsWith('application/json'))"
 )
-# HTTP status -> OpenAI error type and code (as model_runtime/openai_api.py's for the runtime's).
+# HTTP status -> OpenAI error type and code, as model_runtime/serving/openai_api.py has them.
 OPENAI_REFUSALS = {
     403: ("permission_error", "access_denied"),
     404: ("invalid_request_error", "no_route"),

@@ -27,7 +27,7 @@ QUARANTINED_MESSAGE = "request class quarantined: it broke runtimes (no isolatio
 ORCA_SERVICE_PREFIX = "/xds.service.orca.v3.OpenRcaService/"
 ORCA_PATH = ORCA_SERVICE_PREFIX + "StreamCoreMetrics"
 ORCA_REFUSED_MESSAGE = "load reports (OpenRcaService) are for the mesh's sidecars, not for clients"
-# The runtime's OpenAI-compatible HTTP API (model_runtime/openai_http.py).
+# The runtime's OpenAI-compatible HTTP API (model_runtime/serving/openai_http.py).
 OPENAI_PREFIX = "/v1/"
 # The most the inbound sidecar buffers of one OpenAI request: the runtime's own body limit.
 OPENAI_MAX_BODY = codec.DEFAULT_LIMITS.max_buffer_bytes

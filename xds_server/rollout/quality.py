@@ -4,7 +4,8 @@ Replay mode: each analysis interval, after the traffic gates' counters were read
 plane sends a golden prompt set through a caller sidecar (`replay_via`, authority = the service)
 twice, greedy: once pinned to the stable (`x-canary: never`), once to the canary (`always`). Each
 call carries a request id in its body; the runtimes keep what greedy calls produced under it
-(model_runtime/records.py), so the control plane finds the record on whichever replica served it
+(model_runtime/serving/records.py), so the control plane finds the record on whichever replica
+served it
 and asks that runtime to score the stable's tokens (teacher-forced, one prefill). Per interval:
 
 - exact_match_rate: the share of prompts whose two answers are identical;
@@ -187,7 +188,7 @@ class ReplaySource:
         raise MeasurementError(f"no runtime of {len(bases)} holds a record of {rid}")
 
 
-# --- the runtimes' records (model_runtime/records.py, on each runtime's metrics port) ---------
+# --- the runtimes' records (model_runtime/serving/records.py, on each runtime's metrics port)
 
 MAX_IDS = 256  # ids per GET /records?ids= (the runtime's limit)
 

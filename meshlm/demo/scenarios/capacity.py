@@ -15,7 +15,7 @@ STORY_PROMPTS = tuple(
 def decode_capacity(target: str, slots: int, tokens: int = 48) -> float:
     """Tokens/s the runtime at `target` (host:port, straight to it: no tenant's rate limit)
     decodes with `slots` stories at once, after one that warms it; wall time of the batch."""
-    from model_runtime.client import generate
+    from model_runtime.serving.client import generate
 
     def story(n: int) -> int:
         chat = [{"role": "user", "content": STORY_PROMPTS[n % len(STORY_PROMPTS)]}]

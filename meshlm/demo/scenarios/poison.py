@@ -225,7 +225,7 @@ class PoisonTrickle:
     """A query of death every 1 / POISON_RATE s, open loop, each call on its own thread."""
 
     def __init__(self, target: str, authority: str) -> None:
-        from model_runtime.client import Client
+        from model_runtime.serving.client import Client
 
         self.client = Client(target, api_key="demo-ops-key", authority=authority)
         self.outcomes: list[Any] = []

@@ -186,7 +186,7 @@ def _host_requests(mesh: Any, port: int) -> int | None:
 
 def _replay(port: int, outcomes: list[Any]) -> dict[str, tuple[int, ...]]:
     """Each prompt once more, straight to the healthy runtime, alone and without faults."""
-    from model_runtime.client import Client
+    from model_runtime.serving.client import Client
 
     out = {}
     with Client(f"127.0.0.1:{port}") as c:

@@ -5,13 +5,13 @@ with the native kernels), and for every prefill chunk.
 The same attention as the int4 model's native step (torch's CPU flash kernel's arithmetic: fp32
 scores, probabilities rounded to bf16 before they weigh V; its exp and dot-product order are not
 torch's, so an output may differ from SDPA's in the last bit). torch's SDPA over the gathered
-cache took ~31 % of a bf16 batch-8 decode step here. Off with MESHLM_NATIVE_STEP=0, like the step.
+cache is a large share of a bf16 decode step on a CPU. Off with MESHLM_NATIVE_STEP=0, like the
+step. The loader attaches it (llm/accelerators.py): model.py does not import it.
 
 Prefill: each row's output depends on its own query and keys alone, never on which rows share its
-chunk. torch's SDPA gave a prompt's row other bits when the prompt was prefilled from a prefix-cache
-hit (rows 16-34 of a 35-token prompt) than whole, and at a near-tie the stream then took another
-token: a greedy stream depended on what the replica had served before (the stall demo's resumed
-streams unlike any uninterrupted one).
+chunk, so a prompt prefilled in part from a prefix-cache hit gets the same bits as one prefilled
+whole and a greedy stream does not depend on what the replica served before (torch's SDPA does
+not promise that, and at a near-tie the stream would take another token).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import ctypes
 
 import torch
 
-from model_runtime import kernels, native_step
+from model_runtime.kernels import isas
+from model_runtime.llm import native_step
 
 
 def why_not(model: torch.nn.Module) -> str | None:
@@ -33,7 +34,7 @@ def why_not(model: torch.nn.Module) -> str | None:
     a = model.args
     if a.head_dim % 16 or a.head_dim > 128 or a.n_heads % a.n_kv_heads:
         return f"head_dim {a.head_dim} with {a.n_heads} / {a.n_kv_heads} heads is not supported"
-    return native_step.unbuilt(kernels.isa())
+    return native_step.unbuilt(isas.isa())
 
 
 class NativeAttention:
@@ -43,7 +44,7 @@ class NativeAttention:
     def __init__(self, model: torch.nn.Module):
         a = model.args
         self.n_heads, self.n_kv, self.hd = a.n_heads, a.n_kv_heads, a.head_dim
-        self.isa = kernels.isa()
+        self.isa = isas.isa()
         self.lib = native_step.library(self.isa)
 
     def __deepcopy__(self, memo) -> NativeAttention:

@@ -1,14 +1,15 @@
-"""The int4 model's decode step as one native call (kernels/step.c, issue 13).
+"""The int4 model's decode step as one native call (kernels/step.c).
 
 A decode forward (every row one new token, over the paged cache) runs in C on torch's OpenMP
-team instead of ~2,500 torch ops: the embedding (from the tied int8 head), all layers, the final
-norm and the head, to fp32 logits and whether one is inf or NaN. It applies to models
-whose every linear layer uses the native int4 kernels (int4 at group 32 on AVX-512 or AVX2) with
+team instead of thousands of torch ops: the embedding (from the tied int8 head), all layers, the
+final norm and the head, to fp32 logits and whether one is inf or NaN. It applies to models whose
+every linear layer uses the native int4 kernels (int4 at group 32 on AVX-512 or AVX2) with
 the tied int8 head, all of one build; the step runs that build's library (libstep.so or
 libstep_avx2.so: one source, the same bits). Anything else, and prefill (T > 1), stays on torch.
 MESHLM_NATIVE_STEP=0 turns it off for models loaded while it is set; `use(model, False)` turns it
-off for one model. A model on int8 activations (quant.use_int8_activations) runs q8.c's kernels
-on its layers' copies of their weights in that layout.
+off for one model. The loader attaches it (llm/accelerators.py): model.py does not import it. A
+model on int8 activations (quant.use_int8_activations) runs q8.c's kernels on its layers' copies
+of their weights in that layout.
 Attention's softmax is not bit-identical to torch's SDPA (see step.c); the bench compares the
 greedy ids of both paths.
 """
@@ -21,9 +22,9 @@ import os
 
 import torch
 
-from model_runtime import kernels
+from model_runtime.kernels import qmm
 from model_runtime.kernels.isas import library_path
-from model_runtime.quant import Int4Linear, Int8Linear, TiedInt8Embedding
+from model_runtime.llm.quant import Int4Linear, Int8Linear, TiedInt8Embedding
 
 LIBRARY = library_path("step", "avx512")
 _P = ctypes.c_void_p
@@ -69,8 +70,8 @@ def library(build: str = "avx512") -> ctypes.CDLL:
     lib.native_attention.argtypes = [ctypes.POINTER(AttnArgs), ctypes.c_int]
     lib.native_attention.restype = ctypes.c_int
     lib.step_set_gomp.argtypes = [_P, _P, _P, _P]
-    kernels.set_dot(lib, build)
-    gomp = kernels._gomp()
+    qmm.set_dot(lib, build)
+    gomp = qmm.gomp()
     if gomp is not None:  # else one thread
         lib.step_set_gomp(
             ctypes.cast(gomp.GOMP_parallel, _P),
@@ -86,8 +87,8 @@ def switched_off(model: torch.nn.Module) -> str | None:
     switch, no native build for this CPU, another device; else None."""
     if os.environ.get("MESHLM_NATIVE_STEP", "1") == "0":
         return "MESHLM_NATIVE_STEP=0"
-    if kernels.why_not() is not None:
-        return kernels.why_not()
+    if qmm.why_not() is not None:
+        return qmm.why_not()
     if model.device.type != "cpu":
         return f"the model is on {model.device}"
     return None

@@ -9,8 +9,9 @@
 A mirrored copy of a call (issue 18) arrives with `x-meshlm-shadow: 1`, which only the canary's
 sidecar sets (for authorities suffixed `-shadow`). It must be greedy (else it is refused before
 any generation: a mis-marked call costs nothing), it runs at the lowest priority, it is recorded
-with `shadow: true` (model_runtime/records.py) and it counts only in the shadow counter, never in
-the series the rollout's traffic gates read (model_runtime/telemetry.py).
+with `shadow: true` (model_runtime/serving/records.py) and it counts only in the shadow counter,
+never in
+the series the rollout's traffic gates read (model_runtime/serving/telemetry.py).
 
 The engine schedules by the tenant in `x-meshlm-tenant` (fair share, per-tenant limits). Behind
 the mesh only the sidecar's authz filter sets it (it drops client copies); a runtime reached
@@ -45,10 +46,10 @@ from mesh_common.headers import (
     SHADOW_HEADER,
     TENANT_HEADER,
 )
-from model_runtime.faults import Faults
-from model_runtime.orca import OrcaService
-from model_runtime.records import Records
-from model_runtime.telemetry import Telemetry
+from model_runtime.serving.faults import Faults
+from model_runtime.serving.orca import OrcaService
+from model_runtime.serving.records import Records
+from model_runtime.serving.telemetry import Telemetry
 from schemas import codec
 from schemas.codec import ErrorInfo, Limits, WireError
 
@@ -125,7 +126,8 @@ def _check_shadow(req: codec.GenerateRequest, md: dict[str, Any]) -> None:
 
 
 class InferenceService:
-    """The two RPC handlers; `loaded` and `engine` come from model_runtime.loader / .engine."""
+    """The two RPC handlers; `loaded` and `engine` come from model_runtime.loading.loader /
+    .engine."""
 
     def __init__(
         self,
@@ -280,7 +282,7 @@ class InferenceService:
                 f"prompt: {len(prompt_ids)} tokens leave no room in the context of "
                 f"{self.model_info.context_length}",
             )
-        from model_runtime.engine import EngineFull, GenerateParams
+        from model_runtime.engine.engine import EngineFull, GenerateParams
 
         params = GenerateParams(
             prompt_ids=prompt_ids,

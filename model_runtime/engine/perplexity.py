@@ -37,9 +37,9 @@ def decode_perplexity(model, token_ids: list[int], window: int, n_windows: int) 
     """Perplexity as served: each window's tokens fed one at a time through decode steps (the
     windows as one batch), so that a decode-only path counts (the native step, int8
     activations: kernels/q8.c), which `perplexity`'s one forward a window never runs."""
-    from model_runtime.generate import BLOCK as bs
-    from model_runtime.generate import paged_cache
-    from model_runtime.kvcache import layout_decode, layout_prefill
+    from model_runtime.engine.generate import BLOCK as bs
+    from model_runtime.engine.generate import paged_cache
+    from model_runtime.engine.kvcache import layout_decode, layout_prefill
 
     need = window * n_windows
     if len(token_ids) < need:

@@ -1,10 +1,12 @@
 """Llama-family transformer (RMSNorm, pairwise RoPE, GQA attention via SDPA, SwiGLU).
 
 One forward serves prefill and decode for a batch of sequences over a paged KV cache: the caller
-(`BatchLayout`, built by kvcache.py) says where each new token's K/V go (`write_slots`) and which
-cache slots each sequence attends (`gather_slots` + `mask`). Without a layout the forward is
+(`BatchLayout`, built by engine/kvcache.py) says where each new token's K/V go (`write_slots`) and
+which cache slots each sequence attends (`gather_slots` + `mask`). Without a layout the forward is
 plain causal attention over the given tokens (perplexity, tests). q/k weights use the interleaved
-(GGUF) layout, so RoPE rotates adjacent pairs; safetensors checkpoints are permuted at load.
+(GGUF) layout, so RoPE rotates adjacent pairs; safetensors checkpoints are permuted at load. The
+model runs in torch ops alone: its accelerators (a decode step in one native call or CUDA graphs,
+native attention) are attached from outside (llm/accelerators.py).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class ModelArgs:
 
 @dataclass
 class BatchLayout:
-    """Where a forward step reads and writes the paged KV cache (see kvcache.py)."""
+    """Where a forward step reads and writes the paged KV cache (see engine/kvcache.py)."""
 
     input_pos: torch.Tensor  # int64 [B, T] absolute positions of the new tokens
     write_slots: torch.Tensor  # int64 [B * T] cache slot of every new token
@@ -70,11 +72,10 @@ class KVCache(nn.Module):
 
 def all_finite(t: torch.Tensor) -> bool:
     """No inf or NaN in `t`, by one sum (an inf or NaN makes it non-finite) instead of a bool
-    tensor as large as `t`: 0.45 ms -> ~0.05 ms for a batch-8 step's logits. The sum is float32:
-    an fp16 one overflowed on every prefill of SmolLM2 past ~7 tokens (its hidden states reach
-    24k), and each read as non-finite ran again layer by layer (fp16 prefill at half bf16's speed
-    on an H200). Finite values whose float32 sum overflowed would still read as non-finite: a
-    needless recompute, never a missed one."""
+    tensor as large as `t`. The sum is float32: hidden states reach values whose fp16 sum
+    overflows on an ordinary prefill, and each false alarm would run the forward again layer by
+    layer. Finite values whose float32 sum overflowed would still read as non-finite: a needless
+    recompute, never a missed one."""
     return bool(torch.isfinite(t.sum(dtype=torch.float32)))
 
 
@@ -89,7 +90,7 @@ def rope_table(args: ModelArgs) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     # x [B, T, H, hd]; freqs [B, T, 1, hd/2]; adjacent pairs (x0, x1) rotate together. Complex,
     # not real (cos, sin) arithmetic: as fast in eager mode, and real arithmetic rounds
-    # differently (perplexity moved by 0.02 on 2 x 512 tokens)
+    # differently (the perplexity moves)
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(xc * freqs).flatten(-2)
 
@@ -117,7 +118,8 @@ class Attention(nn.Module):
     def forward(
         self, x, rope, layer: int, cache: KVCache | None, lay: BatchLayout | None, mask, native=None
     ):
-        """`native`: native_attention.NativeAttention (decode steps, prefill chunks), or None."""
+        """`native`: attention over the cache in one call (decode steps, prefill chunks),
+        (qkv, cache.kv, layer, lay) -> output or None where it does not apply; or None."""
         B, T, _ = x.shape
         nq = self.n_heads + self.n_kv
         qkv = self.wqkv(x).view(B, T, nq + self.n_kv, self.hd)
@@ -185,6 +187,8 @@ class Block(nn.Module):
 
 # guard(layer_index, block, block_input, block_output, recompute) -> output to use
 LayerGuard = Callable[[int, nn.Module, torch.Tensor, torch.Tensor, Callable], torch.Tensor]
+# accelerate(model, "native_step" | "native_attention"): sets that attribute of the model
+Accelerate = Callable[["Transformer", str], None]
 
 
 class Transformer(nn.Module):
@@ -197,13 +201,14 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("freqs", rope_table(args), persistent=False)
         self.guard: LayerGuard | None = None
-        # decode steps in one native call (native_step.py) or, on a CUDA device, replayed from
-        # a CUDA graph (cuda_graphs.py): "auto" until the first decode step decides (the
-        # linears are swapped for quantized ones, the model moved, after construction)
+        # a whole decode step in one call, (tokens, cache, layout) -> (logits, finite) or None
+        # where it does not apply: "auto" until the first decode step asks `accelerate`
         self.native_step: Callable | str | None = "auto"
-        # attention alone, for prefill chunks and decode steps the step does not take
-        # (native_attention.py): "auto" alike
+        # attention alone, for prefill chunks and decode steps the step does not take (the
+        # `native` of Attention.forward): "auto" alike
         self.native_attention: Callable | str | None = "auto"
+        # what resolves an "auto" above (the loader attaches one); None: torch ops
+        self.accelerate: Accelerate | None = None
         self.requires_grad_(False)
 
     @property
@@ -225,16 +230,17 @@ class Transformer(nn.Module):
             h = out
         return h
 
+    def resolve(self, name: str) -> None:
+        """Replace the "auto" of `name` ("native_step" | "native_attention") by what
+        `accelerate` chooses, or by None (torch ops) where nothing is attached."""
+        if self.accelerate is None:
+            setattr(self, name, None)
+        else:
+            self.accelerate(self, name)
+
     def _native_decode(self, tokens, cache: KVCache, lay: BatchLayout) -> torch.Tensor | None:
         if self.native_step == "auto":
-            if self.device.type == "cuda":
-                from model_runtime import cuda_graphs
-
-                cuda_graphs.use(self, True)
-            else:
-                from model_runtime import native_step
-
-                native_step.use(self, True)
+            self.resolve("native_step")
         if self.native_step is None or lay.last_idx is not None:
             return None
         out = self.native_step(tokens, cache, lay)
@@ -261,9 +267,7 @@ class Transformer(nn.Module):
                 if logits is not None:
                     return logits
             if self.native_attention == "auto":
-                from model_runtime import native_attention
-
-                native_attention.use(self, True)
+                self.resolve("native_attention")
             native = self.native_attention
         return self.ops_forward(tokens, cache, lay, all_logits, native, self.guard)
 

@@ -10,17 +10,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model_runtime import cuda_graphs, kernels, native_attention, native_step, sealed
-from model_runtime.gguf_loader import Q4_1, default_gguf_path, read_gguf
-from model_runtime.model import ModelArgs, Transformer, rope_table
-from model_runtime.quant import (
+from model_runtime.kernels import compute
+from model_runtime.llm import accelerators, cuda_graphs, native_attention, native_step
+from model_runtime.llm.model import ModelArgs, Transformer, rope_table
+from model_runtime.llm.quant import (
+    Q4_1,
     Int4Linear,
     Int8Linear,
     NonFiniteGuard,
     TiedInt8Embedding,
     use_int8_activations,
 )
-from model_runtime.tokenizer import Tokenizer
+from model_runtime.loading import sealed
+from model_runtime.loading.gguf_loader import default_gguf_path, read_gguf
+from model_runtime.loading.tokenizer import Tokenizer
 
 PRECISIONS = ("int4", "bf16", "fp16", "fp32")
 log = logging.getLogger(__name__)
@@ -34,7 +37,7 @@ class ModelInfo:
     context_length: int
     group_size: int | None = None
     weight_bytes: int = 0
-    compute: str = ""  # what it computes in on this CPU (kernels.choose), e.g. for a bf16 model
+    compute: str = ""  # what it computes in on this CPU (compute.choose), e.g. for a bf16 model
     compute_dtype: str = ""  # the chosen Compute's dtype: "bf16" | "fp32" | "fp16"
     kernels: str = ""  # what the built linear layers run on: "native" | "torch" | "native+torch"
 
@@ -101,8 +104,9 @@ def build_model(
     head_bits: int = 8,
     dtype: torch.dtype | None = None,
 ) -> Transformer:
-    """Assemble a Transformer from GGUF-named tensors (q/k already in the interleaved layout).
-    dtype: of the dense weights and activations (default: the precision's own)."""
+    """Assemble a Transformer from GGUF-named tensors (q/k already in the interleaved layout),
+    its accelerators attached (llm/accelerators.py). dtype: of the dense weights and activations
+    (default: the precision's own)."""
     dtype = dtype or _dtype(precision, device)
     int4 = precision == "int4"
     with torch.device("meta"):
@@ -139,7 +143,7 @@ def build_model(
         model.output.weight = model.tok_embeddings.weight  # tied: one tensor, not two
     else:
         model.output = lin(head)
-    return model.to(device).eval()
+    return accelerators.attach(model.to(device).eval())
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -191,12 +195,12 @@ def load(
     _dtype(precision, device)
     if activations not in ("bf16", "int8"):
         raise ValueError(f"activations must be bf16 or int8, got {activations!r}")
-    compute = kernels.choose(precision, device, activations)
+    chosen = compute.choose(precision, device, activations)
     path = default_gguf_path() if source is None else Path(source)
     if not path.exists():
         raise FileNotFoundError(f"model source {str(path)!r} does not exist")
     if path.is_dir():
-        from model_runtime.safetensors_loader import read_llama_folder
+        from model_runtime.loading.safetensors_loader import read_llama_folder
 
         args, tensors, tok, name = read_llama_folder(path)
         digest = _digest(b"".join(_digest(p).encode() for p in sorted(path.glob("*.safetensors"))))
@@ -216,7 +220,7 @@ def load(
     if head_bits not in (4, 8):
         raise ValueError(f"head_bits must be 4 or 8, got {head_bits}")
     model = build_model(
-        args, tensors, precision, device, group_size, keep_dense, head_bits, compute.dtype
+        args, tensors, precision, device, group_size, keep_dense, head_bits, chosen.dtype
     )
     if activations == "int8":
         use_int8_activations(model)
@@ -224,7 +228,7 @@ def load(
     if nonfinite_guard:
         guard = NonFiniteGuard()
         model.guard = guard
-    description = compute.description
+    description = chosen.description
     if precision == "int4":  # what its first decode step will run (model.native_step "auto")
         why = native_step.why_not(model)
         step = "one native call" if why is None else f"torch ops ({why})"
@@ -251,10 +255,8 @@ def load(
         group_size=g_size,
         weight_bytes=weight_bytes(model),
         compute=description,
-        compute_dtype=DTYPE_NAMES.get(compute.dtype, str(compute.dtype).removeprefix("torch.")),
+        compute_dtype=DTYPE_NAMES.get(chosen.dtype, str(chosen.dtype).removeprefix("torch.")),
         kernels=linear_kernels(model),
     )
-    log.info(
-        "%s: %s (linear layers on %s kernels)", info.version, compute.description, info.kernels
-    )
+    log.info("%s: %s (linear layers on %s kernels)", info.version, chosen.description, info.kernels)
     return LoadedModel(model, tok, info, guard)

@@ -1,12 +1,11 @@
 """Warm-up before a runtime reports SERVING: the first calls must not pay for lazy initialisation.
 
-A fresh process's first forward passes set up what later ones reuse (oneDNN builds a kernel for
-each new matmul shape, i.e. each decode batch size and prefill length; allocator pools; lazy
-imports). Measured on the demo's 2-core Xeon (issue 13): a cold runtime's first call cost
-0.1-0.25 s more CPU and its TTFT was 0.3-0.8 s above a warm call's; in a rollout that call lands
-in the canary's first analysis interval and is its p99. So `meshlm serve` runs `warm_up` between
-loading the model and turning healthy: `max_batch` greedy requests submitted at once, each long
-enough to stay until the last is admitted, so decode runs at every batch size from 1 up to
+A fresh process's first forward passes set up what later ones reuse (oneDNN builds a kernel for each
+new matmul shape, i.e. each decode batch size and prefill length; allocator pools; lazy imports), so
+a cold runtime's first call costs more CPU and a longer TTFT than a warm one; in a rollout that call
+lands in the canary's first analysis interval and becomes its p99. So `meshlm serve` runs `warm_up`
+between loading the model and turning healthy: `max_batch` greedy requests submitted at once, each
+long enough to stay until the last is admitted, so decode runs at every batch size from 1 up to
 max_batch and back."""
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from model_runtime.engine import GenerateParams
+from model_runtime.engine.engine import GenerateParams
 
 PROMPT = "Count from one to twenty."  # a long answer: no request ends before the last starts
 

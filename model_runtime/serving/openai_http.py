@@ -4,7 +4,7 @@
     GET  /v1/models             GET  /v1/models/{id}
 
 Each call goes through the gRPC service's own request path, `InferenceService.generate`, with
-the body translated to a FlatBuffers GenerateRequest (model_runtime/openai_api.py): the same
+the body translated to a FlatBuffers GenerateRequest (model_runtime/serving/openai_api.py): the same
 validation, engine, scheduler, tenant (the verified `x-meshlm-tenant` header the sidecar sets),
 priorities, faults and metrics as a gRPC call. `_HttpCall` is the part of a gRPC servicer
 context that path uses: request headers as metadata, response headers from its metadata, abort
@@ -39,8 +39,8 @@ from mesh_common.http_server import (
     BoundedServer,
     peer_closed,
 )
-from model_runtime import openai_api as api
-from model_runtime.openai_api import ApiError
+from model_runtime.serving import openai_api as api
+from model_runtime.serving.openai_api import ApiError
 from schemas import codec
 from schemas.codec import Limits
 
@@ -106,7 +106,7 @@ class _HttpCall:
 
 
 class OpenAIServer:
-    """The HTTP API of one `Runtime` (model_runtime.service), on a thread of its own."""
+    """The HTTP API of one `Runtime` (model_runtime.serving.service), on a thread of its own."""
 
     def __init__(
         self,

@@ -1,14 +1,14 @@
 """The engine: a scheduler thread that runs continuous batching over the paged KV cache.
 
 Each loop iteration: apply cancels, admit waiting requests (highest priority first, then a fair
-share of tokens per tenant: model_runtime/fair.py) while the adaptive batch limit, the per-tenant
+share of tokens per tenant: fair.py) while the adaptive batch limit, the per-tenant
 stream limit and the KV pool allow, run one prefill chunk (so a long prompt never stalls
 running streams for long), then one decode step for every running sequence. Requests join and
 leave between decode steps. `static_batching=True` admits a batch only when the previous one has
 finished entirely (kept for the benchmark's comparison).
 
 Speculative decoding (`speculate_lookup=K`): a greedy stream drafts up to K tokens by prompt
-lookup (model_runtime/speculate.py); the decode step checks every draft in the same forward, each
+lookup (speculate.py); the decode step checks every draft in the same forward, each
 draft position as one more decode row of the batch (the kernels of plain decoding), and the
 stream keeps the drafts the model's own argmax agrees with plus the model's next token. The K/V
 of rejected drafts lie past `written` and are overwritten by the next step. Greedy output is the
@@ -31,12 +31,18 @@ from typing import Any
 
 import torch
 
-from model_runtime.fair import FairQueue
-from model_runtime.kvcache import BlockPool, SeqCache, block_keys, layout_decode, layout_prefill
-from model_runtime.model import KVCache
-from model_runtime.omp import own_thread
-from model_runtime.sampling import generator_at, greedy_ids, sample
-from model_runtime.speculate import PromptLookup
+from model_runtime.engine.fair import FairQueue
+from model_runtime.engine.kvcache import (
+    BlockPool,
+    SeqCache,
+    block_keys,
+    layout_decode,
+    layout_prefill,
+)
+from model_runtime.engine.omp import own_thread
+from model_runtime.engine.sampling import generator_at, greedy_ids, sample
+from model_runtime.engine.speculate import PromptLookup
+from model_runtime.llm.model import KVCache
 
 
 @dataclass
@@ -48,7 +54,7 @@ class GenerateParams:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop sequences (text)
-    resume_ids: list[int] = field(default_factory=list)  # already delivered (issue 10)
+    resume_ids: list[int] = field(default_factory=list)  # already delivered (a resumed stream)
     priority: int = 0  # higher first
     tenant: str = ""  # the verified tenant (fair share and per-tenant limits key on it)
 
@@ -145,7 +151,7 @@ class Engine:
         self.pool = BlockPool(kv_blocks, block_size)
         self.device = self.model.device
         # zero-filled on a thread of its own: not the caller's, which must keep no OpenMP pool
-        # beside the engine's thread (model_runtime/omp.py)
+        # beside the engine's thread (omp.py)
         self.kv = own_thread(
             KVCache, self.model.args, kv_blocks * block_size, self.model.dtype, self.device
         )
@@ -154,7 +160,7 @@ class Engine:
         self.max_queue = max_queue
         self.tpot_target = None if tpot_target_ms is None else tpot_target_ms / 1000
         self.static = static_batching
-        # Tenant isolation (issue 12): fair share of tokens inside a priority class, per-tenant
+        # Tenant isolation: fair share of tokens inside a priority class, per-tenant
         # limits, shedding of the lowest priority when the queue is full. Off: priority + FIFO.
         self.isolation = tenant_isolation
         self.tenant_max_streams = tenant_max_streams
@@ -233,9 +239,9 @@ class Engine:
 
     def run(self, fn: Callable[[], Any], timeout: float | None = 120.0) -> Any:
         """`fn()` on the engine's thread between two steps, its result or its exception: a
-        forward outside the batch (a /score, model_runtime/records.py) never runs on the model
-        beside a prefill or decode step. Inline where no engine thread runs. RuntimeError once
-        the engine stops; TasksFull (a RuntimeError) at once when MAX_TASKS wait already;
+        forward outside the batch (a /score, serving/records.py) never runs on the model beside
+        a prefill or decode step. Inline where no engine thread runs. RuntimeError once the
+        engine stops; TasksFull (a RuntimeError) at once when MAX_TASKS wait already;
         TimeoutError if it has not started `fn` within `timeout` seconds."""
         fut: Future = Future()
         with self._lock:
@@ -653,7 +659,7 @@ class Engine:
         return out, None
 
     def _replay(self, req: _Request) -> bool:
-        """Resume (issue 10): run the ids the caller already got through the text state, so
+        """Resume: run the ids the caller already got through the text state, so
         the resumed stream's deltas are exactly what the uninterrupted stream's would have been
         from there (no byte or space lost at the boundary; stop sequences match across it).
         True if those ids had already ended the stream: the final event is sent, nothing runs.

@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from model_runtime.kvcache import SeqCache, layout_decode, layout_prefill
-from model_runtime.model import KVCache
-from model_runtime.sampling import greedy_ids
+from model_runtime.engine.kvcache import SeqCache, layout_decode, layout_prefill
+from model_runtime.engine.sampling import greedy_ids
+from model_runtime.llm.model import KVCache
 
 BLOCK = 16  # slots a cache block
 

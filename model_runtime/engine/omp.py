@@ -1,14 +1,12 @@
-"""Keep torch's parallel work on one thread at a time (issue 13).
+"""Keep torch's parallel work on one thread at a time.
 
 torch's OpenMP runtime (its bundled libgomp) gives every thread that starts a parallel region a
 pool of worker threads of its own, kept until that thread ends. Once the pools hold more threads
 than there are CPUs, libgomp stops spinning at barriers (its "throttled" spin count, which no
 environment variable raises): every barrier of every parallel region then sleeps and wakes
 through the kernel. The native decode step and torch's ops enter hundreds of parallel regions a
-step, so a second pool halves decode speed: measured on 2 cores, int4 batch-1 decode on the
-Engine's thread 54-68 tok/s once the main thread had loaded the model, 140-160 tok/s with the
-main thread's pool gone (`python -m bench runtime` measured the same drop on the bare forward
-once an Engine had decoded beside it).
+step, so on a small CPU a second pool costs a large share of decode speed (BENCHMARKS.md: the
+runtime section's note on OpenMP pools).
 
 So work that may enter a parallel region outside the Engine's thread (loading a model, a
 benchmark's bare forward) runs on a thread of its own, whose pool ends with it: `own_thread`.

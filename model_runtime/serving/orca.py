@@ -38,7 +38,7 @@ kv_used (fraction of KV blocks in use) as of the report.
 Who may open a stream: the caller's sidecar refuses the method to clients, and an inbound
 sidecar lets through only the mesh's workloads (its `callers`, when listed). Here each stream
 holds a worker of the report pool, which the runtime sizes beside the pool that serves calls
-(model_runtime/service.py), so streams are bounded: MAX_STREAMS in all, MAX_STREAMS_PER_PEER per
+(service.py), so streams are bounded: MAX_STREAMS in all, MAX_STREAMS_PER_PEER per
 caller, known by the SPIFFE ID its sidecar put in `x-forwarded-client-cert` from the mTLS
 handshake. Without identity the callers cannot be told apart and only the total holds. A stream
 past a bound is refused with RESOURCE_EXHAUSTED; Envoy retries it with backoff.

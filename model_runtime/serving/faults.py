@@ -4,14 +4,14 @@
 `--fault-stall-after N [--fault-stall-ms MS]` holds a stream's delivery for MS ms after every
 Nth token it sent (without MS: until the call is cancelled or expires) while the engine keeps
 decoding every stream; `--fault-exit-after N` kills the process (os._exit, no drain) once a
-stream has sent N tokens: the "replica stalls / dies mid-stream" cases of issue 10.
+stream has sent N tokens: a replica that stalls or dies mid-stream, which callers resume.
 `--fault-delay-ms D` holds back the first token of every stream by D ms;
 `--fault-slow-decode F` makes every decode step take about F times as long (the engine sleeps
 the step's own duration x (F - 1)), a replica that decodes slowly for load-aware routing. All
 count as real failures and latency in the runtime's metrics, exactly as the mesh and the rollout
 gates see them.
 `--fault-poison REGEX [--fault-poison-action exit|stall|error]`: a Generate call whose prompt or
-any message content matches is a query of death (issue 11): the runtime exits hard (default),
+any message content matches is a query of death: the runtime exits hard (default),
 never answers that call, or fails it with INTERNAL.
 """
 

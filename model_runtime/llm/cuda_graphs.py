@@ -1,8 +1,8 @@
-"""Decode steps on a CUDA device, replayed from CUDA graphs (issue 13, item 7).
+"""Decode steps on a CUDA device, replayed from CUDA graphs.
 
-An eager decode step of SmolLM2 launches ~470 kernels from Python, and on an H200 they kept the
-GPU busy 12 % of the step (`python -m bench gpu`): the step was bound by launching, not by the
-GPU. A graph captured once per bucket of (batch, keys) replays them in one launch, as vLLM
+An eager decode step of a small model launches hundreds of kernels from Python, each too short
+to keep the GPU busy: the step is bound by launching, not by the GPU (`python -m bench gpu`
+measures it). A graph captured once per bucket of (batch, keys) replays them in one launch, as vLLM
 does for decode. Each step's inputs are copied into the bucket's static buffers: the batch is
 padded to its bucket by repeating row 0 (the padded rows write row 0's K/V into row 0's slot
 again, the same values) and the keys to a multiple of KEYS (masked). A graph is captured against
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model_runtime.model import BatchLayout, KVCache, Transformer, all_finite
+from model_runtime.llm.model import BatchLayout, KVCache, Transformer, all_finite
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a step's batch is padded up to one of these
 KEYS = 256  # attended keys are padded to a multiple of this

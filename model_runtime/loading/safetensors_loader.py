@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model_runtime.model import ModelArgs
-from model_runtime.tokenizer import Tokenizer
+from model_runtime.llm.model import ModelArgs
+from model_runtime.loading.tokenizer import Tokenizer
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _HF_TO_GGUF = {

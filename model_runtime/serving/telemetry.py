@@ -1,7 +1,8 @@
 """The runtime's telemetry on its loopback metrics port: `GET /metrics` in Prometheus text
-(model_runtime/prometheus.py, names after vLLM's), `GET /metrics.json` for the rollout gates and
+(model_runtime/serving/prometheus.py, names after vLLM's), `GET /metrics.json` for the rollout
+gates and
 the SLO loop; and OpenTelemetry traces and metrics, exported over OTLP when
-`OTEL_EXPORTER_OTLP_ENDPOINT` is set (model_runtime/otlp.py).
+`OTEL_EXPORTER_OTLP_ENDPOINT` is set (model_runtime/serving/otlp.py).
 
 Metrics (OTel SDK): `meshlm.ttft`, `meshlm.tpot` and `meshlm.e2e` histograms (seconds),
 `meshlm.rpc.requests` counter by method, gRPC status and tenant, and observable gauges reading
@@ -42,8 +43,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from mesh_common.http_server import BoundedHandler, BoundedServer
 from mesh_common.prometheus_text import CONTENT_TYPE
-from model_runtime import otlp
-from model_runtime.prometheus import (
+from model_runtime.serving import otlp
+from model_runtime.serving.prometheus import (
     E2E_BUCKETS,
     ITL_BUCKETS,
     TTFT_BUCKETS,
@@ -290,7 +291,7 @@ class MetricsServer:
     def __init__(
         self, telemetry: Telemetry, port: int = 0, host: str = "127.0.0.1", records: Any = None
     ) -> None:
-        # records (model_runtime/records.py): GET /records and /score, for the quality gate
+        # records (model_runtime/serving/records.py): GET /records and /score, for the quality gate
         queried = {"/records", "/score"} if records is not None else set()
         pages = {
             "/metrics": (CONTENT_TYPE, telemetry.prom.exposition),

@@ -1,4 +1,4 @@
-"""What greedy calls produced, per request id, for the quality-gated canary (issue 18).
+"""What greedy calls produced, per request id, for the quality-gated canary.
 
 A bounded LRU: request id -> the prompt's token ids (kept in memory only, never served) and the
 generated token ids. The control plane joins the stable's and the canary's records by id and asks
@@ -12,7 +12,7 @@ plane polls only what is new.
 The key is the call's body `request_id` (a mirrored call carries the same body, and a replay sets
 it), else the `x-request-id` header Envoy sends (and copies to a mirror's shadow).
 
-Served on the runtime's loopback metrics port (model_runtime/telemetry.py MetricsServer):
+Served on the runtime's loopback metrics port (telemetry.py MetricsServer):
     GET /records?ids=a,b[&shadow=1|0]     {"instance": ..., "records": {id: RECORD}}
     GET /records?since=SEQ[&shadow=1|0]   {"instance": ..., "records": {id: RECORD} (seq > SEQ,
                                            ascending, at most MAX_IDS), "next_since": the SEQ to

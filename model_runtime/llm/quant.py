@@ -4,7 +4,7 @@ torch's int4pack dequantizes a group as w = (q - 8) * scale + zero. A GGUF Q4_1 
 w = q * d + m for 32 weights, so scale = d and zero = m + 8 d: the remap is exact at group 32.
 With bf16 activations (int4 at group 32), on CPUs with AVX-512 or AVX2 the int4 and int8 layers
 run the native kernels of model_runtime/kernels (faster; within one bf16 rounding of torch's
-int4pack and int8pack kernels, the same bits on every CPU: kernels/__init__.py); else torch's. A
+int4pack and int8pack kernels, the same bits on every CPU: kernels/qmm.py); else torch's. A
 layer keeps the build it was made with (`isa`).
 """
 
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_runtime import kernels
-from model_runtime.gguf_loader import Q4_1
+from model_runtime.kernels import isas, qmm
 
 NATIVE_BLOCK = 64  # output columns per block of the native layout (kernels/qmm.c)
 _SHIFTS = torch.tensor([[0, 16], [4, 20], [8, 24], [12, 28]], dtype=torch.int32)  # [j, k % 2]
@@ -29,7 +29,7 @@ def _pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: t
     the native one (the same layout for every build)."""
     n, k = codes.shape
     group = k // scale.shape[1]
-    if dtype == torch.bfloat16 and group == 32 and n % NATIVE_BLOCK == 0 and kernels.applies():
+    if dtype == torch.bfloat16 and group == 32 and n % NATIVE_BLOCK == 0 and qmm.applies():
         # kernels/qmm.c's layout: [block, k / 8, panel, column] 32-bit lanes holding k + 2 j in
         # bits 4 j and k + 2 j + 1 in bits 16 + 4 j (j < 4), as bytes [block, k / 2, 64]; then
         # [block, group, scale | zero, column] bf16
@@ -39,7 +39,7 @@ def _pack(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: t
         packed = lanes.contiguous().view(torch.uint8).view(n // NATIVE_BLOCK, k // 2, NATIVE_BLOCK)
         sz = torch.stack([scale.to(dtype), zero.to(dtype)])  # [2, n, groups]
         sz = sz.view(2, n // NATIVE_BLOCK, NATIVE_BLOCK, -1).permute(1, 3, 0, 2).contiguous()
-        return packed, sz, kernels.isa()
+        return packed, sz, isas.isa()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
     sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
     return packed, sz, None
@@ -70,6 +70,20 @@ def pack_head_q8(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     u8 = (q.to(torch.int16) + 128).to(torch.uint8)
     return u8.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+@dataclass
+class Q4_1:
+    """One Q4_1 matrix [n, k]: codes 0..15 and per-32-block d, m with w = q * d + m."""
+
+    codes: torch.Tensor  # int32 [n, k]
+    d: torch.Tensor  # float32 [n, k // 32]
+    m: torch.Tensor  # float32 [n, k // 32]
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        q = self.codes.view(n, k // 32, 32).float()
+        return (q * self.d[..., None] + self.m[..., None]).view(n, k)
 
 
 class Int4Linear(nn.Module):
@@ -122,7 +136,7 @@ class Int4Linear(nn.Module):
 
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
         if self.native:
-            lib = kernels.library(self.isa)
+            lib = qmm.library(self.isa)
             return _native_mm(lib.int4mm_bf16, x2, self.packed, self.scales_zeros, self)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.packed, self.group_size, self.scales_zeros
@@ -135,7 +149,7 @@ class Int4Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.codes8 is not None:
-            lib = kernels.library(self.isa)
+            lib = qmm.library(self.isa)
             y = _native_mm(lib.int4mm_q8, x2, self.codes8, self.scales_zeros, self, self.vnni)
         else:
             y = self._mm(x2)
@@ -176,7 +190,7 @@ class Int8Linear(nn.Module):
     """Weight-only int8, one scale per output channel (torch's int8pack CPU kernel).
 
     Used for the tied output head under int4: re-quantizing the head (stored Q8_0 in the GGUF)
-    to int4 g32 costs ~7 % perplexity on SmolLM2; int8 keeps it within 0.1 % and is faster.
+    to int4 costs perplexity that int8 keeps (BENCHMARKS.md, quality), and int8 is faster.
     """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, dense=None):
@@ -187,9 +201,9 @@ class Int8Linear(nn.Module):
             scales.dtype == torch.bfloat16
             and self.out_features % NATIVE_BLOCK == 0
             and self.in_features % 32 == 0  # kernels/qmm.c: chunks of 32
-            and kernels.applies()
+            and qmm.applies()
         )
-        self.isa = kernels.isa() if native else None  # the native build or None: torch's
+        self.isa = isas.isa() if native else None  # the native build or None: torch's
         self.native = native
         self.register_buffer("q", q)
         self.register_buffer("scales", scales)
@@ -215,10 +229,10 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.head8 is not None:
-            lib = kernels.library(self.isa)
+            lib = qmm.library(self.isa)
             y = _native_mm(lib.int8mm_q8, x2, self.head8, self.scales, self, self.vnni)
         elif self.native:
-            y = _native_mm(kernels.library(self.isa).int8mm_bf16, x2, self.q, self.scales, self)
+            y = _native_mm(qmm.library(self.isa).int8mm_bf16, x2, self.q, self.scales, self)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales)
         return y.view(*shape[:-1], self.out_features)
@@ -253,7 +267,7 @@ def use_int8_activations(model: nn.Module) -> None:
         if isinstance(mod, Int4Linear | Int8Linear):
             if not mod.native or mod.in_features % 32:
                 raise ValueError(f"int8 activations need native layers of groups of 32: {mod}")
-            mod.vnni = kernels.has_vnni(mod.isa)
+            mod.vnni = isas.has_vnni(mod.isa)
             if isinstance(mod, Int4Linear):
                 mod.codes8 = pack_q8(mod.packed)
             else:
