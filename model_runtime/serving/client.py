@@ -7,10 +7,10 @@ service name and `api_key`).
 Closing the iterator early (break, `.close()`) cancels the call, which frees the request's KV
 blocks on the runtime. A greedy call (temperature 0) is marked safe to mirror
 (`x-meshlm-mirror: safe`): during a canary rollout with a quality gate the caller's sidecar may
-send a copy to the canary, whose answer is only compared, never returned (issue 18); pass
+send a copy to the canary, whose answer is only compared, never returned; pass
 `mirror=False` for a call that must not run twice. Callers of the mesh want
 `meshlm.client.Caller` instead: the same calls, plus resuming a stream on another replica when
-its replica stalls or dies (issue 10).
+its replica stalls or dies.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
     /xds.service.orca.v3.OpenRcaService/StreamCoreMetrics   ORCA load reports (orca.py), in
                                                             workers of their own, bounded
 
-A mirrored copy of a call (issue 18) arrives with `x-meshlm-shadow: 1`, which only the canary's
+A mirrored copy of a call (a quality-gated rollout's) arrives with `x-meshlm-shadow: 1`, which only
+the canary's
 sidecar sets (for authorities suffixed `-shadow`). It must be greedy (else it is refused before
 any generation: a mis-marked call costs nothing), it runs at the lowest priority, it is recorded
 with `shadow: true` (model_runtime/serving/records.py) and it counts only in the shadow counter,
@@ -86,7 +87,7 @@ def _priority(req_priority: int | None, metadata: dict[str, Any]) -> int:
 
     The sidecar's authz filter drops any client-sent `x-meshlm-priority` and sets the tenant's
     own, so that header is the most this request may get; the body's `priority` may only lower
-    it (issue 9, defect 4). Without the header (native authz mode, which cannot set it, or a call
+    it. Without the header (native authz mode, which cannot set it, or a call
     that bypassed the mesh) the ceiling is the default level, 0 ("normal"). A header that is not
     a priority fails closed to the lowest level, -1000.
     """
@@ -109,7 +110,7 @@ def _record_key(req: codec.GenerateRequest, md: dict[str, Any]) -> str:
 
 def _check_shadow(req: codec.GenerateRequest, md: dict[str, Any]) -> None:
     """A mirrored copy is refused before any generation unless it is greedy and can be joined:
-    only its record is of use, and only a greedy answer compares (issue 18)."""
+    only its record is of use, and only a greedy answer compares."""
     why = None
     if req.temperature > 0:
         why = f"temperature {req.temperature:g}"
@@ -142,7 +143,7 @@ class InferenceService:
         records: Records | None = None,
     ) -> None:
         self.loaded, self.engine = loaded, engine
-        self.records = records  # greedy calls' outputs by request id (issue 18)
+        self.records = records  # greedy calls' outputs by request id
         self.replica_id = replica_id
         self.telemetry = telemetry
         self.faults = faults or Faults()
@@ -225,7 +226,7 @@ class InferenceService:
         return tok.encode(rendered) if isinstance(rendered, str) else list(rendered)
 
     def _poison_fault(self, req: codec.GenerateRequest, context: grpc.ServicerContext) -> None:
-        """`--fault-poison`: a query of death exits, stalls or fails (issue 11)."""
+        """`--fault-poison`: a query of death exits, stalls or fails."""
         texts = [req.prompt or ""] + [m.content for m in req.messages or ()]
         if not self.faults.poisoned(texts):
             return
@@ -257,7 +258,7 @@ class InferenceService:
             _check_shadow(req, md)
         if req.avoid_replica and req.avoid_replica == self.replica_id:
             # Before any response header, so the sidecar's retry (previous_hosts) may move the
-            # call to another host; after headers nothing in Envoy can (issue 10).
+            # call to another host; after headers nothing in Envoy can.
             raise _Abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"avoid_replica: this is replica {self.replica_id!r}, which the call asks to "
@@ -356,7 +357,7 @@ class InferenceService:
         first_index: int = 0,
         ended: threading.Event | None = None,
     ) -> Iterator[bytes]:
-        index = first_index  # a resumed stream continues the chunk indexes (issue 10)
+        index = first_index  # a resumed stream continues the chunk indexes
         first_at = last_at = None
         tokens = 0
         while True:
