@@ -16,10 +16,11 @@ import http.client
 import os
 from contextlib import ExitStack
 
-from bench import authz_envoy, h2load
+from bench import h2load
 from bench.machine import describe
 from sidecar.bootstrap import XDS_CLUSTER, static_cluster
 from sidecar.envoy_process import EnvoyProcess
+from tests import testbed
 from wasm_filters import xds
 from wasm_filters.policy import hash_key, parse_policy
 from xds_server.compose import build_server
@@ -91,7 +92,7 @@ def main(quick: bool = False) -> str:
         envoys: dict[str, EnvoyProcess] = {}
         for m, (filters, routed) in modes.items():
             upstream = ports[NONE] if routed else 1
-            boot = authz_envoy.bootstrap(
+            boot = testbed.bootstrap(
                 filters, grpc_port=upstream, http_port=upstream, direct_response=not routed
             )
             rls = static_cluster(XDS_CLUSTER, "127.0.0.1", cp.grpc_port)
@@ -99,7 +100,7 @@ def main(quick: bool = False) -> str:
             envoy = stack.enter_context(EnvoyProcess(boot, concurrency=1))
             assert envoy.proc is not None
             envoys[m] = envoy
-            pids[m], ports[m] = envoy.proc.pid, authz_envoy.listener_port(boot)
+            pids[m], ports[m] = envoy.proc.pid, testbed.listener_port(boot)
             if envoy_cpu is not None:
                 h2load.pin(pids[m], envoy_cpu)
             check_allowed(ports[m], body)

@@ -117,8 +117,11 @@ def bootstrap(
     http_port: int,
     listener_port: int | None = None,
     exact_balance: bool = False,
+    direct_response: bool = False,
 ) -> dict[str, Any]:
-    """Static bootstrap: listener -> `http_filters` (protos or dicts) + router -> upstreams."""
+    """Static bootstrap: listener -> `http_filters` (protos or dicts) + router -> upstreams, or
+    with `direct_response` a 200 "ok" from Envoy itself (the authz benchmark: Envoy and its
+    filters alone, no upstream)."""
     port = listener_port or free_port()
     filters = [f if isinstance(f, dict) else filter_dict(f) for f in http_filters]
 
@@ -130,6 +133,9 @@ def bootstrap(
         {"match": {"prefix": "/", "headers": [grpc_match]}, "route": {"cluster": "grpc_upstream"}},
         {"match": {"prefix": "/"}, "route": {"cluster": "http_upstream"}},
     ]
+    if direct_response:
+        ok = {"status": 200, "body": {"inline_string": "ok"}}
+        routes = [{"match": {"prefix": "/"}, "direct_response": ok}]
     listener: dict[str, Any] = {
         "name": "inbound",
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
