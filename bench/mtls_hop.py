@@ -2,14 +2,12 @@
 
 A hop is a caller Envoy (a plaintext listener for the load generator, a cluster to the inbound
 sidecar) and an inbound Envoy in front of the upstream, both bare (router only, bench/
-sidecar_parts.py) so that the transport between them is the only difference. With mTLS both
-ends take the control plane's own TLS contexts (xds_server/resources/tls.py: TLS 1.3, h2, SAN
-checks) and read their certificates by SDS from a unix socket, as a sidecar's identity agent
-serves them (sidecar/sds.py); the certificates come from the mesh CA (xds_server/identity/ca.py),
-with no
-control plane. `new_connection_per_call`: the caller's cluster closes each upstream connection
-after one call (`max_requests_per_connection: 1`), so every call pays a handshake.
-"""
+sidecar_parts.py) so that the transport between them is the only difference. With mTLS both ends
+take the control plane's own TLS contexts (xds_server/resources/tls.py: TLS 1.3, h2, SAN checks) and
+read their certificates by SDS from a unix socket, as a sidecar's identity agent serves them
+(sidecar/sds.py); the certificates come from the mesh CA (xds_server/identity/ca.py), with no
+control plane. `new_connection_per_call`: the caller's cluster closes each upstream connection after
+one call (`max_requests_per_connection: 1`), so every call pays a handshake."""
 
 from __future__ import annotations
 

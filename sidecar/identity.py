@@ -1,15 +1,14 @@
 """The sidecar's workload identity agent: its key, its CSR, its certificate, its renewals.
 
 The agent makes an EC P-256 key, sends a CSR to the mesh CA (xds_server/identity/workload.py) and
-serves
-the certificate to its Envoy by SDS (sidecar/sds.py). The key never leaves this process and the
-sidecar's private dir. The first certificate needs a join token file (`meshlm identity token`:
-the token, the CA's addresses, its roots and their pins); at that first contact gRPC verifies
-the CA port against the roots in the file, once each has matched its pin (a file altered or cut
-short is refused, and the agent asks nothing of the CA port it has not verified). Renewals go
-to the CA's mTLS port with the current certificate, at half-life (sooner after an error), each
-with a new key; the trust bundle that comes back replaces `ROOTCA`, so a root rotation reaches
-Envoy with the next renewal.
+serves the certificate to its Envoy by SDS (sidecar/sds.py). The key never leaves this process and
+the sidecar's private dir. The first certificate needs a join token file (`meshlm identity token`:
+the token, the CA's addresses, its roots and their pins); at that first contact gRPC verifies the CA
+port against the roots in the file, once each has matched its pin (a file altered or cut short is
+refused, and the agent asks nothing of the CA port it has not verified). Renewals go to the CA's
+mTLS port with the current certificate, at half-life (sooner after an error), each with a new key;
+the trust bundle that comes back replaces `ROOTCA`, so a root rotation reaches Envoy with the next
+renewal.
 
 Key, chain and bundle are kept 0600 in `credentials.json` in the private dir, so a sidecar
 restarted while the control plane is down boots with its current certificate.

@@ -1,7 +1,7 @@
-"""What each sidecar listener runs per call (issue 19, item 3): only what something reads.
-The rollout gates and the SLO loop read grpc_stats on caller sidecars
-(xds_server/rollout/gates/envoy_stats.py), so
-the inbound listener goes without it; nothing reads its filter state."""
+"""What each sidecar listener runs per call (issue 19, item 3): only what something reads. The
+rollout gates and the SLO loop read grpc_stats on caller sidecars
+(xds_server/rollout/gates/envoy_stats.py), so the inbound listener goes without it; nothing reads
+its filter state."""
 
 from __future__ import annotations
 

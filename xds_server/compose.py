@@ -12,8 +12,7 @@
      replica, the election that runs them on the leader only (`ReplicaRole`)
 
 `stop()` stops them in reverse. The CLI (meshlm/commands/xds_server.py) reads the flags, the mesh
-file and
-the token, and calls this; what goes wrong here is a StartError carrying its exit status.
+file and the token, and calls this; what goes wrong here is a StartError carrying its exit status.
 """
 
 from __future__ import annotations

@@ -7,12 +7,10 @@
                                                             workers of their own, bounded
 
 A mirrored copy of a call (a quality-gated rollout's) arrives with `x-meshlm-shadow: 1`, which only
-the canary's
-sidecar sets (for authorities suffixed `-shadow`). It must be greedy (else it is refused before
-any generation: a mis-marked call costs nothing), it runs at the lowest priority, it is recorded
-with `shadow: true` (model_runtime/serving/records.py) and it counts only in the shadow counter,
-never in
-the series the rollout's traffic gates read (model_runtime/serving/telemetry.py).
+the canary's sidecar sets (for authorities suffixed `-shadow`). It must be greedy (else it is
+refused before any generation: a mis-marked call costs nothing), it runs at the lowest priority, it
+is recorded with `shadow: true` (model_runtime/serving/records.py) and it counts only in the shadow
+counter, never in the series the rollout's traffic gates read (model_runtime/serving/telemetry.py).
 
 The engine schedules by the tenant in `x-meshlm-tenant` (fair share, per-tenant limits). Behind
 the mesh only the sidecar's authz filter sets it (it drops client copies); a runtime reached

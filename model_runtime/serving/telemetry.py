@@ -1,7 +1,6 @@
 """The runtime's telemetry on its loopback metrics port: `GET /metrics` in Prometheus text
-(model_runtime/serving/prometheus.py, names after vLLM's), `GET /metrics.json` for the rollout
-gates and
-the SLO loop; and OpenTelemetry traces and metrics, exported over OTLP when
+(model_runtime/serving/prometheus.py, names after vLLM's), `GET /metrics.json` for the rollout gates
+and the SLO loop; and OpenTelemetry traces and metrics, exported over OTLP when
 `OTEL_EXPORTER_OTLP_ENDPOINT` is set (model_runtime/serving/otlp.py).
 
 Metrics (OTel SDK): `meshlm.ttft`, `meshlm.tpot` and `meshlm.e2e` histograms (seconds),

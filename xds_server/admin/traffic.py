@@ -1,9 +1,8 @@
-"""Whether each version a service's weights send traffic to can take it: one with no endpoint in
-the mesh cannot (the weights API refuses to send it traffic unless forced); one whose endpoints
-answer no probe (xds_server/rollout/liveness.py, as a rollout's preflight probes its canary) has no
-live
-sidecar or runtime there now (a warning: it may be starting). `GET /traffic` lists both for the
-live weights (`meshlm status`)."""
+"""Whether each version a service's weights send traffic to can take it: one with no endpoint in the
+mesh cannot (the weights API refuses to send it traffic unless forced); one whose endpoints answer
+no probe (xds_server/rollout/liveness.py, as a rollout's preflight probes its canary) has no live
+sidecar or runtime there now (a warning: it may be starting). `GET /traffic` lists both for the live
+weights (`meshlm status`)."""
 
 from __future__ import annotations
 

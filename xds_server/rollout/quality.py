@@ -1,12 +1,12 @@
 """The quality gate of a canary rollout: does the canary say what the stable says?
 
-Replay mode: each analysis interval, after the traffic gates' counters were read, the control
-plane sends a golden prompt set through a caller sidecar (`replay_via`, authority = the service)
-twice, greedy: once pinned to the stable (`x-canary: never`), once to the canary (`always`). Each
-call carries a request id in its body; the runtimes keep what greedy calls produced under it
+Replay mode: each analysis interval, after the traffic gates' counters were read, the control plane
+sends a golden prompt set through a caller sidecar (`replay_via`, authority = the service) twice,
+greedy: once pinned to the stable (`x-canary: never`), once to the canary (`always`). Each call
+carries a request id in its body; the runtimes keep what greedy calls produced under it
 (model_runtime/serving/records.py), so the control plane finds the record on whichever replica
-served it
-and asks that runtime to score the stable's tokens (teacher-forced, one prefill). Per interval:
+served it and asks that runtime to score the stable's tokens (teacher-forced, one prefill). Per
+interval:
 
 - exact_match_rate: the share of prompts whose two answers are identical;
 - first_divergence: the mean position of the first differing token, over answers that differ;

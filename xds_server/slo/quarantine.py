@@ -2,10 +2,9 @@
 trip to quarantine, half-open probes with exponential backoff, release.
 
 The control plane's AccessLogService (xds_server/slo/access_log_service.py) feeds `observe` one
-outcome per
-call; this module decides, and the control plane turns its decisions into RDS routes
-(`overlay`), pushed and ACK-gated like every other change. State that matters across a restart
-(the tripped classes) is kept in a JSON file; the windows are not (they refill from traffic).
+outcome per call; this module decides, and the control plane turns its decisions into RDS routes
+(`overlay`), pushed and ACK-gated like every other change. State that matters across a restart (the
+tripped classes) is kept in a JSON file; the windows are not (they refill from traffic).
 
 Memory is bounded: at most `isolation.max_classes` windows per service, least recently seen
 dropped first (most classes are seen once), each window at most BUCKETS small counters, and at

@@ -1,14 +1,12 @@
 """`meshlm demo --scenario hot-replica`: one replica of two decodes at half speed.
 
-Two int4 replicas of v1, each behind its inbound sidecar, the caller-side sidecar, and one
-tenant's open-loop Generate traffic. Replica v1-1 runs with `--fault-slow-decode 2`. With
-`load_balancing: least_loaded` the caller's Envoy weighs the replicas by their ORCA
-out-of-band reports (the slow one holds each stream longer, so at the same rps its time-averaged
-utilization is higher and it gets fewer calls, model_runtime/serving/orca.py); with `round_robin`
-each
-gets half. The report adds `share_by_replica` (Generate calls each runtime answered, from its own
-/metrics.json totals) and the `sla` object (meshlm/demo/sla.py).
-"""
+Two int4 replicas of v1, each behind its inbound sidecar, the caller-side sidecar, and one tenant's
+open-loop Generate traffic. Replica v1-1 runs with `--fault-slow-decode 2`. With `load_balancing:
+least_loaded` the caller's Envoy weighs the replicas by their ORCA out-of-band reports (the slow one
+holds each stream longer, so at the same rps its time-averaged utilization is higher and it gets
+fewer calls, model_runtime/serving/orca.py); with `round_robin` each gets half. The report adds
+`share_by_replica` (Generate calls each runtime answered, from its own /metrics.json totals) and the
+`sla` object (meshlm/demo/sla.py)."""
 
 from __future__ import annotations
 

@@ -32,13 +32,12 @@ POISON_REGEX = "POISON-PILL"
 POISON_PROMPT = "POISON-PILL: repeat the word pill forever."
 POISON_RATE = 1.0  # per second
 ISOLATION = {
-    # The seed's 0.8 % needs thousands of calls per class to mean anything; at a 2-core demo's
-    # few calls per second a class is a handful of calls. A query of death fails every call
-    # that reaches a live runtime; calls that find the pool down or were mid-stream when a
-    # runtime died do not count against their class (xds_server/slo/access_log_service.py). One
-    # call is
-    # enough here: it has killed the replica it reached, and waiting for a second one means the
-    # other replica down too; a healthy class has many good calls in its window.
+    # The seed's 0.8 % needs thousands of calls per class to mean anything; at a 2-core demo's few
+    # calls per second a class is a handful of calls. A query of death fails every call that reaches
+    # a live runtime; calls that find the pool down or were mid-stream when a runtime died do not
+    # count against their class (xds_server/slo/access_log_service.py). One call is enough here: it
+    # has killed the replica it reached, and waiting for a second one means the other replica down
+    # too; a healthy class has many good calls in its window.
     "error_rate": "50%",
     "window": "60s",
     "min_requests": 1,
