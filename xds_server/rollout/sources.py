@@ -8,9 +8,9 @@ is read at every measurement, so `meshlm apply` changes are followed."""
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Protocol
 
 from mesh_common.headers import CANARY_HEADER
-from xds_server.control_plane import ControlPlane
 from xds_server.identity.ca import spiffe_id
 from xds_server.mesh.rollout_spec import RolloutSpec
 from xds_server.resources.names import outbound_cluster
@@ -21,8 +21,22 @@ from xds_server.rollout.gates.sources import Sources
 from xds_server.rollout.liveness import GrpcHealthSource, MtlsProbe, client_context
 from xds_server.rollout.quality import MirrorSource, ReplaySource
 
+if TYPE_CHECKING:
+    from xds_server import mesh as m
+    from xds_server.identity.workload import Identity
 
-def caller_admin_urls(cp: ControlPlane) -> list[str]:
+
+class MeshSource(Protocol):
+    """What the sources read of the control plane that serves the mesh (an XdsServer): its
+    current mesh, and its mesh CA for probing mTLS endpoints."""
+
+    @property
+    def mesh(self) -> m.Mesh: ...
+
+    identity: Identity | None
+
+
+def caller_admin_urls(cp: MeshSource) -> list[str]:
     urls = [c.admin_url for c in cp.mesh.caller_sidecars]
     if not urls:
         raise MeasurementError(
@@ -32,7 +46,7 @@ def caller_admin_urls(cp: ControlPlane) -> list[str]:
     return urls
 
 
-def _version(cp: ControlPlane, service: str, version: str):  # -> xds_server.mesh.Version
+def _version(cp: MeshSource, service: str, version: str):  # -> xds_server.mesh.Version
     ver = cp.mesh.services.get(service, None)
     ver = ver and ver.versions.get(version)
     if ver is None:
@@ -40,7 +54,7 @@ def _version(cp: ControlPlane, service: str, version: str):  # -> xds_server.mes
     return ver
 
 
-def runtime_metrics_urls(cp: ControlPlane, service: str, version: str) -> list[str]:
+def runtime_metrics_urls(cp: MeshSource, service: str, version: str) -> list[str]:
     urls = list(_version(cp, service, version).metrics_urls)
     if not urls:
         raise MeasurementError(
@@ -50,14 +64,14 @@ def runtime_metrics_urls(cp: ControlPlane, service: str, version: str) -> list[s
     return urls
 
 
-def endpoints(cp: ControlPlane, service: str, version: str) -> list[str]:
+def endpoints(cp: MeshSource, service: str, version: str) -> list[str]:
     try:
         return [str(e) for e in _version(cp, service, version).endpoints]
     except MeasurementError:
         return []
 
 
-def mtls_probe(cp: ControlPlane, service: str) -> MtlsProbe | None:
+def mtls_probe(cp: MeshSource, service: str) -> MtlsProbe | None:
     """How the control plane probes `service`'s endpoints: None on a plaintext mesh; with mTLS
     its own certificate (the control plane's SPIFFE ID) and the service's SPIFFE ID."""
     mesh, ident = cp.mesh, cp.identity
@@ -69,12 +83,12 @@ def mtls_probe(cp: ControlPlane, service: str) -> MtlsProbe | None:
     return MtlsProbe(ctx, spiffe_id(ident.ca.trust_domain, svc.service_account))
 
 
-def _canary_header(cp: ControlPlane, service: str) -> str:
+def _canary_header(cp: MeshSource, service: str) -> str:
     svc = cp.mesh.services.get(service)
     return svc.route.canary_header if svc is not None else CANARY_HEADER
 
 
-def configured_sources(cp: ControlPlane):
+def configured_sources(cp: MeshSource):
     """A `sources_factory` for `RolloutController` reading the control plane's current mesh."""
 
     def factory(spec: RolloutSpec) -> Sources:
@@ -95,7 +109,7 @@ def configured_sources(cp: ControlPlane):
     return factory
 
 
-def _quality_source(cp: ControlPlane, spec: RolloutSpec) -> ReplaySource | MirrorSource | None:
+def _quality_source(cp: MeshSource, spec: RolloutSpec) -> ReplaySource | MirrorSource | None:
     q = spec.quality
     if q is None:
         return None

@@ -38,7 +38,8 @@ from mesh_common.private_files import write_private
 from xds_server.mesh import parse_endpoint
 
 if TYPE_CHECKING:
-    from xds_server.control_plane import ControlPlane
+    from xds_server import mesh as m
+    from xds_server.identity.workload import Identity
 
 START_TIMEOUT_S = 180.0  # a runtime loads its model before it serves
 JOIN_TOKEN_TTL_S = 600.0  # the sidecar enrols as it starts; single use anyway
@@ -191,8 +192,19 @@ class LocalScaler:
             self._identity_root = None
 
 
-def control_plane_join_tokens(cp: ControlPlane) -> JoinTokens:
-    """Join tokens from `cp`'s own mesh CA (a ControlPlane: its admin API's POST
+class WithMeshCA(Protocol):
+    """What the scaler reads of the control plane (an XdsServer): its mesh, its mesh CA and
+    whether ADS requires mTLS."""
+
+    @property
+    def mesh(self) -> m.Mesh: ...
+
+    identity: Identity | None
+    ads_mtls: bool
+
+
+def control_plane_join_tokens(cp: WithMeshCA) -> JoinTokens:
+    """Join tokens from `cp`'s own mesh CA (its admin API's POST
     /identity/tokens, in-process) for each service's service_account, when the mesh's hops are
     mTLS (ADS too: a sidecar without a certificate is refused)."""
 
