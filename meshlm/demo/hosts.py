@@ -227,6 +227,8 @@ class HostNetwork:
 
     def heal(self, host: str) -> None:
         """Undo `partition(host)`."""
+        if host not in self._partitions:
+            raise ValueError(f"heal: {host} is not partitioned")
         for argv in self._partitions.pop(host):
             _run(argv)
 
