@@ -18,6 +18,7 @@ import pytest
 from mesh_common.process_group import stop_group
 from meshlm.demo.hosts import (
     HostNetwork,
+    IpCommandError,
     NamespacesUnavailable,
     check_prerequisites,
 )
@@ -285,3 +286,20 @@ def test_healing_a_host_that_is_not_partitioned_is_refused(net: HostNetwork) -> 
     net.partition("b")
     with pytest.raises(ValueError, match="partition: b is already partitioned"):
         net.partition("b", "blackhole")
+
+
+def test_a_partition_that_fails_half_way_is_undone_and_names_the_failing_command(
+    net: HostNetwork,
+) -> None:
+    b = net["b"].address
+    _ip("route", "add", "blackhole", f"{b}/32")  # the last route the partition adds
+    try:
+        with pytest.raises(IpCommandError, match=f"route add blackhole {b}/32` exited"):
+            net.partition("b", "blackhole")
+        for host in net.hosts.values():
+            assert "blackhole" not in _ip("-n", host.netns, "route", "show", "table", "all")
+    finally:
+        _ip("route", "del", "blackhole", f"{b}/32")
+    net.partition("b", "blackhole")
+    assert not _call(net, "a", b)[0]
+    net.heal("b")

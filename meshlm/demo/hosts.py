@@ -159,21 +159,8 @@ class HostNetwork:
             except IpCommandError as e:
                 raise NamespacesUnavailable(f"cannot create a network namespace: {e}") from e
             self.hosts[name] = host
-            _run(
-                [
-                    ip,
-                    "link",
-                    "add",
-                    host.port,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    "eth0",
-                    "netns",
-                    host.netns,
-                ]
-            )
+            veth = ["type", "veth", "peer", "name", "eth0", "netns", host.netns]
+            _run([ip, "link", "add", host.port, *veth])
             _run([ip, "link", "set", host.port, "master", self.bridge, "up"])
             _run([ip, "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0"])
             _run([ip, "-n", host.netns, "link", "set", "eth0", "up"])
@@ -200,6 +187,7 @@ class HostNetwork:
             out, err = proc.communicate(timeout=timeout)
         finally:
             stop_group(proc, timeout=5)
+            self._procs.remove(proc)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def partition(self, host: str, mode: Literal["link", "blackhole"] = "link") -> None:
@@ -208,22 +196,36 @@ class HostNetwork:
         off the network. "blackhole" adds blackhole routes both ways: sends fail at once."""
         if host in self._partitions:
             raise ValueError(f"partition: {host} is already partitioned")
+        if mode not in ("link", "blackhole"):
+            raise ValueError(f"partition: mode must be 'link' or 'blackhole', got {mode!r}")
         h = self.hosts[host]
-        undo: list[list[str]] = []
+        steps: list[tuple[list[str], list[str]]] = []  # (do, undo)
         if mode == "link":
-            _run([self._ip, "link", "set", h.port, "down"])
-            undo.append([self._ip, "link", "set", h.port, "up"])
-        elif mode == "blackhole":
+            link = [self._ip, "link", "set", h.port]
+            steps.append(([*link, "down"], [*link, "up"]))
+        else:
             peers = [p for p in self.hosts.values() if p.name != host]
             routes = [(h.netns, p.address) for p in peers] + [(h.netns, self.gateway)]
             routes += [(p.netns, h.address) for p in peers] + [(None, h.address)]
             for netns, dest in routes:
                 where = ["-n", netns] if netns else []
-                _run([self._ip, *where, "route", "add", "blackhole", f"{dest}/32"])
-                undo.append([self._ip, *where, "route", "del", "blackhole", f"{dest}/32"])
-        else:
-            raise ValueError(f"partition: mode must be 'link' or 'blackhole', got {mode!r}")
-        self._partitions[host] = undo
+                route = ["blackhole", f"{dest}/32"]
+                steps.append(
+                    (
+                        [self._ip, *where, "route", "add", *route],
+                        [self._ip, *where, "route", "del", *route],
+                    )
+                )
+        undo: list[list[str]] = []
+        self._partitions[host] = undo  # close undoes a partial one too
+        try:
+            for do, then in steps:
+                _run(do)
+                undo.append(then)
+        except BaseException:
+            for argv in self._partitions.pop(host):
+                _run(argv, check=False)
+            raise
 
     def heal(self, host: str) -> None:
         """Undo `partition(host)`."""
