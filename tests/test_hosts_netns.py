@@ -186,7 +186,7 @@ def test_a_partitioned_host_is_cut_off_until_healed(net: HostNetwork, mode: str)
 def test_close_deletes_everything_even_with_a_partition_and_a_process_still_running() -> None:
     with pytest.raises(RuntimeError, match="boom"), HostNetwork(["a", "b"]) as n:
         _serve(n, "a")
-        orphan = subprocess.Popen(["ip", "netns", "exec", n["b"].netns, "sleep", "300"])
+        orphan = subprocess.Popen(n.command("b", ["sleep", "300"]))  # not started by n
         n.partition("a", "blackhole")
         assert _leftovers(n.index)
         raise RuntimeError("boom")

@@ -166,15 +166,17 @@ class HostNetwork:
             _run([ip, "-n", host.netns, "link", "set", "eth0", "up"])
             _run([ip, "-n", host.netns, "link", "set", "lo", "up"])
 
+    def command(self, host: str, argv: Sequence[str]) -> list[str]:
+        """`argv` wrapped to run inside `host`, for callers that start processes their own way
+        (their children stay in the namespace); `close` kills whatever still runs there."""
+        return [self._ip, "netns", "exec", self.hosts[host].netns, *argv]
+
     def popen(self, host: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """`argv` inside `host`'s namespace, in a process group of its own: stop it with
         `mesh_common.process_group.stop_group`; `close` stops any still running."""
         if self._closed:
             raise RuntimeError("popen: the host network is closed")
-        netns = self.hosts[host].netns
-        proc = subprocess.Popen(
-            [self._ip, "netns", "exec", netns, *argv], start_new_session=True, **kwargs
-        )
+        proc = subprocess.Popen(self.command(host, argv), start_new_session=True, **kwargs)
         self._procs.append(proc)
         return proc
 
