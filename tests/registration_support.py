@@ -18,10 +18,15 @@ REGISTER = "/meshlm.registry.v1.Registry/Register"
 _END = object()
 
 
-def reg_mesh(static: list[str] | None = None, identity: bool = False, **registration: Any) -> Mesh:
+def reg_mesh(
+    static: list[str] | None = None,
+    identity: bool = False,
+    service: dict[str, Any] | None = None,
+    **registration: Any,
+) -> Mesh:
     """llm/v1 with `static` endpoints (none by default) and no retries, so a call sent to a
-    closed host fails visibly; `registration`: control_plane.registration's fields (plaintext
-    default: enabled)."""
+    closed host fails visibly; `service`: llm's further fields; `registration`:
+    control_plane.registration's fields (plaintext default: enabled)."""
     if not identity:
         registration.setdefault("enabled", True)
     doc: dict[str, Any] = {
@@ -29,6 +34,7 @@ def reg_mesh(static: list[str] | None = None, identity: bool = False, **registra
             "llm": {
                 "versions": {"v1": {"endpoints": static or []}},
                 "route": {"weights": {"v1": 100}},
+                **(service or {}),
             }
         },
         "control_plane": {"registration": registration},

@@ -24,11 +24,12 @@ def load_assignment(
     """The mesh file's `endpoints` (health unknown: Envoy's own checks decide), then the
     registered hosts by zone (a locality each), with the health their sidecars report."""
     static = list(endpoints)
-    lb = [
-        ec.LbEndpoint(endpoint=ec.Endpoint(address=socket_address(e.host, e.port))) for e in static
-    ]
-    localities = [ec.LocalityLbEndpoints(lb_endpoints=lb)]
-    by_zone: dict[str, list[ec.LbEndpoint]] = {}
+    by_zone: dict[str, list[ec.LbEndpoint]] = {
+        "": [
+            ec.LbEndpoint(endpoint=ec.Endpoint(address=socket_address(e.host, e.port)))
+            for e in static
+        ]
+    }
     for r in registered:
         if r.endpoint in static:  # the file names it too: one host, listed once
             continue
@@ -39,11 +40,10 @@ def load_assignment(
         if r.weight is not None:
             host.load_balancing_weight.CopyFrom(wrappers_pb2.UInt32Value(value=r.weight))
         by_zone.setdefault(r.zone or "", []).append(host)
-    for zone, hosts in sorted(by_zone.items()):
-        if not zone:
-            lb.extend(hosts)
-            continue
-        localities.append(
-            ec.LocalityLbEndpoints(locality=base_pb2.Locality(zone=zone), lb_endpoints=hosts)
+    localities = [
+        ec.LocalityLbEndpoints(
+            locality=base_pb2.Locality(zone=zone) if zone else None, lb_endpoints=hosts
         )
+        for zone, hosts in sorted(by_zone.items())
+    ]
     return endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster_name, endpoints=localities)
