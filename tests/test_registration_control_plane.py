@@ -2,17 +2,23 @@
 field), a plaintext control plane without the mesh's opt-in, an impostor on an identity mesh
 (another service's certificate), a loopback address on a multi-host mesh, a duplicate address, and
 registrations past the mesh's caps; each refusal is a log line with the node id and SPIFFE ID.
-Real control plane on loopback, real gRPC streams (and real certificates of its mesh CA)."""
+And what the control plane keeps: a reconnect within the grace period, `meshlm status`. Real
+control plane on loopback, real gRPC streams (and real certificates of its mesh CA)."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 import pytest
 
+from meshlm.admin_client import AdminClient
+from meshlm.commands import status as cmd_status
 from tests.registration_support import RawStream, reg_mesh, register_body, registered
 from tests.test_ads_mtls import _channel as mtls_channel
+from tests.test_xds_support import eventually
+from xds_server.admin.api import AdminServer
 from xds_server.compose import build_server
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -142,3 +148,47 @@ def test_identity_mesh_believes_a_registration_only_for_its_certificates_service
         # A plaintext client does not get as far as the service.
         plain = RawStream(cp).send(register_body("127.0.0.3:9100"))
         assert plain.status()[0] == grpc.StatusCode.UNAVAILABLE
+
+
+def test_status_lists_registered_hosts(capsys) -> None:
+    """`meshlm status` (through the admin API's /debug/syncz): address, service/version, zone,
+    since, health, node."""
+    with build_server(reg_mesh(), debounce=0.02) as cp:
+        admin = AdminServer(cp, token="t" * 32).start()
+        try:
+            s = RawStream(cp).send(register_body("127.0.0.2:9100", node="r1-node", zone="z1"))
+            assert "registered" in s.recv()
+            s.send({"health": "NOT_SERVING"})
+            assert s.recv()["health"]["health"] == "NOT_SERVING"
+            assert cmd_status.show(AdminClient(admin.url), as_json=False) == 0
+            out = capsys.readouterr().out
+            line = next(ln for ln in out.splitlines() if ln.startswith("127.0.0.2:9100"))
+            since = registered(cp)["127.0.0.2:9100"]["since_iso"]
+            assert line.split() == [
+                "127.0.0.2:9100",
+                "llm/v1",
+                "z1",
+                since,
+                "NOT_SERVING",
+                "r1-node",
+            ]
+        finally:
+            admin.stop()
+
+
+def test_a_reconnect_within_the_grace_period_keeps_the_host() -> None:
+    with build_server(reg_mesh(grace="1s"), debounce=0.02) as cp:
+        first = RawStream(cp).send(register_body("127.0.0.2:9100"))
+        assert "registered" in first.recv()
+        first.drop()
+        eventually(lambda: registered(cp)["127.0.0.2:9100"]["stream"] == "lost", what="lost")
+        # The same node takes it back; the first stream's grace period ends without effect.
+        again = RawStream(cp).send(register_body("127.0.0.2:9100"))
+        assert "registered" in again.recv()
+        assert registered(cp)["127.0.0.2:9100"]["stream"] == "open"
+        time.sleep(1.5)
+        assert registered(cp)["127.0.0.2:9100"]["stream"] == "open"
+        # A deregistration removes it at once, and the stream ends OK.
+        assert "deregistered" in again.send({"deregister": {}}).recv()
+        assert again.status() == (grpc.StatusCode.OK, "")
+        assert registered(cp) == {}
