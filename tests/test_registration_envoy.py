@@ -17,7 +17,10 @@ from sidecar.registration import Registration
 from tests.registration_support import RawStream, reg_mesh, register_body, registered
 from tests.test_xds_support import Caller, CallLoop, eventually, sidecar, upstreams
 from xds_server.compose import build_server
+from xds_server.mesh import Endpoint
+from xds_server.registry.request import Register
 from xds_server.server import XdsServer
+from xds_server.xds.snapshot import make_version
 
 
 class Health:
@@ -158,3 +161,17 @@ def test_host_registers_again_after_a_control_plane_restart(env) -> None:
         eventually(lambda: "r1" in {caller.who() for _ in range(20)}, what="calls reach r1")
     finally:
         new.stop()
+
+
+def test_a_registration_staged_by_another_change_is_still_waited_for(env) -> None:
+    """Two changes race: the one that stages first carries the other's host too. The second
+    must still wait for the callers' ACKs (a deregistration answered early would let its
+    sidecar drain while callers still send to it)."""
+    cp, ups = env["cp"], env["ups"]
+    host = Register("r1-node", Endpoint("127.0.0.1", ups["r1"].port), "llm", "v1")
+    cp.registry.add(host, token=10**6, spiffe_id=None, mesh=cp.mesh)
+    cp.set_weights("llm", {"v1": 100}, timeout=0)  # stages the live mesh, the host included
+    result = cp.push_registrations(timeout=20)
+    assert result is not None and result.ok and result.acked == ["caller-1"], result
+    assert result.version == make_version(cp.incarnation, cp.cache.generation)
+    assert ups["r1"].address in _eds_hosts(env["envoy"])

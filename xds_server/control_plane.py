@@ -312,13 +312,16 @@ class ControlPlane:
             if mesh is not self.mesh and membership.shares_matter(mesh):
                 self._stage(mesh)
 
-    def push_registrations(self, *, timeout: float = 5.0) -> ApplyResult | None:
+    def push_registrations(self, *, timeout: float = 5.0) -> ApplyResult:
         """A host registered, changed health or left: stage the live mesh with the registry's
-        hosts and wait for the affected sidecars; None when their EDS is already so."""
+        hosts and wait for the affected sidecars. When a change staged meanwhile holds them
+        already, wait for that one: a host deregistering must not drain before its callers
+        hold its removal, whichever change carried it."""
         with self.mutating:
-            if self.registry.overlay(self.mesh) is self.mesh:
-                return None
-            version, nodes = self._stage(self.mesh)
+            if self.registry.overlay(self.mesh) is not self.mesh:
+                version, nodes = self._stage(self.mesh)
+            else:
+                version, nodes = make_version(self.incarnation, self.cache.generation), None
         return self.wait_for_ack(version, nodes, timeout=timeout)
 
     def _live(self, mesh: m.Mesh, counts: Counter[str]) -> m.Mesh:

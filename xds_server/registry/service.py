@@ -40,7 +40,7 @@ WARNINGS_PER_SECOND = 10  # refusals logged as warnings; past it, one line count
 
 class Applied(Protocol):
     """What a restage answers (ControlPlane's ApplyResult): its version, and whether every
-    affected sidecar ACKed it."""
+    affected sidecar ACKed it in time."""
 
     version: str
     ok: bool
@@ -62,7 +62,7 @@ class RegistryServicer:
         self,
         registry: Registry,
         mesh: Callable[[], m.Mesh],
-        apply: Callable[[], Applied | None],
+        apply: Callable[[], Applied],
         *,
         trust_domain: str | None,
         replicated: bool = False,
@@ -197,10 +197,10 @@ class RegistryServicer:
 
     async def _answer(self, kind: str, entry: Entry | None) -> bytes:
         """The reply to one change, once the callers hold it (or the wait ran out)."""
-        applied = await asyncio.to_thread(self._apply)
+        applied = await self._restage()
         body: dict[str, Any] = {
             "version_info": applied.version if applied else None,
-            "acked": applied.ok if applied else True,
+            "acked": bool(applied and applied.ok),
         }
         if entry is not None:
             body.update(address=str(entry.reg.endpoint), health=entry.to_json()["health"])
@@ -228,7 +228,15 @@ class RegistryServicer:
             log.warning(
                 "registration of %s (node %s) expired", entry.reg.endpoint, entry.reg.node_id
             )
-            await asyncio.to_thread(self._apply)
+            await self._restage()
+
+    async def _restage(self) -> Applied | None:
+        """`apply()` in a worker thread (it waits for ACKs); None when nothing was staged."""
+        try:
+            return await asyncio.to_thread(self._apply)
+        except ValueError as e:  # a sidecar group that cannot take the mesh: nothing staged
+            log.warning("registration change not staged: %s", e)
+            return None
 
     def _refused(
         self, node: str, peer: Peer | None, context: grpc.aio.ServicerContext, r: Refused
