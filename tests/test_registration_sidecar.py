@@ -8,6 +8,8 @@ real gRPC sockets, real Envoys, real gRPC upstreams with a health service for th
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -113,3 +115,32 @@ def test_registration_over_mtls_is_believed_for_its_own_service_only() -> None:
                 c.stop()
             for a in agents:
                 a.stop()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ("--register 127.0.0.1:7001", "--register needs --service, --version and --inbound-port"),
+        ("--zone a", "--zone and --weight need --register"),
+        (
+            "--service llm --version v1 --inbound-port 7001 --local-endpoint 127.0.0.1:1 "
+            "--register 127.0.0.1:7002",
+            "--register: port 7002 is not --inbound-port 7001",
+        ),
+        (
+            "--service llm --version v1 --inbound-port 7001 --local-endpoint 127.0.0.1:1 "
+            "--register 10.0.0.5:7001",
+            "--register: 10.0.0.5 is not where the inbound listener binds (--listen-host "
+            "127.0.0.1)",
+        ),
+        (
+            "--service llm --version v1 --inbound-port 7001 --local-endpoint 127.0.0.1:1 "
+            "--register 127.0.0.1:7001 --weight 0",
+            "--weight: expected 1..128, got 0",
+        ),
+    ],
+)
+def test_register_flags_are_checked_before_anything_starts(flags: str, message: str) -> None:
+    cmd = [sys.executable, "-m", "meshlm.cli", "sidecar", "--xds", "127.0.0.1:1", *flags.split()]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr

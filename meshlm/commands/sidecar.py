@@ -110,6 +110,13 @@ def _registration_problem(args: argparse.Namespace) -> str | None:
             f"--register: port {args.register[1]} is not --inbound-port {args.inbound_port} "
             "(callers reach this host's inbound listener)"
         )
+    host = args.register[0]
+    if args.listen_host not in ("0.0.0.0", "::") and host != args.listen_host:
+        return (
+            f"--register: {host} is not where the inbound listener binds (--listen-host "
+            f"{args.listen_host}): callers could not reach it; give --listen-host {host} or "
+            "0.0.0.0"
+        )
     if args.weight is not None and not 1 <= args.weight <= 128:
         return f"--weight: expected 1..128, got {args.weight}"
     return None
@@ -198,6 +205,9 @@ def run(args: argparse.Namespace) -> int:
                 args.inbound_port = version.endpoints[0].port
     if args.register and args.inbound_port is None:
         args.inbound_port = args.register[1]
+    if problem := _registration_problem(args):
+        print(f"meshlm sidecar: {problem}", file=sys.stderr)
+        return 2
     if args.inbound_port is None and args.outbound_port is None:
         print("meshlm sidecar: give --inbound-port and/or --outbound-port", file=sys.stderr)
         return 2
@@ -206,9 +216,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.local_http_endpoint and args.inbound_port is None:
         print("meshlm sidecar: --local-http-endpoint needs --inbound-port", file=sys.stderr)
-        return 2
-    if problem := _registration_problem(args):
-        print(f"meshlm sidecar: {problem}", file=sys.stderr)
         return 2
     if (args.join_token_file or args.identity_dir or args.cert_ttl) and not args.identity:
         print("meshlm sidecar: --join-token-file, --identity-dir and --cert-ttl need --identity",
