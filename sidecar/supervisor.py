@@ -166,6 +166,11 @@ class Supervisor:
         return self._ready.is_set()
 
     @property
+    def configured(self) -> bool:
+        """Envoy is up with listeners: from the control plane, or its last-known-good copy."""
+        return self.ready and (self.mode == "lkg" or self._config_seen)
+
+    @property
     def admin_port(self) -> int:
         return self.bootstrap["admin"]["address"]["socket_address"]["port_value"]
 

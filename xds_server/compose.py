@@ -4,8 +4,9 @@
 
   1. the link to the shared state store, when there is one (`Replication`)
   2. the control plane and its gRPC port (`build_server`: the snapshot cache, sync status and
-     isolation controller; ADS, rate limits, access logs, health and CSDS on the port; the
-     mesh CA; the debouncer; `XdsServer` runs them, the push loops and the port's renewal)
+     isolation controller; ADS, rate limits, access logs, health, CSDS and workload
+     registration on the port; the mesh CA; the debouncer; `XdsServer` runs them, the push
+     loops and the port's renewal)
   3. the admin API (`AdminServer`) with its metrics, dashboard and mounts, its CA file and
      token file
   4. the leader's work: rollouts and the SLO loop on their local files (`LocalWork`), or, for a
@@ -34,6 +35,8 @@ from xds_server.admin.metrics import ControlPlaneMetrics
 from xds_server.control_plane import new_incarnation
 from xds_server.identity.workload import Identity
 from xds_server.ratelimit import service as ratelimit
+from xds_server.registry import service as registration
+from xds_server.registry.table import Registry
 from xds_server.replica.leader import import_rollouts
 from xds_server.replica.replication import Replication
 from xds_server.replica.serve import ReplicaRole, default_replica_id
@@ -134,6 +137,8 @@ def build_server(
     def serving() -> bool:
         return server.serving
 
+    registry = Registry()
+
     services = [
         GrpcService(
             ratelimit.add_to_server,
@@ -142,6 +147,16 @@ def build_server(
         GrpcService(accesslog.add_to_server, accesslog.AccessLogServicer(isolation)),
         GrpcService(health.add_to_server, health.HealthServicer(serving)),
         GrpcService(csds.add_to_server, csds.CsdsServicer(cache, sync)),
+        GrpcService(
+            registration.add_to_server,
+            registration.RegistryServicer(
+                registry,
+                lambda: cache.mesh,
+                lambda: server.push_registrations(),
+                trust_domain=td,
+                replicated=replication is not None,
+            ),
+        ),
     ]
     server = XdsServer(
         cache,
@@ -154,6 +169,7 @@ def build_server(
         identity=Identity(mesh.identity, identity_dir) if mesh.identity else None,
         mtls=mtls,
         replication=replication,
+        registry=registry,
     )
     return server
 

@@ -22,6 +22,7 @@ import dataclasses
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -30,6 +31,7 @@ from google.protobuf import json_format
 
 from xds_server import mesh as m
 from xds_server.ratelimit import shares as membership
+from xds_server.registry.table import Registry
 from xds_server.slo.quarantine import Isolation
 from xds_server.store.base import Fence
 from xds_server.xds.cache import SnapshotCache
@@ -111,17 +113,20 @@ class ControlPlane:
         *,
         publish: Callable[[], None] | None = None,
         replication: SharedState | None = None,
+        registry: Registry | None = None,
     ) -> None:
         """`cache` holds the desired state (its mesh, with `isolation`'s quarantines over it) and
         the staged snapshots; `sync` what each sidecar holds. `publish()` sends the newest
         staged generation out, now or after a debounce (default: now). `replication`: this
         control plane is one replica of several sharing a store; its desired state is the
-        store's, and changes are written there."""
+        store's, and changes are written there. `registry`: the hosts that registered
+        themselves, laid over every change staged (None: an empty one)."""
         self.cache = cache
         self.sync = sync
         self.isolation = isolation
         self.incarnation = cache.incarnation
         self.replication = replication
+        self.registry = registry if registry is not None else Registry()
         self._publish = publish or cache.publish
         # Held while the desired state is read and staged; replicas stage under it too.
         self.mutating = threading.Lock()
@@ -243,8 +248,8 @@ class ControlPlane:
             new = edit(live)
             if new is not None:
                 counts = membership.inbound_sidecars(self.sync)
-                mine = membership.overlay(self.isolation.overlay(new), counts)
-                changed[:] = [mine != membership.overlay(live, counts)]
+                mine = self._live(self.isolation.overlay(new), counts)
+                changed[:] = [mine != self._live(live, counts)]
             return new
 
         if self.replication is not None:
@@ -282,9 +287,7 @@ class ControlPlane:
 
     def check_desired(self, mesh: m.Mesh) -> None:
         """ValueError if a group with a connected sidecar cannot take `mesh`; stages nothing."""
-        mesh = membership.overlay(
-            self.isolation.overlay(mesh), membership.inbound_sidecars(self.sync)
-        )
+        mesh = self._live(self.isolation.overlay(mesh), membership.inbound_sidecars(self.sync))
         self.cache.check(mesh, self.sync.live_groups())
 
     def stage_desired(self, mesh: m.Mesh) -> int:
@@ -309,10 +312,26 @@ class ControlPlane:
             if mesh is not self.mesh and membership.shares_matter(mesh):
                 self._stage(mesh)
 
+    def push_registrations(self, *, timeout: float = 5.0) -> ApplyResult:
+        """A host registered, changed health or left: stage the live mesh with the registry's
+        hosts and wait for the affected sidecars. When a change staged meanwhile holds them
+        already, wait for that one: a host deregistering must not drain before its callers
+        hold its removal, whichever change carried it."""
+        with self.mutating:
+            if self.registry.overlay(self.mesh) is not self.mesh:
+                version, nodes = self._stage(self.mesh)
+            else:
+                version, nodes = make_version(self.incarnation, self.cache.generation), None
+        return self.wait_for_ack(version, nodes, timeout=timeout)
+
+    def _live(self, mesh: m.Mesh, counts: Counter[str]) -> m.Mesh:
+        """`mesh` with what the control plane sees live: inbound sidecars, registered hosts."""
+        return self.registry.overlay(membership.overlay(mesh, counts))
+
     def _stage(self, mesh: m.Mesh) -> tuple[str, list[str]]:
         # Raises (nothing staged, nothing pushed) when a group with a connected sidecar cannot
         # take the mesh; groups of departed sidecars never veto (they are dropped).
-        mesh = membership.overlay(mesh, membership.inbound_sidecars(self.sync))
+        mesh = self._live(mesh, membership.inbound_sidecars(self.sync))
         gen = self.cache.stage(mesh, self.sync.live_groups())
         lagging_after = mesh.control_plane.lagging_after
         if lagging_after != self.sync.limits.lagging_after:
@@ -355,6 +374,7 @@ class ControlPlane:
         out = self.sync.to_json()
         out["incarnation"] = self.incarnation
         out["generation"] = self.cache.generation
+        out["registrations"] = self.registry.to_json()
         if self.replication is not None:
             out["replication"] = self.replication.status()
         return out

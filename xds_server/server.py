@@ -2,7 +2,8 @@
 around it and what keeps that port current.
 
 `XdsServer` serves ADS and the services given to it (xds_server/compose.py builds them: the
-tenants' mesh-wide rate limits, the caller sidecars' access logs, grpc.health.v1, CSDS) on one
+tenants' mesh-wide rate limits, the caller sidecars' access logs, grpc.health.v1, CSDS, workload
+registration) on one
 gRPC port; with an `identity` block the mesh CA on its own two ports, and the gRPC port over
 mTLS with a certificate it renews. `start()` binds and starts them in the loop thread, then the
 debouncer and the loops that restage when quarantines change or sidecars come and go; `stop()`
@@ -26,6 +27,7 @@ from mesh_common.loop_thread import LoopThread
 from xds_server.control_plane import ControlPlane
 from xds_server.identity.workload import REFRESH_INTERVAL, Identity
 from xds_server.ratelimit import shares as membership
+from xds_server.registry.table import Registry
 from xds_server.replica.replication import Replication
 from xds_server.slo.quarantine import Isolation, push_loop
 from xds_server.xds import health
@@ -113,15 +115,22 @@ class XdsServer(ControlPlane):
         identity: Identity | None = None,
         mtls: bool = False,
         replication: Replication | None = None,
+        registry: Registry | None = None,
     ) -> None:
         """`ads` and `services` are served on the gRPC port, the same servicers across
         restarts of its server (rate-limit buckets live in one); over mTLS when `mtls`, with
         a certificate of `identity`'s CA, which serves on ports of its own. `debouncer`
         publishes the staged changes; `members_changed` is set when a sidecar joins or
         leaves (the rate-limit shares are re-divided then). `replication`: this server is one
-        replica of several sharing a store."""
+        replica of several sharing a store. `registry`: the hosts registered on the gRPC
+        port's registration service (one of `services`)."""
         super().__init__(
-            cache, sync, isolation, publish=debouncer.schedule, replication=replication
+            cache,
+            sync,
+            isolation,
+            publish=debouncer.schedule,
+            replication=replication,
+            registry=registry,
         )
         self.identity = identity
         self.ads_mtls = mtls

@@ -74,6 +74,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "worked: the sidecar boots from it while the control plane is down")  # fmt: skip
     p.add_argument("--keys-file", help="native authz: the control plane's 0600 keys_file, "
                    "read at a last-known-good boot (default: --mesh authz.keys_file)")  # fmt: skip
+    r = p.add_argument_group("registration: this host joins its service by itself")
+    r.add_argument("--register", type=_hostport, metavar="ADDRESS:PORT", help="register this "
+                   "host with the control plane once its runtime is SERVING (grpc.health.v1 on "
+                   "--local-endpoint): ADDRESS:PORT is where callers reach the inbound listener "
+                   "(its port is --inbound-port); health changes follow, and SIGTERM deregisters "
+                   "before draining")  # fmt: skip
+    r.add_argument("--zone", help="with --register: the zone (locality) of this host")
+    r.add_argument("--weight", type=int, help="with --register: this host's load-balancing "
+                   "weight, 1..128")  # fmt: skip
     i = p.add_argument_group("workload identity: mTLS certificates from the mesh CA")
     i.add_argument("--identity", action="store_true", help="get this workload's certificate "
                    "from the mesh CA and renew it; every call to and from the sidecar, and its "
@@ -87,6 +96,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: the run dir's sidecar-NODE_ID)")  # fmt: skip
     i.add_argument("--cert-ttl", help="certificate lifetime to ask for, e.g. 15m (default and "
                    "most: the mesh's identity.cert_ttl)")  # fmt: skip
+
+
+def _registration_problem(args: argparse.Namespace) -> str | None:
+    if args.register is None:
+        if args.zone is not None or args.weight is not None:
+            return "--zone and --weight need --register"
+        return None
+    if not args.service or args.inbound_port is None:
+        return "--register needs --service, --version and --inbound-port (the host it registers)"
+    if args.register[1] != args.inbound_port:
+        return (
+            f"--register: port {args.register[1]} is not --inbound-port {args.inbound_port} "
+            "(callers reach this host's inbound listener)"
+        )
+    host = args.register[0]
+    if args.listen_host not in ("0.0.0.0", "::") and host != args.listen_host:
+        return (
+            f"--register: {host} is not where the inbound listener binds (--listen-host "
+            f"{args.listen_host}): callers could not reach it; give --listen-host {host} or "
+            "0.0.0.0"
+        )
+    if args.weight is not None and not 1 <= args.weight <= 128:
+        return f"--weight: expected 1..128, got {args.weight}"
+    return None
+
+
+def _registration(args: argparse.Namespace, node_id: str, sv, agent):
+    """Register this host once its runtime is SERVING and its sidecar holds its config: the
+    started Registration and the runtime's health probe, or None without --register."""
+    if args.register is None:
+        return None
+    from sidecar.registration import Registration, RuntimeHealth
+
+    runtime = RuntimeHealth(args.local_endpoint)
+    host, port = args.register
+    registration = Registration(
+        node_id,
+        f"{host}:{port}",
+        args.service,
+        args.version,
+        args.xds,
+        lambda: sv.configured and runtime(),
+        zone=args.zone,
+        weight=args.weight,
+        identity=agent,
+        on_event=lambda msg: print(f"sidecar {node_id}: {msg}", flush=True),
+    )
+    return registration.start(), runtime
 
 
 def native_keys(keys_file: str) -> Callable[[], dict[str, list[str]]]:
@@ -144,7 +201,13 @@ def run(args: argparse.Namespace) -> int:
                 print(f"meshlm sidecar: --mesh: no {args.service}/{args.version} in {args.mesh}",
                       file=sys.stderr)  # fmt: skip
                 return 2
-            args.inbound_port = version.endpoints[0].port
+            if version.endpoints:
+                args.inbound_port = version.endpoints[0].port
+    if args.register and args.inbound_port is None:
+        args.inbound_port = args.register[1]
+    if problem := _registration_problem(args):
+        print(f"meshlm sidecar: {problem}", file=sys.stderr)
+        return 2
     if args.inbound_port is None and args.outbound_port is None:
         print("meshlm sidecar: give --inbound-port and/or --outbound-port", file=sys.stderr)
         return 2
@@ -196,7 +259,12 @@ def run(args: argparse.Namespace) -> int:
         identity=agent,
     )
     sv.start()
+    registered = _registration(args, node_id, sv, agent)
     stop.wait()
+    if registered is not None:
+        registration, runtime = registered
+        registration.deregister()  # out of the callers' EDS before the listeners close
+        runtime.close()
     if not sv.failed:
         print(f"sidecar {node_id}: draining: the listeners take no new connections, open calls "
               "finish, then envoy stops", flush=True)  # fmt: skip

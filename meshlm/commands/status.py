@@ -68,6 +68,8 @@ def show(admin: AdminClient, as_json: bool, cacert: str | None = None) -> int:
     if replica := render_replica(admin, cacert):
         print(replica)
     print(render(doc))
+    if doc.get("registrations"):
+        print("\n" + render_registrations(doc["registrations"]))
     if traffic.get("stranded"):
         print("\n" + "\n".join(s["message"] for s in traffic["stranded"]))
     if rollouts:
@@ -113,6 +115,27 @@ def _replica_line(me: dict[str, Any], cacert: str | None) -> str:
     except AdminError as e:
         work = f"unknown ({e})"
     return f"{line}, its work: {work}"
+
+
+def render_registrations(rows: list[dict[str, Any]]) -> str:
+    """One line per host that registered itself: where, what, since when, its health."""
+    table = [("REGISTERED", "SERVICE", "ZONE", "SINCE", "HEALTH", "NODE")]
+    for r in rows:
+        health = r.get("health", "?")
+        if r.get("stream") == "lost":  # removed once the grace period ends
+            health += " (stream lost)"
+        node = r.get("node", "")
+        if r.get("spiffe_id"):
+            node += f" {r['spiffe_id']}"
+        table.append((
+            r.get("address", "?"), f"{r.get('service')}/{r.get('version')}", r.get("zone") or "-",
+            r.get("since_iso", "?"), health, escape(node),
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in table) for i in range(5)]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row[:5], widths, strict=True)) + "  " + row[5]
+        for row in table
+    )
 
 
 def render_slo(slo: dict[str, Any]) -> str:

@@ -2,9 +2,9 @@
 
 fields: errors, YAML and typed field readers; model: the frozen dataclasses and their
 validated mutations; resilience: a route's resilience settings; identity: the `identity:`
-section; callers: a service's allowed callers; rollout_spec (with rollout_fields and
-quality_spec): a `rollouts:` entry as the rollout controller reads it; parse: the rest of the
-file.
+section; registration: `control_plane.registration`; callers: a service's allowed callers;
+rollout_spec (with rollout_fields and quality_spec): a `rollouts:` entry as the rollout
+controller reads it; parse: the rest of the file.
 """
 
 from xds_server.mesh.fields import (
@@ -39,6 +39,8 @@ from xds_server.mesh.model import (
     OutlierDetection,
     Quarantine,
     RateLimits,
+    RegisteredEndpoint,
+    Registration,
     RetryBudget,
     RetryPolicy,
     Rollout,
@@ -81,6 +83,8 @@ __all__ = [
     "OutlierDetection",
     "Quarantine",
     "RateLimits",
+    "RegisteredEndpoint",
+    "Registration",
     "RetryBudget",
     "RetryPolicy",
     "Rollout",

@@ -66,6 +66,17 @@ class Endpoint:
 
 
 @dataclass(frozen=True)
+class RegisteredEndpoint:
+    """A host that registered itself with the control plane (xds_server/registry/): live data,
+    never in a mesh file. `healthy` follows its runtime's gRPC health."""
+
+    endpoint: Endpoint
+    zone: str | None = None
+    weight: int | None = None
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
 class Version:
     name: str
     precision: str | None
@@ -73,6 +84,9 @@ class Version:
     # The runtimes' `GET /metrics.json` (TTFT/TPOT), read by rollout gates when this version is the
     # canary. Only the operator names them: a sidecar's own announcements are never read.
     metrics_urls: tuple[str, ...] = ()
+    # The hosts that registered for this version, laid over the mesh by the control plane before
+    # each change is staged (as `inbound_sidecars` is); the static `endpoints` stay the file's.
+    registered: tuple[RegisteredEndpoint, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -297,6 +311,21 @@ class Rollout:
 
 
 @dataclass(frozen=True)
+class Registration:
+    """`control_plane.registration`: workloads registering their own endpoints
+    (xds_server/registry/). `enabled` None: on when the gRPC port is mTLS (an identity block
+    with `mtls: strict`: a registration is believed for its certificate's service account
+    only), off on a plaintext port, where turning it on trusts whoever reaches the port."""
+
+    enabled: bool | None = None
+    grace: float = 10.0  # a host whose registration stream ended unannounced stays this long
+    max_per_service: int = 64
+    max_total: int = 1024
+    # The mesh spans hosts: a loopback address names the registering host only, so it is refused.
+    multi_host: bool = False
+
+
+@dataclass(frozen=True)
 class ControlPlaneConfig:
     grpc_port: int = 18000
     admin_port: int = 18001
@@ -308,6 +337,7 @@ class ControlPlaneConfig:
     # token, and renewal by client certificate. None: grpc_port + 2 / + 3 (0 when it is 0).
     ca_port: int | None = None
     ca_mtls_port: int | None = None
+    registration: Registration = field(default_factory=Registration)
 
 
 MTLS_MODES = ("strict", "off")
@@ -447,6 +477,22 @@ class Mesh:
             eps = tuple(e for e in ver.endpoints if e != ep)
         versions = {**svc.versions, version: dataclasses.replace(ver, endpoints=eps)}
         return self._replace_service(svc, versions=versions)
+
+    def with_registered(
+        self, registered: dict[tuple[str, str], tuple[RegisteredEndpoint, ...]]
+    ) -> Mesh:
+        """Every version's `registered` hosts from `registered` ((service, version) -> hosts;
+        a version left out has none); hosts of unknown services or versions are left out. The
+        same Mesh when nothing changes."""
+        mesh = self
+        for svc in self.services.values():
+            versions = {
+                v: dataclasses.replace(ver, registered=registered.get((svc.name, v), ()))
+                for v, ver in svc.versions.items()
+            }
+            if versions != svc.versions:
+                mesh = mesh._replace_service(svc, versions=versions)
+        return mesh
 
     def with_quarantined(self, service: str, entries: tuple[Quarantine, ...]) -> Mesh:
         svc = self._service(service)

@@ -47,6 +47,7 @@ from xds_server.mesh.model import (
     check_weights,
     parse_endpoint,
 )
+from xds_server.mesh.registration import parse_registration
 from xds_server.mesh.resilience import (
     parse_circuit_breakers,
     parse_health_check,
@@ -223,7 +224,15 @@ def _control_plane(raw: Any) -> ControlPlaneConfig:
     only_known(
         d,
         "control_plane",
-        {"grpc_port", "admin_port", "debounce", "lagging_after", "ca_port", "ca_mtls_port"},
+        {
+            "grpc_port",
+            "admin_port",
+            "debounce",
+            "lagging_after",
+            "ca_port",
+            "ca_mtls_port",
+            "registration",
+        },
     )
     lagging_after = parse_duration(d.get("lagging_after", "30s"), "control_plane.lagging_after")
     if lagging_after <= 0:  # 0 would count every change as applied before any ACK
@@ -237,6 +246,7 @@ def _control_plane(raw: Any) -> ControlPlaneConfig:
         lagging_after=lagging_after,
         ca_port=read_optional_port(d, "ca_port"),
         ca_mtls_port=read_optional_port(d, "ca_mtls_port"),
+        registration=parse_registration(d.get("registration")),
     )
 
 

@@ -55,15 +55,16 @@ def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) 
                 caller_side=True,
                 transport_socket=tls.caller_transport_socket(mesh, svc),
             )
-            out[t.ENDPOINT][name] = endpoints.load_assignment(name, ver.endpoints)
+            out[t.ENDPOINT][name] = endpoints.load_assignment(name, ver.endpoints, ver.registered)
         mirror = svc.route.mirror
         if mirror is not None:  # the quality gate's shadow copies (routes._mirrored)
             name = names.shadow_cluster(svc.name, mirror.version)
             out[t.CLUSTER][name] = clusters.shadow_cluster(
                 name, svc, transport_socket=tls.caller_transport_socket(mesh, svc)
             )
+            shadowed = svc.versions[mirror.version]
             out[t.ENDPOINT][name] = endpoints.load_assignment(
-                name, svc.versions[mirror.version].endpoints
+                name, shadowed.endpoints, shadowed.registered
             )
     rc = routes.outbound_route_config(mesh)
     out[t.ROUTE][rc.name] = rc

@@ -83,6 +83,9 @@ def cluster(
         c.circuit_breakers.CopyFrom(circuit_breakers(svc.circuit_breakers))
     if svc.health_check and active_health:
         c.health_checks.append(health_check(svc.health_check, authority=svc.name))
+        # A host that leaves EDS (deregistered, scaled in) goes at once, even while it still
+        # passes its checks: it is about to close, so no new call may be sent to it.
+        c.ignore_health_on_host_removal = True
     return c
 
 

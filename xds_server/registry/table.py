@@ -1,0 +1,187 @@
+"""The live registrations: one per address, each owned by the stream that made it.
+
+Bounded: at most `max_per_service` per service and `max_total` in all (a registration that
+lost its stream counts until its grace period ends). An address is one host: it cannot be
+registered twice, nor registered when the mesh file lists it. A stream that ended unannounced
+leaves its host in place, marked lost, until `grace` passes (the sidecar reconnecting in that
+time takes it back); a deregistration removes it at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import grpc
+
+from xds_server import mesh as m
+from xds_server.registry.request import Refused, Register
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered host and the stream (`token`) that owns it."""
+
+    token: int
+    reg: Register
+    spiffe_id: str | None
+    since: float  # unix time of the registration
+    healthy: bool
+    lost_at: float | None = None  # unix time its stream ended unannounced
+
+    def to_json(self) -> dict[str, Any]:
+        r = self.reg
+        return {
+            "address": str(r.endpoint),
+            "service": r.service,
+            "version": r.version,
+            "zone": r.zone,
+            "weight": r.weight,
+            "node": r.node_id,
+            "spiffe_id": self.spiffe_id,
+            "since": self.since,
+            "since_iso": _iso(self.since),
+            "health": "SERVING" if self.healthy else "NOT_SERVING",
+            "stream": "lost" if self.lost_at is not None else "open",
+            "lost_at": self.lost_at,
+        }
+
+
+class Registry:
+    """Thread-safe: the registration streams write it, the control plane reads it when it
+    stages a change."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_address: dict[m.Endpoint, Entry] = {}
+        self.refused = 0
+
+    def add(self, reg: Register, *, token: int, spiffe_id: str | None, mesh: m.Mesh) -> Entry:
+        """Register `reg` for the stream `token`; Refused when the address is taken (the mesh
+        file's, or another live host's) or a limit of `mesh.control_plane.registration` is
+        reached. The same node re-registering (a reconnect) takes its registration over."""
+        limits = mesh.control_plane.registration
+        static = _static_owner(mesh, reg.endpoint)
+        if static:
+            raise Refused(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"register.address: {reg.endpoint} is a static endpoint of {static}",
+            )
+        with self._lock:
+            old = self._by_address.get(reg.endpoint)
+            if old is not None and not _takes_over(old, reg, spiffe_id):
+                raise Refused(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"register.address: {reg.endpoint} is registered already, by node "
+                    f"{old.reg.node_id!r} for {old.reg.service}/{old.reg.version}",
+                )
+            if old is None:
+                mine = sum(e.reg.service == reg.service for e in self._by_address.values())
+                if mine >= limits.max_per_service:
+                    raise Refused(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"register.service: {reg.service} has {mine} registered hosts, the most "
+                        f"control_plane.registration.max_per_service allows",
+                    )
+                if len(self._by_address) >= limits.max_total:
+                    raise Refused(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"register: {len(self._by_address)} registered hosts, the most "
+                        f"control_plane.registration.max_total allows",
+                    )
+            entry = Entry(token, reg, spiffe_id, self._clock(), reg.serving)
+            self._by_address[reg.endpoint] = entry
+            return entry
+
+    def set_health(self, token: int, healthy: bool) -> Entry | None:
+        """The stream `token`'s host is (not) serving; None when that stream owns none (taken
+        over by a newer registration)."""
+        with self._lock:
+            entry = self._owned(token)
+            if entry is not None and entry.healthy != healthy:
+                entry = replace(entry, healthy=healthy)
+                self._by_address[entry.reg.endpoint] = entry
+            return entry
+
+    def remove(self, token: int) -> Entry | None:
+        """Deregistration: the stream `token`'s host goes at once."""
+        with self._lock:
+            entry = self._owned(token)
+            if entry is not None:
+                del self._by_address[entry.reg.endpoint]
+            return entry
+
+    def lose(self, token: int) -> Entry | None:
+        """The stream `token` ended unannounced: its host is marked lost (see `expire`)."""
+        with self._lock:
+            entry = self._owned(token)
+            if entry is not None and entry.lost_at is None:
+                entry = replace(entry, lost_at=self._clock())
+                self._by_address[entry.reg.endpoint] = entry
+            return entry
+
+    def expire(self, token: int) -> Entry | None:
+        """The grace period of the stream `token` ended: its host goes, unless a new stream
+        took it over."""
+        with self._lock:
+            entry = self._owned(token)
+            if entry is None or entry.lost_at is None:
+                return None
+            del self._by_address[entry.reg.endpoint]
+            return entry
+
+    def _owned(self, token: int) -> Entry | None:
+        for entry in self._by_address.values():
+            if entry.token == token:
+                return entry
+        return None
+
+    def overlay(self, mesh: m.Mesh) -> m.Mesh:
+        """`mesh` with every version's registered hosts (the same Mesh when they are already
+        so)."""
+        with self._lock:
+            entries = sorted(self._by_address.values(), key=lambda e: e.since)
+        hosts: dict[tuple[str, str], list[m.RegisteredEndpoint]] = {}
+        for e in entries:
+            r = e.reg
+            hosts.setdefault((r.service, r.version), []).append(
+                m.RegisteredEndpoint(r.endpoint, r.zone, r.weight, e.healthy)
+            )
+        return mesh.with_registered({k: tuple(v) for k, v in hosts.items()})
+
+    def to_json(self) -> list[dict[str, Any]]:
+        with self._lock:
+            entries = list(self._by_address.values())
+        rows = [e.to_json() for e in entries]
+        return sorted(rows, key=lambda r: (r["service"], r["version"], r["address"]))
+
+    def __len__(self) -> int:
+        return len(self._by_address)
+
+
+def _takes_over(old: Entry, reg: Register, spiffe_id: str | None) -> bool:
+    """A reconnecting sidecar takes its own registration over: the same node for the same
+    service and version with the same identity, or anyone of them once the old stream was
+    lost."""
+    same = (old.reg.service, old.reg.version, old.spiffe_id) == (
+        reg.service,
+        reg.version,
+        spiffe_id,
+    )
+    return same and (old.reg.node_id == reg.node_id or old.lost_at is not None)
+
+
+def _static_owner(mesh: m.Mesh, endpoint: m.Endpoint) -> str | None:
+    for svc in mesh.services.values():
+        for v, ver in svc.versions.items():
+            if endpoint in ver.endpoints:
+                return f"services.{svc.name}.versions.{v}.endpoints"
+    return None
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
