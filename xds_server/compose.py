@@ -36,6 +36,8 @@ from xds_server.control_plane import new_incarnation
 from xds_server.identity.workload import Identity
 from xds_server.ratelimit import service as ratelimit
 from xds_server.registry import service as registration
+from xds_server.registry.journal import RegistrationFile
+from xds_server.registry.store import StoreRegistry
 from xds_server.registry.table import Registry
 from xds_server.replica.leader import import_rollouts
 from xds_server.replica.replication import Replication
@@ -108,17 +110,32 @@ def build_server(
     isolation_store: str | None = None,
     identity_dir: str | None = None,
     replication: Replication | None = None,
+    registrations_file: str | None = None,
 ) -> XdsServer:
     """The control plane of `mesh` and every service on its gRPC port; nothing is bound until
     its start(). `debounce`: seconds of quiet before a push (default: the mesh's).
     `isolation_store`: the quarantines kept across restarts (None: in memory). `identity_dir`:
     where the mesh CA keeps its root and join tokens, a private dir (None: in memory); the CA
     runs only when the mesh has an `identity` block. `replication`: this control plane is one
-    replica of several sharing a store."""
+    replica of several sharing a store, which holds the registrations too.
+    `registrations_file`: where a control plane alone keeps them across restarts (None: in
+    memory)."""
     # Quarantined request classes restored from their store are in the very first snapshot,
     # so a restart leaves no window of unprotected traffic.
     isolation = Isolation(lambda: cache.mesh, isolation_store)
     mesh = isolation.overlay(mesh)
+    # Registrations: on the store for replicas (read before the first stage); else saved to
+    # the state dir and, after a restart, held for the grace period: in the first snapshot, so
+    # callers keep live hosts while their sidecars register again.
+    if replication is not None:
+        registry: Registry = StoreRegistry(replication.store, replication.id, lambda: cache.mesh)
+    elif registrations_file is not None:
+        journal = RegistrationFile(registrations_file)
+        registry = Registry(journal=journal)
+        registry.restore(journal.load(mesh), mesh, lambda: server.push_registrations())
+        mesh = registry.overlay(mesh)
+    else:
+        registry = Registry()
     cache = SnapshotCache(mesh, incarnation or new_incarnation())
     members_changed = threading.Event()  # a sidecar came or went: rate-limit shares to re-divide
     sync = SyncStatus(
@@ -137,8 +154,6 @@ def build_server(
     def serving() -> bool:
         return server.serving
 
-    registry = Registry()
-
     services = [
         GrpcService(
             ratelimit.add_to_server,
@@ -154,7 +169,6 @@ def build_server(
                 lambda: cache.mesh,
                 lambda: server.push_registrations(),
                 trust_domain=td,
-                replicated=replication is not None,
             ),
         ),
     ]
@@ -236,6 +250,7 @@ class Process:
                 isolation_store=str(isolation),
                 identity_dir=str(o.state / f"identity{own}"),
                 replication=replication,
+                registrations_file=None if o.store else str(o.state / "registrations.json"),
             )
         except ValueError as e:  # an isolation store not ours, a CA root that cannot be read
             raise StartError(str(e), 2) from None

@@ -33,7 +33,7 @@ from xds_server import mesh as m
 from xds_server.ratelimit import shares as membership
 from xds_server.registry.table import Registry
 from xds_server.slo.quarantine import Isolation
-from xds_server.store.base import Fence
+from xds_server.store.base import Fence, StoreError
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.csds import redact
 from xds_server.xds.snapshot import make_version
@@ -100,6 +100,9 @@ class SharedState(Protocol):
 
     def wait(self, revision: int, timeout: float) -> tuple[list, dict, list, list]:
         """(acked, errors, missing, lagging) once every replica's sidecars hold `revision`."""
+
+    def reload(self) -> None:
+        """Read the store's desired state (registrations included) and stage it here."""
 
     def status(self) -> dict[str, Any]: ...
 
@@ -316,13 +319,27 @@ class ControlPlane:
         """A host registered, changed health or left: stage the live mesh with the registry's
         hosts and wait for the affected sidecars. When a change staged meanwhile holds them
         already, wait for that one: a host deregistering must not drain before its callers
-        hold its removal, whichever change carried it."""
+        hold its removal, whichever change carried it. Replicas: the registration was written to
+        the store; stage the store's and wait until every replica's sidecars hold it."""
+        if self.replication is not None:
+            return self._push_registrations_replicated(timeout)
         with self.mutating:
             if self.registry.overlay(self.mesh) is not self.mesh:
                 version, nodes = self._stage(self.mesh)
             else:
                 version, nodes = make_version(self.incarnation, self.cache.generation), None
         return self.wait_for_ack(version, nodes, timeout=timeout)
+
+    def _push_registrations_replicated(self, timeout: float) -> ApplyResult:
+        revision = self.registry.written  # the newest written here: this change's or later
+        try:
+            self.replication.reload()
+        except StoreError:  # the store did not answer: stage what this replica knows
+            with self.mutating:
+                self._stage(self.mesh)
+        acked, errors, missing, lagging = self.replication.wait(revision, timeout)
+        version = make_version(self.incarnation, self.cache.generation)
+        return ApplyResult(version, not missing, acked, missing, errors, lagging, revision)
 
     def _live(self, mesh: m.Mesh, counts: Counter[str]) -> m.Mesh:
         """`mesh` with what the control plane sees live: inbound sidecars, registered hosts."""

@@ -184,6 +184,7 @@ class XdsServer(ControlPlane):
             await self._server.stop(grace)
 
         self._runner.stop(shutdown, timeout=grace + 10)  # and it cancels the open streams
+        self.registry.close()
         self._server = None
 
     @property

@@ -5,7 +5,7 @@ Trust: where the port is mTLS (an identity block, `mtls: strict`) registration i
 mesh turns it off, and a registration is believed only for the service whose `service_account`
 the caller's certificate holds; on a plaintext port it is off unless
 `control_plane.registration.enabled: true`, which trusts whoever reaches the port. Replicas on a
-store do not share registrations yet, so a replica refuses them.
+store share the registrations through it (registry/store.py): a host may register on any.
 
 Each change (a host joins, changes health, deregisters, or its grace period ends) restages the
 live mesh like any other change (`apply`), and the answer waits until the callers' sidecars
@@ -65,18 +65,15 @@ class RegistryServicer:
         apply: Callable[[], Applied],
         *,
         trust_domain: str | None,
-        replicated: bool = False,
         first_message_timeout: float = FIRST_MESSAGE_TIMEOUT,
     ) -> None:
         """`mesh()` is the live desired state; `apply()` restages it with the registry's hosts
         and waits (bounded) for the ACKs, in a worker thread. `trust_domain`: the gRPC port is
-        mTLS and callers' certificates are of this domain (None: plaintext). `replicated`: one
-        replica of several on a store."""
+        mTLS and callers' certificates are of this domain (None: plaintext)."""
         self.registry = registry
         self._mesh = mesh
         self._apply = apply
         self.trust_domain = trust_domain
-        self.replicated = replicated
         self.first_message_timeout = first_message_timeout
         self._tokens = itertools.count(1)
         self._second = 0  # the monotonic second of the last refusal, and its warnings
@@ -100,8 +97,12 @@ class RegistryServicer:
             node = msg.node_id
             peer = self._peer(context)
             self._check_allowed(msg, peer)
-            entry = self.registry.add(
-                msg, token=token, spiffe_id=peer.spiffe_id if peer else None, mesh=self._mesh()
+            entry = await self._table(
+                self.registry.add,
+                msg,
+                token=token,
+                spiffe_id=peer.spiffe_id if peer else None,
+                mesh=self._mesh(),
             )
             owned = True
             log.info(
@@ -124,13 +125,13 @@ class RegistryServicer:
                         "register: this stream registered already (one host per stream)",
                     )
                 if isinstance(msg, rq.Health):
-                    entry = self.registry.set_health(token, msg.serving)
+                    entry = await self._table(self.registry.set_health, token, msg.serving)
                     if entry is None:
                         owned = False
                         raise _taken_over()
                     await context.write(await self._answer("health", entry))
                     continue
-                entry = self.registry.remove(token)  # Deregister
+                entry = await self._table(self.registry.remove, token)  # Deregister
                 owned = False
                 if entry is not None:
                     log.info("deregistered %s (node %s)", entry.reg.endpoint, node)
@@ -142,6 +143,13 @@ class RegistryServicer:
         finally:
             if owned:
                 self._lost(token)
+
+    async def _table(self, change: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A change of the registry, off the event loop where it waits on I/O (a journal, a
+        store)."""
+        if self.registry.blocking:
+            return await asyncio.to_thread(change, *args, **kwargs)
+        return change(*args, **kwargs)
 
     async def _first(self, context: grpc.aio.ServicerContext) -> bytes | None:
         try:
@@ -179,12 +187,6 @@ class RegistryServicer:
                 "register: registration is off on a plaintext control plane, where anyone who "
                 "reaches its gRPC port could add hosts: give the mesh an identity block (mTLS), "
                 "or trust the port with control_plane.registration.enabled: true",
-            )
-        if self.replicated:
-            raise Refused(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "register: control-plane replicas on a store do not share registrations yet; "
-                "list the endpoint in the mesh file",
             )
         if peer is not None:
             account = mesh.services[reg.service].service_account

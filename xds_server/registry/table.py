@@ -9,16 +9,19 @@ time takes it back); a deregistration removes it at once.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
 from xds_server import mesh as m
 from xds_server.registry.request import Refused, Register
+
+log = logging.getLogger("meshlm.registry")
 
 
 @dataclass(frozen=True)
@@ -50,62 +53,59 @@ class Entry:
         }
 
 
+class Journal(Protocol):
+    """Where a registry's entries are saved on every change (registry/journal.py)."""
+
+    def save(self, entries: Sequence[Entry]) -> None: ...
+
+
 class Registry:
     """Thread-safe: the registration streams write it, the control plane reads it when it
-    stages a change."""
+    stages a change. `blocking`: its changes may wait on I/O (a journal, a store), so the
+    registration service makes them off its event loop."""
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.time, journal: Journal | None = None
+    ) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self._by_address: dict[m.Endpoint, Entry] = {}
         self.refused = 0
+        self.blocking = journal is not None
+        self._journal = journal
+        self._changes = 0  # changes made, and the last one saved (saves may race)
+        self._saved = 0
+        self._save_lock = threading.Lock()
+        self._timers: list[threading.Timer] = []
+        self._closed = False
 
     def add(self, reg: Register, *, token: int, spiffe_id: str | None, mesh: m.Mesh) -> Entry:
         """Register `reg` for the stream `token`; Refused when the address is taken (the mesh
         file's, or another live host's) or a limit of `mesh.control_plane.registration` is
         reached. The same node re-registering (a reconnect) takes its registration over."""
-        limits = mesh.control_plane.registration
-        static = _static_owner(mesh, reg.endpoint)
-        if static:
-            raise Refused(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"register.address: {reg.endpoint} is a static endpoint of {static}",
-            )
+        check_static(mesh, reg)
         with self._lock:
             old = self._by_address.get(reg.endpoint)
-            if old is not None and not _takes_over(old, reg, spiffe_id):
-                raise Refused(
-                    grpc.StatusCode.ALREADY_EXISTS,
-                    f"register.address: {reg.endpoint} is registered already, by node "
-                    f"{old.reg.node_id!r} for {old.reg.service}/{old.reg.version}",
-                )
+            check_takeover(old, reg, spiffe_id)
             if old is None:
-                mine = sum(e.reg.service == reg.service for e in self._by_address.values())
-                if mine >= limits.max_per_service:
-                    raise Refused(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"register.service: {reg.service} has {mine} registered hosts, the most "
-                        f"control_plane.registration.max_per_service allows",
-                    )
-                if len(self._by_address) >= limits.max_total:
-                    raise Refused(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"register: {len(self._by_address)} registered hosts, the most "
-                        f"control_plane.registration.max_total allows",
-                    )
+                check_limits(mesh, reg, [e.reg.service for e in self._by_address.values()])
             entry = Entry(token, reg, spiffe_id, self._clock(), reg.serving)
             self._by_address[reg.endpoint] = entry
-            return entry
+        self._changed()
+        return entry
 
     def set_health(self, token: int, healthy: bool) -> Entry | None:
         """The stream `token`'s host is (not) serving; None when that stream owns none (taken
         over by a newer registration)."""
         with self._lock:
             entry = self._owned(token)
-            if entry is not None and entry.healthy != healthy:
+            changed = entry is not None and entry.healthy != healthy
+            if changed:
                 entry = replace(entry, healthy=healthy)
                 self._by_address[entry.reg.endpoint] = entry
-            return entry
+        if changed:
+            self._changed()
+        return entry
 
     def remove(self, token: int) -> Entry | None:
         """Deregistration: the stream `token`'s host goes at once."""
@@ -113,16 +113,21 @@ class Registry:
             entry = self._owned(token)
             if entry is not None:
                 del self._by_address[entry.reg.endpoint]
-            return entry
+        if entry is not None:
+            self._changed()
+        return entry
 
     def lose(self, token: int) -> Entry | None:
         """The stream `token` ended unannounced: its host is marked lost (see `expire`)."""
         with self._lock:
             entry = self._owned(token)
-            if entry is not None and entry.lost_at is None:
+            changed = entry is not None and entry.lost_at is None
+            if changed:
                 entry = replace(entry, lost_at=self._clock())
                 self._by_address[entry.reg.endpoint] = entry
-            return entry
+        if changed:
+            self._changed()
+        return entry
 
     def expire(self, token: int) -> Entry | None:
         """The grace period of the stream `token` ended: its host goes, unless a new stream
@@ -132,7 +137,73 @@ class Registry:
             if entry is None or entry.lost_at is None:
                 return None
             del self._by_address[entry.reg.endpoint]
-            return entry
+        self._changed()
+        return entry
+
+    def restore(
+        self, entries: Sequence[Entry], mesh: m.Mesh, expired: Callable[[], object]
+    ) -> list[Entry]:
+        """Hosts read back after a restart, held as lost for the mesh's grace period: a host
+        that registers again in that time takes its entry over, the rest then go and
+        `expired()` restages without them. Within the limits; the entries held."""
+        now = self._clock()
+        held = []
+        with self._lock:
+            for i, e in enumerate(entries, 1):
+                if e.reg.endpoint in self._by_address or _static_owner(mesh, e.reg.endpoint):
+                    continue
+                try:
+                    check_limits(mesh, e.reg, [h.reg.service for h in self._by_address.values()])
+                except Refused as r:
+                    log.warning("registration of %s not restored: %s", e.reg.endpoint, r.message)
+                    continue
+                entry = replace(e, token=-i, lost_at=now)  # no stream has a negative token
+                self._by_address[e.reg.endpoint] = entry
+                held.append(entry)
+        if held:
+            timer = threading.Timer(
+                mesh.control_plane.registration.grace,
+                self._expire_restored,
+                ([e.token for e in held], expired),
+            )
+            timer.daemon = True
+            self._timers.append(timer)
+            timer.start()
+        return held
+
+    def _expire_restored(self, tokens: list[int], expired: Callable[[], object]) -> None:
+        gone = [e for t in tokens if (e := self.expire(t)) is not None]
+        for e in gone:
+            log.warning(
+                "registration of %s (node %s), held since the restart, expired: it did not "
+                "register again",
+                e.reg.endpoint,
+                e.reg.node_id,
+            )
+        if gone and not self._closed:
+            try:
+                expired()
+            except ValueError as e:  # a sidecar group that cannot take the mesh
+                log.warning("registration change not staged: %s", e)
+
+    def close(self) -> None:
+        """Stop saving and holding (the process stops): what was saved last stays."""
+        self._closed = True
+        for t in self._timers:
+            t.cancel()
+
+    def _changed(self) -> None:
+        """Save the entries as they are now (a journal's); a later change's save wins."""
+        if self._journal is None:
+            return
+        with self._lock:
+            self._changes += 1
+            seq, entries = self._changes, list(self._by_address.values())
+        with self._save_lock:
+            if seq <= self._saved or self._closed:
+                return
+            self._journal.save(entries)
+            self._saved = seq
 
     def _owned(self, token: int) -> Entry | None:
         for entry in self._by_address.values():
@@ -161,6 +232,45 @@ class Registry:
 
     def __len__(self) -> int:
         return len(self._by_address)
+
+
+def check_static(mesh: m.Mesh, reg: Register) -> None:
+    """Refused when the mesh file lists the address."""
+    static = _static_owner(mesh, reg.endpoint)
+    if static:
+        raise Refused(
+            grpc.StatusCode.ALREADY_EXISTS,
+            f"register.address: {reg.endpoint} is a static endpoint of {static}",
+        )
+
+
+def check_takeover(old: Entry | None, reg: Register, spiffe_id: str | None) -> None:
+    """Refused when another host holds the address (`old`) and `reg` may not take it over."""
+    if old is not None and not _takes_over(old, reg, spiffe_id):
+        raise Refused(
+            grpc.StatusCode.ALREADY_EXISTS,
+            f"register.address: {reg.endpoint} is registered already, by node "
+            f"{old.reg.node_id!r} for {old.reg.service}/{old.reg.version}",
+        )
+
+
+def check_limits(mesh: m.Mesh, reg: Register, services: Sequence[str]) -> None:
+    """Refused when one more host for `reg.service` would pass a limit, `services` being the
+    service of each host registered now."""
+    limits = mesh.control_plane.registration
+    mine = sum(s == reg.service for s in services)
+    if mine >= limits.max_per_service:
+        raise Refused(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"register.service: {reg.service} has {mine} registered hosts, the most "
+            f"control_plane.registration.max_per_service allows",
+        )
+    if len(services) >= limits.max_total:
+        raise Refused(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"register: {len(services)} registered hosts, the most "
+            f"control_plane.registration.max_total allows",
+        )
 
 
 def _takes_over(old: Entry, reg: Register, spiffe_id: str | None) -> bool:

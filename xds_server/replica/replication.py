@@ -1,11 +1,12 @@
 """A control plane's desired state on a store, shared by its replicas.
 
 Every replica serves its own sidecars from the same desired state: the mesh as last applied
-(`mesh`: the document the mesh file parses from) and the live edits over it (`live/<service>`:
-weights, x-canary pins, endpoints, SLO actions). A change taken by any replica is a revision-
-checked transaction on those keys (a writer that read a stale value is refused, re-reads and
-tries again); every replica watches them and restages when they move, and re-lists now and then
-(a watch behind a link that drops packets stays silent).
+(`mesh`: the document the mesh file parses from), the live edits over it (`live/<service>`:
+weights, x-canary pins, endpoints, SLO actions) and the hosts registered on any replica
+(`registrations/<host:port>`, written by xds_server/registry/store.py). A change taken by any
+replica is a revision-checked transaction on those keys (a writer that read a stale value is
+refused, re-reads and tries again); every replica watches them and restages when they move, and
+re-lists now and then (a watch behind a link that drops packets stays silent).
 
 A change returns once every sidecar holds it wherever it is connected: each replica publishes one
 summary of its sidecars (`acks/<replica>`, bound to its lease, rewritten at most every
@@ -109,12 +110,21 @@ def apply_live(mesh: m.Mesh, name: str, doc: Any) -> m.Mesh:
         raise m.MeshError(f"{key}: not a live document ({e!r})") from None
 
 
+class SharedRegistry(Protocol):
+    """The registered hosts, kept on the store (xds_server/registry/store.py)."""
+
+    def sync(self, entries: list[Entry], revision: int, mesh: m.Mesh) -> dict[str, str]:
+        """Take `entries` (the registration keys, read at `revision`) as the registered
+        hosts; the keys left out and why."""
+
+
 class Staging(Protocol):
     """What a replica's link to the store needs of its control plane."""
 
     mutating: AbstractContextManager[Any]  # held while the desired state is read and staged
     sync: SyncStatus
     isolation: Isolation
+    registry: SharedRegistry
 
     @property
     def mesh(self) -> m.Mesh: ...
@@ -202,13 +212,16 @@ class Replication:
         cp = self._cp
         entries, rev = self.store.list("")
         docs = {e.key: e for e in entries if e.key == keys.MESH or e.key.startswith(keys.LIVE)}
-        revs = {k: e.revision for k, e in docs.items()}
+        hosts = [e for e in entries if e.key.startswith(keys.REGISTRATIONS)]
+        revs = {k: e.revision for k, e in docs.items()} | {e.key: e.revision for e in hosts}
         with cp.mutating:
             if revs == self._revs:
                 self.revision = max(self.revision, rev)
                 return
             self._revs = revs  # not again until it moves
             mesh, rejected = self._desired(docs)
+            # Registered hosts are laid over whatever is staged (ControlPlane._live).
+            rejected |= cp.registry.sync(hosts, rev, mesh if mesh is not None else cp.mesh)
             if mesh is not None:
                 try:
                     gen = cp.stage_desired(mesh)
@@ -373,7 +386,9 @@ class Replication:
                     self._watch = self.store.watch("", self.revision + 1)
                     next_list = time.monotonic() + RELIST_EVERY
                 ev = self._watch.get(timeout=max(0.05, next_list - time.monotonic()))
-                moved = ev is not None and (ev.key == keys.MESH or ev.key.startswith(keys.LIVE))
+                moved = ev is not None and (
+                    ev.key == keys.MESH or ev.key.startswith((keys.LIVE, keys.REGISTRATIONS))
+                )
                 if moved or time.monotonic() >= next_list:
                     self.reload()
                     next_list = time.monotonic() + RELIST_EVERY

@@ -16,6 +16,9 @@ Decided by any replica from its sidecars' access logs, each key revision-checked
 Shared by every replica:
   identity/ca                the mesh CA's state (roots and their keys: etcd needs TLS + auth)
   identity/join-tokens       join token hashes and what each may enroll
+Bound to a lease of the replica that holds the host's registration stream (registry/store.py):
+  registrations/<host:port>  one registered host (registry/record.py): kept alive while its
+                             stream lives, left to expire a grace period after it is lost
 Bound to a replica's lease (gone when it dies):
   leader                     the elected replica (xds_server/replica/election.py)
   replicas/<id>              each replica's addresses: {"grpc", "admin", "since"}
@@ -35,6 +38,7 @@ CA = "identity/ca"
 JOIN_TOKENS = "identity/join-tokens"
 REPLICAS = "replicas/"
 ACKS = "acks/"
+REGISTRATIONS = "registrations/"
 
 
 def live(service: str) -> str:
@@ -59,6 +63,10 @@ def replica(replica_id: str) -> str:
 
 def ack(replica_id: str, node: str) -> str:
     return f"{ACKS}{_part(replica_id, 'replica id')}/{_part(node, 'node id')}"
+
+
+def registration(address: str) -> str:
+    return REGISTRATIONS + _part(address, "address")
 
 
 def _part(name: str, what: str) -> str:

@@ -1,0 +1,174 @@
+"""Registrations shared by control-plane replicas on a real etcd: `meshlm xds-server --store`
+processes, real caller Envoys (one on each replica), real gRPC upstreams registered by the
+sidecar's client (sidecar/registration.py). Every replica serves the same registered hosts; when
+the leader replica is SIGKILLed the host it held moves to the survivor without leaving any
+caller's EDS; a host that vanishes leaves every replica once its lease (the grace period) ends;
+the limits hold across replicas."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.etcd_support import EtcdCluster
+from tests.registration_processes import (
+    ControlPlaneProcess,
+    EdsSampler,
+    PacedCalls,
+    caller_envoy,
+    control_planes,
+    eds_hosts,
+    registration,
+    write_mesh,
+)
+from tests.registration_support import RawStream, register_body
+from tests.test_xds_support import eventually, upstreams
+
+GRACE = 3.0
+TTL = 2
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[EtcdCluster]:
+    with EtcdCluster(1) as cluster:
+        yield cluster
+
+
+def _replicas(etcd: EtcdCluster, tmp: Path, mesh: Path) -> list[ControlPlaneProcess]:
+    url = f"etcd://{etcd.endpoints[0]}/t-{uuid.uuid4().hex}"
+    return [
+        ControlPlaneProcess(
+            tmp, name, mesh, "--store", url, "--replica-id", name, "--leader-ttl", str(TTL),
+            "--state-dir", str(tmp / f"state-{name}"),
+        )
+        for name in ("r1", "r2")
+    ]  # fmt: skip
+
+
+def _leader(cps: list[ControlPlaneProcess]) -> tuple[ControlPlaneProcess, ControlPlaneProcess]:
+    def elected():
+        st = [cp.status() for cp in cps]
+        return st if all(st) and all(s.get("leader") for s in st) else None
+
+    st = eventually(elected, 60, "a leader elected")
+    return (cps[0], cps[1]) if st[0]["leading"] else (cps[1], cps[0])
+
+
+def _same_everywhere(cps: list[ControlPlaneProcess], address: str) -> dict | None:
+    """The host's row where every replica has it with the same fields (else None)."""
+    rows = [cp.registered().get(address) for cp in cps]
+    if not all(rows):
+        return None
+    fields = ("service", "version", "node", "health", "zone", "weight", "since")
+    views = {tuple(r[f] for f in fields) for r in rows}
+    return rows[0] if len(views) == 1 else None
+
+
+def test_every_replica_serves_the_host_and_it_survives_the_leaders_death(etcd, tmp_path) -> None:
+    cps = _replicas(etcd, tmp_path, write_mesh(tmp_path / "mesh.yaml", f"{GRACE:g}s"))
+    with upstreams("h1", health=True) as ups, control_planes(*cps):
+        for cp in cps:
+            cp.start()
+        leader, follower = _leader(cps)
+        address = ups["h1"].address
+        e1, port = caller_envoy("caller-1", [leader.xds, follower.xds])
+        e2, _ = caller_envoy("caller-2", [follower.xds, leader.xds])
+        client = registration("h1-node", address, [leader.xds, follower.xds], (0.2, 1.0))
+        try:
+            with e1, e2:
+                client.start()
+                row = eventually(lambda: _same_everywhere(cps, address), 60, "on every replica")
+                assert row["health"] == "SERVING" and row["stream"] == "open", row
+                for envoy in (e1, e2):
+                    eventually(lambda e=envoy: address in eds_hosts(e), 30, "in each caller's EDS")
+                with PacedCalls(port) as calls, EdsSampler([e1, e2], address) as sampler:
+                    eventually(lambda: calls.served["h1"] >= 5, what="calls reach the host")
+                    leader.kill()  # its stream, its lease and its leadership die with it
+                    eventually(lambda: (follower.status() or {}).get("leading"), TTL + 10,
+                               "the follower leads")  # fmt: skip
+                    eventually(lambda: client.registrations == 2, 30, "registered on the survivor")
+                    eventually(lambda: follower.registered()[address]["stream"] == "open", 10)
+                    # The dead replica's lease ends a grace period after its last keep-alive:
+                    # the host, taken over, must outlive it.
+                    time.sleep(GRACE + 2)
+                    assert follower.registered().get(address, {}).get("stream") == "open"
+                    after = calls.served["h1"]
+                    eventually(lambda: calls.served["h1"] >= after + 5, what="calls go on")
+                assert sampler.samples > 20 and sampler.gaps == [], sampler.gaps[:3]
+                assert calls.failures == [], calls.failures[:3]
+        finally:
+            client.stop()
+    for cp in cps:
+        assert "Traceback" not in cp.output(), cp.output()[-3000:]
+
+
+def test_a_vanished_host_leaves_every_replica_after_the_grace_period(etcd, tmp_path) -> None:
+    cps = _replicas(etcd, tmp_path, write_mesh(tmp_path / "mesh.yaml", f"{GRACE:g}s"))
+    with upstreams("h1", health=True) as ups, control_planes(*cps):
+        for cp in cps:
+            cp.start()
+        r1, r2 = cps
+        address = ups["h1"].address
+        e1, _ = caller_envoy("caller-1", [r1.xds])
+        e2, _ = caller_envoy("caller-2", [r2.xds])
+        client = registration("h1-node", address, [r1.xds], (0.2, 1.0))
+        try:
+            with e1, e2:
+                eventually(lambda: all(cp.status() for cp in cps), 60, "replicas up")
+                client.start()
+                eventually(lambda: _same_everywhere(cps, address), 60, "on every replica")
+                for envoy in (e1, e2):
+                    eventually(lambda e=envoy: address in eds_hosts(e), 30, "in each caller's EDS")
+                client.stop()  # the stream ends without a deregistration: the host vanished
+                lost = time.monotonic()
+                eventually(
+                    lambda: all(cp.registered().get(address, {}).get("stream") == "lost"
+                                for cp in cps),
+                    10, "marked lost on every replica",
+                )  # fmt: skip
+                assert all(address in eds_hosts(e) for e in (e1, e2)), "kept for the grace period"
+                eventually(lambda: not any(address in cp.registered() for cp in cps), GRACE + 20,
+                           "gone from every replica")  # fmt: skip
+                assert time.monotonic() - lost >= GRACE - 1, "not before its grace period"
+                for envoy in (e1, e2):
+                    eventually(lambda e=envoy: address not in eds_hosts(e), 10, "out of EDS")
+        finally:
+            client.stop()
+    for cp in cps:
+        assert "Traceback" not in cp.output(), cp.output()[-3000:]
+
+
+def test_the_limits_hold_across_replicas(etcd, tmp_path) -> None:
+    mesh = write_mesh(tmp_path / "mesh.yaml", f"{GRACE:g}s")
+    text = mesh.read_text().replace("enabled: true", "enabled: true\n    max_total: 2")
+    mesh.write_text(text)
+    cps = _replicas(etcd, tmp_path, mesh)
+    with control_planes(*cps):
+        for cp in cps:
+            cp.start()
+        eventually(lambda: all(cp.status() for cp in cps), 60, "replicas up")
+        channels = [grpc.insecure_channel(f"127.0.0.1:{cp.grpc_port}") for cp in cps]
+        streams = []
+        try:
+            for i, port in enumerate((9001, 9002)):
+                s = RawStream(channel=channels[i])
+                streams.append(s.send(register_body(f"127.0.0.1:{port}", node=f"n{i}")))
+                assert "registered" in s.recv(), s.status(1)
+            third = RawStream(channel=channels[1]).send(register_body("127.0.0.1:9003", "n3"))
+            code, details = third.status()
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+            assert "max_total" in details, details
+            # The same address registered on the other replica by another node is refused.
+            dup = RawStream(channel=channels[0]).send(register_body("127.0.0.1:9002", "n9"))
+            code, details = dup.status()
+            assert code == grpc.StatusCode.ALREADY_EXISTS and "n1" in details, (code, details)
+        finally:
+            for s in streams:
+                s.end()
+            for ch in channels:
+                ch.close()

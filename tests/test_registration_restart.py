@@ -1,0 +1,73 @@
+"""Registrations survive a restart of a control plane alone on its state dir: `meshlm xds-server`
+as a real process, SIGKILLed and started again on the same ports and state; a real caller Envoy;
+real gRPC upstreams stand for the registered hosts, registered by the sidecar's client
+(sidecar/registration.py). A live host stays in the caller's EDS throughout and its calls keep
+succeeding; a host that never registers again leaves once the grace period after the restart
+ends."""
+
+from __future__ import annotations
+
+import stat
+import time
+
+from tests.registration_processes import (
+    ControlPlaneProcess,
+    EdsSampler,
+    PacedCalls,
+    caller_envoy,
+    control_planes,
+    eds_hosts,
+    registration,
+    write_mesh,
+)
+from tests.test_xds_support import eventually, upstreams
+
+GRACE = 8.0
+
+
+def test_restart_keeps_live_hosts_in_eds_and_drops_hosts_that_never_return(tmp_path) -> None:
+    mesh = write_mesh(tmp_path / "mesh.yaml", f"{GRACE:g}s")
+    state = tmp_path / "state"
+    cp = ControlPlaneProcess(tmp_path, "alone", mesh, "--state-dir", str(state)).start()
+    with upstreams("live", "gone", health=True) as ups, control_planes(cp):
+        live, gone = ups["live"].address, ups["gone"].address
+        envoy, port = caller_envoy("caller-1", [cp.xds])
+        # The live host reconnects no sooner than 2 s after its stream breaks: later than the
+        # caller's Envoy, which must not lose it meanwhile.
+        clients = [
+            registration("live-node", live, [cp.xds], backoff=(2.0, 2.0)).start(),
+            registration("gone-node", gone, [cp.xds], backoff=(2.0, 2.0)).start(),
+        ]
+        try:
+            with envoy:
+                eventually(lambda: set(cp.registered()) == {live, gone}, 60, "both registered")
+                eventually(lambda: len(eds_hosts(envoy)) == 2, 30, "both in the caller's EDS")
+                with PacedCalls(port) as calls, EdsSampler([envoy], live) as sampler:
+                    eventually(lambda: calls.served["live"] >= 5, what="calls reach the live host")
+                    cp.kill()
+                    clients[1].stop()  # this one never comes back
+                    killed = time.monotonic()
+                    cp.start()
+                    eventually(lambda: clients[0].registrations == 2, 60, "registered again")
+                    row = eventually(lambda: cp.registered().get(live), 10, "the live host")
+                    # No moment without the live host in the caller's EDS, no failed call.
+                    assert sampler.gaps == [], sampler.gaps[:3]
+                    assert calls.failures == [], calls.failures[:3]
+                    assert row["stream"] == "open" and row["health"] == "SERVING", row
+                    # The one that never came back is held until the grace period ends.
+                    held = cp.registered().get(gone)
+                    assert held is not None and held["stream"] == "lost", cp.registered()
+                    assert gone in eds_hosts(envoy), "held for the grace period"
+                    eventually(lambda: gone not in cp.registered(), GRACE + 20, "gone expired")
+                    eventually(lambda: gone not in eds_hosts(envoy), 10, "gone out of EDS")
+                    assert time.monotonic() - killed >= GRACE - 1, "not before the grace period"
+                    after = calls.served["live"]
+                    eventually(lambda: calls.served["live"] >= after + 5, what="calls go on")
+                assert sampler.samples > 20 and sampler.gaps == [], sampler.gaps[:3]
+                assert calls.failures == [], calls.failures[:3]
+                saved = state / "registrations.json"  # the state dir's, private
+                assert stat.S_IMODE(saved.stat().st_mode) == 0o600
+        finally:
+            for c in clients:
+                c.stop()
+    assert "Traceback" not in cp.output(), cp.output()[-3000:]
