@@ -203,7 +203,12 @@ class PacedCalls:
 def registration(
     node: str, address: str, xds: list[tuple[str, int]], backoff: tuple[float, float]
 ) -> Registration:
-    """The sidecar's registration client for llm/v1 at `address`, always serving."""
-    return Registration(
-        node, address, "llm", "v1", xds, lambda: True, poll_interval=0.05, backoff=backoff
-    )
+    """The sidecar's registration client for llm/v1 at `address`, always serving; what it
+    said is in its `said` (for failure messages)."""
+    said: list[str] = []
+    client = Registration(
+        node, address, "llm", "v1", xds, lambda: True, poll_interval=0.05, backoff=backoff,
+        on_event=lambda line: said.append(f"{time.strftime('%H:%M:%S')} {line}"),
+    )  # fmt: skip
+    client.said = said
+    return client

@@ -28,6 +28,8 @@ from tests.registration_processes import (
 )
 from tests.registration_support import RawStream, register_body
 from tests.test_xds_support import eventually, upstreams
+from xds_server.store import EtcdStore, encode
+from xds_server.store.url import store_root
 
 GRACE = 3.0
 TTL = 2
@@ -39,8 +41,10 @@ def etcd() -> Iterator[EtcdCluster]:
         yield cluster
 
 
-def _replicas(etcd: EtcdCluster, tmp: Path, mesh: Path) -> list[ControlPlaneProcess]:
-    url = f"etcd://{etcd.endpoints[0]}/t-{uuid.uuid4().hex}"
+def _replicas(
+    etcd: EtcdCluster, tmp: Path, mesh: Path, root: str | None = None
+) -> list[ControlPlaneProcess]:
+    url = f"etcd://{etcd.endpoints[0]}/{root or f't-{uuid.uuid4().hex}'}"
     return [
         ControlPlaneProcess(
             tmp, name, mesh, "--store", url, "--replica-id", name, "--leader-ttl", str(TTL),
@@ -172,3 +176,73 @@ def test_the_limits_hold_across_replicas(etcd, tmp_path) -> None:
                 s.end()
             for ch in channels:
                 ch.close()
+
+
+def test_a_bad_registration_record_in_the_store_is_left_out_and_named(etcd, tmp_path) -> None:
+    """Whoever can write the store can write any record: each is checked like a registration
+    message; a bad one is left out (and named), the good ones still served, readiness kept."""
+    root = f"t-{uuid.uuid4().hex}"
+    cps = _replicas(etcd, tmp_path, write_mesh(tmp_path / "mesh.yaml", "60s"), root)
+    store = EtcdStore(etcd.endpoints, root=store_root(root))
+    good = {"node_id": "n1", "address": "127.0.0.1:9001", "service": "llm", "version": "v1",
+            "health": "SERVING", "since": 1.0, "lost_at": None}  # fmt: skip
+    bad = {
+        "registrations/127.0.0.1:9002": b"{not json",
+        "registrations/127.0.0.1:9003": encode({**good, "address": "127.0.0.1:9004"}),
+        "registrations/127.0.0.1:9005": encode({**good, "address": "127.0.0.1:9005", "weight": 0}),
+    }
+    with control_planes(*cps):
+        for cp in cps:
+            cp.start()
+        eventually(lambda: all(cp.status() for cp in cps), 60, "replicas up")
+        for key, value in bad.items():
+            store.put(key, value, revision=0)
+        store.put("registrations/127.0.0.1:9001", encode(good), revision=0)
+        for cp in cps:
+            eventually(lambda c=cp: set(c.registered()) == {"127.0.0.1:9001"}, 20, "good one")
+            rejected = cp.get("/debug/syncz")["registrations_rejected"]
+            assert set(rejected) == set(bad), rejected
+            assert "not its key's" in rejected["registrations/127.0.0.1:9003"], rejected
+            assert "register.weight" in rejected["registrations/127.0.0.1:9005"], rejected
+            assert cp.get("/readyz")["status"] == "ready"
+    store.close()
+
+
+def test_the_hosts_of_a_dead_replica_leave_after_the_grace_period_unless_they_move(
+    etcd, tmp_path
+) -> None:
+    """The dead replica's lease ends a grace period after its last keep-alive: a host that
+    registered again on another replica stays, one that could not leaves then."""
+    cps = _replicas(etcd, tmp_path, write_mesh(tmp_path / "mesh.yaml", f"{GRACE:g}s"))
+    r1, r2 = cps
+    with upstreams("stays", "leaves", health=True) as ups, control_planes(*cps):
+        for cp in cps:
+            cp.start()
+        stays, leaves = ups["stays"].address, ups["leaves"].address
+        envoy, _ = caller_envoy("caller-1", [r1.xds])
+        clients = [
+            registration("stays-node", stays, [r2.xds, r1.xds], (0.2, 1.0)),
+            registration("leaves-node", leaves, [r2.xds], (0.2, 1.0)),  # knows r2 alone
+        ]
+        try:
+            with envoy:
+                eventually(lambda: all(cp.status() for cp in cps), 60, "replicas up")
+                for c in clients:
+                    c.start()
+                eventually(lambda: _same_everywhere(cps, stays) and _same_everywhere(cps, leaves),
+                           60, "both on every replica")  # fmt: skip
+                eventually(lambda: len(eds_hosts(envoy)) == 2, 30, "both in the caller's EDS")
+                eventually(lambda: all(c.registrations == 1 for c in clients), 30, "answered")
+                r2.kill()
+                killed = time.monotonic()
+                eventually(lambda: leaves not in r1.registered(), GRACE + 20, "leaves expired")
+                assert time.monotonic() - killed >= GRACE - 1, "not before the grace period"
+                eventually(lambda: leaves not in eds_hosts(envoy), 10, "out of the caller's EDS")
+                assert r1.registered()[stays]["stream"] == "open", r1.registered()
+                # (its answer waits for every replica's sidecars: the dead one's ACK summary
+                # holds it back until that replica's lease ends)
+                eventually(lambda: clients[0].registrations == 2, 30, str(clients[0].said))
+                assert eds_hosts(envoy).get(stays) == "healthy"
+        finally:
+            for c in clients:
+                c.stop()

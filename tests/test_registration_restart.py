@@ -20,7 +20,12 @@ from tests.registration_processes import (
     registration,
     write_mesh,
 )
+from tests.registration_support import reg_mesh
 from tests.test_xds_support import eventually, upstreams
+from xds_server.mesh import Endpoint
+from xds_server.registry.journal import RegistrationFile
+from xds_server.registry.request import Register
+from xds_server.registry.table import Registry
 
 GRACE = 8.0
 
@@ -71,3 +76,40 @@ def test_restart_keeps_live_hosts_in_eds_and_drops_hosts_that_never_return(tmp_p
             for c in clients:
                 c.stop()
     assert "Traceback" not in cp.output(), cp.output()[-3000:]
+
+
+def test_a_registrations_file_that_is_not_one_is_moved_aside_and_named(tmp_path, caplog) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    path = state / "registrations.json"
+    path.write_text('{"format": 1, "registrations": {"not": "a list"}}')
+    assert RegistrationFile(path).load(reg_mesh()) == []
+    assert not path.exists() and (state / "registrations.json.bad").exists()
+    assert "registrations.json.registrations: expected a list" in caplog.text, caplog.text
+
+
+def test_saved_hosts_that_no_longer_fit_the_mesh_are_left_out(tmp_path, caplog) -> None:
+    """A restart with a mesh file that lost a version: its hosts are not restored; the rest
+    are, with their since and health, and held as lost until they register again."""
+    mesh = reg_mesh(service={"versions": {"v1": {"endpoints": []}, "v2": {"endpoints": []}},
+                             "route": {"weights": {"v1": 100, "v2": 0}}})  # fmt: skip
+    state = tmp_path / "state"
+    journal = RegistrationFile(state / "registrations.json")
+    registry = Registry(journal=journal)
+    for port, version, serving in ((9001, "v1", True), (9002, "v2", True), (9003, "v1", False)):
+        reg = Register(f"n{port}", Endpoint("127.0.0.1", port), "llm", version, serving=serving)
+        registry.add(reg, token=port, spiffe_id=None, mesh=mesh)
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    saved = {e.reg.endpoint.port: e for e in journal.load(mesh)}
+    assert set(saved) == {9001, 9002, 9003} and saved[9003].healthy is False
+
+    restored = journal.load(reg_mesh())  # llm has v1 only now
+    assert {e.reg.endpoint.port for e in restored} == {9001, 9003}
+    assert "register.version: unknown version 'v2'" in caplog.text, caplog.text
+    again = Registry()
+    held = again.restore(restored, reg_mesh(grace="60s"), lambda: None)
+    assert {e.reg.endpoint.port: e.since for e in held} == {p: saved[p].since for p in (9001, 9003)}
+    rows = {r["address"]: r for r in again.to_json()}
+    assert rows["127.0.0.1:9003"]["health"] == "NOT_SERVING"
+    assert {r["stream"] for r in rows.values()} == {"lost"}
+    again.close()

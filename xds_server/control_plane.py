@@ -392,6 +392,8 @@ class ControlPlane:
         out["incarnation"] = self.incarnation
         out["generation"] = self.cache.generation
         out["registrations"] = self.registry.to_json()
+        if self.registry.rejected:
+            out["registrations_rejected"] = dict(self.registry.rejected)
         if self.replication is not None:
             out["replication"] = self.replication.status()
         return out

@@ -79,7 +79,6 @@ class StoreRegistry(Registry):
         self._lease, self._lease_ttl, self._beat = 0, 0, 0.0
         self._lease_lock = threading.Lock()
         self.written = 0  # the newest store revision written here
-        self.rejected: dict[str, str] = {}  # key -> why its record was left out
         self._stop = threading.Event()
         self._keeper = threading.Thread(target=self._keep, name="registry-lease", daemon=True)
         self._keeper.start()
@@ -192,7 +191,10 @@ class StoreRegistry(Registry):
             for e in sorted(entries, key=lambda e: e.created):
                 try:
                     address = m.parse_endpoint(e.key.removeprefix(keys.REGISTRATIONS), e.key)
-                    entry = from_record(e.json(), mesh, mine.get((address, e.revision), 0), e.key)
+                    doc = e.json()
+                    if not _known(doc, mesh):
+                        continue  # a version the mesh no longer has: laid over nothing
+                    entry = from_record(doc, mesh, mine.get((address, e.revision), 0), e.key)
                     if entry.reg.endpoint != address:
                         raise ValueError(f"{e.key}.address: {entry.reg.endpoint}, not its key's")
                 except ValueError as err:  # MeshError is one
@@ -360,6 +362,14 @@ class StoreRegistry(Registry):
     def _forget_locked(self, token: int) -> None:
         self._mine.pop(token, None)
         self._leaving.pop(token, None)
+
+
+def _known(doc: object, mesh: m.Mesh) -> bool:
+    """Whether a record names a service and version of `mesh` (the rest is checked after)."""
+    if not isinstance(doc, dict):
+        return True
+    svc = mesh.services.get(doc.get("service")) if isinstance(doc.get("service"), str) else None
+    return svc is not None and doc.get("version") in svc.versions
 
 
 def _key(entry: Entry) -> str:

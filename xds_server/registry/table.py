@@ -71,6 +71,7 @@ class Registry:
         self._lock = threading.Lock()
         self._by_address: dict[m.Endpoint, Entry] = {}
         self.refused = 0
+        self.rejected: dict[str, str] = {}  # a record kept outside that was left out -> why
         self.blocking = journal is not None
         self._journal = journal
         self._changes = 0  # changes made, and the last one saved (saves may race)

@@ -220,8 +220,9 @@ class Replication:
                 return
             self._revs = revs  # not again until it moves
             mesh, rejected = self._desired(docs)
-            # Registered hosts are laid over whatever is staged (ControlPlane._live).
-            rejected |= cp.registry.sync(hosts, rev, mesh if mesh is not None else cp.mesh)
+            # Registered hosts are laid over whatever is staged (ControlPlane._live); a record
+            # left out is the registry's to report, not a desired-state document refused.
+            cp.registry.sync(hosts, rev, mesh if mesh is not None else cp.mesh)
             if mesh is not None:
                 try:
                     gen = cp.stage_desired(mesh)
