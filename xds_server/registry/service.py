@@ -16,6 +16,7 @@ listeners close, so no call is sent to a closing host.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -97,6 +98,7 @@ class RegistryServicer:
             node = msg.node_id
             peer = self._peer(context)
             self._check_allowed(msg, peer)
+            owned = True  # from here the stream's end is its host's loss (none if refused)
             entry = await self._table(
                 self.registry.add,
                 msg,
@@ -104,7 +106,6 @@ class RegistryServicer:
                 spiffe_id=peer.spiffe_id if peer else None,
                 mesh=self._mesh(),
             )
-            owned = True
             log.info(
                 "registered %s for %s/%s (node %s, %s)",
                 msg.endpoint,
@@ -147,9 +148,17 @@ class RegistryServicer:
     async def _table(self, change: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """A change of the registry, off the event loop where it waits on I/O (a journal, a
         store)."""
-        if self.registry.blocking:
-            return await asyncio.to_thread(change, *args, **kwargs)
-        return change(*args, **kwargs)
+        if not self.registry.blocking:
+            return change(*args, **kwargs)
+        done = asyncio.ensure_future(asyncio.to_thread(change, *args, **kwargs))
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            # The stream ended meanwhile, but the change lands all the same: let it, so the
+            # stream's cleanup sees the host it registered (and starts its grace period).
+            with contextlib.suppress(Exception):
+                await done
+            raise
 
     async def _first(self, context: grpc.aio.ServicerContext) -> bytes | None:
         try:
