@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -201,13 +201,17 @@ class PacedCalls:
 
 
 def registration(
-    node: str, address: str, xds: list[tuple[str, int]], backoff: tuple[float, float]
+    node: str,
+    address: str,
+    xds: list[tuple[str, int]],
+    backoff: tuple[float, float],
+    serving: Callable[[], bool] = lambda: True,
 ) -> Registration:
-    """The sidecar's registration client for llm/v1 at `address`, always serving; what it
-    said is in its `said` (for failure messages)."""
+    """The sidecar's registration client for llm/v1 at `address` (always serving unless
+    `serving()` says otherwise); what it said is in its `said` (for failure messages)."""
     said: list[str] = []
     client = Registration(
-        node, address, "llm", "v1", xds, lambda: True, poll_interval=0.05, backoff=backoff,
+        node, address, "llm", "v1", xds, serving, poll_interval=0.05, backoff=backoff,
         on_event=lambda line: said.append(f"{time.strftime('%H:%M:%S')} {line}"),
     )  # fmt: skip
     client.said = said

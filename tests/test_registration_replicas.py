@@ -1,6 +1,7 @@
 """Registrations shared by control-plane replicas on a real etcd: `meshlm xds-server --store`
 processes, real caller Envoys (one on each replica), real gRPC upstreams registered by the
-sidecar's client (sidecar/registration.py). Every replica serves the same registered hosts; when
+sidecar's client (sidecar/registration.py). Every replica serves the same registered hosts and
+their health; when
 the leader replica is SIGKILLed the host it held moves to the survivor without leaving any
 caller's EDS; a host that vanishes leaves every replica once its lease (the grace period) ends;
 the limits hold across replicas."""
@@ -120,7 +121,8 @@ def test_a_vanished_host_leaves_every_replica_after_the_grace_period(etcd, tmp_p
         address = ups["h1"].address
         e1, _ = caller_envoy("caller-1", [r1.xds])
         e2, _ = caller_envoy("caller-2", [r2.xds])
-        client = registration("h1-node", address, [r1.xds], (0.2, 1.0))
+        serving = [True]
+        client = registration("h1-node", address, [r1.xds], (0.2, 1.0), lambda: serving[0])
         try:
             with e1, e2:
                 eventually(lambda: all(cp.status() for cp in cps), 60, "replicas up")
@@ -128,6 +130,15 @@ def test_a_vanished_host_leaves_every_replica_after_the_grace_period(etcd, tmp_p
                 eventually(lambda: _same_everywhere(cps, address), 60, "on every replica")
                 for envoy in (e1, e2):
                     eventually(lambda e=envoy: address in eds_hosts(e), 30, "in each caller's EDS")
+                # Its health, told to r1, is every replica's.
+                serving[0] = False
+                for envoy in (e1, e2):
+                    eventually(lambda e=envoy: "failed_eds_health" in eds_hosts(e).get(address, ""),
+                               20, "unhealthy in each caller's EDS")  # fmt: skip
+                assert _same_everywhere(cps, address)["health"] == "NOT_SERVING"
+                serving[0] = True
+                for envoy in (e1, e2):
+                    eventually(lambda e=envoy: eds_hosts(e).get(address) == "healthy", 20)
                 client.stop()  # the stream ends without a deregistration: the host vanished
                 lost = time.monotonic()
                 eventually(
@@ -246,3 +257,32 @@ def test_the_hosts_of_a_dead_replica_leave_after_the_grace_period_unless_they_mo
         finally:
             for c in clients:
                 c.stop()
+
+
+def test_a_host_that_registers_on_another_replica_takes_its_key_over(etcd, tmp_path) -> None:
+    """Its stream moved while the first replica still holds the old one (a network blip): the
+    newer stream owns the host everywhere; the older one is told so at its next message and
+    its end takes nothing away."""
+    cps = _replicas(etcd, tmp_path, write_mesh(tmp_path / "mesh.yaml", f"{GRACE:g}s"))
+    with control_planes(*cps):
+        for cp in cps:
+            cp.start()
+        eventually(lambda: all(cp.status() for cp in cps), 60, "replicas up")
+        channels = [grpc.insecure_channel(f"127.0.0.1:{cp.grpc_port}") for cp in cps]
+        try:
+            old = RawStream(channel=channels[0]).send(register_body("127.0.0.1:9001", "n1"))
+            assert "registered" in old.recv(), old.status(1)
+            new = RawStream(channel=channels[1]).send(register_body("127.0.0.1:9001", "n1"))
+            assert "registered" in new.recv(), new.status(1)
+            old.send({"health": "NOT_SERVING"})
+            code, details = old.status()
+            assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, details)
+            assert "registered again on a newer stream" in details, details
+            time.sleep(GRACE + 1)  # past the old stream's grace period
+            for cp in cps:
+                row = cp.registered().get("127.0.0.1:9001")
+                assert row and row["stream"] == "open" and row["health"] == "SERVING", row
+            new.end()
+        finally:
+            for ch in channels:
+                ch.close()
