@@ -99,6 +99,7 @@ def test_saved_hosts_that_no_longer_fit_the_mesh_are_left_out(tmp_path, caplog) 
     for port, version, serving in ((9001, "v1", True), (9002, "v2", True), (9003, "v1", False)):
         reg = Register(f"n{port}", Endpoint("127.0.0.1", port), "llm", version, serving=serving)
         registry.add(reg, token=port, spiffe_id=None, mesh=mesh)
+    registry.close()  # the last change written
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
     saved = {e.reg.endpoint.port: e for e in journal.load(mesh)}
     assert set(saved) == {9001, 9002, 9003} and saved[9003].healthy is False

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,8 +30,17 @@ WHAT = "workload registrations"
 
 
 class RegistrationFile:
+    """The file, written by a thread of its own: `save` hands it the entries, and it writes
+    the newest it was given (many changes at once make one write, none waits for the disk)."""
+
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self._lock = threading.Lock()
+        self._pending: list[Entry] | None = None
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="registrations-file", daemon=True)
+        self._thread.start()
 
     def load(self, mesh: m.Mesh) -> list[Entry]:
         """The entries saved last that still fit `mesh` (none when there is no file)."""
@@ -63,6 +73,30 @@ class RegistrationFile:
         return entries
 
     def save(self, entries: Sequence[Entry]) -> None:
+        with self._lock:
+            if not self._closed:
+                self._pending = list(entries)
+                self._wake.set()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            with self._lock:
+                self._wake.clear()
+                entries, self._pending = self._pending, None
+                closed = self._closed
+            if entries is not None:
+                self._write(entries)
+            if closed:
+                return
+
+    def _write(self, entries: list[Entry]) -> None:
         """Replace the file by `entries`; a failure is logged (the registrations stay in
         memory, and the next change tries again)."""
         rows = sorted((to_record(e) for e in entries), key=lambda r: r["address"])

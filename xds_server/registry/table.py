@@ -56,13 +56,17 @@ class Entry:
 class Journal(Protocol):
     """Where a registry's entries are saved on every change (registry/journal.py)."""
 
-    def save(self, entries: Sequence[Entry]) -> None: ...
+    def save(self, entries: Sequence[Entry]) -> None:
+        """Save `entries` soon (never blocks: called under the registry's lock)."""
+
+    def close(self) -> None:
+        """Save what `save` was given last, now; nothing after."""
 
 
 class Registry:
     """Thread-safe: the registration streams write it, the control plane reads it when it
-    stages a change. `blocking`: its changes may wait on I/O (a journal, a store), so the
-    registration service makes them off its event loop."""
+    stages a change. `blocking`: its changes wait on I/O (a store's), so the registration
+    service makes them off its event loop."""
 
     def __init__(
         self, clock: Callable[[], float] = time.time, journal: Journal | None = None
@@ -72,11 +76,8 @@ class Registry:
         self._by_address: dict[m.Endpoint, Entry] = {}
         self.refused = 0
         self.rejected: dict[str, str] = {}  # a record kept outside that was left out -> why
-        self.blocking = journal is not None
+        self.blocking = False
         self._journal = journal
-        self._changes = 0  # changes made, and the last one saved (saves may race)
-        self._saved = 0
-        self._save_lock = threading.Lock()
         self._timers: list[threading.Timer] = []
         self._closed = False
 
@@ -188,23 +189,19 @@ class Registry:
                 log.warning("registration change not staged: %s", e)
 
     def close(self) -> None:
-        """Stop saving and holding (the process stops): what was saved last stays."""
+        """Stop holding and saving (the process stops), the last change saved."""
         self._closed = True
         for t in self._timers:
             t.cancel()
+        if self._journal is not None:
+            self._journal.close()
 
     def _changed(self) -> None:
-        """Save the entries as they are now (a journal's); a later change's save wins."""
+        """Hand the entries as they are now to the journal (in order: under the lock)."""
         if self._journal is None:
             return
         with self._lock:
-            self._changes += 1
-            seq, entries = self._changes, list(self._by_address.values())
-        with self._save_lock:
-            if seq <= self._saved or self._closed:
-                return
-            self._journal.save(entries)
-            self._saved = seq
+            self._journal.save(list(self._by_address.values()))
 
     def _owned(self, token: int) -> Entry | None:
         for entry in self._by_address.values():
