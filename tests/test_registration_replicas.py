@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.etcd_support import EtcdCluster
+from tests.etcd_support import EtcdCluster, Partition
 from tests.registration_processes import (
     ControlPlaneProcess,
     EdsSampler,
@@ -286,3 +286,38 @@ def test_a_host_that_registers_on_another_replica_takes_its_key_over(etcd, tmp_p
         finally:
             for ch in channels:
                 ch.close()
+
+
+def test_a_replica_cut_off_longer_than_the_grace_period_writes_its_hosts_again(
+    etcd, tmp_path
+) -> None:
+    """r1 cannot renew its registration lease while cut off from etcd: the store ends it, and
+    r2 drops the host (nobody vouches for it). Its stream stayed open on r1, so once r1 reaches
+    the store again it writes the host again and every replica has it back."""
+    root = f"t-{uuid.uuid4().hex}"
+    mesh = write_mesh(tmp_path / "mesh.yaml", f"{GRACE:g}s")
+    with Partition(etcd.endpoints[0]) as cut, upstreams("h1", health=True) as ups:
+        r1 = ControlPlaneProcess(
+            tmp_path, "r1", mesh, "--store", f"etcd://{cut.endpoint}/{root}", "--replica-id",
+            "r1", "--leader-ttl", str(TTL), "--state-dir", str(tmp_path / "state-r1"),
+        )  # fmt: skip
+        r2 = _replicas(etcd, tmp_path, mesh, root)[1]
+        cps = [r1, r2]
+        address = ups["h1"].address
+        client = registration("h1-node", address, [r1.xds], (0.2, 1.0))
+        with control_planes(*cps):
+            for cp in cps:
+                cp.start()
+            try:
+                eventually(lambda: all(cp.status() for cp in cps), 60, "replicas up")
+                client.start()
+                eventually(lambda: _same_everywhere(cps, address), 60, "on every replica")
+                cut.cut()
+                eventually(lambda: address not in r2.registered(), GRACE + 20, "r1's lease ended")
+                cut.heal()
+                row = eventually(lambda: _same_everywhere(cps, address), 30, "written again")
+                assert row["stream"] == "open", row
+                assert client.registrations == 1, client.said  # the same stream all along
+                assert "registration lease ended" in r1.output(), r1.output()[-2000:]
+            finally:
+                client.stop()

@@ -8,7 +8,10 @@ that ends unannounced moves its key to a lease of its own with the same TTL that
 so the host leaves a grace period later unless it registers again; a replica that dies takes its
 lease with it, so its hosts leave a grace period after its last keep-alive unless they register
 again elsewhere. A host whose stream moves to another replica takes its key over in one
-revision-checked write: the key is never absent, so callers never lose it.
+revision-checked write: the key is never absent, so callers never lose it. A replica cut off from
+the store for longer than the grace period cannot renew its lease, so its hosts leave (nobody
+vouches for them); once it reaches the store again it writes the hosts of the streams still open
+on it again, on a new lease. The lease's TTL is the grace period when it was granted.
 
 Every replica reads the keys with the rest of the desired state (replica/replication.py watches
 the store and calls `sync` before it stages), so every replica lays the same hosts over the
@@ -72,11 +75,14 @@ class StoreRegistry(Registry):
         self.store, self.replica = store, replica_id
         self._mesh = mesh
         self._mine: dict[int, tuple[m.Endpoint, int]] = {}  # token -> (address, revision written)
+        # token -> the entry of each stream open here: what to write again if the lease ends
+        self._streams: dict[int, Entry] = {}
         self._leaving: dict[int, float] = {}  # token -> when its stream was lost (to write)
         # address -> revision of its deletion here: a read older than that must not bring the
         # host back (a deregistered host would take calls again while it drains)
         self._gone: dict[m.Endpoint, int] = {}
         self._lease, self._lease_ttl, self._beat = 0, 0, 0.0
+        self._lease_ended = False  # the keys on it went with it: write the open ones again
         self._lease_lock = threading.Lock()
         self.written = 0  # the newest store revision written here
         self._stop = threading.Event()
@@ -109,9 +115,9 @@ class StoreRegistry(Registry):
             with self._lock:
                 for t, (address, _) in list(self._mine.items()):
                     if address == reg.endpoint:  # this host's earlier stream here
-                        del self._mine[t]
-                        self._leaving.pop(t, None)
+                        self._forget_locked(t)
                 self._mine[token] = (reg.endpoint, rev)
+                self._streams[token] = entry
                 self._by_address[reg.endpoint] = entry
                 self.written = max(self.written, rev)
             return entry
@@ -122,7 +128,10 @@ class StoreRegistry(Registry):
 
     def set_health(self, token: int, healthy: bool) -> Entry | None:
         entry, rev = self._own(token)
-        if entry is None or entry.healthy == healthy:
+        if entry is None:
+            self._forget(token)  # its key is gone or another's: the stream ends
+            return None
+        if entry.healthy == healthy:
             return entry
         entry = replace(entry, healthy=healthy)
         grace = self._mesh().control_plane.registration.grace
@@ -141,6 +150,7 @@ class StoreRegistry(Registry):
     def remove(self, token: int) -> Entry | None:
         entry, rev = self._own(token)
         if entry is None:
+            self._forget(token)
             return None
         try:
             done = self.store.delete(_key(entry), revision=rev)
@@ -160,6 +170,7 @@ class StoreRegistry(Registry):
     def lose(self, token: int) -> Entry | None:
         """Marked lost here at once; the keeper moves its key to a lease nobody renews."""
         with self._lock:
+            self._streams.pop(token, None)
             entry = self._owned(token)
             if entry is None or token not in self._mine or entry.lost_at is not None:
                 return entry
@@ -212,8 +223,11 @@ class StoreRegistry(Registry):
                 if rev > revision:  # written here after that read: it stands
                     if address in self._by_address:
                         new[address] = self._by_address[address]
-                elif new.get(address) is None or new[address].token != t:
-                    self._forget_locked(t)  # deleted, expired, or taken over elsewhere
+                elif new.get(address) is None:
+                    self._mine.pop(t, None)  # deleted or expired (written again if its lease
+                    self._leaving.pop(t, None)  # ended under an open stream: _rewrite_open)
+                elif new[address].token != t:
+                    self._forget_locked(t)  # taken over elsewhere
             self._by_address = new
             self._gone = {a: r for a, r in self._gone.items() if r > revision}
         for key, why in rejected.items():
@@ -233,8 +247,13 @@ class StoreRegistry(Registry):
             return self._lease
 
     def _drop_lease(self) -> None:
+        """The lease ended (the store unreachable longer than its TTL): the keepers writes
+        the hosts of the streams open here again, on a new one."""
         with self._lease_lock:
-            self._lease = 0
+            if self._lease:
+                log.warning("replica %s: its registration lease ended; writing its hosts again",
+                            self.replica)  # fmt: skip
+            self._lease, self._lease_ended = 0, True
 
     def _keep(self) -> None:
         """Renew the lease every third of its TTL; move lost hosts to leases of their own;
@@ -243,6 +262,13 @@ class StoreRegistry(Registry):
         while not self._stop.wait(TICK):
             try:
                 self._renew()
+                if self._lease_ended:
+                    self._lease_ended = False
+                    try:
+                        self._rewrite_open()
+                    except StoreError:
+                        self._lease_ended = True
+                        raise
                 self._move_lost()
             except StoreError as e:
                 log.warning("replica %s: registrations: store: %s (trying again)", self.replica, e)
@@ -258,32 +284,37 @@ class StoreRegistry(Registry):
             return
         try:
             self.store.keepalive(lease)
-            with self._lease_lock:
-                self._beat = time.monotonic()
-            return
         except LeaseLost:
-            log.warning("replica %s: its registration lease ended; writing its hosts again",
-                        self.replica)  # fmt: skip
             self._drop_lease()
-        self._rewrite_open()
+            return
+        with self._lease_lock:
+            self._beat = time.monotonic()
 
     def _rewrite_open(self) -> None:
-        """The keys of this replica's open streams, gone with its lease: written again."""
+        """The keys of the streams open here, gone with the lease: written again (a key
+        another replica wrote meanwhile is that replica's now)."""
         grace = self._mesh().control_plane.registration.grace
         with self._lock:
-            open_ = [(t, self._by_address.get(a)) for t, (a, _) in self._mine.items()
-                     if t not in self._leaving]  # fmt: skip
-        for token, entry in open_:
-            if entry is None or entry.token != token:
+            streams = dict(self._streams)
+            mine = dict(self._mine)
+        for token, entry in streams.items():
+            key = _key(entry)
+            cur = self.store.get(key)
+            if cur is not None:
+                if mine.get(token, (None, 0))[1] != cur.revision:
+                    self._forget(token)  # registered again elsewhere meanwhile
                 continue
             try:
-                rev = self.store.put(
-                    _key(entry), self._value(entry), revision=0, lease=self._lease_for(grace)
-                )
+                rev = self.store.put(key, self._value(entry), revision=0,
+                                     lease=self._lease_for(grace))  # fmt: skip
             except Conflict:
-                self._forget(token)  # registered again elsewhere meanwhile
+                self._forget(token)
                 continue
-            self._wrote(token, entry, rev)
+            with self._lock:
+                if token in self._streams:
+                    self._mine[token] = (entry.reg.endpoint, rev)
+                    self._by_address[entry.reg.endpoint] = self._streams[token]
+                self.written = max(self.written, rev)
 
     def _move_lost(self) -> None:
         grace = self._mesh().control_plane.registration.grace
@@ -353,6 +384,8 @@ class StoreRegistry(Registry):
             if token in self._mine:
                 self._mine[token] = (entry.reg.endpoint, rev)
                 self._by_address[entry.reg.endpoint] = entry
+                if token in self._streams:
+                    self._streams[token] = entry
             self.written = max(self.written, rev)
 
     def _forget(self, token: int) -> None:
@@ -362,6 +395,7 @@ class StoreRegistry(Registry):
     def _forget_locked(self, token: int) -> None:
         self._mine.pop(token, None)
         self._leaving.pop(token, None)
+        self._streams.pop(token, None)
 
 
 def _known(doc: object, mesh: m.Mesh) -> bool:
