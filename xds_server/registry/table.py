@@ -5,6 +5,10 @@ lost its stream counts until its grace period ends). An address is one host: it 
 registered twice, nor registered when the mesh file lists it. A stream that ended unannounced
 leaves its host in place, marked lost, until `grace` passes (the sidecar reconnecting in that
 time takes it back); a deregistration removes it at once.
+
+With a `journal` (registry/journal.py) every change is saved, and the hosts read back after a
+restart are held as lost for the grace period (`restore`): callers keep them while their
+sidecars register again. Replicas on a store keep the table there (registry/store.py).
 """
 
 from __future__ import annotations
