@@ -76,6 +76,8 @@ def test_restart_keeps_live_hosts_in_eds_and_drops_hosts_that_never_return(tmp_p
             for c in clients:
                 c.stop()
     assert "Traceback" not in cp.output(), cp.output()[-3000:]
+    assert "2 registrations restored" in cp.output(), cp.output()[-3000:]
+    assert "held since the restart, expired: it did not register again" in cp.output()
 
 
 def test_a_registrations_file_that_is_not_one_is_moved_aside_and_named(tmp_path, caplog) -> None:

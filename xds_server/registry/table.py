@@ -167,6 +167,13 @@ class Registry:
                 self._by_address[e.reg.endpoint] = entry
                 held.append(entry)
         if held:
+            log.warning(
+                "%d registrations restored (%s): held for %gs for their hosts to register again",
+                len(held),
+                ", ".join(str(e.reg.endpoint) for e in held[:10])
+                + (" ..." if len(held) > 10 else ""),
+                mesh.control_plane.registration.grace,
+            )
             timer = threading.Timer(
                 mesh.control_plane.registration.grace,
                 self._expire_restored,
