@@ -1,5 +1,6 @@
 """Where `meshlm xds-server` keeps what must outlive it: the mesh CA's root and join tokens
-(`identity/`), rollouts (`rollouts.json`) and quarantined request classes (`isolation.json`).
+(`identity/`), rollouts (`rollouts.json`), quarantined request classes (`isolation.json`) and,
+alone (no --store), the hosts registered with it (`registrations/hosts.json`).
 
 `--state-dir`, else $MESHLM_STATE_DIR, else `$XDG_STATE_HOME/meshlm/<mesh file name>-<hash of its
 path>` ($XDG_STATE_HOME defaults to `~/.local/state`): one dir per mesh file, outside the folder

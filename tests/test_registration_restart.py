@@ -33,6 +33,8 @@ GRACE = 8.0
 def test_restart_keeps_live_hosts_in_eds_and_drops_hosts_that_never_return(tmp_path) -> None:
     mesh = write_mesh(tmp_path / "mesh.yaml", f"{GRACE:g}s")
     state = tmp_path / "state"
+    state.mkdir()
+    state.chmod(0o755)  # an operator's dir, not private: the registrations get one of their own
     cp = ControlPlaneProcess(tmp_path, "alone", mesh, "--state-dir", str(state)).start()
     with upstreams("live", "gone", health=True) as ups, control_planes(cp):
         live, gone = ups["live"].address, ups["gone"].address
@@ -70,8 +72,9 @@ def test_restart_keeps_live_hosts_in_eds_and_drops_hosts_that_never_return(tmp_p
                     eventually(lambda: calls.served["live"] >= after + 5, what="calls go on")
                 assert sampler.samples > 20 and sampler.gaps == [], sampler.gaps[:3]
                 assert calls.failures == [], calls.failures[:3]
-                saved = state / "registrations.json"  # the state dir's, private
+                saved = state / "registrations" / "hosts.json"
                 assert stat.S_IMODE(saved.stat().st_mode) == 0o600
+                assert stat.S_IMODE(saved.parent.stat().st_mode) == 0o700
         finally:
             for c in clients:
                 c.stop()

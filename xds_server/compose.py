@@ -250,7 +250,10 @@ class Process:
                 isolation_store=str(isolation),
                 identity_dir=str(o.state / f"identity{own}"),
                 replication=replication,
-                registrations_file=None if o.store else str(o.state / "registrations.json"),
+                # (a dir of its own, made private, whatever the state dir's mode)
+                registrations_file=None
+                if o.store
+                else str(o.state / "registrations" / "hosts.json"),
             )
         except ValueError as e:  # an isolation store not ours, a CA root that cannot be read
             raise StartError(str(e), 2) from None

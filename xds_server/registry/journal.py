@@ -1,5 +1,6 @@
 """The registrations of a control plane alone on its state dir, saved on every change so a
-restart keeps them: one private file (0600 in the 0700 state dir), replaced atomically.
+restart keeps them: one private file (0600 in a 0700 dir: `registrations/hosts.json` in the state
+dir), replaced atomically.
 
     {"format": 1, "registrations": [record, ...]}   (registry/record.py)
 
@@ -39,6 +40,7 @@ class RegistrationFile:
         self._pending: list[Entry] | None = None
         self._wake = threading.Event()
         self._closed = False
+        self._failed = ""  # the last write's error, "" once one succeeds
         self._thread = threading.Thread(target=self._run, name="registrations-file", daemon=True)
         self._thread.start()
 
@@ -104,4 +106,10 @@ class RegistrationFile:
         try:
             write_private(self.path, data.encode(), WHAT)
         except (OSError, PrivateFileError) as e:
-            log.error("registrations not saved to %s: %s", self.path, e)
+            if str(e) != self._failed:  # said once, not at every change
+                log.error("registrations not saved to %s: %s", self.path, e)
+            self._failed = str(e)
+            return
+        if self._failed:
+            log.warning("registrations saved to %s again", self.path)
+            self._failed = ""
