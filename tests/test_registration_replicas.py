@@ -93,6 +93,7 @@ def test_every_replica_serves_the_host_and_it_survives_the_leaders_death(etcd, t
                     eventually(lambda e=envoy: address in eds_hosts(e), 30, "in each caller's EDS")
                 with PacedCalls(port) as calls, EdsSampler([e1, e2], address) as sampler:
                     eventually(lambda: calls.served["h1"] >= 5, what="calls reach the host")
+                    eventually(lambda: client.registrations == 1, 30, "answered")
                     leader.kill()  # its stream, its lease and its leadership die with it
                     eventually(lambda: (follower.status() or {}).get("leading"), TTL + 10,
                                "the follower leads")  # fmt: skip
@@ -312,6 +313,7 @@ def test_a_replica_cut_off_longer_than_the_grace_period_writes_its_hosts_again(
                 eventually(lambda: all(cp.status() for cp in cps), 60, "replicas up")
                 client.start()
                 eventually(lambda: _same_everywhere(cps, address), 60, "on every replica")
+                eventually(lambda: client.registrations == 1, 30, "answered")
                 cut.cut()
                 eventually(lambda: address not in r2.registered(), GRACE + 20, "r1's lease ended")
                 cut.heal()
