@@ -175,3 +175,33 @@ def test_a_registration_staged_by_another_change_is_still_waited_for(env) -> Non
     assert result is not None and result.ok and result.acked == ["caller-1"], result
     assert result.version == make_version(cp.incarnation, cp.cache.generation)
     assert ups["r1"].address in _eds_hosts(env["envoy"])
+
+
+def test_hosts_joining_at_once_share_stagings_and_each_answer_follows_the_callers_eds(
+    env,
+) -> None:
+    """Thirty hosts register at once: restages coalesce (far fewer staged versions than hosts,
+    not one push per host in series), and each host's answer arrives only once the caller's
+    Envoy holds that host in its EDS."""
+    cp, envoy = env["cp"], env["envoy"]
+    n = 30
+    names = [f"j{i}" for i in range(n)]
+    in_eds_at_answer: dict[str, bool] = {}
+    with upstreams(*names, health=True) as hosts:
+
+        def answered(name: str, msg: str) -> None:
+            if msg.startswith("registered") and name not in in_eds_at_answer:
+                in_eds_at_answer[name] = hosts[name].address in _eds_hosts(envoy)
+
+        gen0 = cp.cache.generation
+        for name in names:
+            client = _client(
+                cp, hosts[name].address, f"{name}-node", Health(),
+                on_event=lambda msg, name=name: answered(name, msg),
+            )  # fmt: skip
+            env["clients"].append(client.start())
+        eventually(lambda: len(in_eds_at_answer) == n, timeout=60, what="every host answered")
+        staged = cp.cache.generation - gen0
+        assert staged < n // 2, f"{staged} versions staged for {n} joins"
+        late = sorted(k for k, held in in_eds_at_answer.items() if not held)
+        assert not late, f"answered before the caller's EDS held them: {late}"
