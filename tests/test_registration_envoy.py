@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.registration import Registration
+from sidecar.registration import Registration, RuntimeHealth
 from tests.registration_support import RawStream, reg_mesh, register_body, registered
 from tests.test_xds_support import Caller, CallLoop, eventually, sidecar, upstreams
 from xds_server.compose import build_server
@@ -205,3 +205,27 @@ def test_hosts_joining_at_once_share_stagings_and_each_answer_follows_the_caller
         assert staged < n // 2, f"{staged} versions staged for {n} joins"
         late = sorted(k for k, held in in_eds_at_answer.items() if not held)
         assert not late, f"answered before the caller's EDS held them: {late}"
+
+
+def test_a_host_registers_as_soon_as_its_runtime_turns_serving_not_at_the_next_poll(env) -> None:
+    """The runtime's grpc.health.v1 Watch stream wakes the registration client: with a poll
+    interval far longer than the wait allowed, the host still registers, and joins the
+    caller's EDS, promptly after its runtime turns SERVING."""
+    cp, envoy, ups = env["cp"], env["envoy"], env["ups"]
+    ups["r1"].set_serving(False)
+    runtime = RuntimeHealth(ups["r1"].address)
+    client = Registration(
+        "r1-node", ups["r1"].address, "llm", "v1", [("127.0.0.1", cp.grpc_port)], runtime,
+        poll_interval=60, backoff=(0.05, 0.5),
+    )  # fmt: skip
+    runtime.watch(client.wake)
+    env["clients"].append(client.start())
+    try:
+        time.sleep(0.5)
+        assert not client.registered
+        ups["r1"].set_serving(True)
+        eventually(lambda: client.registered, timeout=15, what="registered on SERVING")
+        eventually(lambda: ups["r1"].address in _eds_hosts(envoy), what="in the caller's EDS")
+    finally:
+        client.stop()
+        runtime.close()
