@@ -39,21 +39,49 @@ _END = object()  # ends a stream's request iterator
 
 
 class RuntimeHealth:
-    """grpc.health.v1 Check of the runtime at `address` (loopback): True when SERVING."""
+    """grpc.health.v1 Check of the runtime at `address` (loopback): True when SERVING.
+    `watch(on_change)` also holds a grpc.health.v1 Watch stream and calls `on_change()` on each
+    status it sends, so a waiting Registration checks at once instead of at its next poll."""
 
     def __init__(self, address: str, timeout: float = 1.0) -> None:
         self._channel = grpc.insecure_channel(address)
         self._stub = health_pb2_grpc.HealthStub(self._channel)
         self._timeout = timeout
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._call: Any = None
 
     def __call__(self) -> bool:
         try:
             reply = self._stub.Check(health_pb2.HealthCheckRequest(), timeout=self._timeout)
-        except grpc.RpcError:
+        except (grpc.RpcError, ValueError):  # ValueError: after close()
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
+    def watch(self, on_change: Callable[[], None], retry: float = 1.0) -> None:
+        threading.Thread(
+            target=self._watch, args=(on_change, retry), name="runtime-health", daemon=True
+        ).start()
+
+    def _watch(self, on_change: Callable[[], None], retry: float) -> None:
+        while True:
+            with self._lock:  # close() closes the channel under it: no call on a closed one
+                if self._closed.is_set():
+                    return
+                call = self._call = self._stub.Watch(health_pb2.HealthCheckRequest())
+            try:
+                for _ in call:
+                    on_change()
+            except grpc.RpcError:
+                pass  # the runtime is not up yet, or went away: polling still runs
+            on_change()
+            self._closed.wait(retry)
+
     def close(self) -> None:
+        with self._lock:
+            self._closed.set()
+            if self._call is not None:
+                self._call.cancel()
         self._channel.close()
 
 
@@ -90,6 +118,7 @@ class Registration:
         self.on_event = on_event or (lambda msg: log.info("%s: %s", node_id, msg))
         self.registrations = 0  # streams on which the host was registered
         self._stop = threading.Event()
+        self._wake = threading.Event()  # health may have changed: check before the next poll
         self._leaving = threading.Event()  # deregistering: no reconnect, no health messages
         self._left = threading.Event()  # the control plane answered the deregistration
         self._lock = threading.Lock()
@@ -121,18 +150,29 @@ class Registration:
         self.stop()
         return left
 
+    def wake(self) -> None:
+        """The runtime's health may have changed (its Watch stream said so): check now."""
+        self._wake.set()
+
     def stop(self) -> None:
         self._leaving.set()
         self._stop.set()
+        self._wake.set()
         self._close()
         if self._thread:
             self._thread.join(timeout=5)
 
     # -- the loop ---------------------------------------------------------------------------
+    def _pause(self) -> bool:
+        """Until the next poll or a wake(); True once stopped."""
+        self._wake.wait(self.poll_interval)
+        self._wake.clear()
+        return self._stop.is_set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_interval):
-            if self.serving():
-                break
+        while not self._stop.is_set() and not self.serving():
+            if self._pause():
+                return
         delay = self.backoff[0]
         turn = 0
         while not self._stop.is_set() and not self._leaving.is_set():
@@ -203,7 +243,7 @@ class Registration:
 
     def _watch(self, requests: queue.Queue) -> None:
         """Tell the control plane each change of health while the stream is registered."""
-        while not self._stop.wait(self.poll_interval):
+        while not self._pause():
             with self._lock:
                 if self._requests is not requests or self._leaving.is_set():
                     return

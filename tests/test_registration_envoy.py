@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.registration import Registration
+from sidecar.registration import Registration, RuntimeHealth
 from tests.registration_support import RawStream, reg_mesh, register_body, registered
 from tests.test_xds_support import Caller, CallLoop, eventually, sidecar, upstreams
 from xds_server.compose import build_server
@@ -175,3 +175,57 @@ def test_a_registration_staged_by_another_change_is_still_waited_for(env) -> Non
     assert result is not None and result.ok and result.acked == ["caller-1"], result
     assert result.version == make_version(cp.incarnation, cp.cache.generation)
     assert ups["r1"].address in _eds_hosts(env["envoy"])
+
+
+def test_hosts_joining_at_once_share_stagings_and_each_answer_follows_the_callers_eds(
+    env,
+) -> None:
+    """Thirty hosts register at once: restages coalesce (far fewer staged versions than hosts,
+    not one push per host in series), and each host's answer arrives only once the caller's
+    Envoy holds that host in its EDS."""
+    cp, envoy = env["cp"], env["envoy"]
+    n = 30
+    names = [f"j{i}" for i in range(n)]
+    in_eds_at_answer: dict[str, bool] = {}
+    with upstreams(*names, health=True) as hosts:
+
+        def answered(name: str, msg: str) -> None:
+            if msg.startswith("registered") and name not in in_eds_at_answer:
+                in_eds_at_answer[name] = hosts[name].address in _eds_hosts(envoy)
+
+        gen0 = cp.cache.generation
+        for name in names:
+            client = _client(
+                cp, hosts[name].address, f"{name}-node", Health(),
+                on_event=lambda msg, name=name: answered(name, msg),
+            )  # fmt: skip
+            env["clients"].append(client.start())
+        eventually(lambda: len(in_eds_at_answer) == n, timeout=60, what="every host answered")
+        staged = cp.cache.generation - gen0
+        assert staged < n // 2, f"{staged} versions staged for {n} joins"
+        late = sorted(k for k, held in in_eds_at_answer.items() if not held)
+        assert not late, f"answered before the caller's EDS held them: {late}"
+
+
+def test_a_host_registers_as_soon_as_its_runtime_turns_serving_not_at_the_next_poll(env) -> None:
+    """The runtime's grpc.health.v1 Watch stream wakes the registration client: with a poll
+    interval far longer than the wait allowed, the host still registers, and joins the
+    caller's EDS, promptly after its runtime turns SERVING."""
+    cp, envoy, ups = env["cp"], env["envoy"], env["ups"]
+    ups["r1"].set_serving(False)
+    runtime = RuntimeHealth(ups["r1"].address)
+    client = Registration(
+        "r1-node", ups["r1"].address, "llm", "v1", [("127.0.0.1", cp.grpc_port)], runtime,
+        poll_interval=60, backoff=(0.05, 0.5),
+    )  # fmt: skip
+    runtime.watch(client.wake)
+    env["clients"].append(client.start())
+    try:
+        time.sleep(0.5)
+        assert not client.registered
+        ups["r1"].set_serving(True)
+        eventually(lambda: client.registered, timeout=15, what="registered on SERVING")
+        eventually(lambda: ups["r1"].address in _eds_hosts(envoy), what="in the caller's EDS")
+    finally:
+        client.stop()
+        runtime.close()

@@ -143,6 +143,7 @@ def _registration(args: argparse.Namespace, node_id: str, sv, agent):
         identity=agent,
         on_event=lambda msg: print(f"sidecar {node_id}: {msg}", flush=True),
     )
+    runtime.watch(registration.wake)
     return registration.start(), runtime
 
 
