@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import inspect
 import json
 import re
@@ -105,8 +106,11 @@ def listens(container: dict[str, Any]) -> dict[int, str]:
     if name == "serve":
         ports = {a.port: a.host, a.metrics_port: LOOPBACK, a.http_port: a.host}
         return {p: h for p, h in ports.items() if p is not None}
-    if name == "sidecar":  # Envoy's admin; the inbound listener callers reach
-        return {a.admin_port: LOOPBACK, a.inbound_port: a.listen_host}
+    if name == "sidecar":  # Envoy's admin; the inbound listener callers reach; the hook's port
+        ports = {a.admin_port: LOOPBACK, a.inbound_port: a.listen_host}
+        if a.deregister_port is not None:
+            ports[a.deregister_port] = LOOPBACK
+        return ports
     return {}
 
 
@@ -283,13 +287,19 @@ def test_only_mesh_pods_reach_the_port_that_takes_registrations():
     assert source["podSelector"]["matchLabels"].items() <= llm.items()
 
 
-def test_the_pods_grace_period_covers_the_runtimes_drain_then_the_deregistration():
-    """Kubelet stops the runtime first and its native sidecar after it: the runtime drains its
-    streams, then the sidecar deregisters (waiting for the callers to hold the removal) and
-    Envoy drains, all before the grace period ends in SIGKILL."""
+def test_the_pod_deregisters_before_its_runtime_drains_within_the_grace_period():
+    """Kubelet runs the runtime's preStop hook, then stops the runtime, then its native sidecar:
+    the hook has the sidecar deregister the pod (answering once the callers hold the removal),
+    the runtime drains its streams behind the sidecar's live listener, then Envoy drains, all
+    before the grace period ends in SIGKILL."""
     pod, sidecar, runtime = runtime_pod()
     _, rt = meshlm_args(runtime)
+    _, sc = meshlm_args(sidecar)
     assert sidecar.get("restartPolicy") == "Always" and sidecar in pod["initContainers"]
+    hook = runtime["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook == ["python", "-m", "sidecar.deregister_port", str(sc.deregister_port)]
+    assert importlib.util.find_spec(hook[2]) is not None
+    assert "lifecycle" not in sidecar  # its SIGTERM comes after the runtime's drain
     deregister = inspect.signature(Registration.deregister).parameters["timeout"].default
     envoy_drain = inspect.signature(Supervisor).parameters["drain_time_s"].default
     margin = 5
