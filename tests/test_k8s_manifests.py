@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
+import inspect
+import json
 import re
 import subprocess
 import sys
@@ -22,8 +25,12 @@ import yaml
 
 from mesh_common.ports import free_port
 from meshlm.cli import command_parser
+from meshlm.commands.sidecar import _registration_problem
+from sidecar.registration import Registration
+from sidecar.supervisor import Supervisor
 from tests.etcd_support import EtcdCluster, wait_for
 from xds_server.mesh import parse_mesh
+from xds_server.registry import request as registration_request
 
 ROOT = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 # The oldest Kubernetes these manifests need (native sidecars: 1.29 beta, on by default) and
@@ -31,7 +38,11 @@ ROOT = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 LOOPBACK = "127.0.0.1"
 # Values Kubernetes puts in $(VAR) at run time, for parsing the arguments here.
-SAMPLE_ENV = {"POD_NAME": "meshlm-xds-5d8f-abcde", "SERVICE_HOST": "10.96.0.10"}
+SAMPLE_ENV = {
+    "POD_NAME": "meshlm-xds-5d8f-abcde",
+    "POD_IP": "10.244.1.7",
+    "SERVICE_HOST": "10.96.0.10",
+}
 
 
 def files() -> list[Path]:
@@ -95,10 +106,11 @@ def listens(container: dict[str, Any]) -> dict[int, str]:
     if name == "serve":
         ports = {a.port: a.host, a.metrics_port: LOOPBACK, a.http_port: a.host}
         return {p: h for p, h in ports.items() if p is not None}
-    if name == "sidecar":  # Envoy's admin; the inbound port is the version's endpoint
-        mesh = mesh_of_configmap()
-        endpoint = mesh.services[a.service].versions[a.version].endpoints[0]
-        return {a.admin_port: LOOPBACK, a.inbound_port or endpoint.port: LOOPBACK}
+    if name == "sidecar":  # Envoy's admin; the inbound listener callers reach; the hook's port
+        ports = {a.admin_port: LOOPBACK, a.inbound_port: a.listen_host}
+        if a.deregister_port is not None:
+            ports[a.deregister_port] = LOOPBACK
+        return ports
     return {}
 
 
@@ -207,6 +219,94 @@ def test_the_sidecar_reaches_the_control_plane_and_fronts_its_runtime():
     assert sidecar.get("restartPolicy") == "Always"  # a native sidecar: outlives the runtime
     mesh = mesh_of_configmap()
     assert sc.version in mesh.services[sc.service].versions
+
+
+def runtime_pod() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(pod spec, sidecar container, runtime container) of the llm-v1 Deployment."""
+    pod = named("Deployment", "llm-v1")["spec"]["template"]["spec"]
+    (sidecar,) = [c for c in containers(pod) if c["name"] == "sidecar"]
+    (runtime,) = [c for c in containers(pod) if c["name"] == "runtime"]
+    return pod, sidecar, runtime
+
+
+def test_the_mesh_lists_no_endpoint_and_takes_registrations_across_hosts():
+    """Pods come and go with their IPs: the mesh names none, so scaling the Deployment never
+    touches the ConfigMap; registration is on, and loopback addresses are refused."""
+    text = named("ConfigMap", "meshlm-mesh")["data"]["mesh.yaml"]
+    assert not re.search(r"\b\d{1,3}(\.\d{1,3}){3}\b", text), "an IP address in the mesh"
+    mesh = mesh_of_configmap()
+    for svc in mesh.services.values():
+        for version in svc.versions.values():
+            assert version.endpoints == (), (svc.name, version.name)
+    registration = mesh.control_plane.registration
+    assert registration.enabled is True and registration.multi_host is True
+    assert registration.max_per_service >= named("Deployment", "llm-v1")["spec"]["replicas"]
+
+
+def test_the_sidecar_registers_its_pod_ip_with_the_argv_meshlm_sidecar_takes():
+    _, sidecar, runtime = runtime_pod()
+    env = {e["name"]: e for e in sidecar["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    _, sc = meshlm_args(sidecar)
+    _, rt = meshlm_args(runtime)
+    assert "--register=$(POD_IP):15101" in sidecar["args"]
+    assert "--listen-host=$(POD_IP)" in sidecar["args"]
+    assert sc.register == (SAMPLE_ENV["POD_IP"], sc.inbound_port)
+    assert sc.listen_host == SAMPLE_ENV["POD_IP"]
+    assert sc.local_endpoint == f"{LOOPBACK}:{rt.port}"  # the runtime stays on loopback
+    assert {p["containerPort"] for p in sidecar["ports"]} == {sc.inbound_port}
+    # What `meshlm sidecar` checks before it starts anything.
+    assert _registration_problem(sc) is None
+    # What the control plane checks: the registration the sidecar sends is accepted by the
+    # mesh's own rules, and the same from a loopback address is refused (multi_host).
+    mesh = mesh_of_configmap()
+
+    def register(address: str) -> bytes:
+        body = {"node_id": "llm-v1-abcde-15101", "address": address, "service": sc.service,
+                "version": sc.version, "health": "SERVING"}  # fmt: skip
+        return json.dumps({"register": body}).encode()
+
+    msg = registration_request.parse(register(f"{sc.register[0]}:{sc.register[1]}"), mesh)
+    assert str(msg.endpoint) == f"{SAMPLE_ENV['POD_IP']}:{sc.inbound_port}"
+    with pytest.raises(registration_request.Refused, match=r"register\.address"):
+        registration_request.parse(register(f"{LOOPBACK}:{sc.inbound_port}"), mesh)
+
+
+def test_only_mesh_pods_reach_the_port_that_takes_registrations():
+    """Without identity the gRPC port is plaintext and registration trusts whoever reaches it:
+    a NetworkPolicy lets in this namespace's mesh pods, the runtime pods among them."""
+    policy = named("NetworkPolicy", "meshlm-xds")["spec"]
+    xds = named("Deployment", "meshlm-xds")["spec"]["template"]
+    assert policy["podSelector"]["matchLabels"].items() <= xds["metadata"]["labels"].items()
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    assert [p["port"] for p in rule["ports"]] == ["grpc-xds"]
+    (source,) = rule["from"]
+    assert set(source) == {"podSelector"}  # this namespace only
+    llm = named("Deployment", "llm-v1")["spec"]["template"]["metadata"]["labels"]
+    assert source["podSelector"]["matchLabels"].items() <= llm.items()
+
+
+def test_the_pod_deregisters_before_its_runtime_drains_within_the_grace_period():
+    """Kubelet runs the runtime's preStop hook, then stops the runtime, then its native sidecar:
+    the hook has the sidecar deregister the pod (answering once the callers hold the removal),
+    the runtime drains its streams behind the sidecar's live listener, then Envoy drains, all
+    before the grace period ends in SIGKILL."""
+    pod, sidecar, runtime = runtime_pod()
+    _, rt = meshlm_args(runtime)
+    _, sc = meshlm_args(sidecar)
+    assert sidecar.get("restartPolicy") == "Always" and sidecar in pod["initContainers"]
+    hook = runtime["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook == ["python", "-m", "sidecar.deregister_port", str(sc.deregister_port)]
+    assert importlib.util.find_spec(hook[2]) is not None
+    assert "lifecycle" not in sidecar  # its SIGTERM comes after the runtime's drain
+    deregister = inspect.signature(Registration.deregister).parameters["timeout"].default
+    envoy_drain = inspect.signature(Supervisor).parameters["drain_time_s"].default
+    margin = 5
+    assert pod["terminationGracePeriodSeconds"] >= (
+        rt.drain_timeout + deregister + envoy_drain + margin
+    )
+    assert "livenessProbe" not in runtime  # a draining runtime is not killed
 
 
 def test_the_store_names_every_etcd_member_on_its_client_port():

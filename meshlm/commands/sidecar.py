@@ -83,6 +83,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--zone", help="with --register: the zone (locality) of this host")
     r.add_argument("--weight", type=int, help="with --register: this host's load-balancing "
                    "weight, 1..128")  # fmt: skip
+    r.add_argument("--deregister-port", type=int, metavar="PORT", help="with --register: a "
+                   "loopback HTTP port where POST /deregister takes this host out of its callers' "
+                   "pools (answering once they hold it) while the sidecar keeps serving, so its "
+                   "runtime can drain next: a Kubernetes preStop hook on the runtime "
+                   "container")  # fmt: skip
     i = p.add_argument_group("workload identity: mTLS certificates from the mesh CA")
     i.add_argument("--identity", action="store_true", help="get this workload's certificate "
                    "from the mesh CA and renew it; every call to and from the sidecar, and its "
@@ -102,6 +107,8 @@ def _registration_problem(args: argparse.Namespace) -> str | None:
     if args.register is None:
         if args.zone is not None or args.weight is not None:
             return "--zone and --weight need --register"
+        if args.deregister_port is not None:
+            return "--deregister-port needs --register (the registration it ends)"
         return None
     if not args.service or args.inbound_port is None:
         return "--register needs --service, --version and --inbound-port (the host it registers)"
@@ -124,9 +131,11 @@ def _registration_problem(args: argparse.Namespace) -> str | None:
 
 def _registration(args: argparse.Namespace, node_id: str, sv, agent):
     """Register this host once its runtime is SERVING and its sidecar holds its config: the
-    started Registration and the runtime's health probe, or None without --register."""
+    started Registration, the runtime's health probe and the started DeregisterPort (or None),
+    or None without --register."""
     if args.register is None:
         return None
+    from sidecar.deregister_port import DeregisterPort
     from sidecar.registration import Registration, RuntimeHealth
 
     runtime = RuntimeHealth(args.local_endpoint)
@@ -144,7 +153,11 @@ def _registration(args: argparse.Namespace, node_id: str, sv, agent):
         on_event=lambda msg: print(f"sidecar {node_id}: {msg}", flush=True),
     )
     runtime.watch(registration.wake)
-    return registration.start(), runtime
+    registration.start()
+    hook = None
+    if args.deregister_port is not None:
+        hook = DeregisterPort(args.deregister_port, registration).start()
+    return registration, runtime, hook
 
 
 def native_keys(keys_file: str) -> Callable[[], dict[str, list[str]]]:
@@ -260,12 +273,19 @@ def run(args: argparse.Namespace) -> int:
         identity=agent,
     )
     sv.start()
-    registered = _registration(args, node_id, sv, agent)
+    try:
+        registered = _registration(args, node_id, sv, agent)
+    except OSError as e:  # the --deregister-port is taken
+        print(f"meshlm sidecar: --deregister-port {args.deregister_port}: {e}", file=sys.stderr)
+        sv.stop()
+        return 2
     stop.wait()
     if registered is not None:
-        registration, runtime = registered
+        registration, runtime, hook = registered
         registration.deregister()  # out of the callers' EDS before the listeners close
         runtime.close()
+        if hook is not None:
+            hook.stop()
     if not sv.failed:
         print(f"sidecar {node_id}: draining: the listeners take no new connections, open calls "
               "finish, then envoy stops", flush=True)  # fmt: skip

@@ -1,8 +1,10 @@
 """Whether each version a service's weights send traffic to can take it: one with no endpoint in the
-mesh cannot (the weights API refuses to send it traffic unless forced); one whose endpoints answer
-no probe (xds_server/rollout/liveness.py, as a rollout's preflight probes its canary) has no live
-sidecar or runtime there now (a warning: it may be starting). `GET /traffic` lists both for the live
-weights (`meshlm status`)."""
+mesh and no registered host cannot (the weights API refuses to send it traffic unless forced); one
+whose registered hosts all answer NOT_SERVING, or whose endpoints answer no probe
+(xds_server/rollout/liveness.py, as a rollout's preflight probes its canary), has no live sidecar
+or runtime there now (a warning: it may be starting). A registered host that serves is live: its
+health is what its sidecar reports. `GET /traffic` lists both for the live weights
+(`meshlm status`)."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ class Stranded:
 def stranded(cp: ControlPlane, service: str, weights: dict[str, Any]) -> list[Stranded]:
     """The versions of `service` that `weights` give traffic and that cannot take it. Weights
     that are no valid split are left to the weights API to refuse."""
-    svc = cp.mesh.services.get(service)
+    svc = cp.registry.overlay(cp.mesh).services.get(service)
     if svc is None:
         return []
     out = []
@@ -52,11 +54,21 @@ def stranded(cp: ControlPlane, service: str, weights: dict[str, Any]) -> list[St
         ver = svc.versions.get(version)
         if ver is None or isinstance(weight, bool) or not isinstance(weight, int) or weight <= 0:
             continue
+        if any(host.healthy for host in ver.registered):
+            continue
+        if not ver.endpoints and ver.registered:
+            reason = (
+                f"{version}'s {len(ver.registered)} registered host(s) answer NOT_SERVING; "
+                "start or fix their runtimes"
+            )
+            out.append(Stranded(service, version, weight, reason, no_endpoint=False))
+            continue
         if not ver.endpoints:
             reason = (
                 f"{version} has no endpoint in the mesh (add its inbound sidecar's: "
                 f"services.{service}.versions.{version}.endpoints, or the admin API's POST "
-                f"/v1/services/{service}/versions/{version}/endpoints)"
+                f"/v1/services/{service}/versions/{version}/endpoints) and no registered host "
+                "(meshlm sidecar --register)"
             )
             out.append(Stranded(service, version, weight, reason, no_endpoint=True))
             continue
