@@ -12,6 +12,7 @@ every hop, the registration stream included, is mTLS.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,20 +46,22 @@ def runtime_host_commands(
     precision: str = "int4",
     identity: Identity | None = None,
     lkg_file: Path | None = None,
-    executable: str = "meshlm",
+    launcher: Sequence[str] = ("meshlm",),
 ) -> HostCommands:
     """argv of the runtime (`meshlm serve` on 127.0.0.1:grpc_port/http_port, serving the model
     as `service`) and of its sidecar (`meshlm sidecar` with its inbound listener on
     `address:inbound_port`, registered as that address, config from the control plane at
-    `xds`, HOST:PORT). `node_id` is SERVICE-VERSION-ADDRESS, unique per host."""
+    `xds`, HOST:PORT). The sidecar's node id is SERVICE-VERSION-ADDRESS and the runtime's replica
+    id (x-meshlm-replica) ADDRESS:INBOUND_PORT, both unique per host. `launcher`: how `meshlm` is
+    run (e.g. `python -m meshlm.cli`)."""
     runtime = [
-        executable, "serve", "--precision", precision,
+        *launcher, "serve", "--precision", precision,
         "--host", "127.0.0.1", "--port", str(grpc_port),
         "--http-port", str(http_port), "--served-model-name", service,
         "--replica-id", f"{address}:{inbound_port}",
     ]  # fmt: skip
     sidecar = [
-        executable, "sidecar", "--xds", xds,
+        *launcher, "sidecar", "--xds", xds,
         "--node-id", f"{service}-{version}-{address}",
         "--service", service, "--version", version,
         "--listen-host", address, "--inbound-port", str(inbound_port),
