@@ -3,18 +3,22 @@
 `python -m meshlm.demo.host_client capacity --target HOST:PORT --slots N --tokens K` prints the
 runtime's decode speed (tokens/s, JSON) measured straight against it;
 `python -m meshlm.demo.host_client traffic --target HOST:PORT ... --out FILE` drives one tenant's
-calls against the caller host's own sidecar (the host-local hop, as from a pod's container)
-until SIGTERM or `--max-seconds`, then writes every call's outcome to FILE as JSON."""
+calls (its key in $MESHLM_API_KEY) against the caller host's own sidecar (the host-local hop, as
+from a pod's container) until SIGTERM or `--max-seconds`, then writes every call's outcome to
+FILE as JSON."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
+
+API_KEY_ENV = "MESHLM_API_KEY"  # the tenant's key: in the environment, never on a command line
 
 
 def _capacity(args: argparse.Namespace) -> int:
@@ -30,7 +34,11 @@ def _traffic(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    load = TenantLoad(args.tenant, args.api_key, rate=args.rate)
+    api_key = os.environ.get(API_KEY_ENV, "")
+    if not api_key:
+        print(f"host_client traffic: no API key in ${API_KEY_ENV}", file=sys.stderr)
+        return 2
+    load = TenantLoad(args.tenant, api_key, rate=args.rate)
     traffic = Traffic(
         args.target, [load], authority=args.authority, max_new_tokens=args.max_new_tokens
     ).start()
@@ -56,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--target", required=True)
     t.add_argument("--authority", required=True)
     t.add_argument("--tenant", required=True)
-    t.add_argument("--api-key", required=True)  # a demo tenant's key, not a secret
     t.add_argument("--rate", type=float, required=True)
     t.add_argument("--max-new-tokens", type=int, default=8)
     t.add_argument("--max-seconds", type=float, default=600)

@@ -111,11 +111,13 @@ def _run(workdir: Path | None, timeout: float) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"meshlm demo: logs and report in {workdir}", flush=True)
     id_dir = Path(tempfile.mkdtemp(prefix="meshlm-id-"))  # short: SDS socket paths
+    started = time.monotonic()
     try:
         with HostNetwork(HOSTS) as net:
             say(f"hosts: {', '.join(f'{h.name} {h.address}' for h in net.hosts.values())}")
             report = _Demo(net, workdir, id_dir, time.monotonic() + timeout).run()
         report["namespaces_left"] = _namespaces_left(net)
+        report["run_s"] = round(time.monotonic() - started, 1)
         write_report(workdir, report)
         return report
     finally:
@@ -296,15 +298,17 @@ class _Demo:
         return speed, rate
 
     def _start_traffic(self, rate: float, out: Path) -> None:
+        from meshlm.demo.host_client import API_KEY_ENV
+
         caller = self.net["caller"]
         argv = [
             sys.executable, "-m", "meshlm.demo.host_client", "traffic",
             "--target", f"{caller.address}:{self.caller_ports['outbound']}",
-            "--authority", SERVICE, "--tenant", "acme", "--api-key", ACME_KEY,
+            "--authority", SERVICE, "--tenant", "acme",
             "--rate", f"{rate:.3f}", "--max-new-tokens", str(MAX_NEW_TOKENS),
             "--max-seconds", str(max(30.0, self.deadline - time.monotonic())), "--out", str(out),
         ]  # fmt: skip
-        proc = self._spawn("caller", "traffic", argv)
+        proc = self._spawn("caller", "traffic", argv, env={API_KEY_ENV: ACME_KEY})
         proc.wait_for("traffic: started", 60)
         say(f"traffic: acme {rate:.2f} calls/s from inside the caller host")
 
