@@ -116,6 +116,7 @@ def _run(workdir: Path | None, timeout: float) -> dict[str, Any]:
         with HostNetwork(HOSTS) as net:
             say(f"hosts: {', '.join(f'{h.name} {h.address}' for h in net.hosts.values())}")
             report = _Demo(net, workdir, id_dir, time.monotonic() + timeout).run()
+        report["namespaces"] = sorted(h.netns for h in net.hosts.values())
         report["namespaces_left"] = _namespaces_left(net)
         report["run_s"] = round(time.monotonic() - started, 1)
         write_report(workdir, report)
