@@ -63,6 +63,10 @@ class EnvoyProcess:
         if not addr.get("port_value"):
             addr["port_value"] = free_port()
         self.admin_port: int = addr["port_value"]
+        # Where a client reaches the admin: the address it binds (a wildcard: loopback).
+        self.admin_host: str = (
+            addr["address"] if addr["address"] not in ("0.0.0.0", "::") else "127.0.0.1"
+        )
         self.concurrency = concurrency
         self.log_level = log_level
         self.extra_args = extra_args
@@ -80,7 +84,8 @@ class EnvoyProcess:
 
     @property
     def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
+        host = f"[{self.admin_host}]" if ":" in self.admin_host else self.admin_host
+        return f"http://{host}:{self.admin_port}"
 
     def start(self) -> EnvoyProcess:
         cfg = self.workdir / "bootstrap.json"

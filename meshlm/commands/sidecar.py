@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "listeners bind (0.0.0.0: reachable from other hosts or pods)")  # fmt: skip
     p.add_argument("--admin-port", type=int, default=0, help="Envoy's admin port, loopback "
                    "only (default: a free port)")  # fmt: skip
+    p.add_argument("--stats-port", type=int, help="read-only Envoy stats (GET /stats, "
+                   "/stats/prometheus; nothing else of the admin) on --listen-host:PORT, for "
+                   "a control plane on another host that reads this caller's counters "
+                   "(caller_sidecars[].admin_url http://HOST:PORT)")  # fmt: skip
     p.add_argument("--delta", action="store_true", help="get config changes as deltas "
                    "rather than whole sets (incremental xDS)")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=1, help="Envoy worker threads")
@@ -192,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     from sidecar.bootstrap import ads_bootstrap
     from sidecar.lkg import LastKnownGood
     from sidecar.overload import with_overload_manager
+    from sidecar.stats_listener import with_stats_listener
     from sidecar.supervisor import Supervisor
 
     if args.service and not args.version:
@@ -257,6 +262,10 @@ def run(args: argparse.Namespace) -> int:
             admin_port=admin_port,
         )
         with_overload_manager(boot, max_heap_bytes=args.max_heap_mb * 2**20)
+        if args.stats_port is not None:
+            with_stats_listener(
+                boot, host=args.listen_host, port=args.stats_port, admin_port=admin_port
+            )
     except ValueError as e:
         print(f"meshlm sidecar: {e}", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ SCENARIOS: dict[str, str] = {
     "poison": "meshlm.demo.scenarios.poison",
     "stall": "meshlm.demo.scenarios.stall",
     "slo": "meshlm.demo.scenarios.slo",
+    "multi-host": "meshlm.demo.scenarios.multi_host",
 }
 
 

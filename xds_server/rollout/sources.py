@@ -1,9 +1,10 @@
 """Where rollouts read their measurements: only what the operator configured in the mesh file
 (`caller_sidecars[].admin_url`, `services.<s>.versions.<v>.metrics_urls`, the version's
-`endpoints` for the liveness probe). A sidecar's node metadata is never a source: it is the
-sidecar's own claim (on a plaintext mesh any local process can announce anything over ADS; with
-mTLS its workload identity is verified, but the URLs it names are still only its word). The mesh
-is read at every measurement, so `meshlm apply` changes are followed."""
+`endpoints` for the liveness probe) and the hosts that registered for the version (probed too).
+A sidecar's node metadata is never a source: it is the sidecar's own claim (on a plaintext mesh
+any local process can announce anything over ADS; with mTLS its workload identity is verified,
+but the URLs it names are still only its word). The mesh is read at every measurement, so
+`meshlm apply` changes are followed."""
 
 from __future__ import annotations
 
@@ -65,10 +66,13 @@ def runtime_metrics_urls(cp: MeshSource, service: str, version: str) -> list[str
 
 
 def endpoints(cp: MeshSource, service: str, version: str) -> list[str]:
+    """Where the version's liveness is probed: its endpoints in the mesh file, then the hosts
+    that registered for it (the control plane's own table, not a sidecar's announcement)."""
     try:
-        return [str(e) for e in _version(cp, service, version).endpoints]
+        ver = _version(cp, service, version)
     except MeasurementError:
         return []
+    return [str(e) for e in ver.endpoints] + [str(r.endpoint) for r in ver.registered]
 
 
 def mtls_probe(cp: MeshSource, service: str) -> MtlsProbe | None:
