@@ -1,0 +1,122 @@
+"""Fault injection as mesh policy (`faults:`), on a real caller Envoy fed by the control plane:
+Envoy's HTTP fault filter delays or aborts only the calls the fault names (service, version,
+header), with the fault's percentage; every change is ACK-gated like a weight change."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import grpc
+import pytest
+
+from tests.test_xds_support import Caller, eventually, sidecar, upstreams
+from xds_server.compose import build_server
+from xds_server.mesh import MeshError, parse_mesh
+
+MARK = "x-meshlm-fault-test"
+
+
+def _raw(ups: dict[str, Any], weights: dict[str, int], faults: dict | None = None) -> dict:
+    raw: dict = {
+        "services": {
+            "llm": {
+                "versions": {n: {"endpoints": [u.address]} for n, u in sorted(ups.items())},
+                "route": {"weights": weights},
+            }
+        }
+    }
+    if faults:
+        raw["faults"] = faults
+    return raw
+
+
+def _outcomes(caller: Caller, n: int, metadata: tuple = ()) -> Counter[str]:
+    seen: Counter[str] = Counter()
+    for _ in range(n):
+        try:
+            seen[caller.who(metadata, timeout=10)] += 1
+        except grpc.RpcError as e:
+            seen[e.code().name] += 1
+    return seen
+
+
+SERVICES = {"services": {"llm": {"versions": {"v1": {"endpoints": ["127.0.0.1:1"]}}}}}
+
+
+@pytest.mark.parametrize(
+    ("fault", "error"),
+    [
+        ({"service": "llm", "abort": {"grpc_status": 14, "percent": 101}}, r"abort.percent"),
+        ({"service": "llm", "abort": {"grpc_status": 14, "percent": 0}}, r"abort.percent"),
+        ({"service": "nope", "delay": {"fixed_delay": "1s"}}, r"faults.f.service: unknown"),
+        ({"service": "llm", "version": "v9", "delay": {"fixed_delay": "1s"}}, r"f.version"),
+        ({"service": "llm"}, r"faults.f: needs a delay or an abort"),
+        ({"service": "llm", "delay": {"fixed_delay": "soon"}}, r"delay.fixed_delay"),
+        ({"service": "llm", "delay": {"fixed_delay": "0s"}}, r"delay.fixed_delay"),
+        ({"service": "llm", "abort": {"http_status": 99}}, r"abort.http_status"),
+        ({"service": "llm", "abort": {"grpc_status": 17}}, r"abort.grpc_status"),
+        ({"service": "llm", "abort": {"grpc_status": 0}}, r"abort.grpc_status"),
+        ({"service": "llm", "abort": {}}, r"abort: exactly one of"),
+        ({"service": "llm", "abort": {"http_status": 503}, "when": 1}, r"faults.f.when"),
+        ({"service": "llm", "headers": {"X-A": "1"}, "abort": {"http_status": 503}}, r"headers"),
+    ],
+)
+def test_a_bad_fault_is_refused_naming_the_field(fault: dict, error: str) -> None:
+    with pytest.raises(MeshError, match=error):
+        parse_mesh({**SERVICES, "faults": {"f": fault}})
+
+
+def test_faults_on_a_real_envoy_touch_only_the_calls_they_name() -> None:
+    with upstreams("v1", "v2") as ups:
+        cp = build_server(parse_mesh(_raw(ups, {"v1": 50, "v2": 50})), debounce=0.02).start()
+        envoy, port = sidecar(cp, "faults-1")
+        try:
+            with envoy:
+                caller = Caller(port)
+                eventually(lambda: caller.who(), what="the outbound route")
+
+                def push(faults: dict | None) -> None:
+                    mesh = parse_mesh(_raw(ups, {"v1": 50, "v2": 50}, faults))
+                    assert cp.update_mesh(mesh, timeout=20).ok  # ACKed: Envoy took it
+
+                # Header-scoped delay: a marked call waits, an unmarked one is not delayed.
+                push(
+                    {
+                        "slow": {
+                            "service": "llm",
+                            "headers": {MARK: "1"},
+                            "delay": {"fixed_delay": "1s"},
+                        }
+                    }
+                )
+                t0 = time.monotonic()
+                assert caller.who(((MARK, "1"),)) in ("v1", "v2")
+                assert time.monotonic() - t0 >= 1.0
+                before = envoy.stats("fault")
+                assert _outcomes(caller, 10).keys() <= {"v1", "v2"}
+                after = envoy.stats("fault")
+                delays = [k for k in after if k.endswith("fault.delays_injected")]
+                assert delays and all(after[k] == before.get(k, 0) for k in delays), after
+
+                # gRPC-status abort of one version only: the other version's calls are served.
+                push({"v2-down": {"service": "llm", "version": "v2", "abort": {"grpc_status": 8}}})
+                seen = _outcomes(caller, 40)
+                assert set(seen) == {"v1", "RESOURCE_EXHAUSTED"}, seen
+
+                # HTTP-status abort, seen by the gRPC client as its gRPC mapping (403 -> 7).
+                push({"no": {"service": "llm", "abort": {"http_status": 403}}})
+                assert set(_outcomes(caller, 10)) == {"PERMISSION_DENIED"}
+
+                # A percentage, roughly honoured (50 % of 200: 0 or 200 failures has p ~ 2**-199).
+                push({"half": {"service": "llm", "abort": {"grpc_status": 14, "percent": 50}}})
+                seen = _outcomes(caller, 200)
+                assert 40 <= seen["UNAVAILABLE"] <= 160, seen
+
+                # Removed: every call is served again.
+                push(None)
+                assert _outcomes(caller, 20).keys() <= {"v1", "v2"}
+                caller.close()
+        finally:
+            cp.stop()
