@@ -4,6 +4,9 @@ header), with the fault's percentage; every change is ACK-gated like a weight ch
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections import Counter
 from typing import Any
@@ -12,6 +15,7 @@ import grpc
 import pytest
 
 from tests.test_xds_support import Caller, eventually, sidecar, upstreams
+from xds_server.admin.api import AdminServer
 from xds_server.compose import build_server
 from xds_server.mesh import MeshError, parse_mesh
 
@@ -119,4 +123,111 @@ def test_faults_on_a_real_envoy_touch_only_the_calls_they_name() -> None:
                 assert _outcomes(caller, 20).keys() <= {"v1", "v2"}
                 caller.close()
         finally:
+            cp.stop()
+
+
+TOKEN = "fault-test-token"
+
+
+def _meshlm(*argv: str, token: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MESHLM_ADMIN_TOKEN"}
+    if token:
+        env["MESHLM_ADMIN_TOKEN"] = TOKEN
+    return subprocess.run(
+        [sys.executable, "-m", "meshlm.cli", *argv],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_meshlm_fault_add_list_remove_and_expiry_on_a_real_envoy() -> None:
+    with upstreams("v1") as ups:
+        cp = build_server(parse_mesh(_raw(ups, {"v1": 100})), debounce=0.02).start()
+        admin = AdminServer(cp, token=TOKEN).start()
+        envoy, port = sidecar(cp, "faults-cli")
+        try:
+            with envoy:
+                caller = Caller(port)
+                eventually(lambda: caller.who(), what="the outbound route")
+                url = ("--admin", admin.url)
+
+                # The token guards it as every admin change.
+                r = _meshlm(
+                    "fault", "add", "x", "--service", "llm", "--abort-grpc", "14", *url, token=False
+                )
+                assert r.returncode != 0 and not cp.mesh.faults, r.stderr
+                # A bad spec is refused naming the field; nothing is pushed.
+                r = _meshlm(
+                    "fault",
+                    "add",
+                    "x",
+                    "--service",
+                    "llm",
+                    "--abort-grpc",
+                    "14",
+                    "--percent",
+                    "120",
+                    *url,
+                )
+                assert r.returncode == 1 and "faults.x.abort.percent" in r.stderr, r.stderr
+                r = _meshlm(
+                    "fault",
+                    "add",
+                    "x",
+                    "--service",
+                    "llm",
+                    "--version",
+                    "v7",
+                    "--delay",
+                    "1s",
+                    *url,
+                )
+                assert r.returncode == 1 and "faults.x.version" in r.stderr, r.stderr
+                r = _meshlm(
+                    "fault",
+                    "add",
+                    "x",
+                    "--service",
+                    "llm",
+                    "--delay",
+                    "1s",
+                    "--duration",
+                    "soon",
+                    *url,
+                )
+                assert r.returncode == 1 and "faults.x.duration" in r.stderr, r.stderr
+                assert not cp.mesh.faults
+
+                # Added: answered once the caller sidecar ACKed it; the call is aborted at once.
+                r = _meshlm("fault", "add", "down", "--service", "llm", "--abort-grpc", "14", *url)
+                assert r.returncode == 0 and "ACKed by faults-cli" in r.stdout, r.stderr
+                assert set(_outcomes(caller, 5)) == {"UNAVAILABLE"}
+                r = _meshlm("fault", "list", *url)
+                assert "down: llm: abort gRPC 14 (100%)" in r.stdout, r.stdout
+                r = _meshlm("fault", "remove", "down", *url)
+                assert r.returncode == 0 and "ACKed by faults-cli" in r.stdout, r.stderr
+                assert set(_outcomes(caller, 5)) == {"v1"}
+                assert "no faults" in _meshlm("fault", "list", *url).stdout
+
+                # With a duration, the control plane removes it (a new ACKed version) itself.
+                before = cp.mesh
+                r = _meshlm(
+                    "fault",
+                    "add",
+                    "brief",
+                    "--service",
+                    "llm",
+                    "--abort-http",
+                    "503",
+                    "--duration",
+                    "2s",
+                    *url,
+                )
+                assert r.returncode == 0, r.stderr
+                assert set(_outcomes(caller, 3)) == {"UNAVAILABLE"}
+                eventually(lambda: not cp.mesh.faults, timeout=20, what="the fault's expiry")
+                assert cp.mesh.faults == before.faults
+                eventually(lambda: caller.who() == "v1", what="the ACKed removal")
+                caller.close()
+        finally:
+            admin.stop()
             cp.stop()

@@ -48,6 +48,7 @@ from urllib.parse import parse_qs, urlsplit
 import yaml
 
 from mesh_common.http_server import BodyError, BoundedHandler, BoundedServer
+from xds_server.admin import faults
 from xds_server.admin import traffic as traffic_check
 from xds_server.admin.dashboard.service import Busy, Dashboard
 from xds_server.admin.metrics import ControlPlaneMetrics, Exposition
@@ -97,6 +98,8 @@ class AdminServer:
         # GET /isolation, POST /isolation/{service}/{class}/release|pin
         self.mounts.setdefault("/isolation", cp.isolation.handle)
         self.mounts.setdefault("/traffic", traffic_check.handle(cp))
+        self.mounts.setdefault(faults.PREFIX, faults.handle(cp))
+        self.fault_expiry = faults.FaultExpiry(cp)
         if cp.identity:  # GET /identity, POST /identity/tokens|rotate-root
             self.mounts.setdefault("/identity", cp.identity.handle)
         self.host = host
@@ -129,9 +132,11 @@ class AdminServer:
     def start(self) -> AdminServer:
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="admin", daemon=True)
         self._thread.start()
+        self.fault_expiry.start()
         return self
 
     def stop(self) -> None:
+        self.fault_expiry.stop()
         self.dashboard.close()  # ends the event streams, which no shutdown() waits for
         if self._thread is not None:  # shutdown() waits for a serve_forever() that never ran
             self.httpd.shutdown()

@@ -46,6 +46,8 @@ class Fault:
     header_value: str | None = None
     delay: FaultDelay | None = None
     abort: FaultAbort | None = None
+    # Wall-clock time (epoch seconds) the control plane removes it at; None: until removed.
+    expires_at: float | None = None
 
 
 def parse_faults(raw: Any, services: dict[str, Any]) -> dict[str, Fault]:
@@ -129,3 +131,35 @@ def _abort(raw: Any, path: str) -> FaultAbort:
     if grpc_ is not None:
         read_int(grpc_, f"{path}.grpc_status", *GRPC_STATUS_RANGE)
     return FaultAbort(http, grpc_, _percent(d, path))
+
+
+def with_fault(faults: dict[str, Fault], fault: Fault) -> dict[str, Fault]:
+    """`faults` with `fault` added or replaced (by name); MeshError when another fault already
+    holds its service (one fault per service: a virtual host carries one fault config)."""
+    for other in faults.values():
+        if other.name != fault.name and other.service == fault.service:
+            raise MeshError(
+                f"faults.{fault.name}.service: {fault.service} already has fault {other.name} "
+                "(one fault per service; remove it first)"
+            )
+    return {**faults, fault.name: fault}
+
+
+def fault_doc(fault: Fault) -> dict[str, Any]:
+    """A fault as the admin API lists it (the mesh file's field names)."""
+    doc: dict[str, Any] = {"name": fault.name, "service": fault.service}
+    if fault.version is not None:
+        doc["version"] = fault.version
+    if fault.header is not None:
+        doc["headers"] = {fault.header: fault.header_value}
+    if fault.delay is not None:
+        doc["delay"] = {
+            "fixed_delay": f"{fault.delay.fixed_delay:g}s",
+            "percent": fault.delay.percent,
+        }
+    if fault.abort is not None:
+        a = fault.abort
+        status = {"http_status": a.http_status} if a.http_status else {"grpc_status": a.grpc_status}
+        doc["abort"] = {**status, "percent": a.percent}
+    doc["expires_at"] = fault.expires_at
+    return doc
