@@ -203,6 +203,8 @@ def test_meshlm_fault_add_list_remove_and_expiry_on_a_real_envoy() -> None:
                 assert set(_outcomes(caller, 5)) == {"UNAVAILABLE"}
                 r = _meshlm("fault", "list", *url)
                 assert "down: llm: abort gRPC 14 (100%)" in r.stdout, r.stdout
+                r = _meshlm("status", *url)
+                assert "faults:\n  down: llm: abort gRPC 14 (100%)" in r.stdout, r.stdout
                 r = _meshlm("fault", "remove", "down", *url)
                 assert r.returncode == 0 and "ACKed by faults-cli" in r.stdout, r.stderr
                 assert set(_outcomes(caller, 5)) == {"v1"}
