@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.test_mesh_support import ACME_KEY, two_hops
 from tests.test_xds_support import Caller, eventually, sidecar, upstreams
 from xds_server.admin.api import AdminServer
 from xds_server.compose import build_server
@@ -233,3 +234,20 @@ def test_meshlm_fault_add_list_remove_and_expiry_on_a_real_envoy() -> None:
         finally:
             admin.stop()
             cp.stop()
+
+
+def test_a_delayed_call_without_a_key_is_still_refused_by_authz() -> None:
+    """The fault filter sits on the caller sidecar; authz (Wasm) on the runtime's: a delayed
+    call still passes authz after its delay, so a key-less one is refused (fails closed), and
+    an abort answers locally, reaching no runtime at all."""
+    slow = {"service": "llm", "headers": {MARK: "1"}, "delay": {"fixed_delay": "1s"}}
+    with two_hops(faults={"slow": slow}) as mesh:
+        eventually(lambda: mesh.call([("x-api-key", ACME_KEY)]), what="the route")
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            mesh.call([(MARK, "1")])
+        assert time.monotonic() - t0 >= 1.0  # delayed first, then refused
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value
+        t0 = time.monotonic()
+        assert mesh.call([("x-api-key", ACME_KEY), (MARK, "1")])  # keyed: delayed, served
+        assert time.monotonic() - t0 >= 1.0
