@@ -4,6 +4,7 @@ header), with the fault's percentage; every change is ACK-gated like a weight ch
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -251,3 +252,54 @@ def test_a_delayed_call_without_a_key_is_still_refused_by_authz() -> None:
         t0 = time.monotonic()
         assert mesh.call([("x-api-key", ACME_KEY), (MARK, "1")])  # keyed: delayed, served
         assert time.monotonic() - t0 >= 1.0
+
+
+def test_a_restarted_control_plane_keeps_live_faults_and_drops_ended_ones(tmp_path) -> None:
+    """A fault set over the admin API is saved with its end time; the next control plane on
+    the same state pushes it again (ACKed by the caller sidecar) unless it has ended."""
+    store = tmp_path / "faults.json"
+    with upstreams("v1") as ups:
+        mesh = parse_mesh(_raw(ups, {"v1": 100}))
+        cp = build_server(mesh, debounce=0.02).start()
+        admin = AdminServer(cp, token=TOKEN, faults_file=store).start()
+        try:
+            url = ("--admin", admin.url)
+            r = _meshlm("fault", "add", "kept", "--service", "llm", "--abort-grpc", "8", *url)
+            assert r.returncode == 0, r.stderr
+            r = _meshlm(
+                "fault",
+                "add",
+                "ended",
+                "--service",
+                "llm",
+                "--version",
+                "v1",
+                "--delay",
+                "1s",
+                "--duration",
+                "1s",
+                *url,
+            )
+            assert r.returncode == 1 and "one fault per service" in r.stderr, r.stderr
+        finally:
+            admin.stop()
+            cp.stop()
+        saved = json.loads(store.read_text())
+        assert [f["name"] for f in saved] == ["kept"]
+        ended = {**saved[0], "name": "ended", "expires_at": time.time() - 1}
+        store.write_text(json.dumps([saved[0], ended]))
+
+        cp = build_server(mesh, debounce=0.02).start()
+        admin = AdminServer(cp, token=TOKEN, faults_file=store).start()
+        envoy, port = sidecar(cp, "faults-restart")
+        try:
+            with envoy:
+                assert set(cp.mesh.faults) == {"kept"}
+                caller = Caller(port)
+                eventually(
+                    lambda: _outcomes(caller, 1) == {"RESOURCE_EXHAUSTED": 1}, what="the fault"
+                )
+                caller.close()
+        finally:
+            admin.stop()
+            cp.stop()

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -26,8 +28,14 @@ def _outcome(r: Any, noop: dict[str, Any]) -> tuple[int, Any]:
     return (200 if r.ok else (409 if r.errors else 504)), r.to_json()
 
 
-def handle(cp: Any, now: Any = time.time) -> Any:
-    """The mount for PREFIX on the admin API (behind its token)."""
+def handle(cp: Any, now: Any = time.time, file: FaultFile | None = None) -> Any:
+    """The mount for PREFIX on the admin API (behind its token); each change is saved to
+    `file` once staged."""
+
+    def saved(reply: tuple[int, Any]) -> tuple[int, Any]:
+        if file is not None:
+            file.save(cp.mesh.faults)
+        return reply
 
     def mount(method: str, target: str, body: bytes) -> tuple[int, Any]:
         url = urlsplit(target)
@@ -46,10 +54,10 @@ def handle(cp: Any, now: Any = time.time) -> Any:
         if method == "DELETE":
             if name not in cp.mesh.faults:
                 return 404, {"error": f"faults.{name}: no such fault"}
-            return _outcome(cp.remove_fault(name, timeout=timeout), {"removed": name})
+            return saved(_outcome(cp.remove_fault(name, timeout=timeout), {"removed": name}))
         try:
             fault = _fault(name, body, cp.mesh, now())
-            return _outcome(cp.set_fault(fault, timeout=timeout), fault_doc(fault))
+            return saved(_outcome(cp.set_fault(fault, timeout=timeout), fault_doc(fault)))
         except RecursionError:
             return 400, {"error": "bad request: JSON nested too deeply"}
         except ValueError as e:  # MeshError names the field; nothing was pushed
@@ -75,12 +83,63 @@ def _fault(name: str, body: bytes, mesh: Any, now: float) -> Fault:
     return Fault(**{**fault.__dict__, "expires_at": now + seconds})
 
 
+class FaultFile:
+    """The live faults kept across a restart of the control plane (JSON, the admin API's
+    listing); `expires_at` is wall-clock time, so one that ended while it was down stays gone."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.saved: dict[str, Fault] | None = None
+
+    def save(self, faults: dict[str, Fault]) -> None:
+        if faults == self.saved:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps([fault_doc(f) for f in faults.values()]))
+        os.replace(tmp, self.path)
+        self.saved = dict(faults)
+
+    def restore(self, cp: Any, now: float) -> list[str]:
+        """Stage the saved faults not yet ended; the names restored. One the mesh can no longer
+        take (its service or version is gone) is logged and dropped."""
+        try:
+            docs = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as e:  # the control plane still starts, without them
+            log.warning("%s: faults not restored: %s", self.path, e)
+            return []
+        restored = []
+        for doc in docs if isinstance(docs, list) else []:
+            doc = dict(doc)
+            name, expires_at = str(doc.pop("name", "")), doc.pop("expires_at", None)
+            if expires_at is not None and expires_at <= now:
+                continue
+            try:
+                fault = parse_fault(name, doc, cp.mesh.services, f"faults.{name}")
+                fault = Fault(**{**fault.__dict__, "expires_at": expires_at})
+                cp.set_fault(fault, timeout=0)
+            except ValueError as e:
+                log.warning("%s: fault %s not restored: %s", self.path, name, e)
+                continue
+            restored.append(name)
+        return restored
+
+
 class FaultExpiry:
     """Removes each fault whose `expires_at` has passed, every `interval` seconds (the control
-    plane's clock: a fault set with a duration ends even when no client is left)."""
+    plane's clock: a fault set with a duration ends even when no client is left), and keeps
+    `file` (if any) equal to the live faults."""
 
-    def __init__(self, cp: Any, interval: float = 0.5, now: Any = time.time) -> None:
-        self.cp, self.interval, self.now = cp, interval, now
+    def __init__(
+        self,
+        cp: Any,
+        interval: float = 0.5,
+        now: Any = time.time,
+        file: FaultFile | None = None,
+    ) -> None:
+        self.cp, self.interval, self.now, self.file = cp, interval, now, file
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fault-expiry", daemon=True)
 
@@ -106,3 +165,5 @@ class FaultExpiry:
             if fault.expires_at is not None and fault.expires_at <= now:
                 r = self.cp.remove_fault(fault.name, timeout=10.0, only=fault)
                 log.info("fault %s expired: removed (%s)", fault.name, r and r.version)
+        if self.file is not None:
+            self.file.save(self.cp.mesh.faults)
