@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 from urllib.parse import quote
 
@@ -104,5 +105,6 @@ def fault_line(f: dict[str, Any]) -> str:
         a = f["abort"]
         status = f"HTTP {a['http_status']}" if a.get("http_status") else f"gRPC {a['grpc_status']}"
         what.append(f"abort {status} ({a['percent']:g}%)")
-    until = f" until {f['expires_at']:.0f} (epoch)" if f.get("expires_at") else ""
+    end = f.get("expires_at")
+    until = f" until {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(end))}" if end else ""
     return f"{f['name']}: {scope}: {', '.join(what)}{until}"
