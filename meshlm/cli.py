@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "policy": ("meshlm.commands.policy", "compile or test the authz policy"),
     "sidecar": ("meshlm.commands.sidecar", "run one Envoy sidecar"),
     "rollout": ("meshlm.commands.rollout", "start or steer a canary rollout"),
+    "fault": ("meshlm.commands.fault", "inject delays or aborts into a service's calls"),
     "demo": ("meshlm.commands.demo", "run the local mesh demo"),
     "identity": ("meshlm.commands.identity", "join tokens and root rotation of the mesh CA"),
     "etcd": ("meshlm.commands.etcd", "run a local etcd for control-plane replicas (--store)"),

@@ -329,6 +329,8 @@ class Process:
                 status=self._status,
                 metrics=ControlPlaneMetrics(server, self._current),
                 dashboard=Dashboard(server, self._current),
+                # Replicas refuse admin faults (their store does not hold them yet).
+                faults_file=None if self.options.store else self.options.state / "faults.json",
             )
         except OSError as e:
             server.stop()

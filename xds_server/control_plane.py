@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from google.protobuf import json_format
 
 from xds_server import mesh as m
+from xds_server.mesh.faults import Fault, with_fault
 from xds_server.ratelimit import shares as membership
 from xds_server.registry.table import Registry
 from xds_server.slo.quarantine import Isolation
@@ -192,6 +193,31 @@ class ControlPlane:
             if live.services[service].slo_state == state:
                 return None
             return live.with_slo_state(service, state)
+
+        return self._change(edit, timeout)
+
+    def set_fault(self, fault: Fault, *, timeout: float = 10.0) -> ApplyResult | None:
+        """Add or replace a fault (by name); None when the live mesh holds it already."""
+
+        def edit(live: m.Mesh) -> m.Mesh | None:
+            if live.faults.get(fault.name) == fault:
+                return None
+            return dataclasses.replace(live, faults=with_fault(live.faults, fault))
+
+        return self._change(edit, timeout)
+
+    def remove_fault(
+        self, name: str, *, timeout: float = 10.0, only: Fault | None = None
+    ) -> ApplyResult | None:
+        """None when no fault of that name is live (or, with `only`, when the live one is not
+        `only`: an expiry never removes a fault that was replaced meanwhile)."""
+
+        def edit(live: m.Mesh) -> m.Mesh | None:
+            if name not in live.faults or (only is not None and live.faults[name] != only):
+                return None
+            return dataclasses.replace(
+                live, faults={k: f for k, f in live.faults.items() if k != name}
+            )
 
         return self._change(edit, timeout)
 

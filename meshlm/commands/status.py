@@ -11,6 +11,7 @@ from typing import Any
 
 from meshlm import status_csds
 from meshlm.admin_client import AdminClient, AdminError, add_admin_client_arguments
+from meshlm.commands.fault import fault_line
 from meshlm.logs import escape
 from meshlm.watch import add_watch_argument, watch
 
@@ -65,6 +66,9 @@ def show(admin: AdminClient, as_json: bool, cacert: str | None = None) -> int:
         isolation = _get(admin, "/isolation")
     with contextlib.suppress(AdminError):
         slo = _get(admin, "/slo")
+    faults: list = []
+    with contextlib.suppress(AdminError):
+        faults = _get(admin, "/v1/faults").get("faults") or []
     if replica := render_replica(admin, cacert):
         print(replica)
     print(render(doc))
@@ -78,6 +82,8 @@ def show(admin: AdminClient, as_json: bool, cacert: str | None = None) -> int:
         print("\n" + render_isolation(isolation))
     if slo:
         print("\n" + render_slo(slo))
+    if faults:
+        print("\nfaults:\n" + "\n".join(f"  {fault_line(f)}" for f in faults))
     return 0
 
 

@@ -40,6 +40,7 @@ import hmac
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from urllib.parse import parse_qs, urlsplit
 import yaml
 
 from mesh_common.http_server import BodyError, BoundedHandler, BoundedServer
+from xds_server.admin import faults
 from xds_server.admin import traffic as traffic_check
 from xds_server.admin.dashboard.service import Busy, Dashboard
 from xds_server.admin.metrics import ControlPlaneMetrics, Exposition
@@ -81,6 +83,7 @@ class AdminServer:
         status: Callable[[], dict[str, Any]] | None = None,
         metrics: ControlPlaneMetrics | None = None,
         dashboard: Dashboard | None = None,
+        faults_file: str | Path | None = None,
     ) -> None:
         """`mounts`: more APIs by path prefix (rollouts, the SLO loop). `status()`: the reply to
         GET / (which replica this is and which leads). `metrics` and `dashboard` read the
@@ -97,6 +100,10 @@ class AdminServer:
         # GET /isolation, POST /isolation/{service}/{class}/release|pin
         self.mounts.setdefault("/isolation", cp.isolation.handle)
         self.mounts.setdefault("/traffic", traffic_check.handle(cp))
+        # `faults_file`: the faults set here, kept across a restart (restored at start()).
+        self.faults_file = faults.FaultFile(faults_file) if faults_file else None
+        self.mounts.setdefault(faults.PREFIX, faults.handle(cp, file=self.faults_file))
+        self.fault_expiry = faults.FaultExpiry(cp, file=self.faults_file)
         if cp.identity:  # GET /identity, POST /identity/tokens|rotate-root
             self.mounts.setdefault("/identity", cp.identity.handle)
         self.host = host
@@ -127,11 +134,17 @@ class AdminServer:
         return None
 
     def start(self) -> AdminServer:
+        if self.faults_file is not None:
+            restored = self.faults_file.restore(self.cp, time.time())
+            if restored:
+                log.info("faults restored: %s", ", ".join(restored))
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="admin", daemon=True)
         self._thread.start()
+        self.fault_expiry.start()
         return self
 
     def stop(self) -> None:
+        self.fault_expiry.stop()
         self.dashboard.close()  # ends the event streams, which no shutdown() waits for
         if self._thread is not None:  # shutdown() waits for a serve_forever() that never ran
             self.httpd.shutdown()

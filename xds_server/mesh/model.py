@@ -419,6 +419,8 @@ class Mesh:
     # Where a caller sidecar sends an OpenAI call (/v1/) whose Host names no service; None: the
     # only service when there is one (`openai_default`).
     default_service: str | None = None
+    # The `faults:` block (xds_server/mesh/faults.py), by name.
+    faults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def openai_default(self) -> str | None:

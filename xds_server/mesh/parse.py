@@ -12,6 +12,7 @@ from typing import Any
 
 from mesh_common.headers import CANARY_HEADER
 from xds_server.mesh.callers import check_callers, parse_callers
+from xds_server.mesh.faults import parse_faults
 from xds_server.mesh.fields import (
     MeshError,
     check_name,
@@ -81,6 +82,7 @@ def parse_mesh(raw: Any) -> Mesh:
             "caller_sidecars",
             "identity",
             "default_service",
+            "faults",
         },
     )
     services_raw = read_mapping(top.get("services"), "services")
@@ -115,6 +117,7 @@ def parse_mesh(raw: Any) -> Mesh:
         caller_sidecars=_caller_sidecars(top.get("caller_sidecars")),
         identity=identity,
         default_service=_default_service(top.get("default_service"), services),
+        faults=parse_faults(top.get("faults"), services),
     )
 
 

@@ -17,6 +17,7 @@ from xds_server.resources import (
     access_log,
     clusters,
     endpoints,
+    faults,
     listeners,
     names,
     ratelimit,
@@ -80,7 +81,9 @@ def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) 
             mesh.access_log, names.OUTBOUND_LISTENER, inbound=False, tenant=False
         )
         + ([access_log.outcome_log()] if any(s.isolation for s in mesh.services.values()) else []),
-        authz_filters=_classify_filters(),
+        # The fault filter after the class filter: a faulted call is still classified; authz
+        # runs on the inbound sidecar, so no fault can let a call past it.
+        authz_filters=[*_classify_filters(), faults.fault_filter()],
         # The class is the filter's alone; stripped first, so a failed VM can't pass a spoof.
         strip_request_headers=(headers.CLASS_HEADER,),
     )

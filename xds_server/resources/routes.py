@@ -14,7 +14,7 @@ from google.protobuf.message import Message
 from mesh_common import headers
 from schemas import codec
 from xds_server import mesh as m
-from xds_server.resources import listeners, names, rbac
+from xds_server.resources import faults, listeners, names, rbac
 from xds_server.resources.common import duration, pack, u32
 
 QUARANTINED_MESSAGE = "request class quarantined: it broke runtimes (no isolation pool)"
@@ -58,10 +58,16 @@ def outbound_route_config(mesh: m.Mesh) -> route_pb2.RouteConfiguration:
     return route_pb2.RouteConfiguration(
         name=names.OUTBOUND_ROUTE,
         virtual_hosts=[
-            *(_vhost(s, _service_routes(mesh, s)) for s in mesh.services.values()),
+            *(_faulted(mesh, _vhost(s, _service_routes(mesh, s))) for s in mesh.services.values()),
             _unmatched_vhost(mesh),
         ],
     )
+
+
+def _faulted(mesh: m.Mesh, vhost: rc.VirtualHost) -> rc.VirtualHost:
+    """The service's mesh fault, if any, on its virtual host (only its own callers' calls)."""
+    faults.apply(vhost, next((f for f in mesh.faults.values() if f.service == vhost.name), None))
+    return vhost
 
 
 def _unmatched_vhost(mesh: m.Mesh) -> rc.VirtualHost:

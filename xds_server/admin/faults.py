@@ -1,0 +1,169 @@
+"""The admin API's faults (`meshlm fault`): GET /v1/faults lists them, POST /v1/faults/NAME
+adds or replaces one (the mesh file's fields, plus `duration`), DELETE /v1/faults/NAME removes
+it; each change answers once the affected caller sidecars ACKed it. `FaultExpiry` removes a
+fault when its duration ends, so no fault outlives the CLI that set it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from xds_server.mesh.faults import Fault, fault_doc, parse_fault
+from xds_server.mesh.fields import MeshError, check_name, parse_duration
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/v1/faults"
+
+
+def _outcome(r: Any, noop: dict[str, Any]) -> tuple[int, Any]:
+    if r is None:
+        return 200, {**noop, "changed": False}
+    return (200 if r.ok else (409 if r.errors else 504)), r.to_json()
+
+
+def handle(cp: Any, now: Any = time.time, file: FaultFile | None = None) -> Any:
+    """The mount for PREFIX on the admin API (behind its token); each change is saved to
+    `file` once staged."""
+
+    def saved(reply: tuple[int, Any]) -> tuple[int, Any]:
+        if file is not None:
+            file.save(cp.mesh.faults)
+        return reply
+
+    def mount(method: str, target: str, body: bytes) -> tuple[int, Any]:
+        url = urlsplit(target)
+        parts = [unquote(p) for p in url.path.split("/") if p][2:]
+        try:
+            timeout = float(parse_qs(url.query).get("timeout", ["10"])[0])
+        except ValueError:
+            return 400, {"error": "timeout: expected seconds"}
+        if method == "GET" and not parts:
+            return 200, {"faults": [fault_doc(f) for f in cp.mesh.faults.values()]}
+        if len(parts) != 1 or method not in ("POST", "DELETE"):
+            return 404, {"error": f"no such endpoint: {method} {url.path}"}
+        if cp.replication is not None:
+            return 501, {"error": "faults over the admin API need a control plane without a store"}
+        name = parts[0]
+        if method == "DELETE":
+            if name not in cp.mesh.faults:
+                return 404, {"error": f"faults.{name}: no such fault"}
+            return saved(_outcome(cp.remove_fault(name, timeout=timeout), {"removed": name}))
+        try:
+            fault = _fault(name, body, cp.mesh, now())
+            return saved(_outcome(cp.set_fault(fault, timeout=timeout), fault_doc(fault)))
+        except RecursionError:
+            return 400, {"error": "bad request: JSON nested too deeply"}
+        except ValueError as e:  # MeshError names the field; nothing was pushed
+            return 400, {"error": str(e)}
+
+    return mount
+
+
+def _fault(name: str, body: bytes, mesh: Any, now: float) -> Fault:
+    path = f"faults.{name}"
+    check_name(name, path)
+    doc = json.loads(body or b"{}")
+    if not isinstance(doc, dict):
+        raise MeshError(f"{path}: expected a JSON object")
+    doc = dict(doc)
+    duration = doc.pop("duration", None)
+    fault = parse_fault(name, doc, mesh.services, path)
+    if duration is None:
+        return fault
+    seconds = parse_duration(duration, f"{path}.duration")
+    if seconds <= 0:
+        raise MeshError(f"{path}.duration: must be greater than 0")
+    return Fault(**{**fault.__dict__, "expires_at": now + seconds})
+
+
+class FaultFile:
+    """The live faults kept across a restart of the control plane (JSON, the admin API's
+    listing); `expires_at` is wall-clock time, so one that ended while it was down stays gone."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.saved: dict[str, Fault] | None = None
+
+    def save(self, faults: dict[str, Fault]) -> None:
+        if faults == self.saved:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps([fault_doc(f) for f in faults.values()]))
+        os.replace(tmp, self.path)
+        self.saved = dict(faults)
+
+    def restore(self, cp: Any, now: float) -> list[str]:
+        """Stage the saved faults not yet ended; the names restored. One the mesh can no longer
+        take (its service or version is gone) is logged and dropped."""
+        try:
+            docs = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as e:  # the control plane still starts, without them
+            log.warning("%s: faults not restored: %s", self.path, e)
+            return []
+        restored = []
+        for doc in docs if isinstance(docs, list) else []:
+            doc = dict(doc)
+            name, expires_at = str(doc.pop("name", "")), doc.pop("expires_at", None)
+            if expires_at is not None and expires_at <= now:
+                continue
+            try:
+                fault = parse_fault(name, doc, cp.mesh.services, f"faults.{name}")
+                fault = Fault(**{**fault.__dict__, "expires_at": expires_at})
+                cp.set_fault(fault, timeout=0)
+            except ValueError as e:
+                log.warning("%s: fault %s not restored: %s", self.path, name, e)
+                continue
+            restored.append(name)
+        return restored
+
+
+class FaultExpiry:
+    """Removes each fault whose `expires_at` has passed, every `interval` seconds (the control
+    plane's clock: a fault set with a duration ends even when no client is left), and keeps
+    `file` (if any) equal to the live faults."""
+
+    def __init__(
+        self,
+        cp: Any,
+        interval: float = 0.5,
+        now: Any = time.time,
+        file: FaultFile | None = None,
+    ) -> None:
+        self.cp, self.interval, self.now, self.file = cp, interval, now, file
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fault-expiry", daemon=True)
+
+    def start(self) -> FaultExpiry:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=15)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.expire()
+            except Exception:  # keep expiring the others on the next tick
+                log.exception("fault expiry failed")
+
+    def expire(self) -> None:
+        now = self.now()
+        for fault in list(self.cp.mesh.faults.values()):
+            if fault.expires_at is not None and fault.expires_at <= now:
+                r = self.cp.remove_fault(fault.name, timeout=10.0, only=fault)
+                log.info("fault %s expired: removed (%s)", fault.name, r and r.version)
+        if self.file is not None:
+            self.file.save(self.cp.mesh.faults)

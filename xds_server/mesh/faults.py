@@ -1,0 +1,165 @@
+"""The mesh file's `faults:` block: delays and aborts the caller sidecars inject into the calls
+a policy names (a service, optionally one version and a request header), as Envoy's HTTP fault
+filter (envoy.filters.http.fault) does them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from xds_server.mesh.fields import (
+    MeshError,
+    check_name,
+    only_known,
+    parse_duration,
+    read_int,
+    read_mapping,
+)
+
+# google.rpc.Code: OK (0) is no abort.
+GRPC_STATUS_RANGE = (1, 16)
+HTTP_STATUS_RANGE = (200, 599)
+
+
+@dataclass(frozen=True)
+class FaultDelay:
+    fixed_delay: float  # seconds
+    percent: float = 100.0
+
+
+@dataclass(frozen=True)
+class FaultAbort:
+    http_status: int | None = None
+    grpc_status: int | None = None
+    percent: float = 100.0
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One named fault: the calls to `service` (only those bound to `version`, and only those
+    carrying `header` = `header_value` where set) get `delay` and/or `abort`."""
+
+    name: str
+    service: str
+    version: str | None = None
+    header: str | None = None
+    header_value: str | None = None
+    delay: FaultDelay | None = None
+    abort: FaultAbort | None = None
+    # Wall-clock time (epoch seconds) the control plane removes it at; None: until removed.
+    expires_at: float | None = None
+
+
+def parse_faults(raw: Any, services: dict[str, Any]) -> dict[str, Fault]:
+    """`faults:` -> {name: Fault}; MeshError names the bad field."""
+    out: dict[str, Fault] = {}
+    by_service: dict[str, str] = {}
+    for name, spec in read_mapping(raw, "faults").items():
+        path = f"faults.{name}"
+        check_name(name, path)
+        fault = parse_fault(name, spec, services, path)
+        if fault.service in by_service:
+            raise MeshError(
+                f"{path}.service: {fault.service} already has fault {by_service[fault.service]} "
+                "(one fault per service)"
+            )
+        by_service[fault.service] = name
+        out[name] = fault
+    return out
+
+
+def parse_fault(name: str, raw: Any, services: dict[str, Any], path: str) -> Fault:
+    d = read_mapping(raw, path)
+    only_known(d, path, {"service", "version", "headers", "delay", "abort"})
+    service = d.get("service")
+    if not isinstance(service, str) or service not in services:
+        raise MeshError(
+            f"{path}.service: unknown service {service!r} (known: {', '.join(services)})"
+        )
+    version = d.get("version")
+    if version is not None and (
+        not isinstance(version, str) or version not in services[service].versions
+    ):
+        known = ", ".join(services[service].versions)
+        raise MeshError(f"{path}.version: unknown version {version!r} of {service} ({known})")
+    header, value = _header(d.get("headers"), f"{path}.headers")
+    delay = _delay(d["delay"], f"{path}.delay") if d.get("delay") is not None else None
+    abort = _abort(d["abort"], f"{path}.abort") if d.get("abort") is not None else None
+    if delay is None and abort is None:
+        raise MeshError(f"{path}: needs a delay or an abort (or both)")
+    return Fault(name, service, version, header, value, delay, abort)
+
+
+def _header(raw: Any, path: str) -> tuple[str | None, str | None]:
+    d = read_mapping(raw, path)
+    if not d:
+        return None, None
+    if len(d) != 1:
+        raise MeshError(f"{path}: one header name: value, got {len(d)}")
+    ((key, value),) = d.items()
+    if not key or key != key.lower() or key.startswith(":") or not isinstance(value, str):
+        raise MeshError(f"{path}.{key}: expected a lower-case header name and a string value")
+    return key, value
+
+
+def _percent(d: dict, path: str) -> float:
+    v = d.get("percent", 100)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 100:
+        raise MeshError(f"{path}.percent: expected a number in (0, 100], got {v!r}")
+    return float(v)
+
+
+def _delay(raw: Any, path: str) -> FaultDelay:
+    d = read_mapping(raw, path)
+    only_known(d, path, {"fixed_delay", "percent"})
+    if d.get("fixed_delay") is None:
+        raise MeshError(f"{path}.fixed_delay: required (a duration like 500ms)")
+    fixed = parse_duration(d["fixed_delay"], f"{path}.fixed_delay")
+    if fixed <= 0:
+        raise MeshError(f"{path}.fixed_delay: must be greater than 0")
+    return FaultDelay(fixed, _percent(d, path))
+
+
+def _abort(raw: Any, path: str) -> FaultAbort:
+    d = read_mapping(raw, path)
+    only_known(d, path, {"http_status", "grpc_status", "percent"})
+    http, grpc_ = d.get("http_status"), d.get("grpc_status")
+    if (http is None) == (grpc_ is None):
+        raise MeshError(f"{path}: exactly one of http_status, grpc_status")
+    if http is not None:
+        read_int(http, f"{path}.http_status", *HTTP_STATUS_RANGE)
+    if grpc_ is not None:
+        read_int(grpc_, f"{path}.grpc_status", *GRPC_STATUS_RANGE)
+    return FaultAbort(http, grpc_, _percent(d, path))
+
+
+def with_fault(faults: dict[str, Fault], fault: Fault) -> dict[str, Fault]:
+    """`faults` with `fault` added or replaced (by name); MeshError when another fault already
+    holds its service (one fault per service: a virtual host carries one fault config)."""
+    for other in faults.values():
+        if other.name != fault.name and other.service == fault.service:
+            raise MeshError(
+                f"faults.{fault.name}.service: {fault.service} already has fault {other.name} "
+                "(one fault per service; remove it first)"
+            )
+    return {**faults, fault.name: fault}
+
+
+def fault_doc(fault: Fault) -> dict[str, Any]:
+    """A fault as the admin API lists it (the mesh file's field names)."""
+    doc: dict[str, Any] = {"name": fault.name, "service": fault.service}
+    if fault.version is not None:
+        doc["version"] = fault.version
+    if fault.header is not None:
+        doc["headers"] = {fault.header: fault.header_value}
+    if fault.delay is not None:
+        doc["delay"] = {
+            "fixed_delay": f"{fault.delay.fixed_delay:g}s",
+            "percent": fault.delay.percent,
+        }
+    if fault.abort is not None:
+        a = fault.abort
+        status = {"http_status": a.http_status} if a.http_status else {"grpc_status": a.grpc_status}
+        doc["abort"] = {**status, "percent": a.percent}
+    doc["expires_at"] = fault.expires_at
+    return doc
