@@ -80,7 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--local-endpoint): ADDRESS:PORT is where callers reach the inbound listener "
                    "(its port is --inbound-port); health changes follow, and SIGTERM deregisters "
                    "before draining")  # fmt: skip
-    r.add_argument("--zone", help="with --register: the zone (locality) of this host")
+    r.add_argument(
+        "--zone",
+        help="the zone (locality) of this host: registered with --register; orders the "
+        "zones this sidecar calls (a service's locality.failover)",
+    )
     r.add_argument("--weight", type=int, help="with --register: this host's load-balancing "
                    "weight, 1..128")  # fmt: skip
     i = p.add_argument_group("workload identity: mTLS certificates from the mesh CA")
@@ -100,8 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _registration_problem(args: argparse.Namespace) -> str | None:
     if args.register is None:
-        if args.zone is not None or args.weight is not None:
-            return "--zone and --weight need --register"
+        if args.weight is not None:
+            return "--weight needs --register"
         return None
     if not args.service or args.inbound_port is None:
         return "--register needs --service, --version and --inbound-port (the host it registers)"
@@ -241,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
             listen_host=args.listen_host,
             api_type="DELTA_GRPC" if args.delta else "GRPC",
             admin_port=admin_port,
+            zone=args.zone,
         )
         with_overload_manager(boot, max_heap_bytes=args.max_heap_mb * 2**20)
     except ValueError as e:

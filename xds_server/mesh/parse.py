@@ -27,6 +27,7 @@ from xds_server.mesh.fields import (
     read_url,
 )
 from xds_server.mesh.identity import SERVICE_ACCOUNT, parse_identity
+from xds_server.mesh.locality import parse_locality
 from xds_server.mesh.model import (
     ACCESS_LOG_CALLS,
     AUTHZ_MODES,
@@ -274,6 +275,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
             "isolation",
             "service_account",
             "callers",
+            "locality",
         },
     )
     vraw = read_mapping(d.get("versions"), f"{path}.versions")
@@ -296,6 +298,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
         connect_timeout=read_positive(d.get("connect_timeout", "1s"), f"{path}.connect_timeout"),
         service_account=_service_account(d.get("service_account"), name, path),
         callers=parse_callers(d.get("callers"), f"{path}.callers"),
+        locality=read_optional(d, "locality", path, parse_locality),
     )
 
 
