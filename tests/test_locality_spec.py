@@ -112,3 +112,44 @@ def test_a_callers_zone_comes_from_node_locality_and_is_checked() -> None:
     assert NodeInfo.from_node(node("")).zone is None
     with pytest.raises(ValueError, match=r"node\.locality\.zone"):
         NodeInfo.from_node(node("a/b"))
+
+
+def test_static_endpoints_carry_their_zone_into_the_callers_priorities() -> None:
+    mesh = parse_mesh(
+        {
+            "services": {
+                "llm": {
+                    "versions": {
+                        "v1": {
+                            "endpoints": [
+                                {"address": "10.0.0.1:7000", "zone": "zone-b"},
+                                {"address": "10.0.0.2:7000", "zone": "zone-a"},
+                                "10.0.0.3:7000",
+                            ]
+                        }
+                    },
+                    "route": {"weights": {"v1": 100}},
+                    "locality": {"failover": ["zone-b"]},
+                }
+            }
+        }
+    )
+    assert mesh.services["llm"].versions["v1"].endpoints[0] == Endpoint("10.0.0.1", 7000)
+    assert _eds(mesh, "zone-a") == {"v1": {"zone-a": 0, "zone-b": 1, "": 2}}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "field"),
+    [
+        ({"address": "10.0.0.1:7000", "zone": 3}, "endpoints[0].zone: expected a zone name"),
+        ({"address": "10.0.0.1:7000", "zone": "a b"}, "endpoints[0].zone: invalid name"),
+        ({"zone": "zone-a"}, "endpoints[0].address: expected host:port"),
+        ({"address": "10.0.0.1:7000", "region": "r"}, "endpoints[0].region: unknown field"),
+    ],
+)
+def test_bad_zoned_endpoint_is_refused_naming_the_field(endpoint: Any, field: str) -> None:
+    doc = {"services": {"llm": {"versions": {"v1": {"endpoints": [endpoint]}}}}}
+    doc["services"]["llm"]["route"] = {"weights": {"v1": 100}}
+    with pytest.raises(MeshError) as e:
+        parse_mesh(doc)
+    assert str(e.value).startswith(f"services.llm.versions.v1.{field}"), str(e.value)

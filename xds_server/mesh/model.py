@@ -61,6 +61,8 @@ LOAD_BALANCING = ("least_loaded", "round_robin", "ring_hash")
 class Endpoint:
     host: str
     port: int
+    # The mesh file's `{address, zone}` form; not part of the host's identity (equality, hash).
+    zone: str | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"

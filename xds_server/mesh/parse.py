@@ -46,7 +46,6 @@ from xds_server.mesh.model import (
     Service,
     Version,
     check_weights,
-    parse_endpoint,
 )
 from xds_server.mesh.registration import parse_registration
 from xds_server.mesh.resilience import (
@@ -59,6 +58,7 @@ from xds_server.mesh.resilience import (
     parse_stall,
 )
 from xds_server.mesh.rollout_spec import RolloutSpecError, parse_rollout
+from xds_server.mesh.zoned_endpoint import parse_zoned_endpoint
 
 
 def load_mesh(path: str | Path) -> Mesh:
@@ -320,7 +320,7 @@ def _version(name: str, raw: Any, path: str) -> Version:
     eps = d.get("endpoints", [])
     if not isinstance(eps, list):
         raise MeshError(f"{path}.endpoints: expected a list of host:port")
-    endpoints = tuple(parse_endpoint(e, f"{path}.endpoints[{i}]") for i, e in enumerate(eps))
+    endpoints = tuple(parse_zoned_endpoint(e, f"{path}.endpoints[{i}]") for i, e in enumerate(eps))
     if len(set(endpoints)) != len(endpoints):
         raise MeshError(f"{path}.endpoints: duplicate endpoint")
     urls = d.get("metrics_urls", [])

@@ -25,19 +25,18 @@ def load_assignment(
     caller_zone: str | None = None,
     locality: Locality | None = None,
 ) -> endpoint_pb2.ClusterLoadAssignment:
-    """The mesh file's `endpoints` (health unknown: Envoy's own checks decide), then the
-    registered hosts by zone (a locality each), with the health their sidecars report. With a
+    """The mesh file's `endpoints` (health unknown: Envoy's own checks decide) and the
+    registered hosts, by zone (a locality each), with the health their sidecars report. With a
     service `locality` and a caller in a zone, each zone gets the priority it has for that
     caller (own zone 0, then failover order): Envoy keeps calls at priority 0 while it is
     healthy enough (overprovisioning factor 1.4: below about 72 % healthy hosts the surplus
     spills to the next priority) and moves them back as its hosts recover."""
     static = list(endpoints)
-    by_zone: dict[str, list[ec.LbEndpoint]] = {
-        "": [
+    by_zone: dict[str, list[ec.LbEndpoint]] = {"": []}
+    for e in static:
+        by_zone.setdefault(e.zone or "", []).append(
             ec.LbEndpoint(endpoint=ec.Endpoint(address=socket_address(e.host, e.port)))
-            for e in static
-        ]
-    }
+        )
     for r in registered:
         if r.endpoint in static:  # the file names it too: one host, listed once
             continue
