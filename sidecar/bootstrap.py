@@ -34,6 +34,7 @@ def ads_bootstrap(
     api_type: str = "GRPC",
     admin_port: int = 0,
     cluster: str = "meshlm",
+    zone: str | None = None,
 ) -> dict[str, Any]:
     """A bootstrap dict for `sidecar.envoy_process.EnvoyProcess`.
 
@@ -44,7 +45,8 @@ def ads_bootstrap(
     list every control-plane replica: the xds cluster then has one endpoint each,
     and when the stream's replica dies Envoy's reconnect goes to one that answers.
     `listen_host`: the IP address the sidecar's listeners bind (default 127.0.0.1; a pod's
-    sidecar that other pods call binds 0.0.0.0).
+    sidecar that other pods call binds 0.0.0.0). `zone`: the node's locality zone, which
+    orders the zones of its callee clusters (a service's `locality`).
     """
     if api_type not in ("GRPC", "DELTA_GRPC"):
         raise ValueError(f"api_type: expected GRPC or DELTA_GRPC, got {api_type!r}")
@@ -66,8 +68,11 @@ def ads_bootstrap(
     if not addresses:
         raise ValueError("xds_address: at least one control plane HOST:PORT")
     ads = {"ads": {}, "resource_api_version": "V3"}
+    node: dict[str, Any] = {"id": node_id, "cluster": cluster, "metadata": metadata}
+    if zone:
+        node["locality"] = {"zone": zone}
     return {
-        "node": {"id": node_id, "cluster": cluster, "metadata": metadata},
+        "node": node,
         "admin": {
             "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}
         },

@@ -121,7 +121,7 @@ def test_registration_over_mtls_is_believed_for_its_own_service_only() -> None:
     ("flags", "message"),
     [
         ("--register 127.0.0.1:7001", "--register needs --service, --version and --inbound-port"),
-        ("--zone a", "--zone and --weight need --register"),
+        ("--weight 2", "--weight needs --register"),
         (
             "--service llm --version v1 --inbound-port 7001 --local-endpoint 127.0.0.1:1 "
             "--register 127.0.0.1:7002",

@@ -84,7 +84,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--local-endpoint): ADDRESS:PORT is where callers reach the inbound listener "
                    "(its port is --inbound-port); health changes follow, and SIGTERM deregisters "
                    "before draining")  # fmt: skip
-    r.add_argument("--zone", help="with --register: the zone (locality) of this host")
+    r.add_argument(
+        "--zone",
+        help="the zone (locality) of this host: registered with --register; orders the "
+        "zones this sidecar calls (a service's locality.failover)",
+    )
     r.add_argument("--weight", type=int, help="with --register: this host's load-balancing "
                    "weight, 1..128")  # fmt: skip
     r.add_argument("--deregister-port", type=int, metavar="PORT", help="with --register: a "
@@ -109,8 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _registration_problem(args: argparse.Namespace) -> str | None:
     if args.register is None:
-        if args.zone is not None or args.weight is not None:
-            return "--zone and --weight need --register"
+        if args.weight is not None:
+            return "--weight needs --register"
         if args.deregister_port is not None:
             return "--deregister-port needs --register (the registration it ends)"
         return None
@@ -260,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
             listen_host=args.listen_host,
             api_type="DELTA_GRPC" if args.delta else "GRPC",
             admin_port=admin_port,
+            zone=args.zone,
         )
         with_overload_manager(boot, max_heap_bytes=args.max_heap_mb * 2**20)
         if args.stats_port is not None:

@@ -15,6 +15,7 @@ from xds_server.mesh.fields import (
     MeshError,
     read_port,
 )
+from xds_server.mesh.locality import Locality
 
 # x-meshlm-class: a hash of the request, never its text.
 CLASS_KEY = re.compile(r"^[0-9a-f]{16}\Z")
@@ -60,6 +61,8 @@ LOAD_BALANCING = ("least_loaded", "round_robin", "ring_hash")
 class Endpoint:
     host: str
     port: int
+    # The mesh file's `{address, zone}` form; not part of the host's identity (equality, hash).
+    zone: str | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
@@ -295,6 +298,8 @@ class Service:
     # Its live inbound sidecars, counted from ADS by the control plane (0: none known); each
     # enforces 1/N of a tenant's rate_limit (`rate_limits.mode: local`).
     inbound_sidecars: int = 0
+    # Zone preference and failover order for its callers; None: every zone alike.
+    locality: Locality | None = None
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from xds_server.mesh.fields import (
     read_url,
 )
 from xds_server.mesh.identity import SERVICE_ACCOUNT, parse_identity
+from xds_server.mesh.locality import parse_locality
 from xds_server.mesh.model import (
     ACCESS_LOG_CALLS,
     AUTHZ_MODES,
@@ -46,7 +47,6 @@ from xds_server.mesh.model import (
     Service,
     Version,
     check_weights,
-    parse_endpoint,
 )
 from xds_server.mesh.registration import parse_registration
 from xds_server.mesh.resilience import (
@@ -59,6 +59,7 @@ from xds_server.mesh.resilience import (
     parse_stall,
 )
 from xds_server.mesh.rollout_spec import RolloutSpecError, parse_rollout
+from xds_server.mesh.zoned_endpoint import parse_zoned_endpoint
 
 
 def load_mesh(path: str | Path) -> Mesh:
@@ -277,6 +278,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
             "isolation",
             "service_account",
             "callers",
+            "locality",
         },
     )
     vraw = read_mapping(d.get("versions"), f"{path}.versions")
@@ -299,6 +301,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
         connect_timeout=read_positive(d.get("connect_timeout", "1s"), f"{path}.connect_timeout"),
         service_account=_service_account(d.get("service_account"), name, path),
         callers=parse_callers(d.get("callers"), f"{path}.callers"),
+        locality=read_optional(d, "locality", path, parse_locality),
     )
 
 
@@ -320,7 +323,7 @@ def _version(name: str, raw: Any, path: str) -> Version:
     eps = d.get("endpoints", [])
     if not isinstance(eps, list):
         raise MeshError(f"{path}.endpoints: expected a list of host:port")
-    endpoints = tuple(parse_endpoint(e, f"{path}.endpoints[{i}]") for i, e in enumerate(eps))
+    endpoints = tuple(parse_zoned_endpoint(e, f"{path}.endpoints[{i}]") for i, e in enumerate(eps))
     if len(set(endpoints)) != len(endpoints):
         raise MeshError(f"{path}.endpoints: duplicate endpoint")
     urls = d.get("metrics_urls", [])

@@ -56,7 +56,13 @@ def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) 
                 caller_side=True,
                 transport_socket=tls.caller_transport_socket(mesh, svc),
             )
-            out[t.ENDPOINT][name] = endpoints.load_assignment(name, ver.endpoints, ver.registered)
+            out[t.ENDPOINT][name] = endpoints.load_assignment(
+                name,
+                ver.endpoints,
+                ver.registered,
+                caller_zone=node.zone,
+                locality=svc.locality,
+            )
         mirror = svc.route.mirror
         if mirror is not None:  # the quality gate's shadow copies (routes._mirrored)
             name = names.shadow_cluster(svc.name, mirror.version)
@@ -65,7 +71,11 @@ def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) 
             )
             shadowed = svc.versions[mirror.version]
             out[t.ENDPOINT][name] = endpoints.load_assignment(
-                name, shadowed.endpoints, shadowed.registered
+                name,
+                shadowed.endpoints,
+                shadowed.registered,
+                caller_zone=node.zone,
+                locality=svc.locality,
             )
     rc = routes.outbound_route_config(mesh)
     out[t.ROUTE][rc.name] = rc

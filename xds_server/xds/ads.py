@@ -220,7 +220,7 @@ class _Stream:
         self.sync.check_node(node_id, req.node.metadata.ByteSize())
         metadata = json_format.MessageToDict(req.node.metadata)
         try:
-            group = NodeInfo.from_metadata(metadata)
+            group = NodeInfo.from_metadata(metadata).with_locality(req.node)
         except ValueError as e:
             raise NodeRejected("INVALID_ARGUMENT", str(e)) from None
         self._check_claim(node_id, group)

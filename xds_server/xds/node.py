@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,8 @@ from mesh_common.node_metadata import (
     VERSION,
 )
 
+_ZONE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}\Z")
+
 
 @dataclass(frozen=True)
 class NodeInfo:
@@ -30,6 +34,9 @@ class NodeInfo:
     # host:port of that runtime's OpenAI HTTP API (`meshlm serve --http-port`)
     local_http_endpoint: str | None = None
     listen_host: str = "127.0.0.1"
+    # Envoy's Node.locality.zone: the caller's zone, which orders its EDS priorities. Sidecars
+    # of one zone share a snapshot, so snapshots scale with zones, not nodes.
+    zone: str | None = None
 
     @classmethod
     def from_metadata(cls, md: dict[str, Any]) -> NodeInfo:
@@ -65,7 +72,16 @@ class NodeInfo:
 
     @classmethod
     def from_node(cls, node: Any) -> NodeInfo:  # envoy.config.core.v3.Node
-        return cls.from_metadata(json_format.MessageToDict(node.metadata))
+        return cls.from_metadata(json_format.MessageToDict(node.metadata)).with_locality(node)
+
+    def with_locality(self, node: Any) -> NodeInfo:
+        """This NodeInfo with the zone of `node.locality`; ValueError for a malformed one."""
+        zone = node.locality.zone if node.HasField("locality") else ""
+        if not zone or self.outbound_port is None:  # only a caller's clusters depend on it
+            return self
+        if not _ZONE.match(zone):
+            raise ValueError(f"node.locality.zone: not a zone name: {zone[:64]!r}")
+        return dataclasses.replace(self, zone=zone)
 
     def label(self) -> str:
         parts = []
@@ -73,4 +89,6 @@ class NodeInfo:
             parts.append(f"inbound {self.service}/{self.version}:{self.inbound_port}")
         if self.outbound_port is not None:
             parts.append(f"outbound :{self.outbound_port}")
+            if self.zone:
+                parts.append(f"zone {self.zone}")
         return ", ".join(parts) or "no listeners"
