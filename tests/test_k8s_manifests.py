@@ -441,3 +441,51 @@ def test_the_image_installs_every_package_and_runs_as_the_manifests_user():
         pod = w["spec"]["template"]["spec"]
         if any(c["image"] == "meshlm" for c in containers(pod)):
             assert pod["securityContext"]["runAsUser"] == user, w["metadata"]["name"]
+
+
+# Flags one side sets and the other leaves at the default, each for a reason of its own side:
+# the pod adds its drain hook and resource bounds; the harness runs several hosts' runtimes on one
+# machine (a unique node id and replica id per namespace, where a pod's node id comes from its
+# name) and serves the OpenAI hop the demo drives.
+ONLY_THE_POD = {"deregister_port", "max_heap_mb", "metrics_port", "drain_timeout"}
+ONLY_THE_HARNESS = {
+    "node_id", "local_http_endpoint", "http_port", "served_model_name", "replica_id",
+}  # fmt: skip
+
+
+def test_the_pod_runs_the_command_lines_of_the_multi_host_harness():
+    """The runtime and sidecar lines of the llm-v1 pod are meshlm/demo/host_commands.py's for the
+    same address and ports, flag by flag as the CLI parses them, but the documented differences."""
+    from meshlm.demo.host_commands import runtime_host_commands
+
+    _, sidecar, runtime = runtime_pod()
+    _, sc = meshlm_args(sidecar)
+    _, rt = meshlm_args(runtime)
+    address = SAMPLE_ENV["POD_IP"]
+    harness = runtime_host_commands(
+        address,
+        xds=f"{SAMPLE_ENV['SERVICE_HOST']}:{sc.xds[0][1]}",
+        service=sc.service,
+        version=sc.version,
+        grpc_port=rt.port,
+        http_port=8080,
+        inbound_port=sc.inbound_port,
+        admin_port=sc.admin_port,
+        precision=rt.precision,
+    )
+    for name, pod_args, argv in (
+        ("sidecar", sc, harness.sidecar),
+        ("runtime", rt, harness.runtime),
+    ):
+        assert argv[0] == "meshlm"
+        ours = command_parser(argv[1]).parse_args(argv[2:])
+        defaults = command_parser(argv[1]).parse_args(
+            ["--port", "1"] if name == "runtime" else ["--xds", "127.0.0.1:1"]
+        )
+        pod, harn = vars(pod_args), vars(ours)
+        differ = {k for k in pod.keys() | harn.keys() if pod.get(k) != harn.get(k)}
+        assert differ <= ONLY_THE_POD | ONLY_THE_HARNESS, f"{name}: {sorted(differ)} differ"
+        for k in differ & ONLY_THE_POD:
+            assert harn[k] == vars(defaults)[k], f"{name}: the harness sets --{k}"
+        for k in differ & ONLY_THE_HARNESS:
+            assert pod[k] == vars(defaults)[k], f"{name}: the pod sets --{k}"
