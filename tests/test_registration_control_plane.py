@@ -192,3 +192,14 @@ def test_a_reconnect_within_the_grace_period_keeps_the_host() -> None:
         assert "deregistered" in again.send({"deregister": {}}).recv()
         assert again.status() == (grpc.StatusCode.OK, "")
         assert registered(cp) == {}
+
+
+def test_a_refused_first_message_is_logged_with_the_node_it_names(caplog) -> None:
+    """A registration refused for its address still names its node in the log line, so an
+    operator can find the host that sent it."""
+    caplog.set_level(logging.WARNING, "meshlm.registry")
+    with build_server(reg_mesh(multi_host=True), debounce=0.02) as cp:
+        code, _ = RawStream(cp).send(register_body("127.0.0.2:9100", node="badhost-7")).status()
+        assert code == INVALID
+    lines = [r.getMessage() for r in caplog.records if "registration refused" in r.getMessage()]
+    assert lines and "'badhost-7'" in lines[-1], lines

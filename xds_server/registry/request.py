@@ -78,6 +78,20 @@ def parse(raw: bytes, mesh: m.Mesh) -> Message:
     raise _bad(f"message.{m.field_name(kind)}: unknown (allowed: register, health, deregister)")
 
 
+def claimed_node(raw: bytes) -> str:
+    """The node id a message that did not parse as a whole claims, for the log line of its
+    refusal ("" where it names none, or none that is a node id)."""
+    if len(raw) > wire.MAX_MESSAGE:
+        return ""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return ""
+    body = doc.get("register") if isinstance(doc, dict) else None
+    node = body.get("node_id") if isinstance(body, dict) else None
+    return node if isinstance(node, str) and NODE_ID.match(node) else ""
+
+
 def _serving(value: object, path: str) -> bool:
     if value not in wire.HEALTH:
         raise _bad(f"{path}: expected {' or '.join(wire.HEALTH)}, got {value!r}")

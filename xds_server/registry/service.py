@@ -89,6 +89,7 @@ class RegistryServicer:
             raw = await self._first(context)
             if raw is None:
                 return
+            node = rq.claimed_node(raw)
             msg = rq.parse(raw, self._mesh())
             if not isinstance(msg, rq.Register):
                 raise Refused(
