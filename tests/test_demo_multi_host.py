@@ -62,7 +62,7 @@ def test_multi_host_demo(tmp_path: Path) -> None:
     # with a status.
     cut = report["partition"]["calls_in_flight_at_the_cut"]
     assert sum(v for k, v in cut.items() if k != "total") == cut["total"]
-    assert report["partition"]["rejoined_s_after_heal"] is not None
+    assert report["partition"]["back_in_pool_s_after_heal"] is not None
     # Nothing left behind: no namespace, no process of the run.
     assert report["namespaces_left"] == []
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -188,9 +188,11 @@ class _Demo:
         self.events["heal"] = time.monotonic()
         say(f"{PARTITIONED} healed")
         h1 = f"{self.net[PARTITIONED].address}:{self.rt_ports['inbound']}"
-        self.procs[f"sidecar-{PARTITIONED}"].wait_for(
-            r"\bregistered " + h1, 60, self.events["heal"]
-        )
+        # Its registration stream either outlived the cut (no keepalive fell inside it) or broke
+        # and registers again: either way the host is back once the control plane holds an open
+        # stream for it, SERVING, and the caller's Envoy has it again.
+        self._until(lambda: self._back(h1), 60, f"{PARTITIONED} back in the pool after the heal")
+        self.events["back_in_pool"] = time.monotonic()
         self._sleep(2)
         self._wait_rollout(lambda s: s["state"] in TERMINAL or _weight(s) >= 50)
         scale_in = self._scale_in(SCALED_IN)
@@ -395,6 +397,7 @@ class _Demo:
         rejoined = self.procs[f"sidecar-{PARTITIONED}"].first_after(
             r"\bregistered " + h1, ev["heal"]
         )
+        back = ev.get("back_in_pool")
         rollout_steps = [
             {"to": h["to"], "canary_weight": h["canary_weight"], "reason": h["reason"]}
             for h in status["history"]
@@ -416,9 +419,8 @@ class _Demo:
                 "host": PARTITIONED, "mode": "blackhole", "seconds": PARTITION_S,
                 "streams_running_on_it": self.h1_active,
                 "calls_in_flight_at_the_cut": _at_cut(calls, ev["partition"], h1),
-                "rejoined_s_after_heal": (
-                    None if rejoined is None else round(rejoined - ev["heal"], 2)
-                ),
+                "back_in_pool_s_after_heal": None if back is None else round(back - ev["heal"], 2),
+                "registered_again": rejoined is not None,
             },
             "scale_in": {**scale_in, "calls_lost": len(lost),
                          "lost_by_status": dict(Counter(c["status"] for c in lost))},
@@ -456,6 +458,16 @@ class _Demo:
                 return r.read().decode().strip()
 
         return self.caller_thread.call(get)
+
+    def _back(self, address: str) -> bool:
+        rows = self._admin("GET", "/debug/syncz")["registrations"]
+        row = next((r for r in rows if r["address"] == address), None)
+        return (
+            row is not None
+            and row.get("stream") == "open"
+            and row.get("health") == "SERVING"
+            and address in self._caller_hosts(RUNTIME_HOSTS[PARTITIONED][0])
+        )
 
     def _caller_hosts(self, version: str) -> set[str]:
         """HOST:PORT of the endpoints the caller's Envoy holds for the version's cluster."""
