@@ -121,9 +121,9 @@ def test_deregistration_before_draining_loses_no_call(checks: dict) -> None:
         with CallLoop(env["port"]) as loop:
             eventually(lambda: loop.served["r1"] >= 5, what="calls reach r1")
             assert client.deregister(timeout=10), "the control plane answered the deregistration"
-            # What a draining sidecar does next: its listener closes. No retries in this mesh,
-            # so a call still sent there would fail.
-            ups["r1"].stop()
+            # What a draining sidecar does next: its listener closes and the calls it holds
+            # finish. No retries in this mesh, so a call still sent there would fail.
+            ups["r1"].server.stop(grace=5).wait()
             after = loop.total()
             eventually(lambda: loop.total() >= after + 30, what="calls go on")
         assert loop.failures == [], loop.failures[:3]
@@ -156,7 +156,9 @@ def test_host_registers_again_after_a_control_plane_restart(env) -> None:
     new = build_server(env["mesh"], debounce=0.02).start(grpc_port=port)
     try:
         eventually(lambda: ups["r1"].address in registered(new), 30, "r1 registered again")
-        assert client.registrations == 2
+        # The new control plane lists the host before its answer (sent once the callers ACK)
+        # reaches the client.
+        eventually(lambda: client.registrations == 2, what="the client answered again")
         eventually(lambda: ups["r1"].address in _eds_hosts(envoy), 30, "r1 in EDS again")
         eventually(lambda: "r1" in {caller.who() for _ in range(20)}, what="calls reach r1")
     finally:
