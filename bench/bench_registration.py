@@ -33,11 +33,7 @@ def _healthy_everywhere(envoys: list[Any]) -> set[str]:
     """Addresses every caller Envoy lists healthy in llm/v1."""
     held: set[str] | None = None
     for envoy in envoys:
-        ok = set()
-        for line in envoy.admin_get("/clusters").splitlines():
-            parts = line.split("::")
-            if len(parts) == 4 and parts[0] == CLUSTER and parts[2:] == ["health_flags", "healthy"]:
-                ok.add(parts[1])
+        ok = {a for a, flags in envoy.host_health(CLUSTER).items() if flags == "healthy"}
         held = ok if held is None else held & ok
     return held or set()
 

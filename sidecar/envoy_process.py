@@ -184,6 +184,16 @@ class EnvoyProcess:
         with urllib.request.urlopen(self.admin_url + path, timeout=timeout) as r:
             return r.read().decode()
 
+    def host_health(self, cluster: str) -> dict[str, str]:
+        """HOST:PORT -> health flags ("healthy", "/failed_eds_health", ...) of each host that
+        this Envoy holds for `cluster`, from its admin's /clusters."""
+        out = {}
+        for line in self.admin_get("/clusters").splitlines():
+            parts = line.split("::")
+            if len(parts) == 4 and parts[0] == cluster and parts[2] == "health_flags":
+                out[parts[1]] = parts[3]
+        return out
+
     def admin_post(self, path: str, timeout: float = 5.0) -> str:
         req = urllib.request.Request(self.admin_url + path, method="POST", data=b"")
         with urllib.request.urlopen(req, timeout=timeout) as r:

@@ -129,12 +129,7 @@ def caller_envoy(node: str, xds: list[tuple[str, int]]) -> tuple[EnvoyProcess, i
 
 def eds_hosts(envoy: EnvoyProcess) -> dict[str, str]:
     """address -> health flags of llm/v1's hosts, as the caller's Envoy holds them."""
-    out = {}
-    for line in envoy.admin_get("/clusters").splitlines():
-        parts = line.split("::")
-        if len(parts) == 4 and parts[0] == CLUSTER and parts[2] == "health_flags":
-            out[parts[1]] = parts[3]
-    return out
+    return envoy.host_health(CLUSTER)
 
 
 class EdsSampler:

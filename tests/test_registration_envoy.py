@@ -42,12 +42,7 @@ def _client(cp: XdsServer, address: str, node: str, health: Health, **kw) -> Reg
 
 def _eds_hosts(envoy) -> dict[str, str]:
     """address -> health flags of outbound|llm|v1's hosts, as the caller's Envoy holds them."""
-    out = {}
-    for line in envoy.admin_get("/clusters").splitlines():
-        parts = line.split("::")
-        if len(parts) == 4 and parts[0] == "outbound|llm|v1" and parts[2] == "health_flags":
-            out[parts[1]] = parts[3]
-    return out
+    return envoy.host_health("outbound|llm|v1")
 
 
 @contextlib.contextmanager

@@ -56,13 +56,7 @@ def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) 
                 caller_side=True,
                 transport_socket=tls.caller_transport_socket(mesh, svc),
             )
-            out[t.ENDPOINT][name] = endpoints.load_assignment(
-                name,
-                ver.endpoints,
-                ver.registered,
-                caller_zone=node.zone,
-                locality=svc.locality,
-            )
+            out[t.ENDPOINT][name] = _caller_assignment(name, ver, svc, node)
         mirror = svc.route.mirror
         if mirror is not None:  # the quality gate's shadow copies (routes._mirrored)
             name = names.shadow_cluster(svc.name, mirror.version)
@@ -70,13 +64,7 @@ def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) 
                 name, svc, transport_socket=tls.caller_transport_socket(mesh, svc)
             )
             shadowed = svc.versions[mirror.version]
-            out[t.ENDPOINT][name] = endpoints.load_assignment(
-                name,
-                shadowed.endpoints,
-                shadowed.registered,
-                caller_zone=node.zone,
-                locality=svc.locality,
-            )
+            out[t.ENDPOINT][name] = _caller_assignment(name, shadowed, svc, node)
     rc = routes.outbound_route_config(mesh)
     out[t.ROUTE][rc.name] = rc
     idle = max((s.route.stream_idle_timeout for s in mesh.services.values()), default=300.0)
@@ -264,3 +252,11 @@ def read_keys(path: str) -> dict[str, list[str]]:
     if not isinstance(raw, dict):
         raise ResourceError("authz.keys_file: expected a mapping tenant -> key or [keys]")
     return {str(t): [k] if isinstance(k, str) else list(k) for t, k in raw.items()}
+
+
+def _caller_assignment(name: str, ver: m.Version, svc: m.Service, node: NodeInfo) -> Message:
+    """A version's endpoints (static and registered) as the caller `node` sees them: its own
+    zone first, in the service's failover order."""
+    return endpoints.load_assignment(
+        name, ver.endpoints, ver.registered, caller_zone=node.zone, locality=svc.locality
+    )
