@@ -240,9 +240,11 @@ def rollout(mesh: Mesh, canary: str, tmp_path) -> dict:
         "gates": {"grpc_success_rate_min": 99.0, "min_requests": 1},
         # min_samples 4: the calls go round PROMPTS, so an interval judges all four; g64 answers
         # two of them as g32 does in their 6 tokens (the capital, and the cow once both decode
-        # attention with the same kernel), and two judged calls could be just those
+        # attention with the same kernel), and two judged calls could be just those. How many
+        # of the others differ depends on the batches under load (10 % to 23 % seen), while the
+        # stable's own weights disagree in none (batch-invariant kernels): 1 % separates them.
         "quality": {"mode": "mirror", "mirror_percent": 100, "min_samples": 4,
-                    "max_token_disagreement": "10%"},
+                    "max_token_disagreement": "1%"},
     }  # fmt: skip
     c = RolloutController(mesh.cp, str(tmp_path / "r.json"), factory, poll_s=0.05)
     try:
