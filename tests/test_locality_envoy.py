@@ -162,6 +162,19 @@ def test_canary_weights_hold_inside_the_callers_zone() -> None:
         assert 70 <= got["a-v2"] <= 130, got
 
 
+def test_a_retry_leaves_a_zone_whose_only_host_fails_for_the_next_zone() -> None:
+    # No outlier detection and a registration that still says SERVING: only the retry can
+    # leave zone-a's one host, which refuses connections (a host whose server died).
+    mesh = _mesh({"v1": 100}, retry_policy={"retry_on": "connect-failure", "num_retries": 2})
+    with upstreams("a1", "b1", "c1") as ups, _caller(mesh) as (hosts, caller):
+        for name, zone in (("a1", "zone-a"), ("b1", "zone-b"), ("c1", "zone-c")):
+            hosts.add(name, ups[name].address, zone)
+        _until(caller, lambda k: k == "a1", "calls stay in zone-a")
+        ups["a1"].stop()
+        # Every call is answered, by the first zone of the failover order.
+        assert _sample(caller, 30) == Counter(c1=30)
+
+
 # A gRPC server on every address of its host (a namespace), answering any call with its name.
 UPSTREAM = textwrap.dedent(
     """

@@ -27,6 +27,7 @@ SCENARIOS: dict[str, str] = {
     "stall": "meshlm.demo.scenarios.stall",
     "slo": "meshlm.demo.scenarios.slo",
     "multi-host": "meshlm.demo.scenarios.multi_host",
+    "zone-loss": "meshlm.demo.scenarios.zone_loss",
 }
 
 

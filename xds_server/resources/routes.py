@@ -7,6 +7,7 @@ from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
 from envoy.type.v3 import percent_pb2
 from google.protobuf import wrappers_pb2
 from google.protobuf.message import Message
@@ -430,6 +431,17 @@ def _action(
             )
         )
         rp.host_selection_retry_max_attempts = 5
+        if svc.locality is not None:
+            # With zones as priorities a caller's own zone may hold only the host that failed,
+            # which previous_hosts cannot leave: the retry goes to the next zone instead.
+            rp.retry_priority.CopyFrom(
+                rc.RetryPolicy.RetryPriority(
+                    name="envoy.retry_priorities.previous_priorities",
+                    typed_config=pack(
+                        previous_priorities_config_pb2.PreviousPrioritiesConfig(update_frequency=1)
+                    ),
+                )
+            )
         if svc.stall is not None and per_try:
             _stall_retries(rp, svc.stall)
         a.retry_policy.CopyFrom(rp)
