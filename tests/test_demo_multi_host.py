@@ -4,7 +4,6 @@ report checked for each behaviour; and the refusal (exit 2) where namespaces can
 
 from __future__ import annotations
 
-import json
 import os
 import pwd
 import subprocess
@@ -12,31 +11,11 @@ import sys
 from pathlib import Path
 
 from meshlm.demo.hosts import SUBNET_PREFIX
-
-
-def _ours_left(workdir: Path) -> list[str]:
-    """Processes still running whose command line names the run's work dir."""
-    left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(workdir) in cmd:
-            left.append(f"{pid}: {cmd[:200]}")
-    return left
+from tests.demo_support import assert_nothing_left, run_host_demo
 
 
 def test_multi_host_demo(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "meshlm.cli", "demo", "--scenario", "multi-host",
-         "--workdir", str(tmp_path), "--timeout", "400"],
-        capture_output=True, text=True, timeout=560,
-    )  # fmt: skip
-    out = done.stdout + done.stderr
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert done.returncode == 0, out[-6000:]
-    assert all(report["goals"].values()), report["goals"]
+    report = run_host_demo("multi-host", tmp_path, timeout=400)
 
     # Every runtime host joined by registration: none is in the mesh file, all three are in
     # the control plane's table, each timed from SERVING to the caller's Envoy holding it.
@@ -64,11 +43,7 @@ def test_multi_host_demo(tmp_path: Path) -> None:
     assert sum(v for k, v in cut.items() if k != "total") == cut["total"]
     assert report["partition"]["back_in_pool_s_after_heal"] is not None
     # Nothing left behind: no namespace, no process of the run.
-    assert report["namespaces_left"] == []
-    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert len(report["namespaces"]) == 5
-    assert not set(report["namespaces"]) & {line.split()[0] for line in netns.splitlines()}
-    assert _ours_left(tmp_path) == []
+    assert_nothing_left(report, tmp_path, namespaces=5)
 
 
 def test_without_namespaces_it_exits_2_and_says_why() -> None:

@@ -4,25 +4,14 @@ and healed. One run, its report checked against the goals."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 from meshlm.demo.hosts import SUBNET_PREFIX
-from tests.test_demo_multi_host import _ours_left
+from tests.demo_support import assert_nothing_left, run_host_demo
 
 
 def test_zone_loss_demo(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "meshlm.cli", "demo", "--scenario", "zone-loss",
-         "--workdir", str(tmp_path), "--timeout", "300"],
-        capture_output=True, text=True, timeout=420,
-    )  # fmt: skip
-    out = done.stdout + done.stderr
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert done.returncode == 0, out[-6000:]
-    assert all(report["goals"].values()), report["goals"]
+    report = run_host_demo("zone-loss", tmp_path, timeout=300)
 
     # Both zones joined by registration, each host in its own zone, on the bridge's addresses.
     joins = report["joins"]
@@ -39,8 +28,4 @@ def test_zone_loss_demo(tmp_path: Path) -> None:
     zone_b = joins["b1"]["address"]
     assert report["calls"]["by_replica"].get(zone_b, 0) >= 1
     # Nothing left behind: no namespace, no process of the run.
-    assert report["namespaces_left"] == []
-    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert len(report["namespaces"]) == 4
-    assert not set(report["namespaces"]) & {line.split()[0] for line in netns.splitlines()}
-    assert _ours_left(tmp_path) == []
+    assert_nothing_left(report, tmp_path, namespaces=4)

@@ -135,6 +135,15 @@ class HostMesh:
         finally:
             self.stop_all()
 
+    def start_hosts(self) -> dict[str, dict[str, Any]]:
+        """Start the control plane, every runtime host and the caller; each runtime host's
+        join times (`join_times`)."""
+        self.start_control_plane()
+        for host in self.runtime_hosts:
+            self.start_runtime_host(host)
+        self.start_caller()
+        return {h: self.join_times(h) for h in self.runtime_hosts}
+
     def address(self, host: str) -> str:
         """HOST:PORT of a runtime host's inbound listener: its registered address and its
         runtime's replica id."""

@@ -90,11 +90,7 @@ class _Demo(HostMesh):
 
     # -- the run ---------------------------------------------------------------------------
     def scenario(self) -> dict[str, Any]:
-        self.start_control_plane()
-        for host in RUNTIME_HOSTS:
-            self.start_runtime_host(host)
-        self.start_caller()
-        joins = {h: self.join_times(h) for h in RUNTIME_HOSTS}
+        joins = self.start_hosts()
         registered = {r["address"]: r for r in self.admin("GET", "/debug/syncz")["registrations"]}
         say(f"registered: {', '.join(sorted(registered))}")
         capacity, rate = self.load("h3")

@@ -120,11 +120,7 @@ class _ZoneLoss(HostMesh):
         return mesh_base(self.ports, caller_stats_url, {SERVICE: service(self.mechanism)})
 
     def scenario(self) -> dict[str, Any]:
-        self.start_control_plane()
-        for host in RUNTIME_HOSTS:
-            self.start_runtime_host(host)
-        self.start_caller()
-        joins = {h: self.join_times(h) for h in RUNTIME_HOSTS}
+        joins = self.start_hosts()
         capacity, rate = self.load("a1")
         say(f"runtime decodes {capacity:.0f} tokens/s: {rate:.2f} calls/s of {MAX_NEW_TOKENS} "
             f"tokens; locality {'on' if self.mechanism else 'off'}")  # fmt: skip
