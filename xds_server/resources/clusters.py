@@ -52,11 +52,19 @@ def cluster(
             eds_config=ads(), service_name=name
         ),
         connect_timeout=duration(svc.connect_timeout),
-        # A header hash (sticky tenants) only picks a host with a consistent-hash balancer.
+        # A header hash (sticky tenants, the prompt-prefix key) only picks a host with a
+        # consistent-hash balancer. A ring, not Maglev: a host that leaves moves only its own
+        # keys (Maglev's table moves a few others too).
         lb_policy=cluster_pb2.Cluster.RING_HASH
-        if svc.load_balancing == "ring_hash"
+        if svc.load_balancing in ("ring_hash", "prefix_aware")
         else cluster_pb2.Cluster.ROUND_ROBIN,
     )
+    if svc.hash_balance_factor is not None:
+        # Bounded load: a host over factor% of the mean active calls is passed over for the
+        # next one on the ring, so a hot key spills instead of queueing on one replica.
+        c.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value = (
+            svc.hash_balance_factor
+        )
     if caller_side and svc.load_balancing == "least_loaded":
         # Replaces lb_policy. With a hash_policy, the hash still picks the version (the route's
         # use_hash_policy) and load picks the replica: CSWRR ignores the hash.
