@@ -28,7 +28,8 @@ from xds_server.server import XdsServer
 GEN = "/meshlm.inference.v1.Inference/Generate"
 SESSION = "x-session"
 SECRET = "hunter2-the-admin-password"
-SYSTEM = "You are the support assistant of shop number {g}. Answer briefly and politely. " * 14  # > 1 KiB
+# Over 1 KiB: the prefix key's window (16 blocks of 64 bytes) holds the system prompt alone.
+SYSTEM = "You are the support assistant of shop number {g}. Answer briefly and politely. " * 14
 
 
 class _Replica(grpc.GenericRpcHandler):

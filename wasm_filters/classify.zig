@@ -23,6 +23,10 @@
 //! (bad offsets, compressed frame, no text field) gets no class and passes on unchanged; the
 //! runtime rejects it as it would without this filter. A client-sent `x-meshlm-class` is always
 //! removed. Every read of the body is bounds-checked: a hostile body cannot crash the VM.
+//! The same pass sets `x-meshlm-prefix`, the prompt-prefix key that `prefix_aware` routes hash
+//! (prefix.zig); it also reads OpenAI JSON bodies (/v1/chat/completions, /v1/completions) whole,
+//! up to `max_body_bytes`, for that key alone. A client-sent key is always removed; a body it
+//! cannot read passes unkeyed.
 //! This is not an authz filter: it is deployed with failure_policy FAIL_OPEN (after a VM failure
 //! calls pass unclassified; Envoy fails the one call that was inside the VM with UNAVAILABLE; the
 //! listener strips client-sent class headers before this filter). See classify_xds.py.
