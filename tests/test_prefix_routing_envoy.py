@@ -1,6 +1,6 @@
 """`load_balancing: prefix_aware` on a real caller Envoy configured by the in-process control
 plane: the class filter (classify.wasm in V8) sets the prompt-prefix key from the Generate body,
-the route hashes it on a ring with bounded load. Three real gRPC upstreams stand for the
+the route hashes it with Maglev and bounded load. Three real gRPC upstreams stand for the
 replicas; each answers with its name and the request metadata it got, and holds a call marked
 `x-hold` until the test lets it go (so a replica can be made busy)."""
 
@@ -155,10 +155,11 @@ def test_a_hot_prefix_spills_past_its_replica_once_it_is_over_the_bounded_load()
                 what="nine calls held",
             )
             load = {n: h.held for n, h in reps.handlers.items()}
-            # The key's own replica takes calls up to its bound (125 % of the mean of the 9
-            # active calls over 3 replicas: 3.75), the rest go to replicas Envoy's probe of the
-            # ring finds (a jump from the key's point, so not always the next one, nor all).
-            assert 1 <= load[home] <= 4, load
+            # Envoy passes over a host whose active calls exceed ceil(ceil((active in the
+            # cluster + 1) * 125 %) / 3): the key's replica takes at most 5 of the 9 (4 active
+            # when the 9th is picked), the rest go to replicas Envoy's probe from the key's
+            # entry finds (a seeded random jump: not always the next one, nor all).
+            assert 1 <= load[home] <= 5, load
             assert sum(1 for v in load.values() if v) >= 2, load
             for h in reps.handlers.values():
                 h.release.set()
@@ -170,7 +171,7 @@ def test_a_hot_prefix_spills_past_its_replica_once_it_is_over_the_bounded_load()
             ch.close()
 
 
-def test_a_removed_replica_remaps_its_own_keys_and_few_others() -> None:
+def test_a_removed_replica_remaps_its_own_keys_only() -> None:
     with _mesh_and_caller() as rig:
         cp, reps, port = rig.cp, rig.replicas, rig.port
         before = _homes(port, range(60))
@@ -187,9 +188,10 @@ def test_a_removed_replica_remaps_its_own_keys_and_few_others() -> None:
         assert moved_own and all(after[g] != gone for g in moved_own)
         kept = [g for g in before if before[g] != gone]
         stayed = sum(after[g] == before[g] for g in kept)
-        # Envoy's ring gives each survivor more points when a host leaves (its share of the
-        # ring grows), and those points take a few keys from the other survivor: most stay.
-        assert stayed >= 0.75 * len(kept), (stayed, len(kept))
+        # Maglev: the survivors keep their keys (a ring hash moved about one in ten of them,
+        # as each survivor's share of the ring grows by new points). Maglev promises minimal,
+        # not zero, disruption: one of theirs may move.
+        assert stayed >= len(kept) - 1, (stayed, len(kept))
 
 
 def test_a_session_hash_comes_first_and_unkeyed_calls_still_route() -> None:

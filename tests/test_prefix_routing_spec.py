@@ -33,11 +33,11 @@ def _error(**extra: Any) -> str:
     return str(e.value)
 
 
-def test_prefix_aware_is_a_ring_hash_with_bounded_load_by_default() -> None:
+def test_prefix_aware_is_a_maglev_hash_with_bounded_load_by_default() -> None:
     svc = _service(load_balancing="prefix_aware").services["llm"]
     assert svc.hash_balance_factor == 150
     c = clusters.cluster("out-llm-v1", svc, caller_side=True)
-    assert c.lb_policy == cluster_pb2.Cluster.RING_HASH
+    assert c.lb_policy == cluster_pb2.Cluster.MAGLEV
     assert c.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value == 150
     assert not c.HasField("load_balancing_policy")
     tuned = _service(load_balancing="prefix_aware", hash_balance_factor=125).services["llm"]
@@ -47,6 +47,7 @@ def test_prefix_aware_is_a_ring_hash_with_bounded_load_by_default() -> None:
     assert _service(route=sticky).services["llm"].hash_balance_factor is None
     bounded = _service(route=sticky, hash_balance_factor=200).services["llm"]
     c2 = clusters.cluster("out-llm-v1", bounded, caller_side=True)
+    assert c2.lb_policy == cluster_pb2.Cluster.RING_HASH
     assert c2.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value == 200
 
 

@@ -54,11 +54,11 @@ METHODS = ("Generate", "Info")
 
 # A service's host pick inside a version: least_loaded weighs hosts by the runtimes' ORCA load
 # reports (Envoy's client_side_weighted_round_robin), ring_hash follows route.hash_policy,
-# prefix_aware is a ring hash on the caller's prompt-prefix key (mesh_common.headers
+# prefix_aware is a Maglev hash on the caller's prompt-prefix key (mesh_common.headers
 # PREFIX_HEADER) with bounded load, so calls sharing a prompt prefix find its KV cache.
 LOAD_BALANCING = ("least_loaded", "round_robin", "ring_hash", "prefix_aware")
 # prefix_aware's bounded load (Envoy's hash_balance_factor, percent): a host takes a key's call
-# while its active calls stay within this share of the mean; past it the call walks the ring on.
+# while its active calls stay within this share of the mean; past it the call probes on.
 HASH_BALANCE_FACTOR = 150
 
 

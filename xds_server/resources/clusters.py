@@ -16,6 +16,14 @@ from xds_server.resources.common import ads, duration, pack, u32
 
 _HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _CSWRR = "envoy.load_balancing_policies.client_side_weighted_round_robin"
+# prefix_aware is Maglev, not a ring: when a replica leaves, Envoy's ring gives each survivor
+# more points, which take some keys from the other survivors too (a cache lost for nothing);
+# Maglev's table moved the leaver's keys alone (tests/test_prefix_routing_envoy.py). ring_hash
+# stays a ring (changing it would move its sessions once).
+_LB_POLICY = {
+    "ring_hash": cluster_pb2.Cluster.RING_HASH,
+    "prefix_aware": cluster_pb2.Cluster.MAGLEV,
+}
 # least_loaded, tuned for token streams (seconds). A stream's load outlives its request, so
 # per-request reports (read once, at the end of a stream) come too late: the runtime reports
 # out of band every OOB_REPORTING_PERIOD on its data port. A new host serves at the median weight
@@ -53,11 +61,8 @@ def cluster(
         ),
         connect_timeout=duration(svc.connect_timeout),
         # A header hash (sticky tenants, the prompt-prefix key) only picks a host with a
-        # consistent-hash balancer. A ring, not Maglev: a host that leaves moves only its own
-        # keys (Maglev's table moves a few others too).
-        lb_policy=cluster_pb2.Cluster.RING_HASH
-        if svc.load_balancing in ("ring_hash", "prefix_aware")
-        else cluster_pb2.Cluster.ROUND_ROBIN,
+        # consistent-hash balancer.
+        lb_policy=_LB_POLICY.get(svc.load_balancing, cluster_pb2.Cluster.ROUND_ROBIN),
     )
     if svc.hash_balance_factor is not None:
         # Bounded load: a host over factor% of the mean active calls is passed over for the

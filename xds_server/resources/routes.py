@@ -420,7 +420,7 @@ def _action(
             )
         )
     if svc.load_balancing == "prefix_aware":
-        # No key (a short or unreadable prompt): no hash, and the ring picks a host at random.
+        # No key (a short or unreadable prompt): no hash, and the balancer picks a host at random.
         a.hash_policy.append(
             rc.RouteAction.HashPolicy(
                 header=rc.RouteAction.HashPolicy.Header(header_name=headers.PREFIX_HEADER)
