@@ -9,15 +9,18 @@ import hashlib
 import json
 
 import pytest
+from google.protobuf import wrappers_pb2
 
+from mesh_common.headers import PREFIX_HEADER
 from schemas.codec import ChatMessage, GenerateRequest, encode_generate_request
+from wasm_filters import classify_xds
 from wasm_filters.host import CLASSIFY_WASM_PATH, Decision, WasmHost
 
 GEN = "/meshlm.inference.v1.Inference/Generate"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-PREFIX = "x-meshlm-prefix"
-BLOCK, BLOCKS = 64, 16  # the defaults (classify_xds.BLOCK_BYTES, PREFIX_BLOCKS)
+PREFIX = PREFIX_HEADER
+BLOCK, BLOCKS = classify_xds.BLOCK_BYTES, classify_xds.PREFIX_BLOCKS
 
 
 def spec_key(kind: str, stream: bytes, block: int = BLOCK, blocks: int = BLOCKS) -> str | None:
@@ -175,3 +178,13 @@ def test_block_size_and_window_are_configurable() -> None:
     assert key(h, grpc_body(prompt="x" * 20)) == spec_key("prompt", b"x" * 20, 16, 3)
     for bad in ({"block_bytes": 0}, {"prefix_blocks": 0}, {"block_bytes": 5000}):
         assert not WasmHost(CLASSIFY_WASM_PATH).configure(json.dumps(bad))
+
+
+def test_the_module_and_the_control_plane_agree_on_the_name_and_the_defaults() -> None:
+    zig = (CLASSIFY_WASM_PATH.parent / "classify.zig").read_text()
+    assert f'const PREFIX_HEADER = "{PREFIX_HEADER}";' in zig
+    assert f"block_bytes: u32 = {BLOCK}," in zig and f"prefix_blocks: u32 = {BLOCKS}," in zig
+    settings = wrappers_pb2.StringValue()
+    classify_xds.classify_filter_config().config.configuration.Unpack(settings)
+    cfg = json.loads(settings.value)
+    assert (cfg["block_bytes"], cfg["prefix_blocks"]) == (BLOCK, BLOCKS)

@@ -1,5 +1,5 @@
 """`meshlm demo --scenario shared-prefix`: callers in groups, each group sharing a long prompt
-prefix (a document of about 1,500 tokens, then a short question of its own).
+prefix (a document of 1,100 words, over a thousand tokens, then a short question of its own).
 
 Three int4 replicas of v1, each behind its inbound sidecar, and the caller-side sidecar. Two arms
 on the same workload, one mesh each: `load_balancing: prefix_aware` (the caller's class filter
@@ -25,7 +25,7 @@ from meshlm.demo.scenario import report_of, running, say, write_report
 
 BENCH_TITLE = "Cache-aware routing: groups of callers sharing long prompt prefixes"
 GROUPS = 12
-DOC_WORDS = 1100  # about 1,500 tokens of SmolLM2's tokenizer
+DOC_WORDS = 1100
 QUESTIONS = 8
 MAX_NEW_TOKENS = 16
 DEMAND = 1.4  # offered load, in replicas' worth of uncached calls
