@@ -18,6 +18,10 @@ API_KEY_HEADER = "x-api-key"
 # isolation routes and the SLO loop's access log key on it.
 CLASS_HEADER = "x-meshlm-class"
 
+# The prompt-prefix key (a hash of the prompt's leading blocks, never its text), set by the
+# caller-side sidecar; `load_balancing: prefix_aware` routes hash on it.
+PREFIX_HEADER = "x-meshlm-prefix"
+
 # Pins a call to a version: `always` (the canary) or `never` (the stable). A service's route may
 # name another header (mesh file `route.canary_header`); this is the default.
 CANARY_HEADER = "x-canary"

@@ -7,6 +7,7 @@ upstream, so a match proves the header was set before routing (the route cache w
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 from collections.abc import Iterator
 
@@ -141,3 +142,39 @@ def test_no_prompt_text_in_any_header_log_or_config_dump(envoy: tuple) -> None:
         proc.admin_post("/logging?level=info")
     assert "hunter2" not in proc.log_path.read_text(errors="replace")
     assert "hunter2" not in proc.admin_get("/config_dump")
+
+
+def _post_json(port: int, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request(
+            "POST", path, body=body, headers={"content-type": "application/json", **headers}
+        )
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def test_openai_json_gets_the_prefix_key_in_v8_and_passes_unchanged(envoy: tuple) -> None:
+    _, port = envoy
+    system = "You answer questions about the ACME catalogue, briefly. " * 20
+    chat = {
+        "model": "m",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
+    }
+    raw = json.dumps(chat).encode()
+    grpc_key = call(port, msg(messages=[ChatMessage("system", system), ChatMessage("user", "hi")]))
+    spoof = {"x-meshlm-prefix": "0123456789abcdef"}
+    status, got = _post_json(port, "/v1/chat/completions", raw, spoof)
+    assert status == 200
+    assert got["x-meshlm-prefix"] == grpc_key["x-meshlm-prefix"]  # the same call over gRPC
+    assert int(got["content-length"]) == len(raw)
+    for path, body in (
+        ("/v1/chat/completions", b"{not json"),
+        ("/v1/completions", json.dumps({"prompt": "short"}).encode()),
+        ("/v1/models", b""),
+    ):
+        status, got = _post_json(port, path, body, spoof)
+        assert status == 200 and "x-meshlm-prefix" not in got, path
+        assert int(got.get("content-length", 0)) == len(body)

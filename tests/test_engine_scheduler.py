@@ -123,12 +123,13 @@ def test_events_stream_in_order_with_timings(engine, smollm_bf16):
 def test_prefix_reuse_gives_identical_tokens_and_counts_hits(engine, smollm_bf16):
     p = chat(smollm_bf16, PROMPTS[2])
     cold = run(engine, [p])[0].ids
-    hits = engine.stats()["prefix_hit_tokens"]
+    hits, queries = engine.stats()["prefix_hit_tokens"], engine.stats()["prefix_query_tokens"]
     warm = run(engine, [p])[0].ids
     assert warm == cold
     block = engine.block_size
     gained = engine.stats()["prefix_hit_tokens"] - hits
     assert gained == (len(p.prompt_ids) - 1) // block * block  # every full prompt block
+    assert engine.stats()["prefix_query_tokens"] - queries == len(p.prompt_ids)
     other = run(engine, [chat(smollm_bf16, PROMPTS[1])])[0]  # shares the system prompt only
     assert other.text == "The answer to this classic math problem is 4."
 

@@ -79,6 +79,7 @@ def test_metrics_is_prometheus_text_promtool_accepts(served) -> None:
     assert _value(fams["meshlm_generation_tokens"], "_total") >= 6
     for name in (
         "meshlm_prefix_cache_hits",
+        "meshlm_prefix_cache_queries",
         "meshlm_nonfinite_fallbacks",
         "meshlm_request_resumes",
     ):

@@ -107,7 +107,7 @@ def test_load_balancing_is_validated_and_defaults_follow_hash_policy() -> None:
     assert lb(route=sticky, load_balancing="least_loaded") == "least_loaded"
     assert mesh_error(load_balancing="fastest") == (
         "services.llm.load_balancing: expected one of least_loaded, round_robin, ring_hash, "
-        "got 'fastest'"
+        "prefix_aware, got 'fastest'"
     )
     assert mesh_error(load_balancing="ring_hash") == (
         "services.llm.load_balancing: ring_hash needs route.hash_policy (the header to hash)"

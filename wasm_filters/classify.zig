@@ -23,6 +23,10 @@
 //! (bad offsets, compressed frame, no text field) gets no class and passes on unchanged; the
 //! runtime rejects it as it would without this filter. A client-sent `x-meshlm-class` is always
 //! removed. Every read of the body is bounds-checked: a hostile body cannot crash the VM.
+//! The same pass sets `x-meshlm-prefix`, the prompt-prefix key that `prefix_aware` routes hash
+//! (prefix.zig); it also reads OpenAI JSON bodies (/v1/chat/completions, /v1/completions) whole,
+//! up to `max_body_bytes`, for that key alone. A client-sent key is always removed; a body it
+//! cannot read passes unkeyed.
 //! This is not an authz filter: it is deployed with failure_policy FAIL_OPEN (after a VM failure
 //! calls pass unclassified; Envoy fails the one call that was inside the VM with UNAVAILABLE; the
 //! listener strips client-sent class headers before this filter). See classify_xds.py.
@@ -37,22 +41,34 @@ const log = abi.log;
 const scratch = &abi.scratch;
 
 const CLASS_HEADER = "x-meshlm-class";
+const PREFIX_HEADER = "x-meshlm-prefix";
 const GENERATE_PATH = "/meshlm.inference.v1.Inference/Generate";
 const FRAME_PREFIX = 5; // gRPC: compressed flag (1) + message length (u32 big endian)
 
 const gpa = std.heap.wasm_allocator;
 
-const Config = struct { prefix_bytes: u32 = 64, max_body_bytes: u32 = 320 * 1024 };
+const Config = struct {
+    prefix_bytes: u32 = 64,
+    max_body_bytes: u32 = 320 * 1024,
+    // The prefix key (prefix.zig): block size in bytes, and how many leading blocks count.
+    block_bytes: u32 = 64,
+    prefix_blocks: u32 = 16,
+};
+
+/// What a paused stream's body is.
+const Body = enum { generate, openai_chat, openai_completions };
 
 var roots: std.AutoHashMapUnmanaged(u32, Config) = .empty;
 var stream_root: std.AutoHashMapUnmanaged(u32, u32) = .empty;
 /// Streams paused in on_request_headers, waiting for their body.
-var pending: std.AutoHashMapUnmanaged(u32, void) = .empty;
+var pending: std.AutoHashMapUnmanaged(u32, Body) = .empty;
 
 var m_classified: u32 = 0;
 var m_prefix: u32 = 0;
 var m_invalid: u32 = 0;
 var m_no_body: u32 = 0;
+var m_keyed: u32 = 0;
+var m_unkeyed: u32 = 0;
 var globals_defined = false;
 
 // ---- lifecycle (the ABI version, memory and VM start: proxy_wasm.zig) ----
@@ -81,6 +97,8 @@ export fn proxy_on_configure(root_id: u32, size: usize) u32 {
         m_prefix = abi.metric("meshlm_classify.classified_by_prefix");
         m_invalid = abi.metric("meshlm_classify.unclassified.invalid");
         m_no_body = abi.metric("meshlm_classify.unclassified.no_body");
+        m_keyed = abi.metric("meshlm_classify.prefix_keyed");
+        m_unkeyed = abi.metric("meshlm_classify.prefix_unkeyed");
         globals_defined = true;
     }
     const slot = roots.getPtr(root_id) orelse return 0;
@@ -96,7 +114,7 @@ export fn proxy_on_configure(root_id: u32, size: usize) u32 {
         };
     }
     slot.* = cfg;
-    log(abi.LOG_INFO, "classify: prefix_bytes={d} max_body_bytes={d}", .{ cfg.prefix_bytes, cfg.max_body_bytes });
+    log(abi.LOG_INFO, "classify: prefix_bytes={d} max_body_bytes={d} block_bytes={d} prefix_blocks={d}", .{ cfg.prefix_bytes, cfg.max_body_bytes, cfg.block_bytes, cfg.prefix_blocks });
     return 1;
 }
 
@@ -105,6 +123,8 @@ fn parseConfig(raw: []const u8) !Config {
     if (cfg.prefix_bytes < 1 or cfg.prefix_bytes > 4096) return error.BadPrefixBytes;
     // Envoy's default per-connection buffer limit is 1 MiB; stay well under it.
     if (cfg.max_body_bytes < 64 or cfg.max_body_bytes > 512 * 1024) return error.BadMaxBodyBytes;
+    if (cfg.block_bytes < 1 or cfg.block_bytes > 4096) return error.BadBlockBytes;
+    if (cfg.prefix_blocks < 1 or cfg.prefix_blocks > 1024) return error.BadPrefixBlocks;
     return cfg;
 }
 
@@ -113,25 +133,37 @@ const header = abi.requestHeader;
 
 export fn proxy_on_request_headers(ctx: u32, _: u32, end_of_stream: u32) u32 {
     defer _ = scratch.reset(.{ .retain_with_limit = 16 * 1024 });
-    // The class is ours alone, whatever happens next.
+    // The class and the prefix key are ours alone, whatever happens next.
     abi.removeRequestHeader(CLASS_HEADER);
-    const path = header(":path") orelse return CONTINUE;
-    const ctype = header("content-type") orelse return CONTINUE;
-    if (!std.mem.eql(u8, path, GENERATE_PATH) or !std.mem.startsWith(u8, ctype, "application/grpc"))
-        return CONTINUE;
+    abi.removeRequestHeader(PREFIX_HEADER);
+    const kind = bodyKind() orelse return CONTINUE;
     if (end_of_stream != 0) {
-        bump(m_no_body);
+        if (kind == .generate) bump(m_no_body);
         return CONTINUE;
     }
-    pending.put(gpa, ctx, {}) catch return CONTINUE; // out of memory: unclassified, not stuck
+    pending.put(gpa, ctx, kind) catch return CONTINUE; // out of memory: unclassified, not stuck
     // Hold the headers (and so route selection) until the body says which class this is.
     return abi.STOP_ITERATION;
 }
 
+/// The body this filter reads: a gRPC Generate call, an OpenAI completion (JSON), or none.
+fn bodyKind() ?Body {
+    const full_path = header(":path") orelse return null;
+    const ctype = header("content-type") orelse return null;
+    const path = full_path[0 .. std.mem.indexOfScalar(u8, full_path, '?') orelse full_path.len];
+    if (std.mem.startsWith(u8, ctype, "application/grpc"))
+        return if (std.mem.eql(u8, path, GENERATE_PATH)) .generate else null;
+    if (!std.mem.startsWith(u8, ctype, "application/json")) return null;
+    if (std.mem.eql(u8, path, prefix_key.OPENAI_CHAT)) return .openai_chat;
+    if (std.mem.eql(u8, path, prefix_key.OPENAI_COMPLETIONS)) return .openai_completions;
+    return null;
+}
+
 export fn proxy_on_request_body(ctx: u32, body_size: usize, end_of_stream: u32) u32 {
     defer _ = scratch.reset(.{ .retain_with_limit = 256 * 1024 });
-    if (!pending.contains(ctx)) return CONTINUE;
+    const kind = pending.get(ctx) orelse return CONTINUE;
     const cfg = roots.get(stream_root.get(ctx) orelse 0) orelse Config{};
+    if (kind != .generate) return openAiBody(ctx, kind, body_size, end_of_stream, cfg);
     const want = wanted(body_size, cfg.max_body_bytes);
     if (body_size < want and end_of_stream == 0) return abi.STOP_AND_BUFFER;
     _ = pending.remove(ctx);
@@ -153,12 +185,40 @@ export fn proxy_on_request_body(ctx: u32, body_size: usize, end_of_stream: u32) 
     abi.setRequestHeader(CLASS_HEADER, &key);
     bump(m_classified);
     if (by_prefix) bump(m_prefix);
+    const msg = body[FRAME_PREFIX..@min(body.len, n)];
+    const whole = msg.len == std.mem.readInt(u32, body[1..5], .big);
+    setPrefixKey(prefix_key.ofGenerate(.{ .buf = msg, .whole = whole }, cfg.block_bytes, cfg.prefix_blocks) catch null);
     return CONTINUE;
+}
+
+/// An OpenAI body is read whole (JSON), up to max_body_bytes; a larger one passes unkeyed.
+fn openAiBody(ctx: u32, kind: Body, body_size: usize, end_of_stream: u32, cfg: Config) u32 {
+    if (body_size > cfg.max_body_bytes) {
+        _ = pending.remove(ctx);
+        bump(m_unkeyed);
+        return CONTINUE;
+    }
+    if (end_of_stream == 0) return abi.STOP_AND_BUFFER;
+    _ = pending.remove(ctx);
+    const body = abi.bufferBytes(abi.REQUEST_BODY, 0, body_size) orelse {
+        bump(m_unkeyed);
+        return CONTINUE;
+    };
+    const path = if (kind == .openai_chat) prefix_key.OPENAI_CHAT else prefix_key.OPENAI_COMPLETIONS;
+    setPrefixKey(prefix_key.ofOpenAi(scratch.allocator(), path, body, cfg.block_bytes, cfg.prefix_blocks));
+    return CONTINUE;
+}
+
+fn setPrefixKey(key: ?prefix_key.Key) void {
+    if (key) |k| {
+        abi.setRequestHeader(PREFIX_HEADER, &k);
+        bump(m_keyed);
+    } else bump(m_unkeyed);
 }
 
 /// A stream that ends in trailers before its frame was whole goes on unclassified.
 export fn proxy_on_request_trailers(ctx: u32, _: u32) u32 {
-    if (pending.remove(ctx)) bump(m_invalid);
+    if (pending.fetchRemove(ctx)) |kv| bump(if (kv.value == .generate) m_invalid else m_unkeyed);
     return CONTINUE;
 }
 
@@ -172,78 +232,12 @@ fn wanted(body_size: usize, limit: usize) usize {
 }
 
 // ---- the body ----
-const Invalid = error{Invalid};
-
-/// A bounds-checked view of a FlatBuffers buffer of which only `buf` (a prefix) may be present.
-const Fb = struct {
-    buf: []const u8,
-    whole: bool, // false: the message continues past `buf`
-
-    fn u32At(self: Fb, pos: usize) Invalid!u32 {
-        if (pos > self.buf.len or self.buf.len - pos < 4) return error.Invalid;
-        return std.mem.readInt(u32, self.buf[pos..][0..4], .little);
-    }
-
-    fn u16At(self: Fb, pos: usize) Invalid!u16 {
-        if (pos > self.buf.len or self.buf.len - pos < 2) return error.Invalid;
-        return std.mem.readInt(u16, self.buf[pos..][0..2], .little);
-    }
-
-    /// The table at `pos`: its position and its vtable's field slots.
-    fn table(self: Fb, pos: usize) Invalid!Table {
-        const soff: i32 = @bitCast(try self.u32At(pos));
-        const vt: i64 = @as(i64, @intCast(pos)) - soff;
-        if (vt < 0 or vt > self.buf.len) return error.Invalid;
-        const vpos: usize = @intCast(vt);
-        const vlen = try self.u16At(vpos);
-        if (vlen < 4 or vlen % 2 != 0 or vpos + vlen > self.buf.len) return error.Invalid;
-        return .{ .fb = self, .pos = pos, .vt = self.buf[vpos + 4 .. vpos + vlen], .tlen = try self.u16At(vpos + 2) };
-    }
-};
-
-const Table = struct {
-    fb: Fb,
-    pos: usize,
-    vt: []const u8,
-    tlen: u16,
-
-    fn slot(self: Table, field: usize) Invalid!?usize {
-        if (2 * field + 2 > self.vt.len) return null;
-        const off = std.mem.readInt(u16, self.vt[2 * field ..][0..2], .little);
-        if (off == 0) return null;
-        if (@as(usize, off) + 4 > self.tlen) return error.Invalid;
-        return self.pos + off;
-    }
-
-    /// Where an offset field points (string, vector or table), or null when absent.
-    fn ref(self: Table, field: usize) Invalid!?usize {
-        const at = (try self.slot(field)) orelse return null;
-        const target = at +| try self.fb.u32At(at);
-        if (target > self.fb.buf.len and self.fb.whole) return error.Invalid;
-        return target;
-    }
-
-    /// A string or byte vector: its bytes inside the view, and whether all of them are.
-    fn bytes(self: Table, field: usize, elem: usize) Invalid!?Seen {
-        const at = (try self.ref(field)) orelse return null;
-        return try seen(self.fb, at, elem);
-    }
-};
-
-const Seen = struct { data: []const u8, complete: bool };
-
-fn seen(fb: Fb, at: usize, elem: usize) Invalid!Seen {
-    @setRuntimeSafety(true); // a missed check traps (fail open), never reads wild memory
-    const count = fb.u32At(at) catch {
-        if (fb.whole) return error.Invalid;
-        return .{ .data = "", .complete = false }; // begins past the prefix we hold
-    };
-    const start = at + 4;
-    const size = @as(u64, count) * elem;
-    if (start + size <= fb.buf.len) return .{ .data = fb.buf[start..][0..@intCast(size)], .complete = true };
-    if (fb.whole) return error.Invalid;
-    return .{ .data = fb.buf[start..], .complete = false };
-}
+const flatbuf = @import("flatbuf.zig");
+const prefix_key = @import("prefix.zig");
+const Invalid = flatbuf.Invalid;
+const Fb = flatbuf.Fb;
+const Seen = flatbuf.Seen;
+const seen = flatbuf.seen;
 
 // GenerateRequest fields (schemas/inference.fbs): prompt 2, prompt_token_ids 3, messages 4;
 // ChatMessage: role 0, content 1.

@@ -1,4 +1,5 @@
-"""The class filter (classify.wasm) as Envoy configuration, for caller-side listeners.
+"""The class filter (classify.wasm) as Envoy configuration, for caller-side listeners. Besides
+the class it sets the prefix key (`x-meshlm-prefix`, prefix.zig) that `prefix_aware` routes hash.
 
 Inline in LDS, not ECDS: its configuration is a constant of the control plane's version (the
 module and two sizes, nothing from the mesh file), so an unchanged listener is not updated and
@@ -35,12 +36,18 @@ PREFIX_BYTES = 64  # bytes of normalised text that make a class (see classify.zi
 # Above the runtime's 256 KiB prompt limit: any prompt it serves is classified whole; a larger
 # first frame (many long messages) is classified by this prefix.
 MAX_BODY_BYTES = 320 * 1024
+# The prefix key: blocks of BLOCK_BYTES (about one 16-token KV block of text), the first
+# PREFIX_BLOCKS of them (1 KiB of prompt; see prefix.zig for why a fixed leading window).
+BLOCK_BYTES = 64
+PREFIX_BLOCKS = 16
 
 
 def classify_filter_config(
     *,
     prefix_bytes: int = PREFIX_BYTES,
     max_body_bytes: int = MAX_BODY_BYTES,
+    block_bytes: int = BLOCK_BYTES,
+    prefix_blocks: int = PREFIX_BLOCKS,
     name: str = CLASSIFY_FILTER,
 ) -> wasm_filter_pb2.Wasm:
     """`envoy.filters.http.wasm` config: V8, the module inline, failing open."""
@@ -48,7 +55,18 @@ def classify_filter_config(
         raise ValueError(f"prefix_bytes: {prefix_bytes} is outside 1..4096")
     if not 64 <= max_body_bytes <= 512 * 1024:
         raise ValueError(f"max_body_bytes: {max_body_bytes} is outside 64..524288")
-    settings = json.dumps({"prefix_bytes": prefix_bytes, "max_body_bytes": max_body_bytes})
+    if not 1 <= block_bytes <= 4096:
+        raise ValueError(f"block_bytes: {block_bytes} is outside 1..4096")
+    if not 1 <= prefix_blocks <= 1024:
+        raise ValueError(f"prefix_blocks: {prefix_blocks} is outside 1..1024")
+    settings = json.dumps(
+        {
+            "prefix_bytes": prefix_bytes,
+            "max_body_bytes": max_body_bytes,
+            "block_bytes": block_bytes,
+            "prefix_blocks": prefix_blocks,
+        }
+    )
     plugin = wasm_pb2.PluginConfig(
         name=name,
         root_id=VM_ID,

@@ -28,6 +28,7 @@ SCENARIOS: dict[str, str] = {
     "slo": "meshlm.demo.scenarios.slo",
     "multi-host": "meshlm.demo.scenarios.multi_host",
     "zone-loss": "meshlm.demo.scenarios.zone_loss",
+    "shared-prefix": "meshlm.demo.scenarios.shared_prefix",
 }
 
 

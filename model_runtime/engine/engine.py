@@ -182,6 +182,7 @@ class Engine:
         self._steps_since_adapt = 0
         self._batch_size = 0
         self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.tokens_generated = 0
         self.requests_admitted = 0  # accepted by submit(), monotonic (ORCA rps)
         self.requests_shed = 0
@@ -354,6 +355,7 @@ class Engine:
                 "kv_blocks_cached": self.pool.cached(),
                 "kv_blocks_total": self.pool.n_blocks,
                 "prefix_hit_tokens": self.prefix_hit_tokens,
+                "prefix_query_tokens": self.prefix_query_tokens,
                 "nonfinite_fallbacks": self.loaded.guard.fallbacks if self.loaded.guard else 0,
                 "tokens_generated": self.tokens_generated,
                 "requests_admitted": self.requests_admitted,
@@ -514,6 +516,7 @@ class Engine:
                 req.cache.written = len(hit) * self.block_size
                 req.cache.registered = len(hit)
                 self.prefix_hit_tokens += req.cache.written
+                self.prefix_query_tokens += len(context)
                 req.admitted_at = time.monotonic()
                 cached = req.cache.written - len(req.tokens)  # resume ids already in the cache
                 if cached < 0:

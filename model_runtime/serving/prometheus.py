@@ -46,6 +46,8 @@ _ENGINE_GAUGES = {
 }
 _ENGINE_COUNTERS = {
     "prefix_hit_tokens": ("meshlm_prefix_cache_hits", "Prompt tokens read from the prefix cache."),
+    "prefix_query_tokens": ("meshlm_prefix_cache_queries",
+                            "Prompt tokens looked up in the prefix cache."),
     "nonfinite_fallbacks": ("meshlm_nonfinite_fallbacks",
                             "Decode steps redone in full precision after a non-finite logit."),
     "tokens_generated": ("meshlm_generation_tokens", "Tokens generated."),

@@ -53,8 +53,13 @@ METHODS = ("Generate", "Info")
 
 
 # A service's host pick inside a version: least_loaded weighs hosts by the runtimes' ORCA load
-# reports (Envoy's client_side_weighted_round_robin), ring_hash follows route.hash_policy.
-LOAD_BALANCING = ("least_loaded", "round_robin", "ring_hash")
+# reports (Envoy's client_side_weighted_round_robin), ring_hash follows route.hash_policy,
+# prefix_aware is a Maglev hash on the caller's prompt-prefix key (mesh_common.headers
+# PREFIX_HEADER) with bounded load, so calls sharing a prompt prefix find its KV cache.
+LOAD_BALANCING = ("least_loaded", "round_robin", "ring_hash", "prefix_aware")
+# prefix_aware's bounded load (Envoy's hash_balance_factor, percent): a host takes a key's call
+# while its active calls stay within this share of the mean; past it the call probes on.
+HASH_BALANCE_FACTOR = 150
 
 
 @dataclass(frozen=True)
@@ -286,6 +291,8 @@ class Service:
     connect_timeout: float = 1.0
     # Default: ring_hash when route.hash_policy is set (sticky hosts), else round_robin.
     load_balancing: str = "round_robin"
+    # Bounded load for ring_hash / prefix_aware (percent of the mean load, >= 100); None: none.
+    hash_balance_factor: int | None = None
     slo: Slo | None = None
     slo_state: SloState = field(default_factory=SloState)
     isolation: Isolation | None = None

@@ -32,6 +32,7 @@ from xds_server.mesh.locality import parse_locality
 from xds_server.mesh.model import (
     ACCESS_LOG_CALLS,
     AUTHZ_MODES,
+    HASH_BALANCE_FACTOR,
     LOAD_BALANCING,
     METHODS,
     RATE_LIMIT_MODES,
@@ -274,6 +275,7 @@ def _service(name: str, raw: Any, path: str) -> Service:
             "connect_timeout",
             "stall",
             "load_balancing",
+            "hash_balance_factor",
             "slo",
             "isolation",
             "service_account",
@@ -286,11 +288,13 @@ def _service(name: str, raw: Any, path: str) -> Service:
         raise MeshError(f"{path}.versions: at least one version is required")
     versions = {v: _version(v, x, f"{path}.versions.{v}") for v, x in vraw.items()}
     route = _route(d.get("route"), versions, f"{path}.route")
+    lb = _load_balancing(d.get("load_balancing"), route, f"{path}.load_balancing")
     return Service(
         name=name,
         versions=versions,
         route=route,
-        load_balancing=_load_balancing(d.get("load_balancing"), route, f"{path}.load_balancing"),
+        load_balancing=lb,
+        hash_balance_factor=_hash_balance_factor(d.get("hash_balance_factor"), lb, path),
         slo=read_optional(d, "slo", path, parse_slo),
         outlier_detection=read_optional(d, "outlier_detection", path, parse_outlier_detection),
         circuit_breakers=read_optional(d, "circuit_breakers", path, parse_circuit_breakers),
@@ -392,6 +396,17 @@ def _load_balancing(raw: Any, route: Route, path: str) -> str:
     if raw == "ring_hash" and route.hash_policy is None:
         raise MeshError(f"{path}: ring_hash needs route.hash_policy (the header to hash)")
     return raw
+
+
+def _hash_balance_factor(raw: Any, lb: str, path: str) -> int | None:
+    if raw is None:
+        return HASH_BALANCE_FACTOR if lb == "prefix_aware" else None
+    if lb not in ("ring_hash", "prefix_aware"):
+        raise MeshError(
+            f"{path}.hash_balance_factor: bounds a consistent hash's load; needs load_balancing "
+            f"ring_hash or prefix_aware, not {lb}"
+        )
+    return read_int(raw, f"{path}.hash_balance_factor", 100)
 
 
 def _rollout(name: str, raw: Any, services: dict[str, Service], path: str) -> Rollout:

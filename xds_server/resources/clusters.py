@@ -16,6 +16,14 @@ from xds_server.resources.common import ads, duration, pack, u32
 
 _HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _CSWRR = "envoy.load_balancing_policies.client_side_weighted_round_robin"
+# prefix_aware is Maglev, not a ring: when a replica leaves, Envoy's ring gives each survivor
+# more points, which take some keys from the other survivors too (a cache lost for nothing);
+# Maglev's table moved the leaver's keys alone (tests/test_prefix_routing_envoy.py). ring_hash
+# stays a ring (changing it would move its sessions once).
+_LB_POLICY = {
+    "ring_hash": cluster_pb2.Cluster.RING_HASH,
+    "prefix_aware": cluster_pb2.Cluster.MAGLEV,
+}
 # least_loaded, tuned for token streams (seconds). A stream's load outlives its request, so
 # per-request reports (read once, at the end of a stream) come too late: the runtime reports
 # out of band every OOB_REPORTING_PERIOD on its data port. A new host serves at the median weight
@@ -52,11 +60,16 @@ def cluster(
             eds_config=ads(), service_name=name
         ),
         connect_timeout=duration(svc.connect_timeout),
-        # A header hash (sticky tenants) only picks a host with a consistent-hash balancer.
-        lb_policy=cluster_pb2.Cluster.RING_HASH
-        if svc.load_balancing == "ring_hash"
-        else cluster_pb2.Cluster.ROUND_ROBIN,
+        # A header hash (sticky tenants, the prompt-prefix key) only picks a host with a
+        # consistent-hash balancer.
+        lb_policy=_LB_POLICY.get(svc.load_balancing, cluster_pb2.Cluster.ROUND_ROBIN),
     )
+    if svc.hash_balance_factor is not None:
+        # Bounded load: a host over factor% of the mean active calls is passed over for the
+        # next one on the ring, so a hot key spills instead of queueing on one replica.
+        c.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value = (
+            svc.hash_balance_factor
+        )
     if caller_side and svc.load_balancing == "least_loaded":
         # Replaces lb_policy. With a hash_policy, the hash still picks the version (the route's
         # use_hash_policy) and load picks the replica: CSWRR ignores the hash.

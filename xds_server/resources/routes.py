@@ -414,7 +414,17 @@ def _action(
     if svc.route.hash_policy:
         a.hash_policy.append(
             rc.RouteAction.HashPolicy(
-                header=rc.RouteAction.HashPolicy.Header(header_name=svc.route.hash_policy.header)
+                header=rc.RouteAction.HashPolicy.Header(header_name=svc.route.hash_policy.header),
+                # A call with a session keeps to its session's host; without one the
+                # prompt-prefix key (next) decides.
+                terminal=svc.load_balancing == "prefix_aware",
+            )
+        )
+    if svc.load_balancing == "prefix_aware":
+        # No key (a short or unreadable prompt): no hash, and the balancer picks a host at random.
+        a.hash_policy.append(
+            rc.RouteAction.HashPolicy(
+                header=rc.RouteAction.HashPolicy.Header(header_name=headers.PREFIX_HEADER)
             )
         )
     policy = svc.retry_policy or (m.RetryPolicy() if svc.stall else None)
