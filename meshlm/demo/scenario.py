@@ -27,6 +27,7 @@ SCENARIOS: dict[str, str] = {
     "stall": "meshlm.demo.scenarios.stall",
     "slo": "meshlm.demo.scenarios.slo",
     "multi-host": "meshlm.demo.scenarios.multi_host",
+    "jittery-host": "meshlm.demo.scenarios.jittery_host",
 }
 
 
