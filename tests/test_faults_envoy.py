@@ -85,8 +85,14 @@ SERVICES = {
         ({"service": "llm", "abort": {"http_status": 503}, "when": 1}, r"faults.f.when"),
         ({"service": "llm", "headers": {"X-A": "1"}, "abort": {"http_status": 503}}, r"headers"),
         # A host fault names an endpoint of that service (and of that version, if one is named).
-        ({"service": "llm", "host": "127.0.0.1:9", "delay": {"fixed_delay": "1s"}}, r"f.host: "),
-        ({"service": "llm", "host": "localhost:1", "delay": {"fixed_delay": "1s"}}, r"f.host: "),
+        (
+            {"service": "llm", "host": "127.0.0.1:9", "delay": {"fixed_delay": "1s"}},
+            r"faults.f.host: 127.0.0.1:9 is no endpoint of llm",
+        ),
+        (
+            {"service": "llm", "host": "localhost:1", "delay": {"fixed_delay": "1s"}},
+            r"faults.f.host: 'localhost' is not an IPv4 address",
+        ),
         (
             {
                 "service": "llm",
