@@ -70,7 +70,8 @@ def run(args: argparse.Namespace, name: str) -> int:
 
 def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
     r = _run(mechanism=mechanism, quick=quick, workdir=None, say=lambda m: None)
-    keep = ("sla", "time_to_avoid_s", "slow_host_share_after", "ttft_p99_ms", "goals")
+    keep = ("sla", "time_to_avoid_s", "slow_host_share_after", "ttft_p99_ms",
+            "per_try_timeout_ms", "caller_sidecar", "goals")  # fmt: skip
     return {k: r[k] for k in keep}
 
 
