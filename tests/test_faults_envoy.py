@@ -15,13 +15,20 @@ from typing import Any
 import grpc
 import pytest
 
+from mesh_common.ports import free_port
+from sidecar.bootstrap import ads_bootstrap
+from sidecar.envoy_process import EnvoyProcess
 from tests.test_mesh_support import ACME_KEY, two_hops
 from tests.test_xds_support import Caller, eventually, sidecar, upstreams
+from wasm_filters.policy import hash_key
 from xds_server.admin.api import AdminServer
 from xds_server.compose import build_server
 from xds_server.mesh import MeshError, parse_mesh
 
 MARK = "x-meshlm-fault-test"
+# A 1 s delay as this process's clock sees it: Envoy's timer may fire a fraction of a
+# millisecond before a full second of time.monotonic() has passed.
+DELAYED_1S = 0.95
 
 
 def _raw(ups: dict[str, Any], weights: dict[str, int], faults: dict | None = None) -> dict:
@@ -48,7 +55,17 @@ def _outcomes(caller: Caller, n: int, metadata: tuple = ()) -> Counter[str]:
     return seen
 
 
-SERVICES = {"services": {"llm": {"versions": {"v1": {"endpoints": ["127.0.0.1:1"]}}}}}
+SERVICES = {
+    "services": {
+        "llm": {
+            "versions": {
+                "v1": {"endpoints": ["127.0.0.1:1"]},
+                "v2": {"endpoints": ["127.0.0.1:2"]},
+            },
+            "route": {"weights": {"v1": 100, "v2": 0}},
+        }
+    }
+}
 
 
 @pytest.mark.parametrize(
@@ -67,11 +84,40 @@ SERVICES = {"services": {"llm": {"versions": {"v1": {"endpoints": ["127.0.0.1:1"
         ({"service": "llm", "abort": {}}, r"abort: exactly one of"),
         ({"service": "llm", "abort": {"http_status": 503}, "when": 1}, r"faults.f.when"),
         ({"service": "llm", "headers": {"X-A": "1"}, "abort": {"http_status": 503}}, r"headers"),
+        # A host fault names an endpoint of that service (and of that version, if one is named).
+        (
+            {"service": "llm", "host": "127.0.0.1:9", "delay": {"fixed_delay": "1s"}},
+            r"faults.f.host: 127.0.0.1:9 is no endpoint of llm",
+        ),
+        (
+            {"service": "llm", "host": "localhost:1", "delay": {"fixed_delay": "1s"}},
+            r"faults.f.host: 'localhost' is not an IPv4 address",
+        ),
+        (
+            {
+                "service": "llm",
+                "version": "v2",
+                "host": "127.0.0.1:1",
+                "abort": {"grpc_status": 14},
+            },
+            r"faults.f.host: 127.0.0.1:1 does not serve llm/v2",
+        ),
     ],
 )
 def test_a_bad_fault_is_refused_naming_the_field(fault: dict, error: str) -> None:
     with pytest.raises(MeshError, match=error):
         parse_mesh({**SERVICES, "faults": {"f": fault}})
+
+
+def test_one_fault_per_service_and_one_per_host() -> None:
+    delay = {"fixed_delay": "1s"}
+    host_a = {"service": "llm", "host": "127.0.0.1:1", "delay": delay}
+    both = parse_mesh(
+        {**SERVICES, "faults": {"a": host_a, "all": {"service": "llm", "delay": delay}}}
+    )
+    assert both.faults["a"].host == "127.0.0.1:1" and both.faults["all"].host is None
+    with pytest.raises(MeshError, match=r"faults.b.host: 127.0.0.1:1 already has fault a"):
+        parse_mesh({**SERVICES, "faults": {"a": host_a, "b": host_a}})
 
 
 def test_faults_on_a_real_envoy_touch_only_the_calls_they_name() -> None:
@@ -99,7 +145,7 @@ def test_faults_on_a_real_envoy_touch_only_the_calls_they_name() -> None:
                 )
                 t0 = time.monotonic()
                 assert caller.who(((MARK, "1"),)) in ("v1", "v2")
-                assert time.monotonic() - t0 >= 1.0
+                assert time.monotonic() - t0 >= DELAYED_1S
                 before = envoy.stats("fault")
                 assert _outcomes(caller, 10).keys() <= {"v1", "v2"}
                 after = envoy.stats("fault")
@@ -247,11 +293,11 @@ def test_a_delayed_call_without_a_key_is_still_refused_by_authz() -> None:
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as refused:
             mesh.call([(MARK, "1")])
-        assert time.monotonic() - t0 >= 1.0  # delayed first, then refused
+        assert time.monotonic() - t0 >= DELAYED_1S  # delayed first, then refused
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value
         t0 = time.monotonic()
         assert mesh.call([("x-api-key", ACME_KEY), (MARK, "1")])  # keyed: delayed, served
-        assert time.monotonic() - t0 >= 1.0
+        assert time.monotonic() - t0 >= DELAYED_1S
 
 
 def test_a_restarted_control_plane_keeps_live_faults_and_drops_ended_ones(tmp_path) -> None:
@@ -300,6 +346,89 @@ def test_a_restarted_control_plane_keeps_live_faults_and_drops_ended_ones(tmp_pa
                     lambda: _outcomes(caller, 1) == {"RESOURCE_EXHAUSTED": 1}, what="the fault"
                 )
                 caller.close()
+        finally:
+            admin.stop()
+            cp.stop()
+
+
+def _timed(caller: Caller, metadata: tuple = ()) -> tuple[str, float]:
+    t0 = time.monotonic()
+    who = caller.who(metadata, timeout=10)
+    return who, time.monotonic() - t0
+
+
+def test_a_host_fault_slows_that_host_alone_for_every_caller() -> None:
+    """Two hosts of one service, each behind its own inbound sidecar (Wasm authz): a delay on
+    host A is injected by A's sidecar, so the caller's calls that land on A wait and those on B
+    do not; a call without a key is refused by A's authz at once, not delayed; removal
+    restores A."""
+    with upstreams("A", "B") as ups:
+        inbound = {"A": free_port(), "B": free_port()}
+        host_a = f"127.0.0.1:{inbound['A']}"
+        raw = {
+            "services": {
+                "llm": {
+                    "versions": {"v1": {"endpoints": [f"127.0.0.1:{p}" for p in inbound.values()]}},
+                    "route": {"weights": {"v1": 100}},
+                }
+            },
+            "tenants": {"acme": {"key_sha256": hash_key(ACME_KEY), "allow": ["llm/*"]}},
+        }
+        cp = build_server(parse_mesh(raw), debounce=0.02).start()
+        admin = AdminServer(cp, token=TOKEN).start()
+        xds = ("127.0.0.1", cp.grpc_port)
+        outbound = free_port()
+        boots = [
+            ads_bootstrap(
+                f"runtime-{n}",
+                xds_address=xds,
+                service="llm",
+                version="v1",
+                inbound_port=inbound[n],
+                local_endpoint=ups[n].address,
+            )
+            for n in ("A", "B")
+        ]
+        boots.append(ads_bootstrap("caller-1", xds_address=xds, outbound_port=outbound))
+        key = (("x-api-key", ACME_KEY),)
+        try:
+            with EnvoyProcess(boots[0]), EnvoyProcess(boots[1]), EnvoyProcess(boots[2]):
+                caller, direct_a = Caller(outbound), Caller(inbound["A"])
+                eventually(
+                    lambda: {caller.who(key) for _ in range(6)} == {"A", "B"}, what="both hosts"
+                )
+                url = ("--admin", admin.url)
+                r = _meshlm("fault", "add", "x", "--service", "llm", "--host", "127.0.0.1:1",
+                            "--delay", "1s", *url)  # fmt: skip
+                assert r.returncode == 1 and "faults.x.host" in r.stderr, r.stderr
+
+                r = _meshlm("fault", "add", "slow-a", "--service", "llm", "--host", host_a,
+                            "--delay", "1s", *url)  # fmt: skip
+                # ACKed by A's own sidecar: the one that injects it.
+                assert r.returncode == 0 and "runtime-A" in r.stdout, r.stdout + r.stderr
+                assert (
+                    f"slow-a: llm host {host_a}: delay 1s" in _meshlm("fault", "list", *url).stdout
+                )
+                served = [_timed(caller, key) for _ in range(12)]
+                assert {w for w, _ in served} == {"A", "B"}, served
+                assert all(s >= DELAYED_1S for w, s in served if w == "A"), served
+                assert all(s < 0.9 for w, s in served if w == "B"), served
+
+                # Authz before the fault: a key-less call to A is refused at once.
+                t0 = time.monotonic()
+                with pytest.raises(grpc.RpcError) as refused:
+                    direct_a.who(timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value
+                assert time.monotonic() - t0 < 0.9
+                assert _timed(direct_a, key)[1] >= DELAYED_1S  # keyed: delayed, served
+
+                r = _meshlm("fault", "remove", "slow-a", *url)
+                assert r.returncode == 0 and "runtime-A" in r.stdout, r.stdout + r.stderr
+                served = [_timed(caller, key) for _ in range(12)]
+                assert {w for w, _ in served} == {"A", "B"}, served
+                assert all(s < 0.9 for _, s in served), served
+                caller.close()
+                direct_a.close()
         finally:
             admin.stop()
             cp.stop()

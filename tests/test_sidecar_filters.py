@@ -14,6 +14,7 @@ from mesh_common import type_urls as t
 from wasm_filters.policy import hash_key
 from xds_server.mesh import parse_mesh
 from xds_server.resources.build import build_resources
+from xds_server.resources.faults import FILTER_NAME as FAULT_FILTER
 from xds_server.resources.names import AUTHZ_FILTER
 from xds_server.xds.node import NodeInfo
 
@@ -34,9 +35,9 @@ def _filters(node: NodeInfo) -> list[hcm_pb2.HttpFilter]:
     return list(hcm.http_filters)
 
 
-def test_inbound_listener_runs_authz_and_the_router_only() -> None:
+def test_inbound_listener_runs_authz_then_a_host_fault_and_the_router_only() -> None:
     node = NodeInfo(service="llm", version="v1", inbound_port=1)
-    assert [f.name for f in _filters(node)] == [AUTHZ_FILTER, ROUTER]
+    assert [f.name for f in _filters(node)] == [AUTHZ_FILTER, FAULT_FILTER, ROUTER]
 
 
 def test_caller_listener_counts_grpc_status_per_method_without_filter_state() -> None:

@@ -137,6 +137,7 @@ def test_callers_compile_to_rbac_policies_first_on_the_inbound_listener() -> Non
     assert [f.name for f in http_filters(res)] == [
         "meshlm.callers",
         names.AUTHZ_FILTER,
+        "envoy.filters.http.fault",
         "envoy.filters.http.router",
     ]
     rules = rbac_of(res).rules
@@ -168,7 +169,11 @@ def test_no_callers_no_rbac_and_empty_callers_an_rbac_that_allows_nobody() -> No
     assert rules.action == rules.ALLOW and not rules.policies
     # Without tenants there is no key check, and the workload check stands alone.
     alone = inbound(mesh([{"service_account": "apps/chat"}], tenants=False))
-    assert [f.name for f in http_filters(alone)] == ["meshlm.callers", "envoy.filters.http.router"]
+    assert [f.name for f in http_filters(alone)] == [
+        "meshlm.callers",
+        "envoy.filters.http.fault",
+        "envoy.filters.http.router",
+    ]
 
 
 def test_native_authz_gets_the_workload_check_first_too(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """`meshlm fault add|list|remove`: fault injection through the control plane's admin API
-(/v1/faults). `add NAME --service S [--version V] [--header NAME=VALUE] [--delay 500ms]
-[--abort-http 503 | --abort-grpc 14] [--percent P] [--duration 2m]` answers once the affected
-caller sidecars ACKed it; the control plane removes it when its duration ends."""
+(/v1/faults). `add NAME --service S [--version V] [--host IP:PORT] [--header NAME=VALUE]
+[--delay 500ms] [--abort-http 503 | --abort-grpc 14] [--percent P] [--duration 2m]` answers once
+the affected sidecars ACKed it (the callers', or with --host that host's own); the control plane
+removes it when its duration ends."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?", help="the fault's name (add, remove)")
     p.add_argument("--service", help="the service whose calls get the fault (add)")
     p.add_argument("--version", help="only the calls bound to this version")
+    p.add_argument(
+        "--host",
+        metavar="IP:PORT",
+        help="only the calls this endpoint of the service serves, injected by its own sidecar "
+        "(every caller sees that one host slow or failing)",
+    )
     p.add_argument("--header", metavar="NAME=VALUE", help="only the calls carrying this header")
     p.add_argument("--delay", metavar="DURATION", help="a fixed delay, e.g. 500ms")
     p.add_argument("--abort-http", type=int, metavar="STATUS", help="abort with this HTTP status")
@@ -40,6 +47,8 @@ def spec(args: argparse.Namespace) -> dict[str, Any]:
     doc: dict[str, Any] = {"service": args.service}
     if args.version:
         doc["version"] = args.version
+    if args.host:
+        doc["host"] = args.host
     if args.header:
         name, sep, value = args.header.partition("=")
         if not sep or not name:
@@ -97,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
 def fault_line(f: dict[str, Any]) -> str:
     """One line per fault, for `list` and `meshlm status`."""
     scope = f["service"] + (f"/{f['version']}" if f.get("version") else "")
+    scope += f" host {f['host']}" if f.get("host") else ""
     scope += "".join(f" {k}={v}" for k, v in (f.get("headers") or {}).items())
     what = []
     if f.get("delay"):

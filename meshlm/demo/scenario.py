@@ -29,6 +29,7 @@ SCENARIOS: dict[str, str] = {
     "multi-host": "meshlm.demo.scenarios.multi_host",
     "zone-loss": "meshlm.demo.scenarios.zone_loss",
     "shared-prefix": "meshlm.demo.scenarios.shared_prefix",
+    "jittery-host": "meshlm.demo.scenarios.jittery_host",
 }
 
 

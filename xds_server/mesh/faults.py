@@ -1,6 +1,8 @@
-"""The mesh file's `faults:` block: delays and aborts the caller sidecars inject into the calls
-a policy names (a service, optionally one version and a request header), as Envoy's HTTP fault
-filter (envoy.filters.http.fault) does them."""
+"""The mesh file's `faults:` block: delays and aborts injected into the calls a policy names (a
+service, optionally one version and a request header), as Envoy's HTTP fault filter
+(envoy.filters.http.fault) does them. The caller sidecars inject a service's fault; a fault
+that names a `host` (one endpoint of the service) is injected by that host's own inbound
+sidecar, so every caller sees that one host slow or failing."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from xds_server.mesh.fields import (
     read_int,
     read_mapping,
 )
+from xds_server.mesh.model import parse_endpoint
 
 # google.rpc.Code: OK (0) is no abort.
 GRPC_STATUS_RANGE = (1, 16)
@@ -48,29 +51,29 @@ class Fault:
     abort: FaultAbort | None = None
     # Wall-clock time (epoch seconds) the control plane removes it at; None: until removed.
     expires_at: float | None = None
+    # `ip:port` of one endpoint of `service`: only the calls that host serves, injected by its
+    # inbound sidecar. None: every call to the service, injected by the callers.
+    host: str | None = None
+
+    @property
+    def scope(self) -> tuple[str, str | None]:
+        """What one fault at most may hold: a service's callers, or one host of it."""
+        return self.service, self.host
 
 
 def parse_faults(raw: Any, services: dict[str, Any]) -> dict[str, Fault]:
     """`faults:` -> {name: Fault}; MeshError names the bad field."""
     out: dict[str, Fault] = {}
-    by_service: dict[str, str] = {}
     for name, spec in read_mapping(raw, "faults").items():
         path = f"faults.{name}"
         check_name(name, path)
-        fault = parse_fault(name, spec, services, path)
-        if fault.service in by_service:
-            raise MeshError(
-                f"{path}.service: {fault.service} already has fault {by_service[fault.service]} "
-                "(one fault per service)"
-            )
-        by_service[fault.service] = name
-        out[name] = fault
+        out = with_fault(out, parse_fault(name, spec, services, path))
     return out
 
 
 def parse_fault(name: str, raw: Any, services: dict[str, Any], path: str) -> Fault:
     d = read_mapping(raw, path)
-    only_known(d, path, {"service", "version", "headers", "delay", "abort"})
+    only_known(d, path, {"service", "version", "host", "headers", "delay", "abort"})
     service = d.get("service")
     if not isinstance(service, str) or service not in services:
         raise MeshError(
@@ -82,12 +85,38 @@ def parse_fault(name: str, raw: Any, services: dict[str, Any], path: str) -> Fau
     ):
         known = ", ".join(services[service].versions)
         raise MeshError(f"{path}.version: unknown version {version!r} of {service} ({known})")
+    host = _host(d.get("host"), services[service], version, f"{path}.host")
     header, value = _header(d.get("headers"), f"{path}.headers")
     delay = _delay(d["delay"], f"{path}.delay") if d.get("delay") is not None else None
     abort = _abort(d["abort"], f"{path}.abort") if d.get("abort") is not None else None
     if delay is None and abort is None:
         raise MeshError(f"{path}: needs a delay or an abort (or both)")
-    return Fault(name, service, version, header, value, delay, abort)
+    return Fault(name, service, version, header, value, delay, abort, host=host)
+
+
+def host_versions(svc: Any) -> dict[str, list[str]]:
+    """`ip:port` -> the versions of `svc` it serves: static endpoints and registered hosts."""
+    out: dict[str, list[str]] = {}
+    for v, ver in svc.versions.items():
+        for e in (*ver.endpoints, *(r.endpoint for r in ver.registered)):
+            out.setdefault(str(e), []).append(v)
+    return out
+
+
+def _host(raw: Any, svc: Any, version: str | None, path: str) -> str | None:
+    if raw is None:
+        return None
+    host = str(parse_endpoint(raw, path))
+    served = host_versions(svc)
+    if host not in served:
+        known = ", ".join(served) or "none"
+        raise MeshError(f"{path}: {host} is no endpoint of {svc.name} (its endpoints: {known})")
+    if version is not None and version not in served[host]:
+        raise MeshError(
+            f"{path}: {host} does not serve {svc.name}/{version} "
+            f"(it serves {', '.join(served[host])})"
+        )
+    return host
 
 
 def _header(raw: Any, path: str) -> tuple[str | None, str | None]:
@@ -135,12 +164,14 @@ def _abort(raw: Any, path: str) -> FaultAbort:
 
 def with_fault(faults: dict[str, Fault], fault: Fault) -> dict[str, Fault]:
     """`faults` with `fault` added or replaced (by name); MeshError when another fault already
-    holds its service (one fault per service: a virtual host carries one fault config)."""
+    holds its scope: one fault per service on its callers (a virtual host carries one fault
+    config) and one per host of it."""
     for other in faults.values():
-        if other.name != fault.name and other.service == fault.service:
+        if other.name != fault.name and other.scope == fault.scope:
+            field, what = ("host", fault.host) if fault.host else ("service", fault.service)
             raise MeshError(
-                f"faults.{fault.name}.service: {fault.service} already has fault {other.name} "
-                "(one fault per service; remove it first)"
+                f"faults.{fault.name}.{field}: {what} already has fault {other.name} "
+                f"(one fault per {field}; remove it first)"
             )
     return {**faults, fault.name: fault}
 
@@ -150,6 +181,8 @@ def fault_doc(fault: Fault) -> dict[str, Any]:
     doc: dict[str, Any] = {"name": fault.name, "service": fault.service}
     if fault.version is not None:
         doc["version"] = fault.version
+    if fault.host is not None:
+        doc["host"] = fault.host
     if fault.header is not None:
         doc["headers"] = {fault.header: fault.header_value}
     if fault.delay is not None:

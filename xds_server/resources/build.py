@@ -157,6 +157,11 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         http_cluster=http_cluster,
         mirrored=mirror is not None and mirror.version == ver.name,
         orca_callers=rbac.orca_callers(svc, mesh.identity.trust_domain if mesh.identity else ""),
+        # The endpoint this sidecar serves is where callers reach it: its listen address and
+        # inbound port (a registered host registers that same address).
+        fault=faults.host_fault(
+            mesh.faults.values(), svc.name, ver.name, f"{node.listen_host}:{node.inbound_port}"
+        ),
     )
     out[t.ROUTE][rc.name] = rc
     lname = names.inbound_listener(svc.name, ver.name)
@@ -167,7 +172,8 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         route_config_name=rc.name,
         stat_prefix=f"inbound_{svc.name}_{ver.name}",
         stream_idle_timeout=svc.route.stream_idle_timeout,
-        authz_filters=authz,
+        # A host's fault after authz: a call that authz refuses is refused at once.
+        authz_filters=[*authz, faults.fault_filter()],
         access_log=access_log.access_logs(
             mesh.access_log, lname, inbound=True, tenant=bool(authz), peer=tls.mtls(mesh)
         ),

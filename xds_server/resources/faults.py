@@ -1,7 +1,11 @@
-"""Envoy's HTTP fault filter on the caller sidecars: the listener holds it with no fault; a
-service's virtual host turns its mesh fault on (typed_per_filter_config, pushed by RDS)."""
+"""Envoy's HTTP fault filter on every sidecar: the listener holds it with no fault; a virtual
+host turns a mesh fault on (typed_per_filter_config, pushed by RDS). A service's fault is on its
+virtual host at the callers; a fault on one host is on that host's inbound virtual host, after
+authz (an unauthenticated call is refused, not delayed)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.extensions.filters.common.fault.v3 import fault_pb2 as common_fault
@@ -47,7 +51,7 @@ def http_fault(fault: Fault) -> fault_pb2.HTTPFault:
         else:
             abort.grpc_status = a.grpc_status
         out.abort.CopyFrom(abort)
-    if fault.version is not None:
+    if fault.version is not None and fault.host is None:
         out.upstream_cluster = names.outbound_cluster(fault.service, fault.version)
     if fault.header is not None:
         out.headers.append(
@@ -61,3 +65,21 @@ def http_fault(fault: Fault) -> fault_pb2.HTTPFault:
 def apply(vhost: rc.VirtualHost, fault: Fault | None) -> None:
     if fault is not None:
         vhost.typed_per_filter_config[FILTER_NAME].CopyFrom(pack(http_fault(fault)))
+
+
+def caller_fault(faults: Iterable[Fault], service: str) -> Fault | None:
+    """The fault the callers of `service` inject: its fault that names no host."""
+    return next((f for f in faults if f.service == service and f.host is None), None)
+
+
+def host_fault(faults: Iterable[Fault], service: str, version: str, endpoint: str) -> Fault | None:
+    """The fault the inbound sidecar serving `endpoint` (`ip:port`) of `service`/`version`
+    injects: the one naming that host (and that version, or none)."""
+    return next(
+        (
+            f
+            for f in faults
+            if f.service == service and f.host == endpoint and f.version in (None, version)
+        ),
+        None,
+    )

@@ -15,6 +15,7 @@ from google.protobuf.message import Message
 from mesh_common import headers
 from schemas import codec
 from xds_server import mesh as m
+from xds_server.mesh.faults import Fault
 from xds_server.resources import faults, listeners, names, rbac
 from xds_server.resources.common import duration, pack, u32
 
@@ -66,8 +67,9 @@ def outbound_route_config(mesh: m.Mesh) -> route_pb2.RouteConfiguration:
 
 
 def _faulted(mesh: m.Mesh, vhost: rc.VirtualHost) -> rc.VirtualHost:
-    """The service's mesh fault, if any, on its virtual host (only its own callers' calls)."""
-    faults.apply(vhost, next((f for f in mesh.faults.values() if f.service == vhost.name), None))
+    """The service's mesh fault, if any, on its virtual host (only its own callers' calls); a
+    fault on one host is that host's inbound sidecar's (inbound_route_config)."""
+    faults.apply(vhost, faults.caller_fault(mesh.faults.values(), vhost.name))
     return vhost
 
 
@@ -315,6 +317,7 @@ def inbound_route_config(
     http_cluster: str | None = None,
     mirrored: bool = False,
     orca_callers: Message | None = None,
+    fault: Fault | None = None,
 ) -> route_pb2.RouteConfiguration:
     """`authz_filters`: the listener's tenant filters (authz, rate limits), turned off on the
     ORCA route only. That route carries read-only load figures (utilization, rps, queue and KV
@@ -322,7 +325,8 @@ def inbound_route_config(
     `orca_callers`: where the service lists `callers`, the RBAC filter's config on the ORCA
     route (rbac.orca_callers): the listed workloads' sidecars, on that one method.
     `http_cluster`: the runtime's OpenAI HTTP API, which takes every /v1/ path (the
-    gRPC paths are /<package>.<Service>/<Method>, never /v1/)."""
+    gRPC paths are /<package>.<Service>/<Method>, never /v1/). `fault`: a mesh fault on this
+    host (resources/faults.host_fault), on every call but the ORCA load reports."""
     cluster = names.inbound_cluster(svc.name, version)
     orca = rc.Route(
         name=f"{svc.name}-{version}-orca",
@@ -330,7 +334,7 @@ def inbound_route_config(
         route=_action(svc, cluster=names.inbound_orca_cluster(svc.name, version), retries=False),
     )
     off = pack(rc.FilterConfig(disabled=True))
-    for f in authz_filters:
+    for f in (*authz_filters, faults.FILTER_NAME):
         orca.typed_per_filter_config[f].CopyFrom(off)
     if orca_callers is not None:
         orca.typed_per_filter_config[rbac.FILTER_NAME].CopyFrom(pack(orca_callers))
@@ -356,11 +360,10 @@ def inbound_route_config(
         routes = [r for x in (*openai, route) for r in (_shadow_twin(x), x)]
     else:  # no copy is due here: whoever sends one forges it
         routes = [_refuse_shadow(f"{svc.name}-{version}-forged-shadow"), *openai, route]
+    vhost = rc.VirtualHost(name=f"{svc.name}-local", domains=["*"], routes=[orca, *routes])
+    faults.apply(vhost, fault)
     return route_pb2.RouteConfiguration(
-        name=names.inbound_route(svc.name, version),
-        virtual_hosts=[
-            rc.VirtualHost(name=f"{svc.name}-local", domains=["*"], routes=[orca, *routes])
-        ],
+        name=names.inbound_route(svc.name, version), virtual_hosts=[vhost]
     )
 
 
