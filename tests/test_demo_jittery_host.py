@@ -6,23 +6,11 @@ does not depend on this CPU's speed; its report is checked against the scenario'
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-
-def _ours_left(workdir: Path) -> list[str]:
-    """Processes still running whose command line names the run's work dir."""
-    left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(workdir) in cmd:
-            left.append(f"{pid}: {cmd[:200]}")
-    return left
+from tests.demo_support import processes_left
 
 
 def test_jittery_host_is_routed_around(tmp_path: Path) -> None:
@@ -52,4 +40,4 @@ def test_jittery_host_is_routed_around(tmp_path: Path) -> None:
     # shared CPU the p99 of either window is one or two calls' noise, so it is not asserted.
     ttft = report["ttft_p99_ms"]
     assert ttft["after_avoidance"] < report["per_try_timeout_ms"] + 2 * ttft["baseline"], report
-    assert not _ours_left(tmp_path)
+    assert not processes_left(tmp_path)
