@@ -38,7 +38,7 @@ from mesh_common import type_urls as t
 from mesh_common.ports import free_port
 from sidecar.bootstrap import XDS_CLUSTER, static_cluster
 from xds_server import mesh as m
-from xds_server.resources import listeners
+from xds_server.resources import faults, listeners
 from xds_server.resources.build import build_resources
 from xds_server.resources.names import AUTHZ_FILTER
 from xds_server.xds.node import NodeInfo
@@ -48,6 +48,7 @@ PARTS = {
     "access_log": "JSON access log (stdout) of failed calls: a filter on every call",
     "authz": "Wasm authz filter (V8), with the tenant's share of its rate limit",
     "ratelimit": "global rate limit filter (asks the control plane's RLS on every call)",
+    "fault": "HTTP fault filter (injects nothing unless a host fault names this host)",
     "strip_headers": "early header mutation (strips client-sent identity headers)",
     "local_reply": "local reply mapper (UC -> HTTP 500)",
     "route": "the real route (ORCA route, max_stream_duration, hash policy)",
@@ -57,6 +58,7 @@ ROUTER = "envoy.filters.http.router"
 _FILTER_PART = {
     AUTHZ_FILTER: "authz",
     "envoy.filters.http.ratelimit": "ratelimit",
+    faults.FILTER_NAME: "fault",
 }
 
 

@@ -37,6 +37,7 @@ KEYS = {"acme": "acme-bounds-key", "info": "info-only-key", "slow": "slow-tenant
 class Mesh:
     rt: Runtime
     inbound: EnvoyProcess
+    caller: EnvoyProcess
     outbound_port: int
 
     def request(self, raw: bytes, timeout: float = 60) -> bytes:
@@ -88,7 +89,7 @@ def mesh(smollm_int4) -> Iterator[Mesh]:
         envoys.append(
             EnvoyProcess(ads_bootstrap("caller", xds_address=xds, outbound_port=outbound)).start()
         )
-        m = Mesh(rt, envoys[0], outbound)
+        m = Mesh(rt, envoys[0], envoys[1], outbound)
         models = _head("GET", "/v1/models", KEYS["acme"], 0)
         eventually(lambda: m.request(models).startswith(b"HTTP/1.1 200"), what="/v1/models")
         yield m
@@ -142,19 +143,20 @@ def test_a_request_smuggled_in_a_get_body_never_runs(mesh: Mesh) -> None:
 
 
 def test_slow_bodies_hold_no_runtime_connection(mesh: Mesh) -> None:
-    """40 requests of one tenant whose body trickles (one byte of 50): the inbound sidecar holds
-    them, not the runtime (8 connections), and another tenant's call is answered meanwhile."""
+    """40 requests of one tenant whose body trickles (one byte of 50): the sidecars hold them
+    (the caller's class filter reads an OpenAI body whole for its prefix key before it sends
+    it on), not the runtime (8 connections), and another tenant's call is answered meanwhile."""
     slow: list[socket.socket] = []
-    stat = "http.inbound_llm_v1.downstream_rq_total"
-    before = mesh.inbound.stats(stat).get(stat, 0)
+    stat = "http.outbound.downstream_rq_total"
+    before = mesh.caller.stats(stat).get(stat, 0)
     try:
         for _ in range(40):
             s = socket.create_connection(("127.0.0.1", mesh.outbound_port), timeout=30)
             s.sendall(_head("POST", "/v1/chat/completions", KEYS["slow"], 50) + b"{")
             slow.append(s)
         eventually(
-            lambda: mesh.inbound.stats(stat).get(stat, 0) >= before + 40,
-            what="the 40 slow requests at the inbound sidecar",
+            lambda: mesh.caller.stats(stat).get(stat, 0) >= before + 40,
+            what="the 40 slow requests at the caller sidecar",
         )
         time.sleep(0.5)
         status, answer = _chat(mesh)
