@@ -127,6 +127,41 @@ def test_slower_streams_report_more_utilization_per_request(smollm_int4) -> None
     assert min(s for _, s in runs) > 1.5 * min(n for n, _ in runs), runs
 
 
+def test_a_call_in_flight_does_not_make_a_replica_look_free(smollm_int4) -> None:
+    """Envoy weighs a host by rps / utilization. A call just admitted to an idle replica must not
+    count as a request whose stream cost nothing (weight = rps over a sliver of utilization:
+    the replica least_loaded sends few calls looked nearly free on each new one and drew a
+    burst); a request counts once its stream has ended, with all of its time in the window."""
+    engine = Engine(smollm_int4, max_batch=2, max_queue=8, slow_decode=4.0)
+    engine.start()
+    rt = Runtime().start()
+    rt.set_model(smollm_int4, engine)
+    try:
+        with grpc.insecure_channel(rt.target) as ch:
+            first = reports(ch, 100)
+            next(first)  # the runtime counts its streams from the first report stream on
+            done = threading.Event()
+            t0 = time.monotonic()
+            call = threading.Thread(target=lambda: (calls(rt, 1, 0.0, 96), done.set()))
+            call.start()
+            try:
+                in_flight = next(r for r in first if r.named_metrics["running"] >= 1)
+                assert not done.is_set()
+                # no request counted yet: Envoy ignores rps 0 and keeps the host's last weight
+                assert in_flight.rps_fractional == 0, in_flight
+            finally:
+                call.join()
+            stream_s = time.monotonic() - t0
+            first.cancel()
+            after = next(reports(ch, 100))
+    finally:
+        rt.shutdown(grace=5)
+    # Little's law over the window: utilization / rps = the stream's time over the batch limit
+    assert after.rps_fractional > 0
+    cost_s = after.named_metrics["utilization"] / after.rps_fractional * 2
+    assert 0.5 * stream_s < cost_s < 1.5 * stream_s, (cost_s, stream_s)
+
+
 def test_report_interval_is_bounded_below(runtime: Runtime) -> None:
     with grpc.insecure_channel(runtime.target) as ch:
         stream = reports(ch, 1)  # asks for 1 ms
@@ -153,7 +188,7 @@ def test_drain_does_not_wait_for_open_report_streams(smollm_int4) -> None:
 
 
 def test_load_is_rps_and_the_time_average_over_the_same_span() -> None:
-    a = Sample(t=10.0, admitted=3, streams_s=1.0, kv_s=0.5)
+    a = Sample(t=10.0, finished=3, streams_s=1.0, kv_s=0.5)
     # 4 requests in 2 s; 2.5 batches of streams held on average (more than the limit)
     assert load(a, Sample(12.0, 7, 6.0, 1.0)) == pytest.approx((2.0, 2.5))
     # KV use decides where it is the larger share

@@ -184,7 +184,8 @@ class Engine:
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.tokens_generated = 0
-        self.requests_admitted = 0  # accepted by submit(), monotonic (ORCA rps)
+        self.requests_admitted = 0  # accepted by submit(), monotonic
+        self.requests_finished = 0  # admitted and ended other than shed (ORCA rps)
         self.requests_shed = 0
         self.draft_tokens = 0  # drafted by prompt lookup and checked
         self.draft_accepted = 0  # of those, equal to the model's own choice
@@ -359,6 +360,7 @@ class Engine:
                 "nonfinite_fallbacks": self.loaded.guard.fallbacks if self.loaded.guard else 0,
                 "tokens_generated": self.tokens_generated,
                 "requests_admitted": self.requests_admitted,
+                "requests_finished": self.requests_finished,
                 "requests_shed": self.requests_shed,
                 "draft_tokens": self.draft_tokens,
                 "draft_accepted": self.draft_accepted,
@@ -710,7 +712,8 @@ class Engine:
             self.pool.release(req.cache.blocks)
             req.cache.blocks = []
         with self._lock:
-            self._known.pop(req.rid, None)
+            if self._known.pop(req.rid, None) is not None:
+                self.requests_finished += 1
             self._lock.notify_all()
 
     def _record_tpot(self, dt: float) -> None:

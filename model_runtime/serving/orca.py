@@ -13,7 +13,13 @@ out-of-band.
 
 Both figures cover the same window (the last WINDOW_S), so their ratio is what a host costs:
 
-- rps_fractional: requests admitted per second.
+- rps_fractional: requests finished per second (ended other than shed; a call that is still
+  running counts once it ends). Counted at admission, a call admitted just now would count in
+  full while only the first moments of its stream are in the utilization, so a replica that got
+  few calls (the one least_loaded sends fewer) looked nearly free on each new one, drew a burst
+  of calls, and swung. Counted at the end, a stream in flight adds utilization before it adds a
+  request: a busy replica errs toward looking busier. A replica that finished none in the window
+  reports rps 0, which Envoy ignores (the host keeps its last weight until it expires).
 - application_utilization: the time average of the streams in the runtime (running and queued)
   over its batch limit, or of the KV blocks in use over all blocks where that is larger. By
   Little's law the average number of streams is rps x the mean time a stream stays, so
@@ -82,11 +88,11 @@ def peer_of(metadata: dict[str, str]) -> str:
 
 
 class Sample(NamedTuple):
-    """Running totals at time `t` (monotonic s): requests admitted, and the integrals over time
+    """Running totals at time `t` (monotonic s): requests finished, and the integrals over time
     of streams / batch limit and of the KV fraction in use (in seconds)."""
 
     t: float
-    admitted: int
+    finished: int
     streams_s: float
     kv_s: float
 
@@ -96,7 +102,7 @@ def load(older: Sample, newer: Sample) -> tuple[float, float]:
     span = newer.t - older.t
     if span <= 0:
         return 0.0, 0.0
-    rps = max(0, newer.admitted - older.admitted) / span
+    rps = max(0, newer.finished - older.finished) / span
     util = max(newer.streams_s - older.streams_s, newer.kv_s - older.kv_s) / span
     return rps, max(util, UTILIZATION_FLOOR) if rps > 0 else max(util, 0.0)
 
@@ -140,7 +146,7 @@ class _Sampler:
                 stats["kv_blocks_used"] / max(1, stats["kv_blocks_total"]),
             )
             if not self._samples:
-                self._samples.append(Sample(now, stats["requests_admitted"], 0.0, 0.0))
+                self._samples.append(Sample(now, stats["requests_finished"], 0.0, 0.0))
             else:
                 # left rectangles: what was counted last held until now
                 prev, (streams, kv) = self._samples[-1], self._last or ratios
@@ -148,7 +154,7 @@ class _Sampler:
                 self._samples.append(
                     Sample(
                         now,
-                        stats["requests_admitted"],
+                        stats["requests_finished"],
                         prev.streams_s + streams * dt,
                         prev.kv_s + kv * dt,
                     )
