@@ -38,14 +38,20 @@ def test_each_group_is_one_prefix_key_and_the_groups_differ() -> None:
 
 
 @pytest.mark.alone
-def test_shared_prefix_reports_ttft_hit_ratio_and_throughput(tmp_path: Path) -> None:
+def test_shared_prefix_prefix_aware_keeps_each_group_on_its_cached_replica(tmp_path: Path) -> None:
     assert SCENARIOS["shared-prefix"] == "meshlm.demo.scenarios.shared_prefix"
-    report = shared_prefix._run("prefix_aware", seconds=20.0, workdir=tmp_path, say=print)
+    report = shared_prefix._run("prefix_aware", seconds=15.0, workdir=tmp_path, say=print)
     assert json.loads((tmp_path / "report.json").read_text()) == report
     assert report["load_balancing"] == "prefix_aware"
     assert report["sla"]["ok"] > 0 and report["sla"]["availability"] == 100.0
     assert set(report["ttft_ms"]) == {"p50", "p90", "p99"}
-    assert 0 <= report["prefix_cache_hit_ratio"] <= 1
     assert report["output_tokens_per_s"] > 0
     assert set(report["served_by_replica"]) == {"v1-0", "v1-1", "v1-2"}
-    assert sum(report["served_by_replica"].values()) == report["sla"]["ok"]
+    assert sum(report["served_by_replica"].values()) >= report["sla"]["ok"]
+    # The counted calls come after one warm-up round (each group once). A policy blind to the
+    # prefix sends a group's next call to the replica holding its document at best 1 time in 3
+    # (least_loaded, random) or never (round robin: 13 groups over 3 replicas), so its hit ratio
+    # is about 1/3 of the document's share of the prompt (~0.97) at most. With the prefix key each
+    # group goes back to its replica, spilling only past the bounded load.
+    assert report["prefix_cache_hit_ratio"] >= 0.6, report
+    assert len(report["replicas_per_group"]) == shared_prefix.GROUPS

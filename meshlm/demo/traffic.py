@@ -25,6 +25,8 @@ from meshlm.client.caller import Caller
 from meshlm.demo.sla import percentile
 from model_runtime.serving.client import Client
 
+SESSION_HEADER = "x-meshlm-session"  # examples/mesh.yaml's route.hash_policy header
+
 PROMPTS = (
     "What is the capital of France? Answer with one word.",
     "Name a primary colour.",
@@ -49,6 +51,8 @@ class TenantLoad:
     method: str = "Generate"
     prompts: tuple[str, ...] = PROMPTS  # sent in turn
     api: str = "grpc"  # or "openai": streamed chat completions with the openai SDK
+    # x-meshlm-session of each call, in turn beside `prompts` (gRPC only); empty: none sent
+    sessions: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,11 +119,12 @@ class Traffic:
         start = time.monotonic()
         while not self._stop.is_set():
             due = start + n / load.rate
-            self._pool.submit(self._call, load, load.prompts[n % len(load.prompts)], due)
+            session = load.sessions[n % len(load.sessions)] if load.sessions else ""
+            self._pool.submit(self._call, load, load.prompts[n % len(load.prompts)], due, session)
             n += 1
             self._stop.wait(max(0.0, start + n / load.rate - time.monotonic()))
 
-    def _call(self, load: TenantLoad, prompt: str, due: float) -> None:
+    def _call(self, load: TenantLoad, prompt: str, due: float, session: str = "") -> None:
         if load.api == "openai":
             self._openai_call(load, prompt, due)
             return
@@ -137,8 +142,9 @@ class Traffic:
                 client.info(timeout=30)
             else:
                 chat = [{"role": "user", "content": prompt}]
+                meta = ((SESSION_HEADER, session),) if session else ()
                 stream = client.generate(
-                    messages=chat, max_new_tokens=self.max_new_tokens, timeout=60
+                    messages=chat, max_new_tokens=self.max_new_tokens, timeout=60, metadata=meta
                 )
                 for chunk in stream:
                     if ttft is None and len(chunk.token_ids):

@@ -8,9 +8,11 @@ is within bound) and `least_loaded` (ORCA load alone). There are more groups tha
 KV cache holds, so a replica that sees every group keeps evicting them; a replica that sees only
 its share of the groups keeps them. The offered rate is set from the mesh's own speed: about 1.4
 times what one replica serves of calls whose prefix is not cached (measured at the start of each
-arm). The report gives, per arm, TTFT p50/p90/p99, the prefix-cache hit ratio (the runtimes'
-meshlm_prefix_cache_hits / meshlm_prefix_cache_queries, from their /metrics.json) and output
-tokens per second."""
+arm). The first round of the groups warms the caches and is not counted. The report gives, per
+arm, TTFT p50/p90/p99, the prefix-cache hit ratio (the runtimes'
+meshlm_prefix_cache_hits / meshlm_prefix_cache_queries, from their /metrics.json), output
+tokens per second (until the last counted call finished) and how many replicas served each
+group."""
 
 from __future__ import annotations
 
@@ -24,13 +26,18 @@ from typing import Any
 from meshlm.demo.scenario import report_of, running, say, write_report
 
 BENCH_TITLE = "Cache-aware routing: groups of callers sharing long prompt prefixes"
-GROUPS = 12
+# Prime to the replica count: round robin over the groups in turn would otherwise send each group
+# to one replica every time (12 groups over 3 replicas: group g always to replica g % 3).
+GROUPS = 13
 DOC_WORDS = 1100
 QUESTIONS = 8
 MAX_NEW_TOKENS = 16
 DEMAND = 1.4  # offered load, in replicas' worth of uncached calls
 CALIBRATION_CALLS = 2
 ARMS = ("prefix_aware", "least_loaded")
+# The routing comparison (bench/bench_routing.py): every arm on the same workload. session_hash is
+# ring_hash on x-meshlm-session, each caller (a group's question) its own session.
+ALL_ARMS = ("round_robin", "least_loaded", "session_hash", "prefix_aware")
 
 _WORDS = [
     "river",
@@ -99,6 +106,11 @@ def interleaved() -> tuple[str, ...]:
     return tuple(p[q] for q in range(QUESTIONS) for p in per_group)
 
 
+def sessions() -> tuple[str, ...]:
+    """The caller (session) of each call of `interleaved()`: one per group and question."""
+    return tuple(f"g{g}-q{q}" for q in range(QUESTIONS) for g in range(GROUPS))
+
+
 def run(args: argparse.Namespace, name: str) -> int:
     report = report_of(
         "shared-prefix: groups of callers sharing long prompt prefixes",
@@ -135,9 +147,15 @@ def _both(*, seconds: float, workdir: Any, say: Any) -> dict[str, Any]:
 
 def _mesh(arm: str) -> dict[str, Any]:
     from meshlm.demo.launcher import SERVICE, scenario_mesh
+    from meshlm.demo.traffic import SESSION_HEADER
 
     mesh = scenario_mesh({"v1": 100})
-    mesh["services"][SERVICE]["load_balancing"] = arm
+    svc = mesh["services"][SERVICE]
+    if arm == "session_hash":
+        svc["load_balancing"] = "ring_hash"
+        svc["route"]["hash_policy"] = {"header": SESSION_HEADER}
+    else:
+        svc["load_balancing"] = arm
     return mesh
 
 
@@ -152,14 +170,17 @@ def _run(arm: str, *, seconds: float, workdir: Any, say: Any) -> dict[str, Any]:
         cold_s = _calibrate(mesh)
         rate = DEMAND / cold_s
         say(f"an uncached call takes {cold_s:.2f} s: offering {rate:.2f} calls/s")
-        before = _cache(mesh)
         # One open loop over the groups in turn (evenly spaced: no group's calls come in a burst).
-        loads = [TenantLoad("acme", "demo-acme-key", rate=rate, prompts=interleaved())]
+        # The first round (each group once, cold everywhere) warms the caches and is not counted.
+        loads = [TenantLoad("acme", "demo-acme-key", rate=rate, prompts=interleaved(),
+                            sessions=sessions())]  # fmt: skip
         traffic = Traffic(
             mesh.caller_target, loads, authority=SERVICE, max_new_tokens=MAX_NEW_TOKENS
         ).start()
         stops.callback(traffic.stop)
-        say(f"traffic: {GROUPS} groups, {rate:.2f} calls/s in all, {seconds:.0f} s")
+        say(f"traffic: {GROUPS} groups, {rate:.2f} calls/s in all, {seconds:.0f} s after a round")
+        time.sleep(GROUPS / rate)
+        before = _cache(mesh)
         t0 = time.monotonic()
         time.sleep(seconds)
         traffic.stop()
@@ -168,8 +189,14 @@ def _run(arm: str, *, seconds: float, workdir: Any, say: Any) -> dict[str, Any]:
         after = _cache(mesh)
         hits = sum(after[n][0] - before[n][0] for n in after)
         queries = sum(after[n][1] - before[n][1] for n in after)
-        ok = [o for o in traffic.outcomes if o.status == "OK"]
+        counted = [o for o in traffic.outcomes if o.at >= t0 - 0.5 / rate]
+        ok = [o for o in counted if o.status == "OK"]
         ttft = [o.ttft_ms for o in ok if o.ttft_ms is not None]
+        served_s = max([elapsed, *(o.at + o.latency_ms / 1000 - t0 for o in ok)])
+        groups: dict[str, set[str]] = {}
+        for o in traffic.outcomes:
+            if o.status == "OK":
+                groups.setdefault(o.prompt.partition(".")[0], set()).add(o.replica)
         report = {
             "scenario": "shared-prefix",
             "load_balancing": arm,
@@ -178,11 +205,15 @@ def _run(arm: str, *, seconds: float, workdir: Any, say: Any) -> dict[str, Any]:
             "uncached_call_s": round(cold_s, 3),
             "offered_rate_per_s": round(rate, 3),
             "seconds": seconds,
-            "sla": sla(traffic.outcomes),
+            "sla": sla(counted),
             "ttft_ms": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)},
             "prefix_cache_hit_ratio": round(hits / queries, 3) if queries else None,
-            "output_tokens_per_s": round(sum(len(o.token_ids) for o in ok) / elapsed, 2),
+            # over the time until the last counted call finished: a mesh that falls behind the
+            # offered rate serves the same tokens over a longer time
+            "output_tokens_per_s": round(sum(len(o.token_ids) for o in ok) / served_s, 2),
             "served_by_replica": {n: after[n][2] - before[n][2] for n in after},
+            # per group, how many replicas served its calls (the warm-up round's too)
+            "replicas_per_group": {g: len(r) for g, r in sorted(groups.items())},
         }
         write_report(mesh.workdir, report)
         return report
