@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import secrets
 import threading
 import time
@@ -30,7 +31,7 @@ from typing import Any, Protocol
 from google.protobuf import json_format
 
 from xds_server import mesh as m
-from xds_server.mesh.faults import Fault, with_fault
+from xds_server.mesh.faults import Fault, carried_over, with_fault
 from xds_server.ratelimit import shares as membership
 from xds_server.registry.table import Registry
 from xds_server.slo.quarantine import Isolation
@@ -39,6 +40,8 @@ from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.csds import redact
 from xds_server.xds.snapshot import make_version
 from xds_server.xds.sync import SyncStatus
+
+log = logging.getLogger(__name__)
 
 # The longest a caller may wait for ACKs (seconds); longer asks are refused before staging.
 MAX_TIMEOUT = 600.0
@@ -225,10 +228,15 @@ class ControlPlane:
         """A new mesh file (tenants, endpoints, resilience...) that keeps the live traffic split:
         weights and `x-canary` pins of a service whose versions are unchanged belong to the
         weights API and rollouts, not to whatever the file said when it was written. `source`:
-        the document `mesh` parsed from, which replicas keep in their store (needed there)."""
+        the document `mesh` parsed from, which replicas keep in their store (needed there).
+        The faults set at run time (`meshlm fault`) stay too while the new mesh can take them;
+        each one dropped is logged with why."""
 
         def keep_split(live: m.Mesh) -> m.Mesh:
-            new = mesh
+            faults, dropped = carried_over(live.faults, mesh.faults, mesh.services)
+            for why in dropped.values():
+                log.warning("new mesh: run-time fault dropped: %s", why)
+            new = dataclasses.replace(mesh, faults=faults)
             for name, svc in mesh.services.items():
                 cur = live.services.get(name)
                 if cur is None or set(cur.versions) != set(svc.versions):

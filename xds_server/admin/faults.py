@@ -5,6 +5,7 @@ fault when its duration ends, so no fault outlives the CLI that set it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -75,12 +76,13 @@ def _fault(name: str, body: bytes, mesh: Any, now: float) -> Fault:
     doc = dict(doc)
     duration = doc.pop("duration", None)
     fault = parse_fault(name, doc, mesh.services, path)
+    fault = dataclasses.replace(fault, at_run_time=True)
     if duration is None:
         return fault
     seconds = parse_duration(duration, f"{path}.duration")
     if seconds <= 0:
         raise MeshError(f"{path}.duration: must be greater than 0")
-    return Fault(**{**fault.__dict__, "expires_at": now + seconds})
+    return dataclasses.replace(fault, expires_at=now + seconds)
 
 
 class FaultFile:
@@ -114,11 +116,12 @@ class FaultFile:
         for doc in docs if isinstance(docs, list) else []:
             doc = dict(doc)
             name, expires_at = str(doc.pop("name", "")), doc.pop("expires_at", None)
+            doc.pop("at_run_time", None)  # every fault saved here was set at run time
             if expires_at is not None and expires_at <= now:
                 continue
             try:
                 fault = parse_fault(name, doc, cp.mesh.services, f"faults.{name}")
-                fault = Fault(**{**fault.__dict__, "expires_at": expires_at})
+                fault = dataclasses.replace(fault, expires_at=expires_at, at_run_time=True)
                 cp.set_fault(fault, timeout=0)
             except ValueError as e:
                 log.warning("%s: fault %s not restored: %s", self.path, name, e)

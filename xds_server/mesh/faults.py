@@ -54,6 +54,8 @@ class Fault:
     # `ip:port` of one endpoint of `service`: only the calls that host serves, injected by its
     # inbound sidecar. None: every call to the service, injected by the callers.
     host: str | None = None
+    # Set over the admin API (`meshlm fault`), not by the mesh file: a new mesh file keeps it.
+    at_run_time: bool = False
 
     @property
     def scope(self) -> tuple[str, str | None]:
@@ -195,4 +197,29 @@ def fault_doc(fault: Fault) -> dict[str, Any]:
         status = {"http_status": a.http_status} if a.http_status else {"grpc_status": a.grpc_status}
         doc["abort"] = {**status, "percent": a.percent}
     doc["expires_at"] = fault.expires_at
+    doc["at_run_time"] = fault.at_run_time
     return doc
+
+
+def carried_over(
+    live: dict[str, Fault], faults: dict[str, Fault], services: dict[str, Any]
+) -> tuple[dict[str, Fault], dict[str, str]]:
+    """`faults` (a new mesh file's) with the run-time faults of `live` that it can still take;
+    and those dropped, name -> why: the file names a fault the same, or gives its scope to
+    one of its own (the file says what it wants there), or its service, version or host is
+    gone."""
+    out, dropped = dict(faults), {}
+    for name, fault in live.items():
+        if not fault.at_run_time:
+            continue
+        if name in faults:
+            dropped[name] = f"faults.{name}: the mesh file defines a fault of that name"
+            continue
+        doc = {k: v for k, v in fault_doc(fault).items()
+               if k not in ("name", "expires_at", "at_run_time")}  # fmt: skip
+        try:
+            parse_fault(name, doc, services, f"faults.{name}")
+            out = with_fault(out, fault)
+        except MeshError as e:
+            dropped[name] = str(e)
+    return out, dropped
