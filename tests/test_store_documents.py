@@ -1,5 +1,5 @@
 """What a replica reads from the store is checked like an admin request: a document nested
-50,000 deep or a `live/*` of the wrong shape is refused, naming its key and field; the
+50,000 deep or a `live/*` or `faults` of the wrong shape is refused, naming its key and field; the
 replica keeps serving the last good version, says it is not ready (and why) while the store
 holds the bad document, and stages the next good edit. On a real etcd and a real
 `meshlm xds-server` replica."""
@@ -61,6 +61,18 @@ def test_a_bad_document_in_the_store_is_refused_and_the_watch_lives_on(
         assert "reason" not in doc, doc
         _, state = r.call("GET", "/dashboard/state")
         assert state["services"]["llm"]["weights"] == {"v1": 0, "v2": 100}, state
+
+        # The faults document: a wrong shape is refused like any other; a fault the mesh can
+        # no longer take (its version is gone) is left out alone, the replica still ready.
+        store.txn([], [Put("faults", encode({"faults": "down"}))])
+        _, doc = wait_for(lambda: (got := readyz(r))[0] == 503 and got, 20)
+        assert "faults: expected {faults: [...]}" in doc["reason"], doc
+        down = {"name": "down", "service": "llm", "abort": {"grpc_status": 14}}
+        gone = {"name": "gone", "service": "llm", "version": "v9", "delay": {"fixed_delay": "1s"}}
+        rev = store.txn([], [Put("faults", encode({"faults": [down, gone]}))])
+        wait_for(lambda: (got := readyz(r))[0] == 200 and got[1]["store_revision"] >= rev, 20)
+        _, listed = r.call("GET", "/v1/faults")
+        assert [f["name"] for f in listed["faults"]] == ["down"], listed
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from xds_server.mesh.faults import Fault, fault_doc, parse_fault
+from xds_server.mesh.faults import Fault, fault_doc, fault_from_doc, parse_fault
 from xds_server.mesh.fields import MeshError, check_name, parse_duration
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,6 @@ def handle(cp: Any, now: Any = time.time, file: FaultFile | None = None) -> Any:
             return 200, {"faults": [fault_doc(f) for f in cp.mesh.faults.values()]}
         if len(parts) != 1 or method not in ("POST", "DELETE"):
             return 404, {"error": f"no such endpoint: {method} {url.path}"}
-        if cp.replication is not None:
-            return 501, {"error": "faults over the admin API need a control plane without a store"}
         name = parts[0]
         if method == "DELETE":
             if name not in cp.mesh.faults:
@@ -114,19 +112,16 @@ class FaultFile:
             return []
         restored = []
         for doc in docs if isinstance(docs, list) else []:
-            doc = dict(doc)
-            name, expires_at = str(doc.pop("name", "")), doc.pop("expires_at", None)
-            doc.pop("at_run_time", None)  # every fault saved here was set at run time
-            if expires_at is not None and expires_at <= now:
-                continue
             try:
-                fault = parse_fault(name, doc, cp.mesh.services, f"faults.{name}")
-                fault = dataclasses.replace(fault, expires_at=expires_at, at_run_time=True)
-                cp.set_fault(fault, timeout=0)
+                fault = fault_from_doc(doc, cp.mesh.services)
+                if fault.expires_at is not None and fault.expires_at <= now:
+                    continue
+                # every fault saved here was set at run time
+                cp.set_fault(dataclasses.replace(fault, at_run_time=True), timeout=0)
             except ValueError as e:
-                log.warning("%s: fault %s not restored: %s", self.path, name, e)
+                log.warning("%s: a fault not restored: %s", self.path, e)
                 continue
-            restored.append(name)
+            restored.append(fault.name)
         return restored
 
 

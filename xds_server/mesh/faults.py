@@ -6,7 +6,7 @@ sidecar, so every caller sees that one host slow or failing."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from xds_server.mesh.fields import (
@@ -201,6 +201,26 @@ def fault_doc(fault: Fault) -> dict[str, Any]:
     return doc
 
 
+def fault_from_doc(doc: Any, services: dict[str, Any]) -> Fault:
+    """A fault as fault_doc wrote it (a faults file, the store's `faults` key), checked like a
+    new one against `services`; MeshError names the field."""
+    d = dict(read_mapping(doc, "faults[]"))
+    name = d.pop("name", None)
+    if not isinstance(name, str):
+        raise MeshError(f"faults[].name: expected a string, got {name!r:.40}")
+    path = f"faults.{name}"
+    check_name(name, path)
+    expires_at, at_run_time = d.pop("expires_at", None), d.pop("at_run_time", False)
+    if expires_at is not None and (
+        isinstance(expires_at, bool) or not isinstance(expires_at, int | float)
+    ):
+        raise MeshError(f"{path}.expires_at: expected epoch seconds or null")
+    if not isinstance(at_run_time, bool):
+        raise MeshError(f"{path}.at_run_time: expected true or false")
+    fault = parse_fault(name, d, services, path)
+    return replace(fault, expires_at=expires_at, at_run_time=at_run_time)
+
+
 def carried_over(
     live: dict[str, Fault], faults: dict[str, Fault], services: dict[str, Any]
 ) -> tuple[dict[str, Fault], dict[str, str]]:
@@ -215,10 +235,8 @@ def carried_over(
         if name in faults:
             dropped[name] = f"faults.{name}: the mesh file defines a fault of that name"
             continue
-        doc = {k: v for k, v in fault_doc(fault).items()
-               if k not in ("name", "expires_at", "at_run_time")}  # fmt: skip
         try:
-            parse_fault(name, doc, services, f"faults.{name}")
+            fault_from_doc(fault_doc(fault), services)  # its service, version, host still there
             out = with_fault(out, fault)
         except MeshError as e:
             dropped[name] = str(e)

@@ -2,7 +2,8 @@
 
 Every replica serves its own sidecars from the same desired state: the mesh as last applied
 (`mesh`: the document the mesh file parses from), the live edits over it (`live/<service>`:
-weights, x-canary pins, endpoints, SLO actions) and the hosts registered on any replica
+weights, x-canary pins, endpoints, SLO actions), the faults in force (`faults`: the file's and
+those set at run time) and the hosts registered on any replica
 (`registrations/<host:port>`, written by xds_server/registry/store.py). A change taken by any
 replica is a revision-checked transaction on those keys (a writer that read a stale value is
 refused, re-reads and tries again); every replica watches them and restages when they move, and
@@ -29,6 +30,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from xds_server import mesh as m
+from xds_server.mesh.faults import fault_doc
 from xds_server.mesh.model import parse_endpoint
 from xds_server.slo.quarantine import Isolation, SharedQuarantine
 from xds_server.store import keys
@@ -46,13 +48,18 @@ from xds_server.store.base import (
     Watch,
     encode,
 )
-from xds_server.store.documents import check_live, mesh_source
+from xds_server.store.documents import check_faults, check_live, faults_of, mesh_source
 from xds_server.xds.sync import SyncStatus
 
 log = logging.getLogger("meshlm.replica")
 RELIST_EVERY = 5.0  # seconds between full re-reads, watch or not
 BACKOFF_MIN, BACKOFF_MAX = 0.5, 10.0  # seconds before the watch loop tries again
 _KEEP = 64  # (store revision, generation) pairs remembered for ACK summaries
+
+
+def _desired_key(key: str) -> bool:
+    """A key of the desired state (mesh, faults, live/<service>)."""
+    return key in (keys.MESH, keys.FAULTS) or key.startswith(keys.LIVE)
 
 
 def live_doc(svc: m.Service) -> dict[str, Any]:
@@ -117,6 +124,9 @@ class SharedRegistry(Protocol):
         """Take `entries` (the registration keys, read at `revision`) as the registered
         hosts; the keys left out and why."""
 
+    def overlay(self, mesh: m.Mesh) -> m.Mesh:
+        """`mesh` with the registered hosts."""
+
 
 class Staging(Protocol):
     """What a replica's link to the store needs of its control plane."""
@@ -159,6 +169,7 @@ class Replication:
         self.broken = ""  # why the watch loop failed, "" once it runs again
         self._good: dict[str, tuple[int, Any]] = {}  # key -> (revision, last good document)
         self._cp: Staging | None = None
+        self._faults_left_out: dict[str, str] = {}
         self._revs: dict[str, int] = {}  # mesh/live key -> revision, as staged
         self._staged: list[tuple[int, int]] = []  # (store revision, cache generation)
         self._stop = threading.Event()
@@ -211,7 +222,7 @@ class Replication:
         replaced) and its last good version stands in for it."""
         cp = self._cp
         entries, rev = self.store.list("")
-        docs = {e.key: e for e in entries if e.key == keys.MESH or e.key.startswith(keys.LIVE)}
+        docs = {e.key: e for e in entries if _desired_key(e.key)}
         hosts = [e for e in entries if e.key.startswith(keys.REGISTRATIONS)]
         revs = {k: e.revision for k, e in docs.items()} | {e.key: e.revision for e in hosts}
         with cp.mutating:
@@ -254,6 +265,8 @@ class Replication:
                 doc = e.json()
                 if key == keys.MESH:
                     m.parse_mesh(mesh_source(doc, key))
+                elif key == keys.FAULTS:
+                    check_faults(doc, key)
                 else:
                     check_live(doc, key)
                 good[key] = (e.revision, doc)
@@ -265,7 +278,7 @@ class Replication:
             rejected.setdefault(keys.MESH, f"{keys.MESH}: absent")
             return None, rejected
         mesh = m.parse_mesh(good[keys.MESH][1]["source"])
-        for key in sorted(k for k in good if k != keys.MESH):
+        for key in sorted(k for k in good if k.startswith(keys.LIVE)):
             candidates = [good[key]]
             if key in self._good and self._good[key] != good[key]:
                 candidates.append(self._good[key])
@@ -280,6 +293,17 @@ class Replication:
                 break
             else:
                 del good[key]
+        if keys.FAULTS in good:
+            # Checked against the registered hosts too: a host fault may name one.
+            services = self._cp.registry.overlay(mesh).services
+            faults, refused = faults_of(good[keys.FAULTS][1], keys.FAULTS, services)
+            mesh = dataclasses.replace(mesh, faults=faults)
+            # Left out alone and logged, not refused: a fault whose host left is no reason to
+            # say this replica is not ready.
+            for name, why in refused.items():
+                if self._faults_left_out.get(name) != why:
+                    log.warning("replica %s: fault %s left out: %s", self.id, name, why)
+            self._faults_left_out = refused
         self._good = good
         return mesh, rejected
 
@@ -362,6 +386,9 @@ class Replication:
             for key in self._revs:
                 if key.startswith(keys.LIVE) and key.removeprefix(keys.LIVE) not in new.services:
                     write(key, Delete(key))
+        if source is not None or new.faults != base.faults:
+            doc = {"faults": [fault_doc(f) for f in new.faults.values()]}
+            write(keys.FAULTS, Put(keys.FAULTS, encode(doc)))
         for name, svc in new.services.items():
             doc = live_doc(svc)
             old = base.services.get(name)
@@ -388,7 +415,7 @@ class Replication:
                     next_list = time.monotonic() + RELIST_EVERY
                 ev = self._watch.get(timeout=max(0.05, next_list - time.monotonic()))
                 moved = ev is not None and (
-                    ev.key == keys.MESH or ev.key.startswith((keys.LIVE, keys.REGISTRATIONS))
+                    _desired_key(ev.key) or ev.key.startswith(keys.REGISTRATIONS)
                 )
                 if moved or time.monotonic() >= next_list:
                     self.reload()

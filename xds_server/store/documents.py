@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from xds_server import mesh as m
+from xds_server.mesh.faults import Fault, fault_from_doc, with_fault
 
 LIVE_FIELDS = {"weights", "pins", "mirror", "endpoints", "slo_state"}
 
@@ -19,6 +20,31 @@ def mesh_source(doc: Any, key: str) -> Any:
     if not isinstance(doc, dict) or "source" not in doc:
         raise m.MeshError(f"{key}: expected an object with a source, got {_kind(doc)}")
     return doc["source"]
+
+
+def check_faults(doc: Any, key: str) -> list[Any]:
+    """The shape of the `faults` document; each fault is checked where it is applied
+    (faults_of), against the services of the mesh it is laid over."""
+    if not isinstance(doc, dict) or set(doc) != {"faults"} or not isinstance(doc["faults"], list):
+        raise m.MeshError(f"{key}: expected {{faults: [...]}}, got {_kind(doc)}")
+    return doc["faults"]
+
+
+def faults_of(
+    doc: Any, key: str, services: dict[str, Any]
+) -> tuple[dict[str, Fault], dict[str, str]]:
+    """The faults of a checked `faults` document that `services` can take, and those refused:
+    name -> why (a fault whose host or version left is refused alone, not with the others)."""
+    out: dict[str, Fault] = {}
+    refused: dict[str, str] = {}
+    for n, item in enumerate(check_faults(doc, key)):
+        try:
+            fault = fault_from_doc(item, services)
+            out = with_fault(out, fault)
+        except m.MeshError as e:
+            name = item.get("name") if isinstance(item, dict) else None
+            refused[str(name) if isinstance(name, str) else f"[{n}]"] = f"{key}: {e}"
+    return out, refused
 
 
 def check_live(doc: Any, key: str) -> dict[str, Any]:

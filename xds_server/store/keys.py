@@ -8,6 +8,8 @@ Desired state, written by whichever replica took the admin call (revision-checke
   mesh                       the mesh as last applied: {"source": YAML text, ...}
   live/<service>             edits over it: weights, x-canary pins, endpoints the SLO loop
                              added, the SLO actions in force (what ControlPlane._change makes)
+  faults                     the faults in force, the mesh file's and those set at run time
+                             (`meshlm fault`): {"faults": [fault_doc, ...]}; absent: the file's
 Leader-only (fenced) state:
   rollouts/<service>         one rollout (xds_server/rollout/controller.py Rollout.to_dict())
   slo/<service>              one SLO loop: level, state, replicas it started, history
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 LEADER = "leader"
 MESH = "mesh"
+FAULTS = "faults"
 LIVE = "live/"
 ROLLOUTS = "rollouts/"
 QUARANTINE = "isolation/"
