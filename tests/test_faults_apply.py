@@ -1,11 +1,14 @@
-"""A new mesh file (`meshlm apply`) and the faults set at run time (`meshlm fault add`): the
-file's own faults are replaced by the new file's, while a run-time fault stays in force
+"""The faults set at run time (`meshlm fault add`) across a new mesh file and a restart. A new
+file (`meshlm apply`) replaces the old file's faults, while a run-time fault stays in force
 (still injected by the real caller Envoy) unless the new file takes its name or scope, or its
-version is gone; each one dropped is logged with why."""
+version is gone; each one dropped is logged with why. A restarted control plane restores a
+host fault once its host is back."""
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from pathlib import Path
 
 import yaml
@@ -13,6 +16,7 @@ import yaml
 from tests.test_faults_envoy import MARK, TOKEN, _meshlm, _outcomes, _raw
 from tests.test_xds_support import Caller, eventually, sidecar, upstreams
 from xds_server.admin.api import AdminServer
+from xds_server.admin.faults import FaultFile
 from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 
@@ -67,4 +71,37 @@ def test_a_new_mesh_file_keeps_the_run_time_faults_it_can_take(tmp_path: Path, c
                 caller.close()
         finally:
             admin.stop()
+            cp.stop()
+
+
+def test_a_restored_host_fault_waits_for_its_host_to_come_back(tmp_path: Path) -> None:
+    """A control plane restarted on its faults file restores a `host:` fault whose host is not
+    an endpoint yet (a registered host that has not registered again) once the host is back,
+    keeping it in the file meanwhile; one whose host never comes back is dropped after the
+    patience."""
+    with upstreams("v1") as ups:
+        later = "127.0.0.1:7"
+        doc = {"name": "slow-later", "service": "llm", "host": later,
+               "delay": {"fixed_delay": "1s", "percent": 100.0}, "expires_at": None}  # fmt: skip
+        file = tmp_path / "faults.json"
+        file.write_text(json.dumps([doc]))
+        cp = build_server(parse_mesh(_raw(ups, {"v1": 100})), debounce=0.02).start()
+        admin = AdminServer(cp, token=TOKEN, faults_file=file).start()
+        try:
+            assert not cp.mesh.faults
+            time.sleep(1.0)  # a few expiry ticks: the file still holds it
+            assert [d["name"] for d in json.loads(file.read_text())] == ["slow-later"]
+            assert cp.add_endpoint("llm", "v1", later, timeout=0) is not None
+            eventually(lambda: "slow-later" in cp.mesh.faults, what="the restored fault")
+            assert cp.mesh.faults["slow-later"].at_run_time
+        finally:
+            admin.stop()
+            cp.stop()
+        # Its host gone for good: dropped once the patience has passed.
+        cp = build_server(parse_mesh(_raw(ups, {"v1": 100})), debounce=0.02).start()
+        try:
+            faults = FaultFile(file)
+            assert faults.restore(cp, time.time(), patience=0.0) == []
+            assert not faults.pending and not cp.mesh.faults
+        finally:
             cp.stop()

@@ -233,7 +233,9 @@ class ControlPlane:
         each one dropped is logged with why."""
 
         def keep_split(live: m.Mesh) -> m.Mesh:
-            faults, dropped = carried_over(live.faults, mesh.faults, mesh.services)
+            # a host fault may name a registered host
+            services = self.registry.overlay(mesh).services
+            faults, dropped = carried_over(live.faults, mesh.faults, services)
             for why in dropped.values():
                 log.warning("new mesh: run-time fault dropped: %s", why)
             new = dataclasses.replace(mesh, faults=faults)

@@ -83,26 +83,37 @@ def _fault(name: str, body: bytes, mesh: Any, now: float) -> Fault:
     return dataclasses.replace(fault, expires_at=now + seconds)
 
 
+# How long a restored fault that names no known host yet waits for hosts to register again
+# (seconds after the restart) before it is dropped.
+RESTORE_PATIENCE = 60.0
+
+
 class FaultFile:
     """The live faults kept across a restart of the control plane (JSON, the admin API's
     listing); `expires_at` is wall-clock time, so one that ended while it was down stays gone."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.saved: dict[str, Fault] | None = None
+        self.saved: list[dict[str, Any]] | None = None
+        # Restored faults the mesh cannot take yet (a `host:` fault on a host that has not
+        # registered again), retried until RESTORE_PATIENCE has passed; saved meanwhile.
+        self.pending: list[dict[str, Any]] = []
+        self.pending_until = 0.0
 
     def save(self, faults: dict[str, Fault]) -> None:
-        if faults == self.saved:
+        docs = [fault_doc(f) for f in faults.values()]
+        docs += [d for d in self.pending if d.get("name") not in faults]
+        if docs == self.saved:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps([fault_doc(f) for f in faults.values()]))
+        tmp.write_text(json.dumps(docs))
         os.replace(tmp, self.path)
-        self.saved = dict(faults)
+        self.saved = docs
 
-    def restore(self, cp: Any, now: float) -> list[str]:
-        """Stage the saved faults not yet ended; the names restored. One the mesh can no longer
-        take (its service or version is gone) is logged and dropped."""
+    def restore(self, cp: Any, now: float, patience: float = RESTORE_PATIENCE) -> list[str]:
+        """Stage the saved faults not yet ended; the names restored. One the mesh cannot take
+        yet is retried (retry()) for `patience` seconds, then logged and dropped."""
         try:
             docs = json.loads(self.path.read_text())
         except FileNotFoundError:
@@ -110,18 +121,35 @@ class FaultFile:
         except (OSError, ValueError) as e:  # the control plane still starts, without them
             log.warning("%s: faults not restored: %s", self.path, e)
             return []
-        restored = []
-        for doc in docs if isinstance(docs, list) else []:
+        self.pending = [d for d in docs if isinstance(d, dict)] if isinstance(docs, list) else []
+        self.pending_until = now + patience
+        return self.retry(cp, now)
+
+    def retry(self, cp: Any, now: float) -> list[str]:
+        """Stage the pending faults the live mesh (registered hosts included) takes now; the
+        names staged. A pending fault that ended, or that a newer one of its name replaced, is
+        dropped."""
+        restored, waiting = [], []
+        for doc in self.pending:
             try:
                 fault = fault_from_doc(doc, cp.mesh.services)
-                if fault.expires_at is not None and fault.expires_at <= now:
-                    continue
-                # every fault saved here was set at run time
-                cp.set_fault(dataclasses.replace(fault, at_run_time=True), timeout=0)
             except ValueError as e:
+                if now < self.pending_until:
+                    waiting.append(doc)
+                else:
+                    log.warning("%s: a fault not restored: %s", self.path, e)
+                continue
+            if fault.name in cp.mesh.faults or (
+                fault.expires_at is not None and fault.expires_at <= now
+            ):
+                continue
+            try:  # every fault saved here was set at run time
+                cp.set_fault(dataclasses.replace(fault, at_run_time=True), timeout=0)
+            except ValueError as e:  # its scope is taken meanwhile
                 log.warning("%s: a fault not restored: %s", self.path, e)
                 continue
             restored.append(fault.name)
+        self.pending = waiting
         return restored
 
 
@@ -164,4 +192,7 @@ class FaultExpiry:
                 r = self.cp.remove_fault(fault.name, timeout=10.0, only=fault)
                 log.info("fault %s expired: removed (%s)", fault.name, r and r.version)
         if self.file is not None:
+            if self.file.pending:
+                for name in self.file.retry(self.cp, now):
+                    log.info("fault %s restored", name)
             self.file.save(self.cp.mesh.faults)
