@@ -8,3 +8,6 @@ OUTBOUND_PORT = "meshlm.outbound_port"
 LOCAL_ENDPOINT = "meshlm.local_endpoint"  # host:port of the runtime an inbound listener fronts
 LOCAL_HTTP_ENDPOINT = "meshlm.local_http_endpoint"  # that runtime's OpenAI HTTP API
 LISTEN_HOST = "meshlm.listen_host"  # the address the sidecar's listeners bind
+# ip:port callers reach the inbound listener at, where that is not LISTEN_HOST:INBOUND_PORT
+# (a sidecar on 0.0.0.0 registering its pod IP): the host a mesh fault's `host:` names
+HOST = "meshlm.host"

@@ -31,6 +31,7 @@ def ads_bootstrap(
     local_endpoint: str | None = None,
     local_http_endpoint: str | None = None,
     listen_host: str | None = None,
+    host: str | None = None,
     api_type: str = "GRPC",
     admin_port: int = 0,
     cluster: str = "meshlm",
@@ -45,7 +46,9 @@ def ads_bootstrap(
     list every control-plane replica: the xds cluster then has one endpoint each,
     and when the stream's replica dies Envoy's reconnect goes to one that answers.
     `listen_host`: the IP address the sidecar's listeners bind (default 127.0.0.1; a pod's
-    sidecar that other pods call binds 0.0.0.0). `zone`: the node's locality zone, which
+    sidecar that other pods call binds 0.0.0.0). `host`: the `ip:port` callers reach the inbound
+    listener at, where that is not `listen_host:inbound_port` (the address a sidecar on 0.0.0.0
+    registers): the host a mesh fault's `host:` names. `zone`: the node's locality zone, which
     orders the zones of its callee clusters (a service's `locality`).
     """
     if api_type not in ("GRPC", "DELTA_GRPC"):
@@ -61,6 +64,7 @@ def ads_bootstrap(
         (node_metadata.LOCAL_ENDPOINT, local_endpoint),
         (node_metadata.LOCAL_HTTP_ENDPOINT, local_http_endpoint),
         (node_metadata.LISTEN_HOST, listen_host),
+        (node_metadata.HOST, host),
     ):
         if value is not None:
             metadata[key] = value

@@ -8,12 +8,17 @@ import subprocess
 import sys
 import urllib.request
 
+from mesh_common import type_urls as t
 from mesh_common.ports import free_port
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.lkg import LastKnownGood
 from sidecar.supervisor import Supervisor
 from tests.test_xds_support import Caller, eventually, llm_mesh, upstreams
 from xds_server.compose import build_server
+from xds_server.mesh import parse_mesh
+from xds_server.resources import faults, names
+from xds_server.resources.build import build_resources
+from xds_server.xds.node import NodeInfo
 
 
 def _listener_addresses(admin_port: int) -> list[str]:
@@ -54,3 +59,28 @@ def test_listen_host_must_be_an_ip_address() -> None:
     r = subprocess.run([*cmd, "--listen-host", "pod.local"], capture_output=True, text=True)
     assert r.returncode == 2
     assert "--listen-host: expected an IP address, got 'pod.local'" in r.stderr
+
+
+def test_a_host_fault_finds_a_sidecar_on_0_0_0_0_by_the_address_it_registers() -> None:
+    """A sidecar binding 0.0.0.0 is reached at the address it registers (`--register`, node
+    metadata meshlm.host): a `host:` fault naming that address is injected by its inbound
+    listener; without it, 0.0.0.0:PORT matches no host."""
+    pod = "10.1.2.3:9000"
+    mesh = parse_mesh({
+        "services": {"llm": {"versions": {"v1": {"endpoints": [pod]}},
+                             "route": {"weights": {"v1": 100}}}},
+        "faults": {"slow-pod": {"service": "llm", "host": pod, "delay": {"fixed_delay": "1s"}}},
+    })  # fmt: skip
+
+    def faulted(**extra) -> bool:
+        md = ads_bootstrap("n", xds_address=("127.0.0.1", 1), service="llm", version="v1",
+                  inbound_port=9000, local_endpoint="127.0.0.1:8000", listen_host="0.0.0.0",
+                  **extra)["node"]["metadata"]  # fmt: skip
+        route = build_resources(mesh, NodeInfo.from_metadata(md))[t.ROUTE][
+            names.inbound_route("llm", "v1")
+        ]
+        return faults.FILTER_NAME in route.virtual_hosts[0].typed_per_filter_config
+
+    assert faulted(host=pod)
+    assert not faulted()
+    assert not faulted(host="10.1.2.4:9000")

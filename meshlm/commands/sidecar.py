@@ -262,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
             local_endpoint=args.local_endpoint,
             local_http_endpoint=args.local_http_endpoint,
             listen_host=args.listen_host,
+            host=f"{args.register[0]}:{args.register[1]}" if args.register else None,
             api_type="DELTA_GRPC" if args.delta else "GRPC",
             admin_port=admin_port,
             zone=args.zone,

@@ -160,7 +160,7 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         # The endpoint this sidecar serves is where callers reach it: its listen address and
         # inbound port (a registered host registers that same address).
         fault=faults.host_fault(
-            mesh.faults.values(), svc.name, ver.name, f"{node.listen_host}:{node.inbound_port}"
+            mesh.faults.values(), svc.name, ver.name, node.inbound_endpoint
         ),
     )
     out[t.ROUTE][rc.name] = rc

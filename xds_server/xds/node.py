@@ -10,6 +10,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from mesh_common.node_metadata import (
+    HOST,
     INBOUND_PORT,
     LISTEN_HOST,
     LOCAL_ENDPOINT,
@@ -34,6 +35,8 @@ class NodeInfo:
     # host:port of that runtime's OpenAI HTTP API (`meshlm serve --http-port`)
     local_http_endpoint: str | None = None
     listen_host: str = "127.0.0.1"
+    # ip:port callers reach the inbound listener at, when it is not listen_host:inbound_port
+    host: str | None = None
     # Envoy's Node.locality.zone: the caller's zone, which orders its EDS priorities. Sidecars
     # of one zone share a snapshot, so snapshots scale with zones, not nodes.
     zone: str | None = None
@@ -68,7 +71,13 @@ class NodeInfo:
             local_endpoint=text(LOCAL_ENDPOINT),
             local_http_endpoint=text(LOCAL_HTTP_ENDPOINT),
             listen_host=text(LISTEN_HOST) or "127.0.0.1",
+            host=text(HOST),
         )
+
+    @property
+    def inbound_endpoint(self) -> str:
+        """The `ip:port` of this sidecar's inbound listener as callers reach it."""
+        return self.host or f"{self.listen_host}:{self.inbound_port}"
 
     @classmethod
     def from_node(cls, node: Any) -> NodeInfo:  # envoy.config.core.v3.Node
