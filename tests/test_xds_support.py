@@ -35,10 +35,15 @@ class _Who(grpc.GenericRpcHandler):
     def __init__(self, name: str) -> None:
         self.name = name.encode()
         self.calls = 0
+        self.delay = 0.0  # seconds before each answer
+        self.arrivals: list[float] = []  # time.monotonic() of each call
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         def who(request: bytes, context: grpc.ServicerContext) -> bytes:
             self.calls += 1
+            self.arrivals.append(time.monotonic())
+            if self.delay:
+                time.sleep(self.delay)
             return self.name
 
         return grpc.unary_unary_rpc_method_handler(who)

@@ -164,6 +164,9 @@ class RetryPolicy:
     retry_on: str = "unavailable,connect-failure"
     num_retries: int = 1
     per_try_timeout: float | None = None
+    # Envoy's hedge_policy.hedge_on_per_try_timeout: a try past its per-try timeout is not
+    # cancelled; the next try races it and the first response wins (needs per_try_timeout).
+    hedge_on_per_try_timeout: bool = False
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ def parse_circuit_breakers(d: dict, path: str) -> CircuitBreakers:
 
 
 def parse_retry_policy(d: dict, path: str) -> RetryPolicy:
-    only_known(d, path, {"retry_on", "num_retries", "per_try_timeout"})
+    only_known(d, path, {"retry_on", "num_retries", "per_try_timeout", "hedge_on_per_try_timeout"})
     retry_on = d.get("retry_on", "unavailable,connect-failure")
     if not isinstance(retry_on, str):
         raise MeshError(f"{path}.retry_on: expected a comma-separated string")
@@ -136,10 +136,16 @@ def parse_retry_policy(d: dict, path: str) -> RetryPolicy:
         if tok.strip() not in RETRY_ON:
             raise MeshError(f"{path}.retry_on: unknown condition {tok.strip()!r}")
     pt = d.get("per_try_timeout")
+    hedge = d.get("hedge_on_per_try_timeout", False)
+    if not isinstance(hedge, bool):
+        raise MeshError(f"{path}.hedge_on_per_try_timeout: expected true or false")
+    if hedge and pt is None:
+        raise MeshError(f"{path}.hedge_on_per_try_timeout: needs per_try_timeout (when to hedge)")
     return RetryPolicy(
         retry_on=",".join(t.strip() for t in retry_on.split(",")),
         num_retries=read_int(d.get("num_retries", 1), f"{path}.num_retries", 0, 10),
         per_try_timeout=None if pt is None else parse_duration(pt, f"{path}.per_try_timeout"),
+        hedge_on_per_try_timeout=hedge,
     )
 
 

@@ -159,9 +159,7 @@ def _inbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) -
         orca_callers=rbac.orca_callers(svc, mesh.identity.trust_domain if mesh.identity else ""),
         # The endpoint this sidecar serves is where callers reach it: its listen address and
         # inbound port (a registered host registers that same address).
-        fault=faults.host_fault(
-            mesh.faults.values(), svc.name, ver.name, node.inbound_endpoint
-        ),
+        fault=faults.host_fault(mesh.faults.values(), svc.name, ver.name, node.inbound_endpoint),
     )
     out[t.ROUTE][rc.name] = rc
     lname = names.inbound_listener(svc.name, ver.name)

@@ -435,6 +435,10 @@ def _action(
         rp = rc.RetryPolicy(retry_on=policy.retry_on, num_retries=u32(policy.num_retries))
         if policy.per_try_timeout is not None and per_try:
             rp.per_try_timeout.CopyFrom(duration(policy.per_try_timeout))
+            if policy.hedge_on_per_try_timeout:
+                # The slow try keeps running and still counts as a timeout for outlier
+                # detection (Envoy's router records it when it hedges).
+                a.hedge_policy.hedge_on_per_try_timeout = True
         # A retry goes to another host: the one that failed is likely still down (concurrent
         # calls share the load balancer's turn, so without this a retry often gets it again).
         rp.retry_host_predicate.append(
