@@ -37,7 +37,9 @@ from xds_server.mesh import Stall
 # The name users filter the resume lines by.
 log = logging.getLogger("meshlm.caller")
 
-# A failure of the path or the replica, not of the request: worth a resume once tokens flowed.
+# A failure of the path or the replica, not of the request: worth a resume once a replica took
+# the stream (its response headers came) or tokens flowed. Before any header the caller-side
+# route's own retry handles it (retry_on reset), and a refusal there is the request's.
 # CANCELLED here is a reset the caller did not ask for (its own close never reaches this).
 RESUMABLE = frozenset(
     {
@@ -177,6 +179,7 @@ class Progress:
         self.ttft_us: int | None = None
         self._next_index = 0
         self._avoid, self._version = "", ""
+        self._answered = False
 
     def attempt(self) -> tuple[bytes, float | None, list]:
         """(request, timeout, metadata) of the next attempt (the headers the caller sends with
@@ -196,6 +199,7 @@ class Progress:
         if self.mirror and not self.resumes:
             md.append((MIRROR_HEADER, MIRROR_SAFE))
         self._last, self._slow, self._first = time.monotonic(), 0, True
+        self._answered = False  # a replica's response headers came on this attempt
         return codec.encode_generate_request(req), remaining, md
 
     def wait(self) -> float | None:
@@ -239,10 +243,14 @@ class Progress:
         replica = headers.get(REPLICA_HEADER)
         if replica:
             self.replicas.append(replica)
+            self._answered = True
 
     def _error(self, e: grpc.RpcError) -> str:
         """Why a failed attempt is worth a resume; else raises its typed error."""
-        if e.code() in RESUMABLE and (self.token_ids or self.resumes):
+        # A stream a replica took and that broke before its first token (the host cut off
+        # after the headers: Envoy's idle timeout resets it, and no retry follows headers) is
+        # resumed like one that broke later, with nothing delivered.
+        if e.code() in RESUMABLE and (self.token_ids or self.resumes or self._answered):
             return f"{e.code().name}: {e.details() or ''}".rstrip(": ")
         raise from_rpc_error(e) from e
 
