@@ -35,10 +35,10 @@ def _error(**extra: Any) -> str:
 
 def test_prefix_aware_is_a_maglev_hash_with_bounded_load_by_default() -> None:
     svc = _service(load_balancing="prefix_aware").services["llm"]
-    assert svc.hash_balance_factor == 150
+    assert svc.hash_balance_factor == 110
     c = clusters.cluster("out-llm-v1", svc, caller_side=True)
     assert c.lb_policy == cluster_pb2.Cluster.MAGLEV
-    assert c.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value == 150
+    assert c.common_lb_config.consistent_hashing_lb_config.hash_balance_factor.value == 110
     assert not c.HasField("load_balancing_policy")
     tuned = _service(load_balancing="prefix_aware", hash_balance_factor=125).services["llm"]
     assert tuned.hash_balance_factor == 125

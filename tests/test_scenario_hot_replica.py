@@ -36,7 +36,9 @@ def test_offered_load_overloads_the_slow_replica_under_round_robin_only() -> Non
 
 def test_hot_replica_reports_shares_and_the_sla(tmp_path: Path) -> None:
     assert SCENARIOS["hot-replica"] == "meshlm.demo.scenarios.hot_replica"
-    report = hot_replica._run(least_loaded=True, seconds=15.0, workdir=tmp_path, say=print)
+    report = hot_replica._run(
+        load_balancing="least_loaded", seconds=15.0, workdir=tmp_path, say=print
+    )
     assert json.loads((tmp_path / "report.json").read_text()) == report
     assert report["load_balancing"] == "least_loaded"
     assert set(report["sla"]) == {"requests", "ok", "availability", "ttft_ms", "e2e_ms"}

@@ -58,8 +58,11 @@ METHODS = ("Generate", "Info")
 # PREFIX_HEADER) with bounded load, so calls sharing a prompt prefix find its KV cache.
 LOAD_BALANCING = ("least_loaded", "round_robin", "ring_hash", "prefix_aware")
 # prefix_aware's bounded load (Envoy's hash_balance_factor, percent): a host takes a key's call
-# while its active calls stay within this share of the mean; past it the call probes on.
-HASH_BALANCE_FACTOR = 150
+# while its active calls stay within this share of the mean; past it the call probes on. 110,
+# not 150: with 150 a replica at half speed kept 38-40 % of calls without shared prefixes
+# (hot-replica), 35 % with 110 (least_loaded: 33 %), while groups sharing a document still kept
+# to one replica each (shared-prefix hit ratio 0.98 with 110, 0.95 with 150; BENCHMARKS.md).
+HASH_BALANCE_FACTOR = 110
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,12 @@ together have room.
 With `load_balancing: least_loaded` the caller's Envoy weighs the replicas by their ORCA
 out-of-band reports (the slow one holds each stream longer, so at the same rps its time-averaged
 utilization is higher and it gets fewer calls, model_runtime/serving/orca.py); with
-`round_robin` each gets half. The report adds `share_by_replica` (Generate calls each runtime
-answered, from its own /metrics.json totals) and the `sla` object (meshlm/demo/sla.py); the demo
-runs both arms, round robin first."""
+`round_robin` each gets half. With `prefix_aware` every call has its own prefix key (no two
+prompts share a first KV block), so the hash spreads them evenly and the bounded load
+(`hash_balance_factor`: a replica holding more than its share of the calls in flight is passed
+over) is what moves calls off the slow replica, whose queue holds them longer. The report adds
+`share_by_replica` (Generate calls each runtime answered, from its own /metrics.json totals) and
+the `sla` object (meshlm/demo/sla.py); the demo runs the three arms, round robin first."""
 
 from __future__ import annotations
 
@@ -38,29 +41,37 @@ MAX_NEW_TOKENS = 128
 LOAD = 1.3
 RATE_BOUNDS = (0.2, 3.0)  # calls per second, whatever the measurement says
 WARMUP_CALLS = 6
-SHARE_GOAL = 0.4  # the slow replica's share with least_loaded
+SHARE_GOAL = 0.4  # the slow replica's share with least_loaded and with prefix_aware
+# round robin is the baseline; prefix_aware must not lose least_loaded's gain on calls that
+# share no prefix (issue 35)
+ARMS = ("round_robin", "least_loaded", "prefix_aware")
+# Every call's prompt is its own from its first KV block on (the number leads), and longer
+# than one block, so prefix_aware has a key for each call and no two share one: no cache to win.
+PROMPTS = tuple(
+    f"Story number {n}: write a long story about {topic}, with a beginning, a middle and an end."
+    for n, topic in enumerate(
+        t for _ in range(100) for t in ("a dragon", "the sea", "a robot", "a city")
+    )
+)
 
 
 def run(args: argparse.Namespace, name: str) -> int:
     shares = {}
-    for least_loaded in (False, True):
-        lb = "least_loaded" if least_loaded else "round_robin"
+    for lb in ARMS:
         workdir = None if args.workdir is None else Path(args.workdir) / lb
         if workdir is not None:
             workdir.mkdir(exist_ok=True)
         report = report_of(
             f"hot-replica ({lb}): one replica of two decodes at half speed",
-            lambda ll=least_loaded, w=workdir: _run(
-                least_loaded=ll, seconds=60.0, workdir=w, say=say
-            ),
+            lambda lb=lb, w=workdir: _run(load_balancing=lb, seconds=60.0, workdir=w, say=say),
         )
         if report is None or not report["sla"]["ok"]:
             return 1
         shares[lb] = report["share_by_replica"].get(SLOW)
-    print(f"{SLOW}'s share of the calls: round_robin {shares['round_robin']}, least_loaded "
-          f"{shares['least_loaded']} (goal <= {SHARE_GOAL})")  # fmt: skip
-    share = shares["least_loaded"]
-    return 0 if share is not None and share <= SHARE_GOAL else 1
+    print(f"{SLOW}'s share of the calls: "
+          + ", ".join(f"{lb} {shares[lb]}" for lb in ARMS)
+          + f" (goal <= {SHARE_GOAL} for {' and '.join(ARMS[1:])})")  # fmt: skip
+    return 0 if all(shares[lb] is not None and shares[lb] <= SHARE_GOAL for lb in ARMS[1:]) else 1
 
 
 def offered_rate(slow_tokens_per_s: float) -> float:
@@ -72,7 +83,8 @@ def offered_rate(slow_tokens_per_s: float) -> float:
 
 def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
     # 130 s, so p99 is not just the slowest call
-    r = _run(least_loaded=mechanism, seconds=30.0 if quick else 130.0, workdir=None,
+    lb = "least_loaded" if mechanism else "round_robin"
+    r = _run(load_balancing=lb, seconds=30.0 if quick else 130.0, workdir=None,
              say=lambda m: None)  # fmt: skip
     return {
         "sla": r["sla"],
@@ -81,23 +93,22 @@ def measure(mechanism: bool, quick: bool) -> dict[str, Any]:
     }
 
 
-def _mesh(least_loaded: bool) -> dict[str, Any]:
+def _mesh(load_balancing: str) -> dict[str, Any]:
     from meshlm.demo.launcher import SERVICE, scenario_mesh
 
     mesh = scenario_mesh({"v1": 100})
-    mesh["services"][SERVICE]["load_balancing"] = "least_loaded" if least_loaded else "round_robin"
+    mesh["services"][SERVICE]["load_balancing"] = load_balancing
     return mesh
 
 
-def _run(*, least_loaded: bool, seconds: float, workdir: Any, say: Any) -> dict[str, Any]:
+def _run(*, load_balancing: str, seconds: float, workdir: Any, say: Any) -> dict[str, Any]:
     from meshlm.demo.launcher import SERVICE, LocalMesh
-    from meshlm.demo.scenarios.capacity import STORY_PROMPTS
     from meshlm.demo.sla import sla
     from meshlm.demo.traffic import TenantLoad, Traffic
 
-    lb = "least_loaded" if least_loaded else "round_robin"
+    lb = load_balancing
     faults = {SLOW: [*SERVE_ARGS, "--fault-slow-decode", SLOW_FACTOR], FAST: SERVE_ARGS}
-    mesh = LocalMesh(_mesh(least_loaded), workdir=workdir, replicas={"v1": 2}, faults=faults)
+    mesh = LocalMesh(_mesh(lb), workdir=workdir, replicas={"v1": 2}, faults=faults)
     say(f"logs and report in {mesh.workdir}; load_balancing {lb}; {SLOW} decodes "
         f"{SLOW_FACTOR}x slower")  # fmt: skip
     with running(mesh, say) as stops:
@@ -107,7 +118,7 @@ def _run(*, least_loaded: bool, seconds: float, workdir: Any, say: Any) -> dict[
             f"{MAX_BATCH} slots each, both at once): acme offers {rate:g} calls/s")  # fmt: skip
         _warm_up(mesh, say)
         before = _generated(mesh)
-        load = TenantLoad("acme", "demo-acme-key", rate=rate, prompts=STORY_PROMPTS)
+        load = TenantLoad("acme", "demo-acme-key", rate=rate, prompts=PROMPTS)
         traffic = Traffic(
             mesh.caller_target, [load], authority=SERVICE, max_new_tokens=MAX_NEW_TOKENS
         ).start()
