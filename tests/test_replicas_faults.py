@@ -7,17 +7,14 @@ applied through either keeps it. Real etcd, real Envoys."""
 from __future__ import annotations
 
 import json
-import uuid
 
 from tests.etcd_support import wait_for
 from tests.test_faults_envoy import TOKEN, _meshlm
 from tests.test_replicas_sync import (  # noqa: F401 (the module's fixtures)
-    caller,
     etcd,
-    etcd_store,
-    replica,
     routed,
     source,
+    two_replicas,
     upstreams,
 )
 from xds_server.admin.api import AdminServer
@@ -27,16 +24,8 @@ from xds_server.store import keys
 
 def test_a_fault_through_one_replica_reaches_the_sidecars_of_both(etcd, upstreams):  # noqa: F811
     v1, v2 = upstreams
-    root = f"/t-{uuid.uuid4().hex}/"
-    doc = source(v1.port, v2.port)
-    with (
-        etcd_store(etcd, root) as sa,
-        etcd_store(etcd, root) as sb,
-        replica(sa, "a", doc) as a,
-        replica(sb, "b", doc) as b,
-        caller("caller-a", a) as via_a,
-        caller("caller-b", b) as via_b,
-    ):
+    with two_replicas(etcd, upstreams) as pair:
+        a, b, via_a, via_b = pair.a, pair.b, pair.via_a, pair.via_b
         admin_a = AdminServer(a, token=TOKEN).start()
         admin_b = AdminServer(b, token=TOKEN).start()
         try:
@@ -52,7 +41,7 @@ def test_a_fault_through_one_replica_reaches_the_sidecars_of_both(etcd, upstream
                 "down: llm: abort gRPC 14"
                 in _meshlm("fault", "list", "--admin", admin_b.url).stdout
             )
-            stored = json.loads(sa.get(keys.FAULTS).value)
+            stored = json.loads(pair.store.get(keys.FAULTS).value)
             assert [f["name"] for f in stored["faults"]] == ["down"]
 
             # A new mesh file through the other replica keeps the run-time fault.

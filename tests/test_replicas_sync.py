@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -87,19 +88,37 @@ def etcd_store(cluster: EtcdCluster, root: str) -> EtcdStore:
     return EtcdStore(cluster.endpoints, root=root, timeout=1.0)
 
 
-def test_a_change_through_one_replica_is_acked_by_the_sidecars_of_both(etcd, upstreams):
+@dataclass
+class Pair:
+    """Two replicas on one store root, each with its caller sidecar."""
+
+    a: XdsServer
+    b: XdsServer
+    via_a: str
+    via_b: str
+    store: EtcdStore
+
+
+@contextlib.contextmanager
+def two_replicas(cluster: EtcdCluster, upstreams) -> Iterator[Pair]:
     v1, v2 = upstreams
     root = f"/t-{uuid.uuid4().hex}/"
     doc = source(v1.port, v2.port)
     with (
-        etcd_store(etcd, root) as sa,
-        etcd_store(etcd, root) as sb,
+        etcd_store(cluster, root) as sa,
+        etcd_store(cluster, root) as sb,
         replica(sa, "a", doc) as a,
         replica(sb, "b", doc) as b,
         caller("caller-a", a) as via_a,
         caller("caller-b", b) as via_b,
     ):
         wait_for(lambda: connected(a) == {"caller-a"} and connected(b) == {"caller-b"}, 20)
+        yield Pair(a, b, via_a, via_b, sa)
+
+
+def test_a_change_through_one_replica_is_acked_by_the_sidecars_of_both(etcd, upstreams):
+    with two_replicas(etcd, upstreams) as pair:
+        a, b, via_a, via_b = pair.a, pair.b, pair.via_a, pair.via_b
         wait_for(lambda: routed(via_a) == {"v1": 20} and routed(via_b) == {"v1": 20}, 20)
         r = a.set_weights("llm", {"v1": 0, "v2": 100}, timeout=15)
         assert r.ok, r
