@@ -159,7 +159,10 @@ def _mesh(arm: str) -> dict[str, Any]:
     return mesh
 
 
-def _run(arm: str, *, seconds: float, workdir: Any, say: Any) -> dict[str, Any]:
+def _run(
+    arm: str, *, seconds: float, workdir: Any, say: Any, demand: float = DEMAND
+) -> dict[str, Any]:
+    """One arm's run; `demand`: the offered load in replicas' worth of uncached calls."""
     from meshlm.demo.launcher import SERVICE, LocalMesh
     from meshlm.demo.sla import percentile, sla
     from meshlm.demo.traffic import TenantLoad, Traffic
@@ -168,7 +171,7 @@ def _run(arm: str, *, seconds: float, workdir: Any, say: Any) -> dict[str, Any]:
     say(f"logs and report in {mesh.workdir}; load_balancing {arm}")
     with running(mesh, say) as stops:
         cold_s = _calibrate(mesh)
-        rate = DEMAND / cold_s
+        rate = demand / cold_s
         say(f"an uncached call takes {cold_s:.2f} s: offering {rate:.2f} calls/s")
         # One open loop over the groups in turn (evenly spaced: no group's calls come in a burst).
         # The first round (each group once, cold everywhere) warms the caches and is not counted.
