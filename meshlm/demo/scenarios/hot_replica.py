@@ -42,8 +42,8 @@ LOAD = 1.3
 RATE_BOUNDS = (0.2, 3.0)  # calls per second, whatever the measurement says
 WARMUP_CALLS = 6
 SHARE_GOAL = 0.4  # the slow replica's share with least_loaded and with prefix_aware
-# round robin is the baseline; prefix_aware must not lose least_loaded's gain on calls that
-# share no prefix (issue 35)
+# round robin is the baseline; prefix_aware must keep least_loaded's gain on calls that share
+# no prefix, where its hash alone would split them evenly
 ARMS = ("round_robin", "least_loaded", "prefix_aware")
 # Every call's prompt is its own from its first KV block on (the number leads), and longer
 # than one block, so prefix_aware has a key for each call and no two share one: no cache to win.
