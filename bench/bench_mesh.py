@@ -20,7 +20,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,13 +180,13 @@ def _rss_mb(pid: int) -> float:
 
 
 @contextmanager
-def model_runtime(workdir: Path) -> Iterator[int]:
+def model_runtime(workdir: Path, extra: Sequence[str] = ()) -> Iterator[int]:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from meshlm.demo.procs import Proc
 
     port = free_port()
-    args = ["serve", "--precision", "int4", "--port", str(port)]
+    args = ["serve", "--precision", "int4", "--port", str(port), *extra]
     proc = Proc.meshlm("bench-runtime", args, workdir, env={"OMP_NUM_THREADS": "2"}).start()
     try:
         deadline = time.monotonic() + 300
