@@ -1,8 +1,8 @@
 """A bounded before/after check of stall-free batching on the Engine (no HTTP): `c` streams,
 each a closed loop of unique ~150-token chat prompts and 64 greedy tokens, with the mixed step on
 and off (Engine(mixed_step=...)), the two interleaved round by round so a shared machine's drift
-hits both. Reports inter-token p50 (gaps between a stream's token events) and output tok/s, and
-their ratios. Not a bench area (no BENCHMARKS.md section): `python -m bench.mixed_step
+hits both. Reports inter-token p50 and p99 (gaps between a stream's token events), output
+tok/s and their ratios. Not a bench area (no BENCHMARKS.md section): `python -m bench.mixed_step
 [--precision int4|bf16] [--rounds 2] [--calls 2]`.
 """
 
@@ -51,9 +51,9 @@ def _prompt(tok, rng: random.Random) -> list[int]:
     return tok.encode_chat([{"role": "user", "content": text}])
 
 
-def _run(lm, conc: int, calls: int, mixed: bool, seed: int) -> tuple[float, float]:
-    """(inter-token p50 in ms, output tok/s) of `conc` closed-loop streams."""
-    e = Engine(lm, max_batch=8, max_queue=64, mixed_step=mixed)
+def _run(lm, conc: int, calls: int, mixed: bool, seed: int) -> tuple[float, float, float]:
+    """(inter-token p50 and p99 in ms, output tok/s) of `conc` closed-loop streams."""
+    e = Engine(lm, max_batch=8, max_queue=64, mixed_step=mixed)  # on: forced
     e.start()
     gaps: list[float] = []
     tokens = [0]
@@ -88,7 +88,8 @@ def _run(lm, conc: int, calls: int, mixed: bool, seed: int) -> tuple[float, floa
         t.join()
     wall = time.monotonic() - t0
     e.shutdown()
-    return statistics.median(gaps) * 1e3, tokens[0] / wall
+    q = statistics.quantiles(gaps, n=100)
+    return q[49] * 1e3, q[98] * 1e3, tokens[0] / wall
 
 
 def main() -> None:
@@ -105,13 +106,17 @@ def main() -> None:
             for mixed in (False, True):  # the same prompts (seed r) on both sides
                 rows.setdefault((conc, mixed), []).append(_run(lm, conc, a.calls, mixed, r))
     print(f"{a.precision}, {a.rounds} rounds x {a.calls} calls a stream, medians over rounds")
-    print("conc | ITL p50 off / on ms | tok/s off / on | ITL on/off | tok/s on/off")
+    print(
+        "conc | ITL p50 off / on ms | ITL p99 off / on ms | tok/s off / on"
+        " | on/off: p50, p99, tok/s"
+    )
     for conc in map(int, a.conc.split(",")):
         off = [statistics.median(x) for x in zip(*rows[(conc, False)], strict=True)]
         on = [statistics.median(x) for x in zip(*rows[(conc, True)], strict=True)]
         print(
             f"{conc} | {off[0]:.1f} / {on[0]:.1f} | {off[1]:.0f} / {on[1]:.0f} | "
-            f"{on[0] / off[0]:.2f} | {on[1] / off[1]:.2f}"
+            f"{off[2]:.0f} / {on[2]:.0f} | "
+            + ", ".join(f"{b / a:.2f}" for a, b in zip(off, on, strict=True))
         )
 
 

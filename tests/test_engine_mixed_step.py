@@ -39,7 +39,7 @@ def _streams_with_one_arriving_mid_stream(loaded, **engine_kw) -> tuple[Engine, 
 @pytest.mark.parametrize("precision", ["bf16", "int4"])
 def test_mixed_steps_give_the_greedy_tokens_of_separate_ones(precision, smollm_bf16, smollm_int4):
     loaded = smollm_bf16 if precision == "bf16" else smollm_int4
-    mixed, got = _streams_with_one_arriving_mid_stream(loaded, tpot_target_ms=1)
+    mixed, got = _streams_with_one_arriving_mid_stream(loaded, tpot_target_ms=1, mixed_step=True)
     _, want = _streams_with_one_arriving_mid_stream(loaded, mixed_step=False)
     assert [s.ids for s in got] == [s.ids for s in want]
     assert all(len(s.ids) > 0 for s in got)
@@ -97,6 +97,11 @@ def test_the_budget_scales_toward_the_target_within_bounds():
     assert b.chunk(decode_rows=40, left=3) == 3
     with pytest.raises(ValueError):
         ChunkBudget(target_s=0)
+
+
+def test_by_default_int4_keeps_whole_chunks_beside_its_native_decode_step(smollm_int4):
+    e, _ = _streams_with_one_arriving_mid_stream(smollm_int4, tpot_target_ms=1)
+    assert next(st.prefill for st in e.steps if st.prefill_rid == "long") > MIN_CHUNK
 
 
 def test_no_stream_running_prefills_the_whole_chunk(smollm_bf16):

@@ -150,7 +150,7 @@ class Engine:
         tenant_max_queued_tokens: int = 16384,
         slow_decode: float = 1.0,
         speculate_lookup: int = 0,
-        mixed_step: bool = True,
+        mixed_step: bool | None = None,
     ):
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
@@ -189,7 +189,10 @@ class Engine:
         self.slow_decode = slow_decode
         self.speculate_lookup = speculate_lookup  # most draft tokens per step (0 = off)
         # stall-free batching: a prompt's chunk, sized by the budget, in the step that decodes
-        # every running stream (off: a chunk of PREFILL_CHUNK, then the decode step)
+        # every running stream (off: a chunk of PREFILL_CHUNK, then the decode step). None: on
+        # where the chunk and the decode rows share one forward; where decode runs natively (the
+        # int4 step) they stay two calls, and smaller chunks then cost output tokens/s under
+        # concurrency for a shorter tail: on only when asked
         self.mixed_step = mixed_step
         self.budget = ChunkBudget(self.tpot_target or STEP_TARGET_S)
         self.steps: collections.deque[Step] = collections.deque(maxlen=STEP_LOG)
@@ -485,15 +488,18 @@ class Engine:
         busy = bool(self._running)
         reqs = list(self._running)
         pre = self._prefilling[0] if self._prefilling else None
-        n, budget, left = 0, 0, 0
+        n, budget, left, native = 0, 0, 0, False
+        mixed = bool(pre is not None and reqs)
+        if mixed:
+            native = self.model.decodes_natively()
+            mixed = not native if self.mixed_step is None else self.mixed_step
         if pre is not None:
             left = len(pre.tokens) - pre.cache.written
             n = min(PREFILL_CHUNK, left)
-            if self.mixed_step and reqs:
+            if mixed:
                 budget = int(self.budget.tokens)
                 n = self.budget.chunk(len(reqs), left)
-        fused = bool(pre is not None and reqs and self.mixed_step)
-        fused = fused and not self.model.decodes_natively()
+        fused = mixed and not native
         per_stream = 1.0  # tokens each stream got from the decode step (speculation: more)
         self._step_tokens = 0
         if fused:
@@ -511,7 +517,7 @@ class Engine:
         dt = time.monotonic() - t0
         if pre is not None:
             self.steps.append(Step(tuple(r.rid for r in reqs), n, pre.rid, fused, budget))
-            if reqs and self.mixed_step and n < left:  # a chunk the prompt's end cut short
+            if mixed and n < left:  # a chunk the prompt's end cut short
                 self.budget.observe(len(reqs) + n, dt)  # says nothing of the budget
         if busy:
             self._record_tpot(dt / per_stream)
