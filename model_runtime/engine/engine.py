@@ -2,9 +2,14 @@
 
 Each loop iteration: apply cancels, admit waiting requests (highest priority first, then a fair
 share of tokens per tenant: fair.py) while the adaptive batch limit, the per-tenant
-stream limit and the KV pool allow, run one prefill chunk (so a long prompt never stalls
-running streams for long), then one decode step for every running sequence. Requests join and
-leave between decode steps. `static_batching=True` admits a batch only when the previous one has
+stream limit and the KV pool allow, then one step: a decode row for every running sequence and a
+chunk of the oldest prompt still prefilling. Beside running streams the chunk is sized by the
+step budget (budget.py, toward the TPOT target) and rides in the same forward as the decode rows
+(stall-free batching: a long prompt never holds the streams for a whole chunk); where decode runs
+natively (the int4 step, which has its own arithmetic) the budgeted chunk runs only when
+`mixed_step=True`, as a call before the decode step. Without running streams a chunk is
+PREFILL_CHUNK tokens. Requests join and leave between steps; `Engine.steps` keeps each step's
+composition. `static_batching=True` admits a batch only when the previous one has
 finished entirely (kept for the benchmark's comparison).
 
 Speculative decoding (`speculate_lookup=K`): a greedy stream drafts up to K tokens by prompt
