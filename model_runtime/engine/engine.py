@@ -2,9 +2,14 @@
 
 Each loop iteration: apply cancels, admit waiting requests (highest priority first, then a fair
 share of tokens per tenant: fair.py) while the adaptive batch limit, the per-tenant
-stream limit and the KV pool allow, run one prefill chunk (so a long prompt never stalls
-running streams for long), then one decode step for every running sequence. Requests join and
-leave between decode steps. `static_batching=True` admits a batch only when the previous one has
+stream limit and the KV pool allow, then one step: a decode row for every running sequence and a
+chunk of the oldest prompt still prefilling. Beside running streams the chunk is sized by the
+step budget (budget.py, toward the TPOT target) and rides in the same forward as the decode rows
+(stall-free batching: a long prompt never holds the streams for a whole chunk); where decode runs
+natively (the int4 step, which has its own arithmetic) the budgeted chunk runs only when
+`mixed_step=True`, as a call before the decode step. Without running streams a chunk is
+PREFILL_CHUNK tokens. Requests join and leave between steps; `Engine.steps` keeps each step's
+composition. `static_batching=True` admits a batch only when the previous one has
 finished entirely (kept for the benchmark's comparison).
 
 Speculative decoding (`speculate_lookup=K`): a greedy stream drafts up to K tokens by prompt
@@ -31,12 +36,14 @@ from typing import Any
 
 import torch
 
+from model_runtime.engine.budget import ChunkBudget
 from model_runtime.engine.fair import FairQueue
 from model_runtime.engine.kvcache import (
     BlockPool,
     SeqCache,
     block_keys,
     layout_decode,
+    layout_mixed,
     layout_prefill,
 )
 from model_runtime.engine.omp import own_thread
@@ -105,7 +112,25 @@ class _Request:
     lookup: PromptLookup | None = None  # greedy streams when speculating
 
 
-PREFILL_CHUNK = 256
+PREFILL_CHUNK = 256  # a prompt's chunk when no stream runs beside it
+# the step time the chunk budget aims at when no TPOT target is set (the serving SLO's
+# inter-token bound)
+STEP_TARGET_S = 0.05
+STEP_LOG = 512  # steps kept in Engine.steps
+
+
+@dataclass(frozen=True)
+class Step:
+    """One iteration's forward work: which streams decoded and how many prompt tokens were
+    prefilled beside them, in one forward (`fused`) or a chunk then a decode step."""
+
+    decode: tuple[str, ...]  # request ids that got a decode row
+    prefill: int  # prompt tokens prefilled
+    prefill_rid: str | None
+    fused: bool
+    budget: int  # the budget's tokens (decode rows + chunk) when the chunk was chosen
+
+
 _TPOT_WINDOW = 32
 # Forwards outside the batch (Engine.run: a /score) stall every stream while they run: at most
 # MAX_TASKS wait, one runs between two steps, and while streams run, tasks take at most
@@ -130,6 +155,7 @@ class Engine:
         tenant_max_queued_tokens: int = 16384,
         slow_decode: float = 1.0,
         speculate_lookup: int = 0,
+        mixed_step: bool | None = None,
     ):
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
@@ -167,6 +193,14 @@ class Engine:
         self.tenant_max_queued_tokens = tenant_max_queued_tokens
         self.slow_decode = slow_decode
         self.speculate_lookup = speculate_lookup  # most draft tokens per step (0 = off)
+        # stall-free batching: a prompt's chunk, sized by the budget, in the step that decodes
+        # every running stream (off: a chunk of PREFILL_CHUNK, then the decode step). None: on
+        # where the chunk and the decode rows share one forward; where decode runs natively (the
+        # int4 step) they stay two calls, and smaller chunks then cost output tokens/s under
+        # concurrency for a shorter tail: on only when asked
+        self.mixed_step = mixed_step
+        self.budget = ChunkBudget(self.tpot_target or STEP_TARGET_S)
+        self.steps: collections.deque[Step] = collections.deque(maxlen=STEP_LOG)
         self._lock = threading.Condition()
         self._waiting = FairQueue(fair=tenant_isolation)
         self._cancels: set[str] = set()
@@ -461,19 +495,41 @@ class Engine:
         self._admit()
         t0 = time.monotonic()
         busy = bool(self._running)
-        if self._prefilling:
-            self._guarded(self._prefilling[:1], self._prefill_step)
+        reqs = list(self._running)
+        pre = self._prefilling[0] if self._prefilling else None
+        n, budget, left, native = 0, 0, 0, False
+        mixed = bool(pre is not None and reqs)
+        if mixed:
+            native = self.model.decodes_natively()
+            mixed = not native if self.mixed_step is None else self.mixed_step
+        if pre is not None:
+            left = len(pre.tokens) - pre.cache.written
+            n = min(PREFILL_CHUNK, left)
+            if mixed:
+                budget = int(self.budget.tokens)
+                n = self.budget.chunk(len(reqs), left)
+        fused = mixed and not native
         per_stream = 1.0  # tokens each stream got from the decode step (speculation: more)
-        if self._running:
-            t1 = time.monotonic()
-            reqs = list(self._running)
-            self._step_tokens = 0
-            self._guarded(reqs, self._decode_step)
+        self._step_tokens = 0
+        if fused:
+            self._guarded([*reqs, pre], lambda _: self._mixed_step(reqs, pre, n))
+        else:
+            if pre is not None:
+                self._guarded([pre], lambda _: self._prefill_step(pre, n))
+            if reqs:
+                t1 = time.monotonic()
+                self._guarded(reqs, self._decode_step)
+                if self.slow_decode > 1.0:  # fault: --fault-slow-decode
+                    time.sleep((time.monotonic() - t1) * (self.slow_decode - 1.0))
+        if reqs:
             per_stream = max(1.0, self._step_tokens / len(reqs))
-            if self.slow_decode > 1.0:  # fault: --fault-slow-decode
-                time.sleep((time.monotonic() - t1) * (self.slow_decode - 1.0))
+        dt = time.monotonic() - t0
+        if pre is not None:
+            self.steps.append(Step(tuple(r.rid for r in reqs), n, pre.rid, fused, budget))
+            if mixed and n < left:  # a chunk the prompt's end cut short
+                self.budget.observe(len(reqs) + n, dt)  # says nothing of the budget
         if busy:
-            self._record_tpot((time.monotonic() - t0) / per_stream)
+            self._record_tpot(dt / per_stream)
 
     def _guarded(self, reqs: list[_Request], step: Callable) -> None:
         try:
@@ -536,24 +592,35 @@ class Engine:
         mine = sum(r.params.tenant == entry.tenant for r in (*self._running, *self._prefilling))
         return mine < self.tenant_max_streams
 
-    def _prefill_step(self, reqs: list[_Request]) -> None:
-        req = reqs[0]
-        c = req.cache
-        n_prompt = len(req.tokens)  # the prompt: nothing sampled yet
-        start = c.written
-        n = min(PREFILL_CHUNK, n_prompt - start)
-        lay = layout_prefill(c, start, n, self.block_size).to(self.device)
+    def _prefill_step(self, req: _Request, n: int) -> None:
+        start = req.cache.written
+        lay = layout_prefill(req.cache, start, n, self.block_size).to(self.device)
         tokens = torch.tensor([req.tokens[start : start + n]], device=self.device)
-        logits = self.model(tokens, self.kv, lay)
+        self._prefilled(req, n, self.model(tokens, self.kv, lay)[0])
+
+    def _prefilled(self, req: _Request, n: int, logits: torch.Tensor) -> None:
+        """`n` more prompt tokens of `req` are in the cache; `logits`: its last one's."""
+        c = req.cache
         c.written += n
         self._register_full_blocks(req)
-        if c.written == n_prompt:
+        if c.written == len(req.tokens):  # the prompt: nothing sampled yet
             self._prefilling.remove(req)
             self._running.append(req)
             if req.forced:
                 self._force(req)
             else:
-                self._accept_token(req, logits[0].cpu())
+                self._accept_token(req, logits.cpu())
+
+    def _mixed_step(self, reqs: list[_Request], pre: _Request, n: int) -> None:
+        """One forward: a decode row of every running stream and `n` of `pre`'s prompt tokens
+        (no speculative drafts in it: the prompt's chunk takes their place)."""
+        self._batch_size = len(reqs)
+        start = pre.cache.written
+        lay = layout_mixed([r.cache for r in reqs], pre.cache, start, n, self.block_size)
+        ids = [*(r.pending for r in reqs), *pre.tokens[start : start + n]]
+        logits = self.model(torch.tensor([ids], device=self.device), self.kv, lay.to(self.device))
+        self._decoded(reqs, [[] for _ in reqs], logits[: len(reqs)])
+        self._prefilled(pre, n, logits[len(reqs)])
 
     def _decode_step(self, reqs: list[_Request]) -> None:
         self._batch_size = len(reqs)
@@ -567,6 +634,11 @@ class Engine:
                 tokens.append(t)
         lay = layout_decode(seqs, self.block_size).to(self.device)
         logits = self.model(torch.tensor(tokens, device=self.device).view(-1, 1), self.kv, lay)
+        self._decoded(reqs, drafts, logits)
+
+    def _decoded(self, reqs: list[_Request], drafts: list[list[int]], logits: torch.Tensor):
+        """Take each stream's token(s) from a decode step's `logits` (its rows, then its
+        drafts' rows, in `reqs` order)."""
         greedy = greedy_ids(logits)
         if any(r.params.temperature > 0 for r in reqs):
             logits = logits.cpu()

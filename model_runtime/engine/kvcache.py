@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from model_runtime.llm.model import BatchLayout
+from model_runtime.llm.model import BatchLayout, MixedLayout
 
 
 def block_keys(token_ids: list[int], block_size: int) -> list[bytes]:
@@ -185,4 +185,13 @@ def layout_decode(seqs: list[SeqCache], block_size: int) -> BatchLayout:
         # batch, so a sequence decodes to the same tokens alone or batched
         mask=torch.from_numpy(valid).view(B, 1, 1, longest),
         kv_run=_run(gather, valid),
+    )
+
+
+def layout_mixed(
+    decode: list[SeqCache], prefill: SeqCache, start: int, n: int, block_size: int
+) -> MixedLayout:
+    """Decode rows of `decode` (as layout_decode) then `prefill`'s tokens [start, start + n)."""
+    return MixedLayout(
+        layout_decode(decode, block_size), layout_prefill(prefill, start, n, block_size)
     )

@@ -60,6 +60,40 @@ class BatchLayout:
         return BatchLayout(**moved)
 
 
+@dataclass
+class MixedLayout:
+    """One forward over running streams' decode rows and one prompt's prefill chunk: the tokens
+    are [1, D + n], the first D one new token each of D sequences (`decode`, a decode layout),
+    the last n one sequence's chunk (`prefill`, a prefill layout). Linear layers see every row
+    at once; each part attends as it would alone, so a row gets the bits it gets unmixed."""
+
+    decode: BatchLayout
+    prefill: BatchLayout
+
+    @property
+    def input_pos(self) -> torch.Tensor:
+        return torch.cat([self.decode.input_pos.view(1, -1), self.prefill.input_pos.view(1, -1)], 1)
+
+    @property
+    def write_slots(self) -> torch.Tensor:
+        return torch.cat([self.decode.write_slots, self.prefill.write_slots])
+
+    @property
+    def rows(self) -> int:
+        return self.decode.input_pos.shape[0]
+
+    def to(self, device) -> MixedLayout:
+        return MixedLayout(self.decode.to(device), self.prefill.to(device))
+
+
+def _additive(mask: torch.Tensor | None, dtype, device) -> torch.Tensor | None:
+    # additive, once a forward: SDPA converts a bool mask per call
+    if mask is None:
+        return None
+    out = torch.zeros(mask.shape, dtype=dtype, device=device)
+    return out.masked_fill_(mask.logical_not(), float("-inf"))
+
+
 class KVCache(nn.Module):
     """K and V for every layer, indexed by slot (block * block_size + offset)."""
 
@@ -125,30 +159,48 @@ class Attention(nn.Module):
         qkv = self.wqkv(x).view(B, T, nq + self.n_kv, self.hd)
         qk = qkv[:, :, :nq]
         qk.copy_(apply_rope(qk, rope))
-        q = qkv[:, :, : self.n_heads].transpose(1, 2)
         if cache is None or lay is None:
+            q = qkv[:, :, : self.n_heads].transpose(1, 2)
             k, v = qkv[:, :, self.n_heads : nq], qkv[:, :, nq:]
             y = F.scaled_dot_product_attention(
                 q, k.transpose(1, 2), v.transpose(1, 2), is_causal=T > 1, enable_gqa=True
             )
+            y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd)
         else:
             kv = cache.kv[layer]  # K and V of the new tokens sit side by side in qkv already
             kv.index_copy_(
                 0, lay.write_slots, qkv[:, :, self.n_heads :].reshape(B * T, 2, -1, self.hd)
             )
-            if native is not None:
-                y = native(qkv, cache.kv, layer, lay)
-                if y is not None:
-                    return self.wo(y)
-            g = _attended(kv, lay, B)
-            y = F.scaled_dot_product_attention(
-                q,
-                g[:, :, 0].transpose(1, 2),
-                g[:, :, 1].transpose(1, 2),
-                attn_mask=mask,
-                enable_gqa=True,
-            )
-        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+            if isinstance(lay, MixedLayout):
+                D = lay.rows
+                dec = qkv[0, :D].unsqueeze(1).contiguous()
+                pre = qkv[:, D:].contiguous()
+                y = torch.cat(
+                    [
+                        self._attend(dec, cache, layer, lay.decode, mask[0], native).view(D, -1),
+                        self._attend(pre, cache, layer, lay.prefill, mask[1], native)[0],
+                    ]
+                )
+                return self.wo(y.unsqueeze(0))
+            y = self._attend(qkv, cache, layer, lay, mask, native)
+        return self.wo(y)
+
+    def _attend(self, qkv, cache: KVCache, layer: int, lay: BatchLayout, mask, native):
+        """Attention of qkv [B, T, ...] (K/V already in the cache) -> [B, T, n_heads * hd]."""
+        B, T = qkv.shape[:2]
+        if native is not None:
+            y = native(qkv, cache.kv, layer, lay)
+            if y is not None:
+                return y
+        g = _attended(cache.kv[layer], lay, B)
+        y = F.scaled_dot_product_attention(
+            qkv[:, :, : self.n_heads].transpose(1, 2),
+            g[:, :, 0].transpose(1, 2),
+            g[:, :, 1].transpose(1, 2),
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+        return y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd)
 
 
 class FeedForward(nn.Module):
@@ -238,6 +290,14 @@ class Transformer(nn.Module):
         else:
             self.accelerate(self, name)
 
+    def decodes_natively(self) -> bool:
+        """Whether decode steps run in one native call (or a CUDA graph) rather than in this
+        module's ops: such a step has its own arithmetic, so decode rows mixed into a torch
+        forward would not keep its bits."""
+        if self.native_step == "auto":
+            self.resolve("native_step")
+        return self.native_step is not None
+
     def _native_decode(self, tokens, cache: KVCache, lay: BatchLayout) -> torch.Tensor | None:
         if self.native_step == "auto":
             self.resolve("native_step")
@@ -288,18 +348,21 @@ class Transformer(nn.Module):
             self.freqs[:T].unsqueeze(0) if lay is None else self.freqs[lay.input_pos]
         ).unsqueeze(2)
         mask = None
-        if (
-            lay is not None and lay.mask is not None
-        ):  # additive, once: SDPA converts a bool mask per call
-            mask = torch.zeros(lay.mask.shape, dtype=self.dtype, device=self.device)
-            mask.masked_fill_(lay.mask.logical_not(), float("-inf"))
+        if isinstance(lay, MixedLayout):
+            mask = tuple(
+                _additive(p.mask, self.dtype, self.device) for p in (lay.decode, lay.prefill)
+            )
+        elif lay is not None:
+            mask = _additive(lay.mask, self.dtype, self.device)
         h0 = self.tok_embeddings(tokens)
         h = self._layers(h0, rope, cache, lay, mask, None, native)
         if guard is not None and not all_finite(h):
             # rare: run again checking every layer, so the guard can repair the one at fault
             # (the re-run rewrites the same KV slots)
             h = self._layers(h0, rope, cache, lay, mask, guard, native)
-        if not all_logits:
+        if isinstance(lay, MixedLayout):  # every decode row and the chunk's last token
+            h = h[0, [*range(lay.rows), T - 1]]
+        elif not all_logits:
             if lay is not None and lay.last_idx is not None:
                 h = h[torch.arange(B), lay.last_idx]
             else:
