@@ -3,10 +3,13 @@ mesh, and llama.cpp's own `llama-server`, driven by one light client in one run.
 
 Workload: streaming chat calls of a unique ~150-token prompt each (no prefix cache helps), at most
 64 output tokens, greedy; the int4 SmolLM2 GGUF on both sides, 2 threads each. Closed loop at
-each concurrency (1/2/4/8/16 streams), an open-loop Poisson sweep at fractions of meshlm's
-measured closed-loop capacity (the same rates for every server), and a shared-prefix variant (one
-~150-token system prompt, a short question each) at concurrency 8. The client is
-bench/serve_client.py, its threads pinned to the machine's last CPU.
+each concurrency (1/2/4/8/16 streams; each stream's first call is not counted, as the streams
+start together, and output tok/s is over the window where every stream runs), an open-loop
+Poisson sweep at fractions of meshlm's closed-loop calls/s at 8 streams (the same rates for every
+server), and a shared-prefix variant (one ~150-token system prompt, a short question each) at
+8 streams. Goodput: calls/s that met the SLO (TTFT <= 1 s and a mean inter-token time <= 50 ms).
+The client is bench/serve_client.py, its threads pinned to the machine's last CPU (the server
+gets both: on 2 cores the client's own work still takes part of one).
 
 Servers, one at a time:
 - meshlm OpenAI: `meshlm serve --precision int4 --http-port` (OMP_NUM_THREADS=2);
@@ -40,6 +43,11 @@ QUICK_CONCURRENCY = (1, 8)
 RATE_FRACTIONS = (0.5, 0.8, 1.0, 1.2)  # of meshlm OpenAI's closed-loop calls/s at concurrency 8
 SLOTS = 8  # llama-server's parallel slots; meshlm's --max-batch default is 8 too
 MESH_KEY = "demo-ops-key"  # the demo mesh's tenant without a rate limit
+# Closed loop only: the mixed step's trade-off, and int8 activations (llama.cpp's own: its CPU
+# kernels round activations to 8 bits; meshlm's default keeps bf16, int8 goes out as a canary).
+MIXED = "meshlm OpenAI, --mixed-step on"
+INT8 = "meshlm OpenAI, --activations int8"
+VARIANTS = {MIXED: ["--mixed-step", "on"], INT8: ["--activations", "int8"]}
 
 
 def _client_cpu() -> int | None:
@@ -58,6 +66,19 @@ def meshlm_direct(workdir: Path) -> Iterator[dict[str, Any]]:
             "meshlm OpenAI": sc.OpenAIStream("127.0.0.1", http_port, MODEL),
             "meshlm gRPC": sc.GrpcStream(f"127.0.0.1:{p}"),
         }
+
+
+def _variant(name: str, flags: list[str]) -> Callable[[Path], Any]:
+    """The runtime with other `meshlm serve` flags, measured in closed loop only."""
+
+    @contextmanager
+    def server(workdir: Path) -> Iterator[dict[str, Any]]:
+        http_port = free_port()
+        extra = ["--http-port", str(http_port), "--served-model-name", MODEL, *flags]
+        with model_runtime(workdir, extra):
+            yield {name: sc.OpenAIStream("127.0.0.1", http_port, MODEL)}
+
+    return server
 
 
 @contextmanager
@@ -140,12 +161,11 @@ def _calls(streams: int, quick: bool) -> int:
 
 
 def _closed(name: str, transport: Any, quick: bool, cpu: int | None) -> dict[int, Any]:
-    sc.closed_loop(transport, 2, 2, 60, cpu=cpu, seed=99)  # warm-up: not counted
+    sc.closed_loop(transport, 2, 0, 60, cpu=cpu, seed=99)  # warm-up: only uncounted calls
     out = {}
     for c in QUICK_CONCURRENCY if quick else CONCURRENCY:
-        recs, wall = sc.closed_loop(transport, c, _calls(c, quick), 120, cpu=cpu, seed=c)
-        out[c] = s = sc.summarize(recs, wall)
-        s["calls_per_s"] = s["ok"] / wall
+        recs, window = sc.closed_loop(transport, c, _calls(c, quick), 120, cpu=cpu, seed=c)
+        out[c] = s = sc.summarize(recs, window)
         print(f"  {name} c={c}: {_brief(s)}")
     return out
 
@@ -153,7 +173,7 @@ def _closed(name: str, transport: Any, quick: bool, cpu: int | None) -> dict[int
 def _open(name: str, transport: Any, quick: bool, rates: list[float], cpu: int | None):
     out = {}
     for r in rates:
-        n = max(8, round(r * (10 if quick else 20)))
+        n = max(8, round(r * (10 if quick else 15)))
         recs, wall = sc.open_loop(transport, r, n, 60, cpu=cpu, seed=int(r * 1000))
         out[r] = s = sc.summarize(recs, wall)
         print(f"  {name} {r:.2f} calls/s: {_brief(s)}")
@@ -161,8 +181,8 @@ def _open(name: str, transport: Any, quick: bool, rates: list[float], cpu: int |
 
 
 def _shared(name: str, transport: Any, quick: bool, cpu: int | None) -> dict[str, Any]:
-    recs, wall = sc.closed_loop(transport, 8, _calls(8, quick), 120, shared=True, cpu=cpu, seed=7)
-    s = sc.summarize(recs, wall)
+    recs, window = sc.closed_loop(transport, 8, _calls(8, quick), 120, shared=True, cpu=cpu, seed=7)
+    s = sc.summarize(recs, window)
     print(f"  {name} shared prefix c=8: {_brief(s)}")
     return s
 
@@ -187,6 +207,7 @@ def run(quick: bool) -> tuple[dict[str, Any], list[float]]:
     results: dict[str, Any] = {}
     workdir = Path(tempfile.mkdtemp(prefix="meshlm-bench-serve-"))
     servers: list[Callable[[Path], Any]] = [meshlm_direct, meshlm_mesh]
+    servers[1:1] = [_variant(name, flags) for name, flags in VARIANTS.items()]
     if llama_server_binary() is not None:
         servers.append(llama_server)
     rates: list[float] = []
@@ -198,6 +219,9 @@ def run(quick: bool) -> tuple[dict[str, Any], list[float]]:
                 if not rates:
                     cap = closed[8]["calls_per_s"]
                     rates = [round(f * cap, 2) for f in RATE_FRACTIONS]
+                if name in VARIANTS:
+                    results[name] = {"closed": closed, "open": {}, "shared": None}
+                    continue
                 results[name] = {
                     "closed": closed,
                     "open": _open(name, transport, quick, rates, cpu),
@@ -233,7 +257,11 @@ def _header(first: str) -> list[str]:
 
 
 def _ratio(a: Any, b: Any) -> str:
-    return f"{a / b:.2f}x" if a is not None and b else "-"
+    if a is None or b is None:
+        return "-"
+    if b == 0:
+        return "- (peer 0)" if a else "-"
+    return f"{a / b:.2f}x"
 
 
 def section(results: dict[str, Any], rates: list[float], quick: bool) -> str:
@@ -263,17 +291,25 @@ def section(results: dict[str, Any], rates: list[float], quick: bool) -> str:
     mesh = results.get("meshlm via mesh")
     lines += [
         "| streams | meshlm / llama-server output tok/s | meshlm / llama-server goodput | "
-        "via mesh / direct output tok/s | via mesh - direct TTFT p50 ms |",
-        "|---:|---:|---:|---:|---:|",
+        "via mesh / direct output tok/s | via mesh - direct TTFT p50 ms | "
+        "mixed step on / auto: output tok/s | mixed step on / auto: inter-token p99 | "
+        "int8 / bf16 activations: output tok/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    mixed, int8 = results.get(MIXED), results.get(INT8)
     for c, s in direct["closed"].items():
         p = peer["closed"].get(c) if peer else None
         m = mesh["closed"].get(c) if mesh else None
+        x = mixed["closed"].get(c) if mixed else None
+        i8 = int8["closed"].get(c) if int8 else None
         lines.append(
             f"| {c} | {_ratio(s['output_tok_s'], p and p['output_tok_s'])} | "
             f"{_ratio(s['goodput_per_s'], p and p['goodput_per_s'])} | "
             f"{_ratio(m and m['output_tok_s'], s['output_tok_s'])} | "
-            f"{_f(m['ttft_p50_ms'] - s['ttft_p50_ms']) if m and m['ttft_p50_ms'] else '-'} |"
+            f"{_f(m['ttft_p50_ms'] - s['ttft_p50_ms']) if m and m['ttft_p50_ms'] else '-'} | "
+            f"{_ratio(x and x['output_tok_s'], s['output_tok_s'])} | "
+            f"{_ratio(x and x['itl_p99_ms'], s['itl_p99_ms'])} | "
+            f"{_ratio(i8 and i8['output_tok_s'], s['output_tok_s'])} |"
         )
     lines += ["", "### Open loop (Poisson arrivals, the same rates for every server)", ""]
     lines += _header("server, calls/s")
@@ -283,7 +319,8 @@ def section(results: dict[str, Any], rates: list[float], quick: bool) -> str:
     lines += ["", "### Shared prefix (one ~150-token system prompt, 8 streams)", ""]
     lines += _header("server")
     for name in names:
-        lines.append(_row(name, results[name]["shared"]))
+        if results[name]["shared"] is not None:
+            lines.append(_row(name, results[name]["shared"]))
     lines += ["", _goals(results)]
     return "\n".join(lines) + "\n"
 
@@ -303,6 +340,14 @@ def _goals(results: dict[str, Any]) -> str:
         good = _ratio(eight["goodput_per_s"], peer["goodput_per_s"])
         parts.append(
             f"against llama-server: output tok/s {tok} (goal >= 4x), goodput {good} (goal >= 3x)"
+        )
+    i8 = results.get(INT8, {}).get("closed", {}).get(8)
+    if i8:
+        parts.append(
+            f"with int8 activations (as llama.cpp computes): {_f(i8['output_tok_s'])} output "
+            f"tok/s at 8 streams, inter-token p50 {_f(i8['itl_p50_ms'])} ms, TTFT p99 "
+            f"{_f(i8['ttft_p99_ms'])} ms"
+            + (f", {_ratio(i8['output_tok_s'], peer['output_tok_s'])} llama-server" if peer else "")
         )
     return "Goals (issue 36): " + "; ".join(parts) + "."
 

@@ -211,6 +211,16 @@ def _guarded(call: Callable[[list[dict[str, str]], Record], None], msgs, rec: Re
         rec.error = f"{type(e).__name__}: {e}"
 
 
+@dataclass
+class Window:
+    """Where a closed loop is steady: from when every stream has sent its first counted call to
+    when the first stream sent its last one's last token; every token that arrived in between
+    (counted call or not) over its length."""
+
+    tokens: int
+    seconds: float
+
+
 def closed_loop(
     transport: OpenAIStream | GrpcStream,
     streams: int,
@@ -220,34 +230,52 @@ def closed_loop(
     shared: bool = False,
     cpu: int | None = None,
     seed: int = 0,
-) -> tuple[list[Record], float]:
-    """`streams` streams share `calls` calls; each stream sends its next call when its last one
-    ended, until the calls or `deadline_s` run out. Returns the records and the wall time."""
+) -> tuple[list[Record], Window]:
+    """`streams` streams, each sending its next call when its last one ended: first one call
+    that is not counted (the streams start together, so their first calls measure a start-up
+    burst, not the load), then `calls` counted calls among them, until the calls or `deadline_s`
+    run out. Returns the counted records and the steady window."""
     lock = threading.Lock()
     taken = iter(range(calls))
-    records: list[Record] = []
+    counted: list[Record] = []
+    mine: list[list[Record]] = [[] for _ in range(streams)]
     end = time.monotonic() + deadline_s
 
-    def stream() -> None:
+    def stream(k: int) -> None:
         _pin(cpu)
         call = transport.connect()
+        first = True
         while time.monotonic() < end:
             with lock:
-                i = next(taken, None)
+                i = -1 - k if first else next(taken, None)
             if i is None:
                 return
             rec = Record(sent=time.monotonic())
             _guarded(call, messages_for(i, shared, seed), rec)
-            with lock:
-                records.append(rec)
+            mine[k].append(rec)
+            if not first:
+                with lock:
+                    counted.append(rec)
+            first = False
 
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=stream, daemon=True) for _ in range(streams)]
+    threads = [threading.Thread(target=stream, args=(k,), daemon=True) for k in range(streams)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=deadline_s + CALL_TIMEOUT_S)
-    return records, time.monotonic() - t0
+    return counted, _steady([m for m in mine if len(m) > 1])
+
+
+def _steady(per_stream: list[list[Record]]) -> Window:
+    if not per_stream:
+        return Window(0, 0.0)
+    w0 = max(m[1].sent for m in per_stream)
+    w1 = min((m[-1].token_times or [m[-1].sent])[-1] for m in per_stream)
+    if w1 <= w0:  # too few calls for a steady window: all of it
+        w0 = min(m[0].sent for m in per_stream)
+        w1 = max((m[-1].token_times or [m[-1].sent])[-1] for m in per_stream)
+    n = sum(w0 <= t <= w1 for m in per_stream for r in m for t in r.token_times)
+    return Window(n, w1 - w0)
 
 
 def open_loop(
@@ -310,11 +338,18 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def summarize(records: list[Record], wall_s: float) -> dict[str, float | int | None]:
+def summarize(records: list[Record], window: Window | float) -> dict[str, float | int | None]:
+    """Latency figures of `records`; output tok/s over `window` (a closed loop's steady window,
+    or an open loop's wall time: every record's tokens over it)."""
     ok = [r for r in records if r.ok]
     ttft = [r.ttft for r in ok]
     gaps = [g for r in ok for g in r.gaps]
-    tokens = sum(len(r.token_times) for r in ok)
+    if not isinstance(window, Window):
+        window = Window(sum(len(r.token_times) for r in ok), window)
+    per_call = statistics.mean(len(r.token_times) for r in ok) if ok else None
+    tok_s = window.tokens / window.seconds if window.seconds > 0 else None
+    calls_s = tok_s / per_call if tok_s is not None and per_call else None
+    good = sum(r.good for r in records)
     ms = 1000.0
     return {
         "calls": len(records),
@@ -323,8 +358,9 @@ def summarize(records: list[Record], wall_s: float) -> dict[str, float | int | N
         "ttft_p99_ms": None if not ttft else _pct(ttft, 0.99) * ms,
         "itl_p50_ms": None if not gaps else _pct(gaps, 0.5) * ms,
         "itl_p99_ms": None if not gaps else _pct(gaps, 0.99) * ms,
-        "tokens_per_call": statistics.mean(len(r.token_times) for r in ok) if ok else None,
-        "output_tok_s": tokens / wall_s if wall_s > 0 else None,
-        "goodput_per_s": sum(r.good for r in records) / wall_s if wall_s > 0 else None,
-        "good_share": sum(r.good for r in records) / len(records) if records else None,
+        "tokens_per_call": per_call,
+        "output_tok_s": tok_s,
+        "calls_per_s": calls_s,
+        "goodput_per_s": None if calls_s is None else calls_s * good / len(ok),
+        "good_share": good / len(records) if records else None,
     }

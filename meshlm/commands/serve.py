@@ -148,6 +148,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="speculative decoding for greedy calls: draft up to K tokens a step by prompt lookup "
         "(n-grams of the prompt and the output so far), checked in the same forward (0 = off)",
     )
+    p.add_argument(
+        "--mixed-step",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="stall-free batching: a prompt's chunk, sized each step to keep the step near "
+        "--tpot-target-ms (else 50 ms), rides with the running streams' decode rows. auto: on "
+        "where they share one forward (bf16); with int4's native decode step they stay two calls "
+        "and smaller chunks cost output tokens/s at high concurrency (BENCHMARKS.md, serving), so "
+        "int4 keeps whole chunks unless on",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish streams")
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=("debug", "info", "warning", "error", "critical"),
@@ -309,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
             tenant_max_queued_tokens=args.tenant_max_queued_tokens,
             slow_decode=faults.slow_decode,
             speculate_lookup=args.speculate_lookup,
+            mixed_step={"auto": None, "on": True, "off": False}[args.mixed_step],
         )
         engine.start()
         t0 = time.monotonic()
