@@ -50,7 +50,9 @@ def test_mixed_steps_give_the_greedy_tokens_of_separate_ones(precision, smollm_b
 
 
 def test_a_long_prompt_mid_stream_keeps_every_running_stream_in_every_step(smollm_bf16):
-    e, streams = _streams_with_one_arriving_mid_stream(smollm_bf16, tpot_target_ms=1)
+    e, streams = _streams_with_one_arriving_mid_stream(
+        smollm_bf16, tpot_target_ms=1, mixed_step=True
+    )
     long_steps = [st for st in e.steps if st.prefill_rid == "long"]
     n_prompt = len(chat(smollm_bf16, LONG + "Summarize.").prompt_ids)
     cached = n_prompt - sum(st.prefill for st in long_steps)  # the shared system prompt's blocks
@@ -77,7 +79,9 @@ def test_the_budget_admits_larger_chunks_under_a_higher_target_and_a_prompt_alwa
 ):
     chunks = {}
     for target_ms in (1, 60_000):
-        e, streams = _streams_with_one_arriving_mid_stream(smollm_bf16, tpot_target_ms=target_ms)
+        e, streams = _streams_with_one_arriving_mid_stream(
+            smollm_bf16, tpot_target_ms=target_ms, mixed_step=True
+        )
         beside = [st for st in e.steps if st.prefill_rid == "long" and st.decode]
         assert beside and all(st.prefill >= 1 for st in beside)
         assert streams[2].finish in ("stop", "length") and streams[2].ids
@@ -99,9 +103,15 @@ def test_the_budget_scales_toward_the_target_within_bounds():
         ChunkBudget(target_s=0)
 
 
-def test_by_default_int4_keeps_whole_chunks_beside_its_native_decode_step(smollm_int4):
-    e, _ = _streams_with_one_arriving_mid_stream(smollm_int4, tpot_target_ms=1)
-    assert next(st.prefill for st in e.steps if st.prefill_rid == "long") > MIN_CHUNK
+@pytest.mark.parametrize("precision", ["bf16", "int4"])
+def test_by_default_a_prompt_goes_in_whole_chunks_beside_running_streams(
+    precision, smollm_bf16, smollm_int4
+):
+    loaded = smollm_bf16 if precision == "bf16" else smollm_int4
+    e, _ = _streams_with_one_arriving_mid_stream(loaded, tpot_target_ms=1)
+    beside = [st for st in e.steps if st.prefill_rid == "long" and st.decode]
+    assert beside and not any(st.fused for st in beside)
+    assert beside[0].prefill > MIN_CHUNK
 
 
 def test_no_stream_running_prefills_the_whole_chunk(smollm_bf16):

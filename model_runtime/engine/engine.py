@@ -3,14 +3,16 @@
 Each loop iteration: apply cancels, admit waiting requests (highest priority first, then a fair
 share of tokens per tenant: fair.py) while the adaptive batch limit, the per-tenant
 stream limit and the KV pool allow, then one step: a decode row for every running sequence and a
-chunk of the oldest prompt still prefilling. Beside running streams the chunk is sized by the
-step budget (budget.py, toward the TPOT target) and rides in the same forward as the decode rows
-(stall-free batching: a long prompt never holds the streams for a whole chunk); where decode runs
-natively (the int4 step, which has its own arithmetic) the budgeted chunk runs only when
-`mixed_step=True`, as a call before the decode step. Without running streams a chunk is
-PREFILL_CHUNK tokens. Requests join and leave between steps; `Engine.steps` keeps each step's
-composition. `static_batching=True` admits a batch only when the previous one has
-finished entirely (kept for the benchmark's comparison).
+chunk of the oldest prompt still prefilling, PREFILL_CHUNK tokens at most. With
+`mixed_step=True` (stall-free batching) a chunk beside running streams is sized by the step
+budget (budget.py, toward the TPOT target) and rides in the same forward as the decode rows, so
+a long prompt never holds the streams for a whole chunk; where decode runs natively (the int4
+step, which has its own arithmetic) the budgeted chunk is a call before the decode step. Off by
+default: on 2 cores a batch-8 decode step is already compute-bound, so smaller chunks cut the
+inter-token p99 about 3x but cost output tokens/s and the p50 (BENCHMARKS.md, serving; issue 36).
+Requests join and leave between steps; `Engine.steps` keeps each step's composition.
+`static_batching=True` admits a batch only when the previous one has finished entirely (kept for
+the benchmark's comparison).
 
 Speculative decoding (`speculate_lookup=K`): a greedy stream drafts up to K tokens by prompt
 lookup (speculate.py); the decode step checks every draft in the same forward, each
@@ -155,7 +157,7 @@ class Engine:
         tenant_max_queued_tokens: int = 16384,
         slow_decode: float = 1.0,
         speculate_lookup: int = 0,
-        mixed_step: bool | None = None,
+        mixed_step: bool = False,
     ):
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
@@ -194,10 +196,7 @@ class Engine:
         self.slow_decode = slow_decode
         self.speculate_lookup = speculate_lookup  # most draft tokens per step (0 = off)
         # stall-free batching: a prompt's chunk, sized by the budget, in the step that decodes
-        # every running stream (off: a chunk of PREFILL_CHUNK, then the decode step). None: on
-        # where the chunk and the decode rows share one forward; where decode runs natively (the
-        # int4 step) they stay two calls, and smaller chunks then cost output tokens/s under
-        # concurrency for a shorter tail: on only when asked
+        # every running stream (off: a chunk of PREFILL_CHUNK, then the decode step)
         self.mixed_step = mixed_step
         self.budget = ChunkBudget(self.tpot_target or STEP_TARGET_S)
         self.steps: collections.deque[Step] = collections.deque(maxlen=STEP_LOG)
@@ -498,10 +497,9 @@ class Engine:
         reqs = list(self._running)
         pre = self._prefilling[0] if self._prefilling else None
         n, budget, left, native = 0, 0, 0, False
-        mixed = bool(pre is not None and reqs)
+        mixed = bool(pre is not None and reqs and self.mixed_step)
         if mixed:
             native = self.model.decodes_natively()
-            mixed = not native if self.mixed_step is None else self.mixed_step
         if pre is not None:
             left = len(pre.tokens) - pre.cache.written
             n = min(PREFILL_CHUNK, left)
