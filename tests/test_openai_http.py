@@ -64,8 +64,12 @@ def _chat(client, model, **kw):
 
 def test_models_lists_the_served_model(client, runtime) -> None:
     ids = [m.id for m in client.models.list().data]
-    assert ids == [runtime.service.model_info.name]
+    # by default a slug of the weight file's name (issue 37), not the metadata's spaced name
+    assert ids == ["smollm2-135m-instruct.q4_1"] != [runtime.service.model_info.name]
     assert client.models.retrieve(ids[0]).id == ids[0]
+    for name in (ids[0].upper(), runtime.service.model_info.name):  # both still accepted
+        r = client.chat.completions.create(model=name, messages=QUESTION, max_tokens=1)
+        assert r.model == name and r.usage.completion_tokens == 1
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-nothing")
     assert e.value.code == "model_not_found"

@@ -50,8 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME",
         help="the model id(s) GET /v1/models lists and a call's `model` may name, as vLLM's "
-        "flag (e.g. the mesh service's name); the model's own name and version stay accepted "
-        "(default: the model's own name)",
+        "flag (e.g. the mesh service's name); the file's slug and the model's own name and "
+        "version stay accepted (default: a slug of the weight file's name, as "
+        "smollm2-135m-instruct.q4_1)",
     )
     p.add_argument("--weight-key-file", type=Path, help="key for a sealed weight file")
     p.add_argument("--device", default="cpu", help="torch device")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,19 @@ class ModelInfo:
     compute: str = ""  # what it computes in on this CPU (compute.choose), e.g. for a bf16 model
     compute_dtype: str = ""  # the chosen Compute's dtype: "bf16" | "fp32" | "fp16"
     kernels: str = ""  # what the built linear layers run on: "native" | "torch" | "native+torch"
+    # the id an OpenAI client names it by unless --served-model-name says otherwise: a slug of
+    # the weight file's (or folder's) name, as `smollm2-135m-instruct.q4_1` (issue 37)
+    model_id: str = ""
+
+
+def model_id(path: Path) -> str:
+    """A slug of a model file's or folder's name: lower case, runs of anything but letters,
+    digits, `.`, `_` and `-` as one `-` (no spaces: an id a user types)."""
+    stem = path.name
+    for suffix in (".sealed", ".gguf"):
+        stem = stem.removesuffix(suffix)
+    slug = re.sub(r"[^a-z0-9._-]+", "-", stem.lower()).strip("-.")
+    return slug or "model"
 
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
@@ -257,6 +271,7 @@ def load(
         compute=description,
         compute_dtype=DTYPE_NAMES.get(chosen.dtype, str(chosen.dtype).removeprefix("torch.")),
         kernels=linear_kernels(model),
+        model_id=model_id(path),
     )
     log.info("%s: %s (linear layers on %s kernels)", info.version, chosen.description, info.kernels)
     return LoadedModel(model, tok, info, guard)

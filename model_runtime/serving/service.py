@@ -160,10 +160,12 @@ class InferenceService:
             kernels=info.kernels,
         )
         self._info_bytes = codec.encode_model_info(self.model_info)
-        # The names GET /v1/models lists (vLLM's --served-model-name), e.g. the mesh service's:
-        # a call's `model` may be one of them, the model's own name or its version.
-        self.served_names = list(served_model_names) or [info.name]
-        self._accepted = {n.lower() for n in [*self.served_names, info.name, info.version]}
+        # The names GET /v1/models lists (vLLM's --served-model-name, e.g. the mesh service's;
+        # else the file's slug): a call's `model` may be one of them, the slug, the model's own
+        # name or its version.
+        own = [info.model_id or info.name, info.name, info.version]
+        self.served_names = list(served_model_names) or own[:1]
+        self._accepted = {n.lower() for n in [*self.served_names, *own]}
 
     # --- Info ------------------------------------------------------------------------------
 
