@@ -129,3 +129,17 @@ def test_tenant_label_values_are_capped() -> None:
     tenants = {s.labels["tenant"] for s in fam.samples if s.name == "meshlm_requests_total"}
     assert len(tenants) == MAX_TENANTS + 1
     assert _value(fam, "_total", tenant=OTHER_TENANT) == 50
+
+
+def test_tokens_are_counted_by_tenant_and_model_id(served, smollm_int4) -> None:
+    """Usage accounting (issue 37, item 3): the prompt and streamed tokens of the call the engine
+    ran, labelled by the verified tenant and the served model id; the refused call adds none."""
+    _, body = scrape(served[0] + "/metrics")
+    check_metrics(body)
+    fams = _families(body)
+    labels = {"tenant": "acme", "model": "smollm2-135m-instruct.q4_1"}
+    prompt = smollm_int4.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    assert _value(fams["meshlm_tenant_prompt_tokens"], "_total", **labels) == len(prompt)
+    assert _value(fams["meshlm_tenant_generation_tokens"], "_total", **labels) == 6
+    samples = fams["meshlm_tenant_generation_tokens"].samples
+    assert {s.labels["model"] for s in samples} == {labels["model"]}

@@ -101,6 +101,14 @@ class RuntimeMetrics:
                                        "Mirrored (shadow) Generate calls by gRPC status; they "
                                        "count in no other series.",
                                        ["code"], registry=r)  # fmt: skip
+        # Usage by tenant and the served model id a call named (issue 37): both label sets are
+        # bounded (MAX_TENANTS, and only the runtime's served ids pass validation).
+        self.prompt_tokens = Counter("meshlm_tenant_prompt_tokens",
+                                     "Prompt tokens of Generate calls the engine ran, by tenant "
+                                     "and model id.", ["tenant", "model"], registry=r)  # fmt: skip
+        self.generation_tokens = Counter("meshlm_tenant_generation_tokens",
+                                         "Tokens Generate calls streamed, by tenant and model id.",
+                                         ["tenant", "model"], registry=r)  # fmt: skip
         self.resumes = Counter("meshlm_request_resumes",
                                "Generate calls that resumed another replica's stream.",
                                registry=r)  # fmt: skip

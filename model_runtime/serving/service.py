@@ -102,6 +102,14 @@ def _priority(req_priority: int | None, metadata: dict[str, Any]) -> int:
     return ceiling if req_priority is None else min(req_priority, ceiling)
 
 
+def _usage(stats: dict[str, Any]) -> tuple[str, int, int] | None:
+    """(model id, prompt tokens, completion tokens) of a call the engine ran: it streamed a
+    token, or ended OK (a call shed from the queue or refused before it ran uses nothing)."""
+    if "token_ids" not in stats or not (stats["token_ids"] or stats["code"] == "OK"):
+        return None
+    return stats["model"], stats.get("prompt_tokens", 0), len(stats["token_ids"])
+
+
 def _record_key(req: codec.GenerateRequest, md: dict[str, Any]) -> str:
     return req.request_id or str(md.get(REQUEST_ID_HEADER, ""))
 
@@ -199,21 +207,19 @@ class InferenceService:
                 stats["code"] = a.code.name
                 span.set_attribute("rpc.grpc.status_code", a.code.value[0])
                 e2e = time.monotonic() - started
-                self.telemetry.record(
-                    "Generate", stats["code"], e2e_s=e2e, tenant=tenant, shadow=shadow
-                )
+                self.telemetry.record("Generate", stats["code"], e2e_s=e2e, tenant=tenant,
+                                      shadow=shadow, usage=_usage(stats))  # fmt: skip
                 context.abort(a.code, a.message)
             except Exception:
                 # grpcio would answer UNKNOWN; say INTERNAL and keep the reason out of the reply.
                 log.exception("Generate failed")
                 e2e = time.monotonic() - started
-                self.telemetry.record(
-                    "Generate", "INTERNAL", e2e_s=e2e, tenant=tenant, shadow=shadow
-                )
+                self.telemetry.record("Generate", "INTERNAL", e2e_s=e2e, tenant=tenant,
+                                      shadow=shadow, usage=_usage(stats))  # fmt: skip
                 context.abort(grpc.StatusCode.INTERNAL, "internal error in the runtime")
             self.telemetry.record("Generate", stats["code"], stats["ttft"], stats["tpot"],
                                   e2e_s=time.monotonic() - started, tenant=tenant,
-                                  shadow=shadow)  # fmt: skip
+                                  shadow=shadow, usage=_usage(stats))  # fmt: skip
 
     def _prompt_ids(self, req: codec.GenerateRequest) -> list[int]:
         tok = self.loaded.tokenizer
@@ -270,6 +276,9 @@ class InferenceService:
                 f"model: {req.model!r} is not served here (this runtime serves "
                 f"{', '.join(map(repr, self.served_names))})",
             )
+        named = req.model.lower() if req.model else ""
+        stats["model"] = next((n for n in self.served_names if n.lower() == named), None)
+        stats["model"] = stats["model"] or self.served_names[0]  # usage's label: a served id
         self._poison_fault(req, context)
         tenant = md.get(TENANT_HEADER, "")
         log.debug("Generate tenant=%s request_id=%s", tenant, req.request_id)

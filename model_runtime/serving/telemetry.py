@@ -166,9 +166,11 @@ class Telemetry:
         e2e_s: float | None = None,
         tenant: str = "",
         shadow: bool = False,
+        usage: tuple[str, int, int] | None = None,
     ) -> None:
         """One call ended. `tenant`: the verified tenant header (a label; never a key).
-        `shadow`: a mirrored copy, counted in the shadow counter alone (module doc)."""
+        `shadow`: a mirrored copy, counted in the shadow counter alone (module doc). `usage`:
+        (model id, prompt tokens, completion tokens) of a call the engine ran."""
         if shadow:
             self.shadow_requests.add(1, {"rpc.grpc.status": code})
             self.prom.shadow_requests.labels(code).inc()
@@ -179,6 +181,10 @@ class Telemetry:
         attrs = {"rpc.method": method, "rpc.grpc.status": code}
         self.requests.add(1, {**attrs, "meshlm.tenant": tenant})
         self.prom.requests.labels(method, code, tenant).inc()
+        if usage is not None:
+            model, prompt, completion = usage
+            self.prom.prompt_tokens.labels(tenant, model).inc(prompt)
+            self.prom.generation_tokens.labels(tenant, model).inc(completion)
         if ttft_s is not None:
             self.ttft.record(ttft_s, attrs)
         if tpot_s is not None:
