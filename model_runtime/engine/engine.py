@@ -9,7 +9,7 @@ budget (budget.py, toward the TPOT target) and rides in the same forward as the 
 a long prompt never holds the streams for a whole chunk; where decode runs natively (the int4
 step, which has its own arithmetic) the budgeted chunk is a call before the decode step. Off by
 default: on 2 cores a batch-8 decode step is already compute-bound, so smaller chunks cut the
-inter-token p99 about 3x but cost output tokens/s and the p50 (BENCHMARKS.md, serving; issue 36).
+inter-token p99 about 3x but cost output tokens/s and the p50 (BENCHMARKS.md, serving).
 Requests join and leave between steps; `Engine.steps` keeps each step's composition.
 `static_batching=True` admits a batch only when the previous one has finished entirely (kept for
 the benchmark's comparison).

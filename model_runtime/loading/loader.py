@@ -42,7 +42,7 @@ class ModelInfo:
     compute_dtype: str = ""  # the chosen Compute's dtype: "bf16" | "fp32" | "fp16"
     kernels: str = ""  # what the built linear layers run on: "native" | "torch" | "native+torch"
     # the id an OpenAI client names it by unless --served-model-name says otherwise: a slug of
-    # the weight file's (or folder's) name, as `smollm2-135m-instruct.q4_1` (issue 37)
+    # the weight file's (or folder's) name that a user can type, as `smollm2-135m-instruct.q4_1`
     model_id: str = ""
 
 

@@ -101,8 +101,8 @@ class RuntimeMetrics:
                                        "Mirrored (shadow) Generate calls by gRPC status; they "
                                        "count in no other series.",
                                        ["code"], registry=r)  # fmt: skip
-        # Usage by tenant and the served model id a call named (issue 37): both label sets are
-        # bounded (MAX_TENANTS, and only the runtime's served ids pass validation).
+        # Usage, what a tenant is billed for, by tenant and the served model id a call named: both
+        # label sets are bounded (MAX_TENANTS; only the runtime's served ids pass validation).
         self.prompt_tokens = Counter("meshlm_tenant_prompt_tokens",
                                      "Prompt tokens of Generate calls the engine ran, by tenant "
                                      "and model id.", ["tenant", "model"], registry=r)  # fmt: skip
