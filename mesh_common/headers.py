@@ -9,7 +9,10 @@ routes that set them, the runtime that reads them and the callers that send them
 TENANT_HEADER = "x-meshlm-tenant"
 PRIORITY_HEADER = "x-meshlm-priority"
 PRINCIPAL_HEADER = "x-meshlm-principal"  # the caller's SPIFFE ID, from its mTLS certificate
-IDENTITY_HEADERS = (TENANT_HEADER, PRIORITY_HEADER, PRINCIPAL_HEADER)
+# The tenant's token budget on this sidecar (model_runtime/serving/budgets.py):
+# `tokens_per_minute=N;tokens_per_day=M`.
+TOKEN_BUDGET_HEADER = "x-meshlm-token-budget"
+IDENTITY_HEADERS = (TENANT_HEADER, PRIORITY_HEADER, PRINCIPAL_HEADER, TOKEN_BUDGET_HEADER)
 
 # The caller's credential (Envoy's api_key_auth and the authz filter read it).
 API_KEY_HEADER = "x-api-key"

@@ -7,7 +7,8 @@
 //! for this service's gRPC methods (an OpenAI HTTP path counts as the method it runs; any other
 //! path is denied) -> per-tenant token bucket in
 //! shared data (compare-and-swap) -> verified `x-meshlm-tenant` / `x-meshlm-priority` headers,
-//! and `x-meshlm-principal` (the caller's SPIFFE ID) when `peer_identity` is on.
+//! and `x-meshlm-principal` (the caller's SPIFFE ID) when `peer_identity` is on, and the
+//! tenant's token budget share `x-meshlm-token-budget` (the runtime reserves from it).
 //! A mirrored copy (`:authority` suffixed `-shadow` by Envoy's request mirroring) is
 //! checked exactly the same but takes no token: the tenant's call was charged once where it was
 //! served, and the route's mirror percent bounds the copies.
@@ -41,6 +42,8 @@ const TenantJson = struct {
     key_sha256: []const []const u8,
     allow: []const []const u8,
     rate_limit: ?RateLimitJson = null,
+    // `x-meshlm-token-budget` for the runtime, which reserves each call's tokens from it.
+    token_budget: ?[]const u8 = null,
 };
 /// A workload that may call (`callers`): `principal` is a SPIFFE ID, or a prefix of IDs ending
 /// in `*`; `paths` the request paths it may ask for, null for any.
@@ -645,6 +648,7 @@ export fn proxy_on_request_headers(ctx: u32, _: u32, _: u32) u32 {
     setHeader("x-meshlm-tenant", t.json.name);
     setHeader("x-meshlm-priority", t.json.priority);
     if (principal) |who| setHeader("x-meshlm-principal", who);
+    if (t.json.token_budget) |b| setHeader("x-meshlm-token-budget", b);
     bump(t.m_allowed);
     if (shadow) bump(t.m_shadow); // allowed, uncharged
     return CONTINUE;

@@ -7,7 +7,8 @@ Read from the mesh file's `tenants:` mapping (and an optional top-level `roles:`
     tenants:
       acme: {key_sha256: "<hex>", allow: ["llm/*"], priority: high,
              rate_limit: {max_tokens: 40, tokens_per_fill: 20, fill_interval: 1s}}
-      free: {key_sha256: ["<new hex>", "<old hex>"], roles: [reader], allow: ["llm/Generate"]}
+      free: {key_sha256: ["<new hex>", "<old hex>"], roles: [reader], allow: ["llm/Generate"],
+             token_budget: {tokens_per_minute: 20000, tokens_per_day: 1000000}}
 
 Allow patterns are `service/method` globs (`*` is the only wildcard); methods are the gRPC
 method names of `/meshlm.inference.v1.Inference/<Method>` (the OpenAI HTTP paths count as the
@@ -48,8 +49,9 @@ _CALLER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/(?:[A-Za-z0-9][A-Za-z0-9
 _PATTERN_PART = re.compile(r"^[A-Za-z0-9_.*-]+\Z")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?\Z")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, None: 1000}
-_TENANT_FIELDS = {"key_sha256", "allow", "roles", "rate_limit", "priority"}
+_TENANT_FIELDS = {"key_sha256", "allow", "roles", "rate_limit", "priority", "token_budget"}
 _RATE_FIELDS = {"max_tokens", "tokens_per_fill", "fill_interval"}
+_BUDGET_FIELDS = ("tokens_per_minute", "tokens_per_day")
 
 
 class PolicyError(ValueError):
@@ -66,12 +68,28 @@ class RateLimit:
 
 
 @dataclass(frozen=True)
+class TokenBudget:
+    """Prompt + completion tokens a tenant may use of each model (service) it calls; each
+    budget refills continuously over its span. Enforced by the runtimes, which reserve
+    prompt + max_tokens per call (model_runtime/serving/budgets.py)."""
+
+    tokens_per_minute: int | None = None
+    tokens_per_day: int | None = None
+
+    def header_value(self) -> str:
+        """`x-meshlm-token-budget` as the authz filter sets it (budgets.parse_budget)."""
+        parts = ((n, getattr(self, n)) for n in _BUDGET_FIELDS)
+        return ";".join(f"{n}={v}" for n, v in parts if v is not None)
+
+
+@dataclass(frozen=True)
 class Tenant:
     name: str
     key_sha256: tuple[str, ...]  # lowercase hex
     allow: tuple[str, ...]  # `service/method` globs, roles already expanded
     rate_limit: RateLimit | None
     priority: str
+    token_budget: TokenBudget | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +172,17 @@ def _rate_limit(v: Any, path: str) -> RateLimit | None:
     )
 
 
+def _token_budget(v: Any, path: str) -> TokenBudget | None:
+    if v is None:
+        return None
+    if not isinstance(v, Mapping) or not v:
+        raise PolicyError(f"{path}: must be a mapping with one or both of {list(_BUDGET_FIELDS)}")
+    for k in v:
+        if k not in _BUDGET_FIELDS:
+            raise PolicyError(f"{path}.{k}: unknown field (expected {list(_BUDGET_FIELDS)})")
+    return TokenBudget(**{k: _int(n, f"{path}.{k}") for k, n in v.items()})
+
+
 def _tenant(name: str, v: Any, path: str, roles: Mapping[str, tuple[str, ...]]) -> Tenant:
     if not isinstance(v, Mapping):
         raise PolicyError(f"{path}: must be a mapping")
@@ -185,6 +214,7 @@ def _tenant(name: str, v: Any, path: str, roles: Mapping[str, tuple[str, ...]]) 
         allow=tuple(allow),
         rate_limit=_rate_limit(v.get("rate_limit"), f"{path}.rate_limit"),
         priority=priority,
+        token_budget=_token_budget(v.get("token_budget"), f"{path}.token_budget"),
     )
 
 
@@ -284,6 +314,11 @@ def compile_filter_config(
                 "priority": t.priority,
                 "key_sha256": list(t.key_sha256),
                 "allow": policy.methods_for(t, service),
+                **(
+                    {"token_budget": t.token_budget.header_value()}
+                    if t.token_budget is not None
+                    else {}
+                ),
                 "rate_limit": None
                 if t.rate_limit is None
                 else {

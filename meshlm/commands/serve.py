@@ -157,6 +157,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "lower inter-token p99 under concurrency, but on 2 cores fewer output tokens/s and a "
         "higher p50 (BENCHMARKS.md, serving)",
     )
+    p.add_argument(
+        "--token-budget-state",
+        type=Path,
+        metavar="FILE",
+        help="keep the tenants' token budgets (reserved per call from the sidecar's "
+        "x-meshlm-token-budget) in FILE, so a runtime that crashes mid-stream has charged its "
+        "calls' reservations and its successor on the same FILE starts from there (default: "
+        "in memory, full again after a restart)",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish streams")
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=("debug", "info", "warning", "error", "critical"),
@@ -218,6 +227,13 @@ def run(args: argparse.Namespace) -> int:
     if any(not n.strip() or n != n.strip() for n in args.served_model_name):
         log.error("--served-model-name: a name must be non-empty, without surrounding spaces")
         return 2
+    from model_runtime.serving.budgets import BudgetError, TokenBudgets
+
+    try:
+        budgets = TokenBudgets(args.token_budget_state)
+    except BudgetError as e:
+        log.error("--token-budget-state: %s", e)
+        return 2
     if not args.metrics_window > 0:  # NaN too
         log.error("--metrics-window must be above 0 seconds, not %s", args.metrics_window)
         return 2
@@ -252,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
             faults=faults,
             replica_id=args.replica_id,
             served_model_names=args.served_model_name,
+            budgets=budgets,
         ).start()
     except (OSError, RuntimeError) as e:  # taken since the check; gRPC raises RuntimeError
         print(f"meshlm serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)

@@ -44,6 +44,13 @@ from mesh_common.headers import (
     REQUEST_ID_HEADER,
     SHADOW_HEADER,
     TENANT_HEADER,
+    TOKEN_BUDGET_HEADER,
+)
+from model_runtime.serving.budgets import (
+    BudgetError,
+    BudgetExceeded,
+    Reservation,
+    TokenBudgets,
 )
 from model_runtime.serving.faults import Faults
 from model_runtime.serving.orca import OrcaService
@@ -70,9 +77,11 @@ GRPC_MAX_IDLE_S = 300
 
 
 class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.trailers = code, message, trailers
 
 
 def _is_shadow(metadata: dict[str, Any]) -> bool:
@@ -147,8 +156,10 @@ class InferenceService:
         replica_id: str = "",
         served_model_names: Sequence[str] = (),
         records: Records | None = None,
+        budgets: TokenBudgets | None = None,
     ) -> None:
         self.loaded, self.engine = loaded, engine
+        self.budgets = budgets or TokenBudgets()
         self.records = records  # greedy calls' outputs by request id
         self.replica_id = replica_id
         self.telemetry = telemetry
@@ -204,6 +215,9 @@ class InferenceService:
             try:
                 yield from self._generate(request, context, md, span, started, stats)
             except _Abort as a:
+                if a.trailers:  # set_trailing_metadata replaces: keep the replica's
+                    replica = ((REPLICA_HEADER, self.replica_id),) if self.replica_id else ()
+                    context.set_trailing_metadata((*replica, *a.trailers))
                 stats["code"] = a.code.name
                 span.set_attribute("rpc.grpc.status_code", a.code.value[0])
                 e2e = time.monotonic() - started
@@ -292,7 +306,7 @@ class InferenceService:
                 f"prompt: {len(prompt_ids)} tokens leave no room in the context of "
                 f"{self.model_info.context_length}",
             )
-        from model_runtime.engine.engine import EngineFull, GenerateParams
+        from model_runtime.engine.engine import GenerateParams
 
         params = GenerateParams(
             prompt_ids=prompt_ids,
@@ -307,6 +321,46 @@ class InferenceService:
             priority=PRIORITY_NAMES["low"] if stats["shadow"] else _priority(req.priority, md),
             tenant=str(tenant),  # the verified header only: no body field can choose it
         )
+        reservation = self._reserve(md, str(tenant), stats, params)
+        try:
+            yield from self._run(req, md, context, span, started, stats, params)
+        finally:
+            if reservation is not None:
+                ran = stats.get("token_ids")
+                used = 0 if ran is None else stats["prompt_tokens"] + len(ran)
+                self.budgets.settle(reservation, used)
+
+    def _reserve(
+        self, md: dict[str, Any], tenant: str, stats: dict[str, Any], params: Any
+    ) -> Reservation | None:
+        """Reserve prompt + max_tokens of the tenant's token budget (the verified header the
+        inbound sidecar's authz filter set), or refuse the call; None where no budget applies.
+        A mirrored copy was charged where the caller's call was served."""
+        header = str(md.get(TOKEN_BUDGET_HEADER, ""))
+        if not header or stats["shadow"]:
+            return None
+        room = self.model_info.context_length - len(params.prompt_ids)
+        tokens = len(params.prompt_ids) + min(params.max_new_tokens, room)
+        try:
+            return self.budgets.reserve(tenant, header, tokens)
+        except BudgetExceeded as e:
+            after = () if e.retry_after_s is None else (("retry-after", str(e.retry_after_s)),)
+            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), after) from None
+        except BudgetError as e:  # the sidecar's header: a mesh fault, refused closed
+            raise _Abort(grpc.StatusCode.INTERNAL, f"{TOKEN_BUDGET_HEADER}: {e}") from None
+
+    def _run(
+        self,
+        req: codec.GenerateRequest,
+        md: dict[str, Any],
+        context: grpc.ServicerContext,
+        span: Any,
+        started: float,
+        stats: dict[str, Any],
+        params: Any,
+    ) -> Iterator[bytes]:
+        from model_runtime.engine.engine import EngineFull
+
         events: queue.SimpleQueue = queue.SimpleQueue()
         ended = threading.Event()
         rid = uuid.uuid4().hex  # the engine's key; the client's id is only echoed back
@@ -471,8 +525,10 @@ class Runtime:
         limits: Limits | None = None,
         replica_id: str | None = None,
         served_model_names: Sequence[str] = (),
+        budgets: TokenBudgets | None = None,
     ) -> None:
         self.telemetry = telemetry or Telemetry()
+        self.budgets = budgets or TokenBudgets()
         self.records = Records()  # served on the metrics port (records.py)
         self.served_model_names = tuple(served_model_names)
         self.faults = faults
@@ -544,6 +600,7 @@ class Runtime:
             replica_id=self.replica_id,
             served_model_names=self.served_model_names,
             records=self.records,
+            budgets=self.budgets,
         )
         self.records.model = loaded.model
         self.records.engine = engine  # /score's forward on the engine's thread

@@ -104,6 +104,7 @@ def parse_mesh(raw: Any) -> Mesh:
     keys_file = authz_raw.get("keys_file")
     if mode == "native" and not isinstance(keys_file, str):
         raise MeshError("authz.keys_file: native mode needs a file of plaintext keys per tenant")
+    _check_token_budgets(tenants, mode)
     rollouts_raw = read_mapping(top.get("rollouts", {}), "rollouts")
     rollouts = {n: _rollout(n, v, services, f"rollouts.{n}") for n, v in rollouts_raw.items()}
     identity = read_optional(top, "identity", "mesh", lambda d, _p: parse_identity(d))
@@ -121,6 +122,16 @@ def parse_mesh(raw: Any) -> Mesh:
         default_service=_default_service(top.get("default_service"), services),
         faults=parse_faults(top.get("faults"), services),
     )
+
+
+def _check_token_budgets(tenants: Any, authz_mode: str) -> None:
+    """Token budgets reach a runtime only as the header the Wasm authz filter sets."""
+    for t in getattr(tenants, "tenants", ()):
+        if t.token_budget is not None and authz_mode != "wasm":
+            raise MeshError(
+                f"tenants.{t.name}.token_budget: needs authz.mode wasm (its filter hands the "
+                f"runtime each tenant's budget), not {authz_mode}"
+            )
 
 
 def _default_service(raw: Any, services: dict[str, Service]) -> str | None:

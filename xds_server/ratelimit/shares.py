@@ -52,7 +52,7 @@ def shares_matter(mesh: m.Mesh) -> bool:
     if mesh.rate_limits.mode != "local" or mesh.authz.mode == "none":
         return False
     tenants = getattr(mesh.tenants, "tenants", ())
-    return any(t.rate_limit for t in tenants) or any(
+    return any(t.rate_limit or t.token_budget for t in tenants) or any(
         s.slo_state.shed_tenants for s in mesh.services.values()
     )
 

@@ -3,7 +3,9 @@
 `rate_limits.mode: local` (the default): the authz filter's per-sidecar token buckets carry
 this sidecar's share of each tenant's mesh-wide limit (`local_policy`): the limit divided among
 the service's live inbound sidecars, which the control plane counts from ADS and re-divides as
-they join or leave (xds_server/ratelimit/shares.py). No call leaves the sidecar.
+they join or leave (xds_server/ratelimit/shares.py). No call leaves the sidecar. A tenant's token
+budget is divided the same way; the filter hands the share to the runtime, which reserves from
+it (model_runtime/serving/budgets.py).
 
 `global`: Envoy's `envoy.filters.http.ratelimit` after the authz filter asks the control plane's
 RateLimitService (xds_server/ratelimit/service.py) on every call (`ratelimit_filter`); the authz
@@ -106,5 +108,17 @@ def local_policy(mesh: m.Mesh, svc: m.Service) -> Any:
         limit = limit_in_force(t, svc)
         if limit is not None:
             limit = share(limit, svc.inbound_sidecars)
-        tenants.append(t if limit is t.rate_limit else dataclasses.replace(t, rate_limit=limit))
+        budget = budget_share(t.token_budget, svc.inbound_sidecars)
+        if limit is not t.rate_limit or budget is not t.token_budget:
+            t = dataclasses.replace(t, rate_limit=limit, token_budget=budget)
+        tenants.append(t)
     return dataclasses.replace(policy, tenants=tuple(tenants))
+
+
+def budget_share(budget: Any, sidecars: int) -> Any:
+    """One of `sidecars` shares of a tenant's token budget (a wasm_filters.policy.TokenBudget),
+    rounded down: the sidecars' runtimes together never admit more than the budget."""
+    if budget is None or sidecars <= 1:
+        return budget
+    parts = {k: v for k, v in vars(budget).items() if v is not None}
+    return dataclasses.replace(budget, **{k: max(1, v // sidecars) for k, v in parts.items()})
