@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mesh_common import node_metadata
+from mesh_common import budget_wire, node_metadata
 from mesh_common.sds_names import DEFAULT, ROOTCA, SDS_CLUSTER
 from sidecar.sds import secret_ref
 
@@ -36,6 +36,7 @@ def ads_bootstrap(
     admin_port: int = 0,
     cluster: str = "meshlm",
     zone: str | None = None,
+    budget_port: int | None = None,
 ) -> dict[str, Any]:
     """A bootstrap dict for `sidecar.envoy_process.EnvoyProcess`.
 
@@ -49,7 +50,9 @@ def ads_bootstrap(
     sidecar that other pods call binds 0.0.0.0). `host`: the `ip:port` callers reach the inbound
     listener at, where that is not `listen_host:inbound_port` (the address a sidecar on 0.0.0.0
     registers): the host a mesh fault's `host:` names. `zone`: the node's locality zone, which
-    orders the zones of its callee clusters (a service's `locality`).
+    orders the zones of its callee clusters (a service's `locality`). `budget_port`: a loopback
+    listener where the local runtime reaches the control plane's token budget service
+    (`meshlm serve --budget-service`), forwarded over this sidecar's way to the control plane.
     """
     if api_type not in ("GRPC", "DELTA_GRPC"):
         raise ValueError(f"api_type: expected GRPC or DELTA_GRPC, got {api_type!r}")
@@ -101,7 +104,50 @@ def ads_bootstrap(
             "lds_config": ads,
             "cds_config": ads,
         },
-        "static_resources": {"clusters": [xds_cluster(addresses)]},
+        "static_resources": {
+            "clusters": [xds_cluster(addresses)],
+            "listeners": [] if budget_port is None else [budget_listener(budget_port)],
+        },
+    }
+
+
+BUDGET_LISTENER = "budget"
+_HCM = "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_ROUTER = "envoy.extensions.filters.http.router.v3.Router"
+
+
+def budget_listener(port: int) -> dict[str, Any]:
+    """Loopback only, and only the token budget service's methods: the runtime's way to the
+    control plane, as this sidecar (its workload certificate where the mesh has identity)."""
+    route = {
+        "match": {"prefix": budget_wire.PATH_PREFIX},
+        "route": {"cluster": XDS_CLUSTER, "timeout": "5s"},
+    }
+    refuse = {"match": {"prefix": "/"}, "direct_response": {"status": 404}}
+    hcm = {
+        "@type": "type.googleapis.com/" + _HCM,
+        "stat_prefix": "budget",
+        "codec_type": "HTTP2",
+        "route_config": {
+            "virtual_hosts": [{"name": "budget", "domains": ["*"], "routes": [route, refuse]}]
+        },
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": "type.googleapis.com/" + _ROUTER},
+            }
+        ],
+    }
+    return {
+        "name": BUDGET_LISTENER,
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [
+            {
+                "filters": [
+                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                ]
+            }
+        ],
     }
 
 

@@ -25,6 +25,8 @@ from typing import Any
 
 from cachetools import TLRUCache
 
+from sidecar.bootstrap import BUDGET_LISTENER
+
 _TYPE = "@type"
 _FORMAT = 2  # {"format": 2, "nodes": {node: {"saved_at": unix time, "resources": {...}}}}
 Keys = Mapping[str, Sequence[str]]  # tenant -> plaintext keys (native authz mode)
@@ -157,8 +159,11 @@ def static_bootstrap(
     boot = copy.deepcopy(base)
     boot.pop("dynamic_resources", None)
     static = boot.setdefault("static_resources", {})
-    # The bootstrap's own static listeners stay (they are not in the dump's dynamic ones).
-    static["listeners"] = static.get("listeners", []) + [
+    # The bootstrap's own static listeners stay (they are not in the dump's dynamic ones), but
+    # the budget listener, which routes to the control plane: without it the runtime keeps
+    # tenants' token budgets itself.
+    own = [v for v in static.get("listeners", []) if v.get("name") != BUDGET_LISTENER]
+    static["listeners"] = own + [
         _inline_listener(v, res, keys) for v in res["listeners"].values()
     ]
     keep = [c for c in static.get("clusters", []) if c.get("name") != "xds_cluster"]

@@ -19,6 +19,7 @@ from mesh_common.headers import TENANT_HEADER, TOKEN_BUDGET_HEADER
 from mesh_common.ports import free_port
 from meshlm.demo.launcher import _serving
 from meshlm.demo.procs import Proc, wait_until
+from model_runtime.serving.budgets import Budgets
 from model_runtime.serving.client import Client
 from model_runtime.serving.openai_http import OpenAIServer
 from sidecar.bootstrap import ads_bootstrap
@@ -120,25 +121,31 @@ def mesh(smollm_int4) -> Iterator[Mesh]:
         rt.shutdown(grace=0)
 
 
-def test_concurrent_calls_at_the_edge_never_use_more_than_the_budget(mesh: Mesh) -> None:
-    budget = 5 * mesh.reservation + mesh.reservation // 2
+def _at_the_edge(mesh: Mesh, tenant: str, n: int) -> tuple[list[int], list]:
+    """`n` chat completions at once: (tokens each served call used, the 429s)."""
     used: list[int] = []
     refused: list[openai.RateLimitError] = []
-    start = threading.Barrier(16)
+    start = threading.Barrier(n)
 
     def call() -> None:
         start.wait()
         try:
-            used.append(mesh.ask("edge"))
+            used.append(mesh.ask(tenant))
         except openai.RateLimitError as e:
             refused.append(e)
 
-    threads = [threading.Thread(target=call) for _ in range(16)]
+    threads = [threading.Thread(target=call) for _ in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
-    assert len(used) + len(refused) == 16
+    assert len(used) + len(refused) == n
+    return used, refused
+
+
+def test_concurrent_calls_at_the_edge_never_use_more_than_the_budget(mesh: Mesh) -> None:
+    budget = 5 * mesh.reservation + mesh.reservation // 2
+    used, refused = _at_the_edge(mesh, "edge", 16)
     assert len(used) >= 5 and refused
     # Reserved at admission: what the served calls used never passes the budget (a day's
     # budget refills about one token in the test's time).
@@ -191,6 +198,71 @@ def test_grpc_callers_get_resource_exhausted_naming_the_budget(mesh: Mesh) -> No
     assert "token budget exceeded: tenant 'grpc'" in e.value.details()
     trailers = dict(e.value.trailing_metadata())
     assert int(trailers["retry-after"]) >= 1
+
+
+@pytest.fixture(scope="module")
+def global_mesh(smollm_int4) -> Iterator[tuple[Mesh, list]]:
+    """`rate_limits.mode: global`: two inbound sidecars, each in front of its own runtime, which
+    reserves at the control plane through its sidecar's loopback budget listener."""
+    inbound = (free_port(), free_port())
+    budget_ports = (free_port(), free_port())
+    runtimes = [
+        serving_runtime(smollm_int4, budgets=Budgets(service=f"127.0.0.1:{p}"))
+        for p in budget_ports
+    ]
+    https = [OpenAIServer(rt) for rt in runtimes]
+    doc = {**_doc(inbound, {}), "rate_limits": {"mode": "global"}}
+    cp = build_server(parse_mesh(doc), debounce=0.02).start()
+    xds = ("127.0.0.1", cp.grpc_port)
+    outbound = free_port()
+    envoys = []
+    try:
+        for i, (rt, http) in enumerate(zip(runtimes, https, strict=True)):
+            boot = ads_bootstrap(
+                f"runtime-{i}",
+                xds_address=xds,
+                service="llm",
+                version="v1",
+                inbound_port=inbound[i],
+                local_endpoint=rt.target,
+                local_http_endpoint=f"127.0.0.1:{http.port}",
+                budget_port=budget_ports[i],
+            )
+            envoys.append(EnvoyProcess(boot).start())
+        caller = ads_bootstrap("caller", xds_address=xds, outbound_port=outbound)
+        envoys.append(EnvoyProcess(caller).start())
+        model = runtimes[0].service.served_names[0]
+        m = Mesh(cp, outbound, model, 0, 0, runtimes[0].service.budgets.levels)
+        eventually(lambda: m.ask("free"), what="the mesh serves chat completions")
+        with m.client("free") as c:
+            r = c.chat.completions.create(model=model, messages=QUESTION, max_tokens=1)
+        m.reservation = r.usage.prompt_tokens + MAX_TOKENS
+        budgets = {"edge": {"tokens_per_day": 5 * m.reservation + m.reservation // 2}}
+        doc = {**_doc(inbound, budgets), "rate_limits": {"mode": "global"}}
+        assert cp.update_mesh(parse_mesh(doc), timeout=20).ok
+        yield m, runtimes
+    finally:
+        for e in envoys:
+            e.stop()
+        cp.stop()
+        for http in https:
+            http.stop()
+        for rt in runtimes:
+            rt.shutdown(grace=0)
+
+
+def test_global_budgets_hold_across_replicas(global_mesh) -> None:
+    """Each runtime's own tier holds the whole budget (the header's), so two replicas that
+    fell back to it would admit about twice the budget: what the served calls used stays within
+    one budget only because both reserve at the control plane."""
+    mesh, runtimes = global_mesh
+    budget = 5 * mesh.reservation + mesh.reservation // 2
+    used, refused = _at_the_edge(mesh, "edge", 16)
+    assert len(used) >= 5 and refused
+    assert sum(used) <= budget + 1, (used, budget)
+    assert "in the mesh" in refused[0].message
+    for rt in runtimes:  # neither reserved from its own buckets (the fallback tier)
+        assert rt.service.budgets.levels() == {}
 
 
 def test_tenants_without_a_budget_are_not_metered(mesh: Mesh) -> None:

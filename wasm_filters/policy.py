@@ -75,10 +75,14 @@ class TokenBudget:
 
     tokens_per_minute: int | None = None
     tokens_per_day: int | None = None
+    # Set by the control plane, never in a mesh file: the service whose mesh-wide budget the
+    # control plane keeps (`rate_limits.mode: global`).
+    global_service: str | None = None
 
     def header_value(self) -> str:
-        """`x-meshlm-token-budget` as the authz filter sets it (budgets.parse_budget)."""
-        parts = ((n, getattr(self, n)) for n in _BUDGET_FIELDS)
+        """`x-meshlm-token-budget` as the authz filter sets it (token_budgets.parse_budget)."""
+        parts = [(n, getattr(self, n)) for n in _BUDGET_FIELDS]
+        parts.append(("global", self.global_service))
         return ";".join(f"{n}={v}" for n, v in parts if v is not None)
 
 

@@ -34,6 +34,7 @@ from xds_server.admin.dashboard.service import Dashboard
 from xds_server.admin.metrics import ControlPlaneMetrics
 from xds_server.control_plane import new_incarnation
 from xds_server.identity.workload import Identity
+from xds_server.ratelimit import budgets
 from xds_server.ratelimit import service as ratelimit
 from xds_server.registry import service as registration
 from xds_server.registry.journal import RegistrationFile
@@ -158,6 +159,10 @@ def build_server(
         GrpcService(
             ratelimit.add_to_server,
             ratelimit.RateLimitServicer(lambda: cache.mesh, trust_domain=td),
+        ),
+        GrpcService(
+            budgets.add_to_server,
+            budgets.TokenBudgetServicer(lambda: cache.mesh, trust_domain=td),
         ),
         GrpcService(accesslog.add_to_server, accesslog.AccessLogServicer(isolation)),
         GrpcService(health.add_to_server, health.HealthServicer(serving)),

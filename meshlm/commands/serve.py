@@ -166,6 +166,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "calls' reservations and its successor on the same FILE starts from there (default: "
         "in memory, full again after a restart)",
     )
+    p.add_argument(
+        "--budget-service",
+        metavar="HOST:PORT",
+        help="where mesh-wide token budgets (rate_limits.mode global) are reserved: the "
+        "sidecar's loopback budget listener (meshlm sidecar --budget-port), which forwards to "
+        "the control plane; without it, or while it cannot be reached, each tenant's whole "
+        "budget is kept on this runtime",
+    )
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish streams")
     p.add_argument("--log-level", default="info", type=str.lower,
                    choices=("debug", "info", "warning", "error", "critical"),
@@ -227,10 +235,10 @@ def run(args: argparse.Namespace) -> int:
     if any(not n.strip() or n != n.strip() for n in args.served_model_name):
         log.error("--served-model-name: a name must be non-empty, without surrounding spaces")
         return 2
-    from model_runtime.serving.budgets import BudgetError, TokenBudgets
+    from model_runtime.serving.budgets import BudgetError, Budgets
 
     try:
-        budgets = TokenBudgets(args.token_budget_state)
+        budgets = Budgets(args.token_budget_state, args.budget_service)
     except BudgetError as e:
         log.error("--token-budget-state: %s", e)
         return 2

@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "/stats/prometheus; nothing else of the admin) on --listen-host:PORT, for "
                    "a control plane on another host that reads this caller's counters "
                    "(caller_sidecars[].admin_url http://HOST:PORT)")  # fmt: skip
+    p.add_argument("--budget-port", type=int, help="a loopback listener where the local runtime "
+                   "reaches the control plane's token budgets (meshlm serve --budget-service "
+                   "127.0.0.1:PORT), over this sidecar's way to the control plane")  # fmt: skip
     p.add_argument("--delta", action="store_true", help="get config changes as deltas "
                    "rather than whole sets (incremental xDS)")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=1, help="Envoy worker threads")
@@ -266,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
             api_type="DELTA_GRPC" if args.delta else "GRPC",
             admin_port=admin_port,
             zone=args.zone,
+            budget_port=args.budget_port,
         )
         with_overload_manager(boot, max_heap_bytes=args.max_heap_mb * 2**20)
         if args.stats_port is not None:

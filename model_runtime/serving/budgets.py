@@ -1,173 +1,129 @@
-"""Token budgets: each tenant's tokens per minute and per day, reserved at admission.
+"""The runtime's side of token budgets: reserve each call's prompt + max_tokens before the engine
+sees it, settle the unused part after (mesh_common/token_budgets.py says why that order).
 
-The inbound sidecar's authz filter, after it verified the caller, hands the runtime the tenant's
-budget in `x-meshlm-token-budget` (`tokens_per_minute=N;tokens_per_day=M`, either part may be
-missing): in `rate_limits.mode: local` this sidecar's share of the mesh-wide budget, divided by
-the control plane among the service's inbound sidecars as call limits are. Inbound listeners drop
-a client-sent copy before any filter, so the header is the mesh's word.
-
-A call reserves prompt tokens + max_tokens before the engine sees it, under one lock, so
-concurrent calls at a budget's edge never overshoot it (LiteLLM's check-then-increment race and
-charge-after-the-stream overshoot are the failures this avoids); when the stream ends, fails or is
-cancelled, the unused part is refunded. Buckets refill continuously (a minute's budget over a
-minute), never above the budget.
-
-With a state file the buckets outlive the runtime: every reservation is written before the call
-runs, so a runtime that dies mid-stream has charged the whole reservation (the refund never
-comes) and its successor starts from the charged levels, not from full buckets.
+Where the buckets are follows `x-meshlm-token-budget` (the inbound sidecar's authz filter sets it):
+- local (`rate_limits.mode: local`): this runtime's own, holding its sidecar's share;
+- `global=<service>`: the control plane's, one per (service, tenant) for the mesh, reached at
+  `--budget-service` (the sidecar's loopback budget listener, which forwards over the sidecar's
+  mTLS to the control plane). While that cannot be reached the runtime keeps the whole budget in
+  its own buckets: the tier that holds, as call limits' per-sidecar buckets do in global mode.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import os
-import threading
-import time
-from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import grpc
+
+from mesh_common import budget_wire as wire
+from mesh_common.token_budgets import (
+    BudgetError,
+    BudgetExceeded,
+    Reservation,
+    TokenBudgets,
+    parse_budget,
+)
 
 log = logging.getLogger(__name__)
 
-# Seconds each budget spans: its bucket refills `budget / span` tokens a second.
-SPANS = {"tokens_per_minute": 60.0, "tokens_per_day": 86_400.0}
+__all__ = ["BudgetError", "BudgetExceeded", "Budgets", "Held"]
 
-
-class BudgetError(ValueError):
-    """A budget header that does not parse; the message names the part."""
-
-
-class BudgetExceeded(Exception):
-    """A call refused: its reservation does not fit what is left of a budget."""
-
-    def __init__(self, message: str, retry_after_s: int | None) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s  # None: it never fits (max_tokens too large)
-
-
-def parse_budget(value: str) -> dict[str, int]:
-    """`tokens_per_minute=N;tokens_per_day=M` -> {name: N}; BudgetError names a bad part."""
-    out: dict[str, int] = {}
-    for part in value.replace(" ", "").split(";"):
-        if not part:
-            continue
-        name, _, n = part.partition("=")
-        if name not in SPANS:
-            raise BudgetError(f"token budget: unknown part {name!r} (expected {sorted(SPANS)})")
-        if not n.isdigit() or int(n) < 1:
-            raise BudgetError(f"token budget: {name} must be a positive integer, got {n!r}")
-        out[name] = int(n)
-    if not out:
-        raise BudgetError(f"token budget: names no budget ({value!r})")
-    return out
-
-
-@dataclass
-class _Bucket:
-    level: float
-    at: float  # wall-clock seconds of `level` (a successor reads it after a restart)
+# A hung control plane costs an admitted call this much at most; then the local tier decides.
+RESERVE_TIMEOUT_S = 0.25
+SETTLE_TIMEOUT_S = 5.0
+NO_SERVICE = (
+    "the mesh keeps token budgets globally but this runtime has no --budget-service: "
+    "enforcing each tenant's whole budget here"
+)
 
 
 @dataclass(frozen=True)
-class Reservation:
-    tenant: str
-    tokens: int
-    budgets: tuple[tuple[str, int], ...]  # (name, budget) at admission
+class Held:
+    """One call's reservation: in this runtime's buckets, or the control plane's by id."""
+
+    local: Reservation | None = None
+    global_id: str = ""
 
 
-class TokenBudgets:
-    """Every tenant's buckets on this runtime, optionally kept in `state_file`."""
+class Budgets:
+    """This runtime's token budgets (local buckets, optionally in `state_file`), and the way
+    to the control plane's for `global=` budgets."""
 
-    def __init__(
-        self, state_file: Path | None = None, clock: Callable[[], float] = time.time
-    ) -> None:
-        self._clock = clock
-        self._state_file = state_file
-        self._lock = threading.Lock()
-        self._buckets: dict[tuple[str, str], _Bucket] = {}
-        if state_file is not None:
-            self._load(state_file)
+    def __init__(self, state_file: Path | None = None, service: str | None = None) -> None:
+        self.local = TokenBudgets(state_file)
+        self._channel = grpc.insecure_channel(service) if service else None
+        self._settler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="budget-settle")
+        self._warned = False
+        if self._channel is not None:
+            ser, de = wire.encode, lambda b: b
+            self._reserve = self._channel.unary_unary(
+                f"{wire.PATH_PREFIX}{wire.RESERVE}", request_serializer=ser,
+                response_deserializer=de,
+            )  # fmt: skip
+            self._settle = self._channel.unary_unary(
+                f"{wire.PATH_PREFIX}{wire.SETTLE}", request_serializer=ser,
+                response_deserializer=de,
+            )  # fmt: skip
 
-    def reserve(self, tenant: str, budget_header: str, tokens: int) -> Reservation:
-        """Take `tokens` from each of the tenant's budgets, or raise BudgetExceeded naming the
-        budget and when it holds enough again; BudgetError for a header that does not parse."""
-        budgets = parse_budget(budget_header)
-        with self._lock:
-            now = self._clock()
-            for name, budget in sorted(budgets.items()):
-                if tokens > budget:
-                    raise BudgetExceeded(
-                        f"token budget: this call reserves {tokens} tokens (prompt + max_tokens), "
-                        f"more than tenant {tenant!r}'s whole {name} of {budget} here: lower "
-                        "max_tokens",
-                        None,
-                    )
-            buckets = {n: self._refilled(tenant, n, b, now) for n, b in budgets.items()}
-            for name, budget in sorted(budgets.items()):
-                b = buckets[name]
-                if b.level < tokens:
-                    wait = (tokens - b.level) * SPANS[name] / budget
-                    raise BudgetExceeded(
-                        f"token budget exceeded: tenant {tenant!r} has {int(b.level)} of its "
-                        f"{name} of {budget} left here, this call reserves {tokens} (prompt + "
-                        f"max_tokens); enough refills in {math.ceil(wait)} s",
-                        max(1, math.ceil(wait)),
-                    )
-            for b in buckets.values():
-                b.level -= tokens
-            self._save()
-        return Reservation(tenant, tokens, tuple(sorted(budgets.items())))
+    def reserve(self, tenant: str, header: str, tokens: int) -> Held:
+        """Hold `tokens` of `tenant`'s budget named by `header`, or raise BudgetExceeded;
+        BudgetError for a header that does not parse."""
+        budgets, service = parse_budget(header)
+        if service is not None:
+            held = self._reserve_globally(service, tenant, tokens)
+            if held is not None:
+                return held
+        return Held(local=self.local.reserve(tenant, budgets, tokens))
 
-    def settle(self, r: Reservation, used: int) -> None:
-        """The call is over, having used `used` tokens: refund the rest of its reservation."""
-        refund = r.tokens - max(0, min(used, r.tokens))
-        if refund <= 0:
-            return
-        with self._lock:
-            now = self._clock()
-            for name, budget in r.budgets:
-                b = self._refilled(r.tenant, name, budget, now)
-                b.level = min(float(budget), b.level + refund)
-            self._save()
+    def settle(self, held: Held, used: int) -> None:
+        """The call used `used` tokens: refund the rest (to the control plane in the
+        background: a stream's end does not wait on it)."""
+        if held.local is not None:
+            self.local.settle(held.local, used)
+        elif held.global_id:
+            self._settler.submit(self._settle_globally, held.global_id, used)
 
     def levels(self) -> dict[str, dict[str, float]]:
-        """tenant -> budget name -> tokens left (as of their last use)."""
-        with self._lock:
-            out: dict[str, dict[str, float]] = {}
-            for (tenant, name), b in self._buckets.items():
-                out.setdefault(tenant, {})[name] = b.level
-            return out
+        return self.local.levels()
 
-    def _refilled(self, tenant: str, name: str, budget: int, now: float) -> _Bucket:
-        b = self._buckets.get((tenant, name))
-        if b is None:
-            b = self._buckets[(tenant, name)] = _Bucket(float(budget), now)
-            return b
-        # max(): a wall clock stepped back refills nothing rather than draining.
-        b.level = min(float(budget), b.level + max(0.0, now - b.at) * budget / SPANS[name])
-        b.at = now
-        return b
+    def close(self) -> None:
+        self._settler.shutdown(wait=True)
+        if self._channel is not None:
+            self._channel.close()
 
-    def _save(self) -> None:
-        if self._state_file is None:
-            return
-        doc = {f"{t}\n{n}": [b.level, b.at] for (t, n), b in self._buckets.items()}
-        tmp = self._state_file.with_name(self._state_file.name + ".tmp")
-        # A write to the page cache outlives the process; os.replace keeps the file whole.
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, self._state_file)
-
-    def _load(self, path: Path) -> None:
+    def _reserve_globally(self, service: str, tenant: str, tokens: int) -> Held | None:
+        """The control plane's answer, or None where the local tier must decide."""
+        if self._channel is None:
+            self._warn_once(NO_SERVICE)
+            return None
+        req = {"service": service, "tenant": tenant, "tokens": tokens}
         try:
-            doc = json.loads(path.read_text())
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError) as e:
-            # Starting from full buckets would hand every tenant a fresh budget: refuse to start.
-            raise BudgetError(f"token budget state {path}: unreadable ({e})") from None
-        for key, (level, at) in doc.items():
-            tenant, _, name = key.partition("\n")
-            if name in SPANS:
-                self._buckets[(tenant, name)] = _Bucket(float(level), float(at))
+            raw = self._reserve(req, timeout=RESERVE_TIMEOUT_S)
+            doc: dict[str, Any] = wire.decode(raw, wire.RESERVED_FIELDS, wire.REFUSED_FIELDS)
+        except grpc.RpcError as e:
+            self._warn_once(
+                f"token budget service unreachable ({e.code().name}): enforcing each tenant's "
+                "whole budget here until it answers"
+            )
+            return None
+        except wire.WireError as e:
+            log.warning("token budget service: a reply that is not one (%s)", e)
+            return None
+        if "refused" in doc:
+            raise BudgetExceeded(doc["refused"], doc["retry_after_s"] or None)
+        return Held(global_id=doc["id"])
+
+    def _settle_globally(self, rid: str, used: int) -> None:
+        try:
+            self._settle({"id": rid, "used": used}, timeout=SETTLE_TIMEOUT_S)
+        except grpc.RpcError as e:  # the reservation stays charged: never more than reserved
+            log.warning("token budget service: settle failed (%s)", e.code().name)
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            log.warning("%s", message)
+            self._warned = True

@@ -46,12 +46,7 @@ from mesh_common.headers import (
     TENANT_HEADER,
     TOKEN_BUDGET_HEADER,
 )
-from model_runtime.serving.budgets import (
-    BudgetError,
-    BudgetExceeded,
-    Reservation,
-    TokenBudgets,
-)
+from model_runtime.serving.budgets import BudgetError, BudgetExceeded, Budgets, Held
 from model_runtime.serving.faults import Faults
 from model_runtime.serving.orca import OrcaService
 from model_runtime.serving.records import Records
@@ -156,10 +151,10 @@ class InferenceService:
         replica_id: str = "",
         served_model_names: Sequence[str] = (),
         records: Records | None = None,
-        budgets: TokenBudgets | None = None,
+        budgets: Budgets | None = None,
     ) -> None:
         self.loaded, self.engine = loaded, engine
-        self.budgets = budgets or TokenBudgets()
+        self.budgets = budgets or Budgets()
         self.records = records  # greedy calls' outputs by request id
         self.replica_id = replica_id
         self.telemetry = telemetry
@@ -332,7 +327,7 @@ class InferenceService:
 
     def _reserve(
         self, md: dict[str, Any], tenant: str, stats: dict[str, Any], params: Any
-    ) -> Reservation | None:
+    ) -> Held | None:
         """Reserve prompt + max_tokens of the tenant's token budget (the verified header the
         inbound sidecar's authz filter set), or refuse the call; None where no budget applies.
         A mirrored copy was charged where the caller's call was served."""
@@ -525,10 +520,10 @@ class Runtime:
         limits: Limits | None = None,
         replica_id: str | None = None,
         served_model_names: Sequence[str] = (),
-        budgets: TokenBudgets | None = None,
+        budgets: Budgets | None = None,
     ) -> None:
         self.telemetry = telemetry or Telemetry()
-        self.budgets = budgets or TokenBudgets()
+        self.budgets = budgets or Budgets()
         self.records = Records()  # served on the metrics port (records.py)
         self.served_model_names = tuple(served_model_names)
         self.faults = faults
@@ -646,4 +641,5 @@ class Runtime:
         self.server.stop(grace).wait()
         if self.engine is not None:
             self.engine.shutdown(drain_timeout=grace)
+        self.budgets.close()  # the last settles reach the control plane
         self.telemetry.shutdown()  # flushes OTLP exporters, if any

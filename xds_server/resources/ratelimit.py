@@ -10,7 +10,8 @@ it (model_runtime/serving/budgets.py).
 `global`: Envoy's `envoy.filters.http.ratelimit` after the authz filter asks the control plane's
 RateLimitService (xds_server/ratelimit/service.py) on every call (`ratelimit_filter`); the authz
 filter's buckets keep each tenant's whole limit, as the tier that holds while the control plane
-is down.
+is down. Token budgets likewise: runtimes reserve at the control plane
+(xds_server/ratelimit/budgets.py) and keep the whole budget as their own tier.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def local_policy(mesh: m.Mesh, svc: m.Service) -> Any:
     shed it) divided among the service's inbound sidecars; in `global` mode their own limits."""
     policy = mesh.tenants
     if mesh.rate_limits.mode != "local":
-        return policy
+        return _global_budgets(policy, svc.name)
     tenants = []
     for t in policy.tenants:
         limit = limit_in_force(t, svc)
@@ -115,10 +116,25 @@ def local_policy(mesh: m.Mesh, svc: m.Service) -> Any:
     return dataclasses.replace(policy, tenants=tuple(tenants))
 
 
+def _global_budgets(policy: Any, service: str) -> Any:
+    """`policy` with each token budget marked as kept mesh-wide by the control plane."""
+    if policy is None or not any(t.token_budget for t in policy.tenants):
+        return policy
+    tenants = tuple(
+        t
+        if t.token_budget is None
+        else dataclasses.replace(
+            t, token_budget=dataclasses.replace(t.token_budget, global_service=service)
+        )
+        for t in policy.tenants
+    )
+    return dataclasses.replace(policy, tenants=tenants)
+
+
 def budget_share(budget: Any, sidecars: int) -> Any:
     """One of `sidecars` shares of a tenant's token budget (a wasm_filters.policy.TokenBudget),
     rounded down: the sidecars' runtimes together never admit more than the budget."""
     if budget is None or sidecars <= 1:
         return budget
-    parts = {k: v for k, v in vars(budget).items() if v is not None}
+    parts = {k: v for k, v in vars(budget).items() if k.startswith("tokens_") and v is not None}
     return dataclasses.replace(budget, **{k: max(1, v // sidecars) for k, v in parts.items()})
