@@ -77,6 +77,7 @@ def parse_budget(value: str) -> tuple[dict[str, int], str | None]:
 class _Bucket:
     level: float
     at: float  # wall-clock seconds of `level` (a successor reads it after a restart)
+    budget: int = 0  # the budget it was last used with (0: not since a restart)
 
 
 @dataclass(frozen=True)
@@ -149,27 +150,30 @@ class TokenBudgets:
             self._save()
 
     def levels(self) -> dict[str, dict[str, float]]:
-        """tenant -> budget name -> tokens left (as of their last use)."""
+        """tenant (or key) -> budget name -> tokens left now, refills counted."""
         with self._lock:
+            now = self._clock()
             out: dict[str, dict[str, float]] = {}
             for (tenant, name), b in self._buckets.items():
-                out.setdefault(tenant, {})[name] = b.level
+                refill = max(0.0, now - b.at) * b.budget / SPANS[name]
+                left = min(float(b.budget), b.level + refill) if b.budget else b.level
+                out.setdefault(tenant, {})[name] = left
             return out
 
     def _refilled(self, tenant: str, name: str, budget: int, now: float) -> _Bucket:
         b = self._buckets.get((tenant, name))
         if b is None:
-            b = self._buckets[(tenant, name)] = _Bucket(float(budget), now)
+            b = self._buckets[(tenant, name)] = _Bucket(float(budget), now, budget)
             return b
         # max(): a wall clock stepped back refills nothing rather than draining.
         b.level = min(float(budget), b.level + max(0.0, now - b.at) * budget / SPANS[name])
-        b.at = now
+        b.at, b.budget = now, budget
         return b
 
     def _save(self) -> None:
         if self._state_file is None:
             return
-        doc = {f"{t}\n{n}": [b.level, b.at] for (t, n), b in self._buckets.items()}
+        doc = {f"{t}\n{n}": [b.level, b.at, b.budget] for (t, n), b in self._buckets.items()}
         tmp = self._state_file.with_name(self._state_file.name + ".tmp")
         # A write to the page cache outlives the process; os.replace keeps the file whole.
         tmp.write_text(json.dumps(doc))
@@ -178,12 +182,12 @@ class TokenBudgets:
     def _load(self, path: Path) -> None:
         try:
             doc = json.loads(path.read_text())
+            for key, (level, at, budget) in doc.items():
+                tenant, _, name = key.partition("\n")
+                if name in SPANS:
+                    self._buckets[(tenant, name)] = _Bucket(float(level), float(at), int(budget))
         except FileNotFoundError:
             return
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TypeError, AttributeError) as e:
             # Starting from full buckets would hand every tenant a fresh budget: refuse to start.
             raise BudgetError(f"token budget state {path}: unreadable ({e})") from None
-        for key, (level, at) in doc.items():
-            tenant, _, name = key.partition("\n")
-            if name in SPANS:
-                self._buckets[(tenant, name)] = _Bucket(float(level), float(at))

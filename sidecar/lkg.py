@@ -163,9 +163,7 @@ def static_bootstrap(
     # the budget listener, which routes to the control plane: without it the runtime keeps
     # tenants' token budgets itself.
     own = [v for v in static.get("listeners", []) if v.get("name") != BUDGET_LISTENER]
-    static["listeners"] = own + [
-        _inline_listener(v, res, keys) for v in res["listeners"].values()
-    ]
+    static["listeners"] = own + [_inline_listener(v, res, keys) for v in res["listeners"].values()]
     keep = [c for c in static.get("clusters", []) if c.get("name") != "xds_cluster"]
     static["clusters"] = keep + [_inline_cluster(v, res) for v in res["clusters"].values()]
     return boot

@@ -17,6 +17,7 @@ import pytest
 
 from mesh_common.headers import TENANT_HEADER, TOKEN_BUDGET_HEADER
 from mesh_common.ports import free_port
+from meshlm.commands.status import render_budgets
 from meshlm.demo.launcher import _serving
 from meshlm.demo.procs import Proc, wait_until
 from model_runtime.serving.budgets import Budgets
@@ -29,6 +30,7 @@ from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
 from xds_server.compose import build_server
 from xds_server.mesh import MeshError, parse_mesh
+from xds_server.ratelimit import budgets as budgets_api
 from xds_server.server import XdsServer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
@@ -46,6 +48,7 @@ class Mesh:
     reservation: int  # prompt + MAX_TOKENS of a QUESTION call
     count_prompt: int  # prompt tokens of a COUNT call
     levels: Callable[[], dict[str, dict[str, float]]]  # the runtime's buckets
+    exposition: Callable[[], bytes] = bytes  # the runtime's /metrics
 
     def client(self, tenant: str) -> openai.OpenAI:
         return openai.OpenAI(
@@ -98,7 +101,7 @@ def mesh(smollm_int4) -> Iterator[Mesh]:
         caller = ads_bootstrap("caller", xds_address=xds, outbound_port=outbound)
         envoys.append(EnvoyProcess(caller).start())
         model = rt.service.served_names[0]
-        m = Mesh(cp, outbound, model, 0, 0, rt.service.budgets.levels)
+        m = Mesh(cp, outbound, model, 0, 0, rt.service.budgets.levels, rt.telemetry.prom.exposition)
         eventually(lambda: m.ask("free"), what="the mesh serves chat completions")
         with m.client("free") as c:
             r = c.chat.completions.create(model=model, messages=COUNT, max_tokens=1)
@@ -154,6 +157,22 @@ def test_concurrent_calls_at_the_edge_never_use_more_than_the_budget(mesh: Mesh)
     assert e.status_code == 429 and e.code == "rate_limit_exceeded"
     assert "token budget exceeded: tenant 'edge'" in e.message
     assert int(e.response.headers["retry-after"]) >= 1
+
+
+def test_the_runtime_reports_each_tenants_budget_left(mesh: Mesh) -> None:
+    """After the edge test above: what is left of the edge tenant's budget, on /metrics."""
+    budget = 5 * mesh.reservation + mesh.reservation // 2
+    text = mesh.exposition().decode()
+    line = next(
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("meshlm_tenant_token_budget_remaining{")
+        and 'tenant="edge"' in ln
+        and 'budget="tokens_per_day"' in ln
+    )
+    left = float(line.rsplit(" ", 1)[1])
+    assert left == pytest.approx(mesh.levels()["edge"]["tokens_per_day"], abs=1)
+    assert 0 <= left < budget - mesh.reservation  # the edge calls spent at least one
 
 
 def test_a_cancelled_stream_refunds_what_it_did_not_use(mesh: Mesh) -> None:
@@ -263,6 +282,18 @@ def test_global_budgets_hold_across_replicas(global_mesh) -> None:
     assert "in the mesh" in refused[0].message
     for rt in runtimes:  # neither reserved from its own buckets (the fallback tier)
         assert rt.service.budgets.levels() == {}
+    # What the admin API (GET /budgets) and `meshlm status` show of it.
+    def settled() -> dict | None:  # runtimes settle in the background
+        code, doc = budgets_api.handle(mesh.cp)("GET", "/budgets", b"")
+        assert code == 200 and doc["mode"] == "global"
+        left = doc["tenants"]["edge"]["left"]["llm"]["tokens_per_day"]
+        return doc if abs(budget - left - sum(used)) <= 2 else None
+
+    doc = eventually(settled, what="every call settled at the control plane")
+    left = doc["tenants"]["edge"]["left"]["llm"]["tokens_per_day"]
+    assert "free" not in doc["tenants"]  # no budget, not listed
+    table = render_budgets(doc)
+    assert f"edge  {budget} per_day  llm  {left}" in table
 
 
 def test_tenants_without_a_budget_are_not_metered(mesh: Mesh) -> None:

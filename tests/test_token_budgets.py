@@ -52,6 +52,8 @@ def test_a_reservation_past_the_level_is_refused_with_when_it_refills() -> None:
     b.reserve("acme", {"tokens_per_minute": 600}, 200)
     b.settle(r, used=500)  # all used: nothing back
     assert b.levels()["acme"]["tokens_per_minute"] == pytest.approx(0)
+    clock.now += 30  # levels count the refill since
+    assert b.levels()["acme"]["tokens_per_minute"] == pytest.approx(300)
 
 
 def test_the_unused_part_is_refunded_never_above_the_budget() -> None:
@@ -112,6 +114,9 @@ def test_the_state_file_charges_what_a_dead_runtime_had_reserved(tmp_path) -> No
     first.reserve("acme", {"tokens_per_day": 1000}, 500)  # in flight when the runtime dies
     successor = TokenBudgets(state, clock=clock)
     assert successor.levels()["acme"]["tokens_per_day"] == pytest.approx(400)
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(BudgetError, match="unreadable"):
+        TokenBudgets(tmp_path / "bad.json")
     with pytest.raises(BudgetExceeded):
         successor.reserve("acme", {"tokens_per_day": 1000}, 401)
 

@@ -155,15 +155,13 @@ def build_server(
     def serving() -> bool:
         return server.serving
 
+    token_budgets = budgets.TokenBudgetServicer(lambda: cache.mesh, trust_domain=td)
     services = [
         GrpcService(
             ratelimit.add_to_server,
             ratelimit.RateLimitServicer(lambda: cache.mesh, trust_domain=td),
         ),
-        GrpcService(
-            budgets.add_to_server,
-            budgets.TokenBudgetServicer(lambda: cache.mesh, trust_domain=td),
-        ),
+        GrpcService(budgets.add_to_server, token_budgets),
         GrpcService(accesslog.add_to_server, accesslog.AccessLogServicer(isolation)),
         GrpcService(health.add_to_server, health.HealthServicer(serving)),
         GrpcService(csds.add_to_server, csds.CsdsServicer(cache, sync)),
@@ -189,6 +187,7 @@ def build_server(
         mtls=mtls,
         replication=replication,
         registry=registry,
+        token_budgets=token_budgets,
     )
     return server
 

@@ -116,6 +116,7 @@ class XdsServer(ControlPlane):
         mtls: bool = False,
         replication: Replication | None = None,
         registry: Registry | None = None,
+        token_budgets: Any = None,
     ) -> None:
         """`ads` and `services` are served on the gRPC port, the same servicers across
         restarts of its server (rate-limit buckets live in one); over mTLS when `mtls`, with
@@ -123,7 +124,8 @@ class XdsServer(ControlPlane):
         publishes the staged changes; `members_changed` is set when a sidecar joins or
         leaves (the rate-limit shares are re-divided then). `replication`: this server is one
         replica of several sharing a store. `registry`: the hosts registered on the gRPC
-        port's registration service (one of `services`)."""
+        port's registration service (one of `services`); `token_budgets` the mesh-wide token
+        budgets' servicer (one of `services`), which the admin API reads."""
         super().__init__(
             cache,
             sync,
@@ -133,6 +135,7 @@ class XdsServer(ControlPlane):
             registry=registry,
         )
         self.identity = identity
+        self.token_budgets = token_budgets
         self.ads_mtls = mtls
         self._ads = ads
         self._services = [GrpcService(_add_ads, ads), *services]

@@ -69,6 +69,9 @@ def show(admin: AdminClient, as_json: bool, cacert: str | None = None) -> int:
     faults: list = []
     with contextlib.suppress(AdminError):
         faults = _get(admin, "/v1/faults").get("faults") or []
+    budgets: dict[str, Any] = {}
+    with contextlib.suppress(AdminError):
+        budgets = _get(admin, "/budgets")
     if replica := render_replica(admin, cacert):
         print(replica)
     print(render(doc))
@@ -84,7 +87,27 @@ def show(admin: AdminClient, as_json: bool, cacert: str | None = None) -> int:
         print("\n" + render_slo(slo))
     if faults:
         print("\nfaults:\n" + "\n".join(f"  {fault_line(f)}" for f in faults))
+    if budgets.get("tenants"):
+        print("\n" + render_budgets(budgets))
     return 0
+
+
+def render_budgets(doc: dict[str, Any]) -> str:
+    """Each tenant's token budgets, and in global mode what is left per service (used %)."""
+    local = doc.get("mode") != "global"
+    lines = ["TOKEN BUDGET  TENANT  BUDGET  " + ("KEPT BY" if local else "SERVICE  LEFT  USED")]
+    for tenant, row in sorted(doc["tenants"].items()):
+        for name, budget in sorted(row.get("budget", {}).items()):
+            label = name.removeprefix("tokens_")
+            if local:
+                lines.append(f"  {tenant}  {budget} {label}  each runtime, its share "
+                             "(meshlm_tenant_token_budget_remaining)")  # fmt: skip
+                continue
+            for svc, left in sorted(row.get("left", {}).items()):
+                n = left.get(name, budget)
+                used = 1 - n / budget if budget else 0
+                lines.append(f"  {tenant}  {budget} {label}  {svc}  {n}  {used:.0%}")
+    return "\n".join(lines)
 
 
 def render_replica(admin: AdminClient, cacert: str | None = None) -> str:

@@ -66,6 +66,7 @@ class Runtime:
     metrics_port: int = field(default_factory=free_port)
     inbound_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
+    budget_port: int = field(default_factory=free_port)  # its sidecar's token budget listener
 
 
 class LocalMesh:
@@ -160,6 +161,9 @@ class LocalMesh:
         args = ["serve", "--precision", rt.precision, "--port", str(rt.port)]
         args += ["--http-port", str(rt.http_port), "--served-model-name", SERVICE]
         args += ["--metrics-port", str(rt.metrics_port)]
+        # Token budgets: mesh-wide ones through its sidecar; its own tier outlives a restart.
+        args += ["--budget-service", f"127.0.0.1:{rt.budget_port}"]
+        args += ["--token-budget-state", str(self.workdir / f"budgets-{rt.name}.json")]
         return args + self.faults.get(rt.name, self.faults.get(rt.version, []))
 
     @property
@@ -286,7 +290,7 @@ class LocalMesh:
             "--node-id", f"{SERVICE}-{rt.name}", "--service", SERVICE, "--version", rt.version,
             "--inbound-port", str(rt.inbound_port), "--local-endpoint", f"127.0.0.1:{rt.port}",
             "--local-http-endpoint", f"127.0.0.1:{rt.http_port}",
-            "--admin-port", str(rt.admin_port),
+            "--admin-port", str(rt.admin_port), "--budget-port", str(rt.budget_port),
             "--lkg-file", str(self.workdir / f"lkg-{rt.name}.json"),
         ]  # fmt: skip
 

@@ -77,6 +77,23 @@ class _EngineCollector(Collector):
                 yield CounterMetricFamily(name, doc, value=s[key])
 
 
+class _BudgetCollector(Collector):
+    def __init__(self, levels: Callable[[], dict[str, dict[str, float]]]) -> None:
+        self.levels = levels
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "meshlm_tenant_token_budget_remaining",
+            "Tokens left of a tenant's budget on this runtime (its share in rate_limits.mode "
+            "local), refills counted; tenants that called since the runtime started.",
+            labels=["tenant", "budget"],
+        )
+        for tenant, budgets in sorted(self.levels().items()):
+            for name, left in sorted(budgets.items()):
+                g.add_metric([tenant, name], left)
+        yield g
+
+
 class RuntimeMetrics:
     """What a runtime observes, and its exposition. Thread-safe (prometheus_client locks)."""
 
@@ -115,6 +132,10 @@ class RuntimeMetrics:
         self._tenants: set[str] = set()
         self._lock = threading.Lock()
         r.register(_EngineCollector(engine_stats))
+
+    def watch_budgets(self, levels: Callable[[], dict[str, dict[str, float]]]) -> None:
+        """Report `levels()` (tenant -> budget -> tokens left) as a gauge at each scrape."""
+        self.registry.register(_BudgetCollector(levels))
 
     def tenant(self, tenant: str) -> str:
         with self._lock:

@@ -9,6 +9,7 @@
   POST /v1/services/{s}/versions/{v}/endpoints    {"add": "host:port"} or {"remove": "host:port"}
   POST /v1/mesh                                   a whole mesh file (YAML); keeps live weights
   GET  /traffic                                   versions given traffic that cannot take it
+  GET  /budgets                                   tenants' token budgets (global mode: what is left)
   GET  /isolation                                 quarantined request classes per service
   POST /isolation/{s}/{class}/release|pin         end a quarantine / hold one until released
   GET  /identity, POST /identity/tokens           the mesh CA; join tokens
@@ -56,6 +57,7 @@ from xds_server.admin.metrics import ControlPlaneMetrics, Exposition
 from xds_server.admin.tls import AdminTLS, drop_ca
 from xds_server.control_plane import ApplyResult
 from xds_server.mesh import load_yaml, parse_mesh
+from xds_server.ratelimit import budgets as token_budgets
 from xds_server.server import XdsServer
 from xds_server.store.base import Conflict, StoreError
 from xds_server.xds import health
@@ -100,6 +102,7 @@ class AdminServer:
         # GET /isolation, POST /isolation/{service}/{class}/release|pin
         self.mounts.setdefault("/isolation", cp.isolation.handle)
         self.mounts.setdefault("/traffic", traffic_check.handle(cp))
+        self.mounts.setdefault("/budgets", token_budgets.handle(cp))
         # `faults_file`: the faults set here, kept across a restart (restored at start()).
         self.faults_file = faults.FaultFile(faults_file) if faults_file else None
         self.mounts.setdefault(faults.PREFIX, faults.handle(cp, file=self.faults_file))
