@@ -22,6 +22,7 @@ SCENARIOS: dict[str, str] = {
     "faulty-canary": "meshlm.demo.scenarios.canary",
     "bad-model": "meshlm.demo.scenarios.canary",  # bad_model.py: its canary and report
     "noisy-tenant": "meshlm.demo.scenarios.noisy_tenant",
+    "token-budget": "meshlm.demo.scenarios.token_budget",
     "hot-replica": "meshlm.demo.scenarios.hot_replica",
     "poison": "meshlm.demo.scenarios.poison",
     "stall": "meshlm.demo.scenarios.stall",
