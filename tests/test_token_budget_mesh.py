@@ -23,14 +23,15 @@ from meshlm.demo.procs import Proc, wait_until
 from model_runtime.serving.budgets import Budgets
 from model_runtime.serving.client import Client
 from model_runtime.serving.openai_http import OpenAIServer
+from model_runtime.serving.telemetry import MetricsServer
 from sidecar.bootstrap import ads_bootstrap
 from sidecar.envoy_process import EnvoyProcess
 from tests.runtime_fixtures import serving_runtime
 from tests.test_xds_support import eventually
 from wasm_filters.policy import hash_key
+from xds_server.admin import budgets as budgets_api
 from xds_server.compose import build_server
 from xds_server.mesh import MeshError, parse_mesh
-from xds_server.ratelimit import budgets as budgets_api
 from xds_server.server import XdsServer
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
@@ -68,13 +69,16 @@ class Mesh:
         return r.usage.total_tokens
 
 
-def _doc(ports: tuple[int, ...], budgets: dict[str, dict]) -> dict:
+def _doc(ports: tuple[int, ...], budgets: dict[str, dict], metrics_url: str = "") -> dict:
     tenants = {}
     for t in TENANTS:
         tenants[t] = {"key_sha256": hash_key(f"{t}-key"), "allow": ["llm/*"]}
         if t in budgets:
             tenants[t]["token_budget"] = budgets[t]
-    llm = {"versions": {"v1": {"endpoints": [f"127.0.0.1:{p}" for p in ports]}}}
+    v1: dict = {"endpoints": [f"127.0.0.1:{p}" for p in ports]}
+    if metrics_url:
+        v1["metrics_urls"] = [metrics_url]
+    llm = {"versions": {"v1": v1}}
     return {"services": {"llm": llm}, "tenants": tenants}
 
 
@@ -82,8 +86,10 @@ def _doc(ports: tuple[int, ...], budgets: dict[str, dict]) -> dict:
 def mesh(smollm_int4) -> Iterator[Mesh]:
     rt = serving_runtime(smollm_int4, max_batch=8, max_queue=32)
     http = OpenAIServer(rt)
+    metrics = MetricsServer(rt.telemetry)
+    url = f"http://127.0.0.1:{metrics.port}/metrics.json"
     inbound = free_port()
-    cp = build_server(parse_mesh(_doc((inbound,), {})), debounce=0.02).start()
+    cp = build_server(parse_mesh(_doc((inbound,), {}, url)), debounce=0.02).start()
     xds = ("127.0.0.1", cp.grpc_port)
     outbound = free_port()
     envoys = []
@@ -114,12 +120,13 @@ def mesh(smollm_int4) -> Iterator[Mesh]:
             "cancel": {"tokens_per_day": 2 * (m.count_prompt + LONG) - 1},
             "grpc": {"tokens_per_day": m.reservation},
         }
-        assert cp.update_mesh(parse_mesh(_doc((inbound,), budgets)), timeout=20).ok
+        assert cp.update_mesh(parse_mesh(_doc((inbound,), budgets, url)), timeout=20).ok
         yield m
     finally:
         for e in envoys:
             e.stop()
         cp.stop()
+        metrics.stop()
         http.stop()
         rt.shutdown(grace=0)
 
@@ -172,6 +179,13 @@ def test_the_runtime_reports_each_tenants_budget_left(mesh: Mesh) -> None:
     )
     left = float(line.rsplit(" ", 1)[1])
     assert left == pytest.approx(mesh.levels()["edge"]["tokens_per_day"], abs=1)
+    # The control plane reads it from the runtime's /metrics.json for GET /budgets.
+    code, doc = budgets_api.handle(mesh.cp)("GET", "/budgets", b"")
+    assert code == 200 and doc["mode"] == "local"
+    assert doc["runtimes"] == {"llm": {"read": 1, "unreachable": []}}
+    assert doc["tenants"]["edge"]["left"]["llm"]["tokens_per_day"] == pytest.approx(left, abs=1)
+    assert doc["tenants"]["grpc"]["budget"] == {"tokens_per_day": mesh.reservation}
+    assert "free" not in doc["tenants"]
     assert 0 <= left < budget - mesh.reservation  # the edge calls spent at least one
 
 
@@ -282,6 +296,7 @@ def test_global_budgets_hold_across_replicas(global_mesh) -> None:
     assert "in the mesh" in refused[0].message
     for rt in runtimes:  # neither reserved from its own buckets (the fallback tier)
         assert rt.service.budgets.levels() == {}
+
     # What the admin API (GET /budgets) and `meshlm status` show of it.
     def settled() -> dict | None:  # runtimes settle in the background
         code, doc = budgets_api.handle(mesh.cp)("GET", "/budgets", b"")

@@ -93,20 +93,21 @@ def show(admin: AdminClient, as_json: bool, cacert: str | None = None) -> int:
 
 
 def render_budgets(doc: dict[str, Any]) -> str:
-    """Each tenant's token budgets, and in global mode what is left per service (used %)."""
-    local = doc.get("mode") != "global"
-    lines = ["TOKEN BUDGET  TENANT  BUDGET  " + ("KEPT BY" if local else "SERVICE  LEFT  USED")]
+    """Each tenant's token budgets and what is left per service (used %). Local mode: summed
+    over the runtimes that answered (their /metrics.json), naming those that did not."""
+    lines = ["TOKEN BUDGET  TENANT  BUDGET  SERVICE  LEFT  USED"]
     for tenant, row in sorted(doc["tenants"].items()):
         for name, budget in sorted(row.get("budget", {}).items()):
-            label = name.removeprefix("tokens_")
-            if local:
-                lines.append(f"  {tenant}  {budget} {label}  each runtime, its share "
-                             "(meshlm_tenant_token_budget_remaining)")  # fmt: skip
-                continue
             for svc, left in sorted(row.get("left", {}).items()):
                 n = left.get(name, budget)
                 used = 1 - n / budget if budget else 0
+                label = name.removeprefix("tokens_")
                 lines.append(f"  {tenant}  {budget} {label}  {svc}  {n}  {used:.0%}")
+    for svc, r in sorted(doc.get("runtimes", {}).items()):
+        line = f"  {svc}: kept by its runtimes, {r['read']} read"
+        if r.get("unreachable"):
+            line += f"; unreachable: {', '.join(r['unreachable'])}"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -524,7 +524,7 @@ class Runtime:
     ) -> None:
         self.telemetry = telemetry or Telemetry()
         self.budgets = budgets or Budgets()
-        self.telemetry.prom.watch_budgets(self.budgets.levels)
+        self.telemetry.watch_budgets(self.budgets.levels)
         self.records = Records()  # served on the metrics port (records.py)
         self.served_model_names = tuple(served_model_names)
         self.faults = faults

@@ -113,6 +113,7 @@ class Telemetry:
             "meshlm.shadow.requests", description="mirrored (shadow) Generate calls by status"
         )
         self.prom = RuntimeMetrics(self._stats)
+        self._budget_levels: Callable[[], dict[str, dict[str, float]]] = dict
         for name, key in _GAUGES.items():
             meter.create_observable_gauge(name, callbacks=[self._gauge(key)])
         # An SDK provider of our own (no exporter) keeps span and trace ids real even where the
@@ -258,7 +259,16 @@ class Telemetry:
             "shadow_requests": shadow,
             "histograms": {"instance": self.instance, "bounds_ms": list(BOUNDS_MS), **hist},
             "engine": self._stats(),
+            # tenant -> budget -> tokens left of this runtime's share (meshlm status reads it)
+            "token_budgets": {
+                t: {n: round(v) for n, v in b.items()} for t, b in self._budget_levels().items()
+            },
         }
+
+    def watch_budgets(self, levels: Callable[[], dict[str, dict[str, float]]]) -> None:
+        """Report the runtime's token budget levels on /metrics and /metrics.json."""
+        self._budget_levels = levels
+        self.prom.watch_budgets(levels)
 
 
 def _latency(rows: list[tuple], method: str) -> dict[str, dict]:

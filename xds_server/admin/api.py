@@ -50,6 +50,7 @@ from urllib.parse import parse_qs, urlsplit
 import yaml
 
 from mesh_common.http_server import BodyError, BoundedHandler, BoundedServer
+from xds_server.admin import budgets as token_budgets
 from xds_server.admin import faults
 from xds_server.admin import traffic as traffic_check
 from xds_server.admin.dashboard.service import Busy, Dashboard
@@ -57,7 +58,6 @@ from xds_server.admin.metrics import ControlPlaneMetrics, Exposition
 from xds_server.admin.tls import AdminTLS, drop_ca
 from xds_server.control_plane import ApplyResult
 from xds_server.mesh import load_yaml, parse_mesh
-from xds_server.ratelimit import budgets as token_budgets
 from xds_server.server import XdsServer
 from xds_server.store.base import Conflict, StoreError
 from xds_server.xds import health

@@ -68,7 +68,7 @@ class TokenBudgetServicer:
         refused = self._refused(svc, context)
         if refused:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
-        budget = _budget(mesh, req["tenant"])
+        budget = budget_of(mesh, req["tenant"])
         if budget is None:  # no budget (any more): nothing to hold
             return {"id": ""}
         try:
@@ -112,7 +112,8 @@ class TokenBudgetServicer:
         return None
 
 
-def _budget(mesh: m.Mesh, tenant: str) -> dict[str, int] | None:
+def budget_of(mesh: m.Mesh, tenant: str) -> dict[str, int] | None:
+    """{budget name: tokens} of `tenant`'s token budget in `mesh`, or None."""
     for t in getattr(mesh.tenants, "tenants", ()):
         if t.name == tenant and t.token_budget is not None:
             parts = vars(t.token_budget).items()
@@ -122,34 +123,3 @@ def _budget(mesh: m.Mesh, tenant: str) -> dict[str, int] | None:
 
 def add_to_server(server: grpc.aio.Server, servicer: TokenBudgetServicer) -> None:
     server.add_generic_rpc_handlers((servicer.handler(),))
-
-
-def handle(cp: Any):  # -> admin Mount
-    """`GET /budgets`: each tenant's token budget, and in `global` mode what is left of it per
-    service, as the control plane's buckets hold it (in `local` mode the runtimes keep the
-    shares: their `meshlm_tenant_token_budget_remaining`)."""
-
-    def mount(method: str, target: str, body: bytes) -> tuple[int, Any]:
-        if method != "GET" or target.split("?")[0].rstrip("/") != "/budgets":
-            return 404, {"error": f"no such endpoint: {method} {target.split('?')[0]}"}
-        mesh = cp.mesh
-        mode = mesh.rate_limits.mode
-        left = cp.token_budgets.buckets.levels() if cp.token_budgets is not None else {}
-        tenants: dict[str, Any] = {}
-        for t in getattr(mesh.tenants, "tenants", ()):
-            budget = _budget(mesh, t.name)
-            if budget is None:
-                continue
-            row: dict[str, Any] = {"budget": budget}
-            if mode == "global":
-                row["left"] = {
-                    svc: {
-                        name: round(left.get(f"{svc}/{t.name}", {}).get(name, b))
-                        for name, b in budget.items()
-                    }
-                    for svc in mesh.services
-                }
-            tenants[t.name] = row
-        return 200, {"mode": mode, "tenants": tenants}
-
-    return mount
