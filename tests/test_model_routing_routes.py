@@ -95,3 +95,14 @@ def test_v1_models_lists_every_name_of_the_mesh() -> None:
     assert by["models-unknown"].direct_response.status == 404
     # before every route that could send it to a runtime
     assert names(rs).index("models-unknown") < names(rs).index("model-a-weighted")
+
+
+def test_the_no_service_404_names_the_models_where_there_are_some() -> None:
+    (plain,) = [r for r in unmatched(a={}, b={}) if r.name == "no-service"]
+    assert "model" not in plain.direct_response.body.inline_string
+    (by,) = [
+        r for r in unmatched(a={"model": "x", "aliases": ["x2"]}, b={}) if r.name == "no-service"
+    ]
+    assert "name one of its models in the request's model (x, x2)" in (
+        by.direct_response.body.inline_string
+    )

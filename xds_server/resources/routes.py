@@ -251,11 +251,13 @@ def no_service_message(mesh: m.Mesh) -> str:
     names_ = list(mesh.services)
     default = mesh.openai_default
     taken = f"; default_service {default} takes OpenAI /v1/ calls only" if default else ""
+    models = mesh_model_names(mesh)
+    by_model = f", or name one of its models in the request's model ({', '.join(models)})"
     return (
         f"the Host header (gRPC: :authority) names no service of this mesh (services: "
         f"{', '.join(names_)}{taken}): name one there (the openai SDK: "
         f'default_headers={{"Host": "{names_[0]}"}}), or name the service OpenAI /v1/ calls '
-        "go to as default_service in the mesh file"
+        f"go to as default_service in the mesh file{by_model if models else ''}"
     )
 
 
