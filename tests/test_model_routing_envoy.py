@@ -34,6 +34,7 @@ class Rig:
     inbound: dict[str, EnvoyProcess]  # service -> its inbound sidecar
     caller: EnvoyProcess
     outbound_port: int
+    services: dict[str, dict]  # the mesh file's services
 
     def sdk(self, **headers: str) -> openai.OpenAI:
         return openai.OpenAI(
@@ -108,7 +109,7 @@ def rig(smollm_int4, smollm_bf16) -> Iterator[Rig]:
         outbound_port = free_port()
         caller = ads_bootstrap("caller", xds_address=xds, outbound_port=outbound_port)
         envoys.append(EnvoyProcess(caller).start())
-        r = Rig(cp, inbound, envoys[-1], outbound_port)
+        r = Rig(cp, inbound, envoys[-1], outbound_port, services)
         with r.sdk() as c:
             for names in MODELS.values():
                 eventually(
@@ -208,3 +209,24 @@ def test_a_spoofed_model_header_does_not_override_the_body(rig: Rig) -> None:
         md = [("x-meshlm-model", "smollm2-int4")]
         call = lambda: list(g.generate("Hi", model="smollm2-bf16", max_new_tokens=1, metadata=md))  # noqa: E731
         assert rig.served_by(call) == "dense"
+
+
+def test_many_long_aliases_are_accepted_by_envoy_and_route(rig: Rig) -> None:
+    import copy
+
+    aliases = [f"org-{i}/smollm2-135m-instruct-alias-{i}:q4_1" for i in range(20)]
+    doc = {"services": copy.deepcopy(rig.services)}
+    doc["services"]["small"]["aliases"] = aliases
+    try:
+        assert rig.cp.update_mesh(parse_mesh(doc), timeout=20).ok  # every sidecar ACKed
+        with rig.grpc() as g:
+            # the runtime refuses names it does not serve: that it answered is the point
+            def call() -> None:
+                with pytest.raises(grpc.RpcError) as e:
+                    list(g.generate("Hi", model=aliases[-1].upper(), max_new_tokens=1, timeout=30))
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+                assert "is not served here" in (e.value.details() or ""), e.value.details()
+
+            assert rig.served_by(call) == "small"
+    finally:
+        assert rig.cp.update_mesh(parse_mesh({"services": rig.services}), timeout=20).ok

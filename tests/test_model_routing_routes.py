@@ -4,7 +4,6 @@ that names no service: built from the mesh file, checked as RDS resources."""
 from __future__ import annotations
 
 import json
-import re
 
 from xds_server.mesh import parse_mesh
 from xds_server.resources import routes
@@ -25,9 +24,9 @@ def names(rs: list) -> list[str]:
     return [r.name for r in rs]
 
 
-def model_regex(route) -> str:
+def model_match(route) -> tuple[str, bool]:
     (h,) = [h for h in route.match.headers if h.name == "x-meshlm-model"]
-    return h.string_match.safe_regex.regex
+    return h.string_match.exact, h.string_match.ignore_case
 
 
 def test_a_mesh_without_models_keeps_its_routes() -> None:
@@ -45,17 +44,20 @@ def test_each_modelled_service_gets_its_routes_by_name_before_the_default() -> N
     )
     n = names(rs)
     assert (
-        n.index("model-a-weighted")
-        < n.index("model-b-weighted")
+        n.index("model-smollm2-int4-a-weighted")
+        < n.index("model-small.v1-a-weighted")
+        < n.index("model-smollm2-bf16-b-weighted")
         < n.index("default-service-llm-weighted-openai")
     )
-    a = rs[n.index("model-a-weighted")]
-    assert a.route.host_rewrite_literal == "a"
-    regex = model_regex(a)
-    assert regex.startswith("^(?i)(") and regex.endswith(")$")
-    pattern = re.compile(regex.replace("(?i)", ""), re.IGNORECASE)
-    assert pattern.match("SMALL.V1") and pattern.match("smollm2-int4")
-    assert not pattern.match("smallxv1") and not pattern.match("smollm2-bf16")
+    for route, name in (
+        ("model-smollm2-int4-a-weighted", "smollm2-int4"),
+        ("model-small.v1-a-weighted", "small.v1"),
+        ("model-smollm2-int4-a-orca-refused", "smollm2-int4"),
+    ):
+        r = rs[n.index(route)]
+        assert model_match(r) == (name, True)  # exact, any case
+    assert rs[n.index("model-small.v1-a-weighted")].route.host_rewrite_literal == "a"
+    assert rs[n.index("model-smollm2-bf16-b-weighted")].route.host_rewrite_literal == "b"
     # the default service declares no model: OpenAI calls naming another go to it, gRPC 404s
     assert "unknown-model-grpc" in n and "unknown-model" not in n
 
@@ -94,7 +96,7 @@ def test_v1_models_lists_every_name_of_the_mesh() -> None:
     assert json.loads(by["models-x2"].direct_response.body.inline_string)["id"] == "x2"
     assert by["models-unknown"].direct_response.status == 404
     # before every route that could send it to a runtime
-    assert names(rs).index("models-unknown") < names(rs).index("model-a-weighted")
+    assert names(rs).index("models-unknown") < names(rs).index("model-x-a-weighted")
 
 
 def test_the_no_service_404_names_the_models_where_there_are_some() -> None:
@@ -106,3 +108,12 @@ def test_the_no_service_404_names_the_models_where_there_are_some() -> None:
     assert "name one of its models in the request's model (x, x2)" in (
         by.direct_response.body.inline_string
     )
+
+
+def test_many_long_aliases_use_no_regex() -> None:
+    # An RE2 alternation of these exceeds Envoy's program size limit: the routes would be NACKed.
+    aliases = [f"org-{i}/some-long-model-name-{i}:q4_1" for i in range(20)]
+    rs = unmatched(a={"model": "m" * 128, "aliases": aliases})
+    matchers = [h for r in rs for h in r.match.headers if h.name == "x-meshlm-model"]
+    assert not any(h.string_match.HasField("safe_regex") for h in matchers)
+    assert {h.string_match.exact for h in matchers if h.string_match.exact} == {"m" * 128, *aliases}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 
 from envoy.config.core.v3 import base_pb2, substitution_format_string_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
@@ -115,7 +114,7 @@ GRPC_NOT_FOUND = "5"
 def model_routes(mesh: m.Mesh) -> list[rc.Route]:
     """The unmatched virtual host's routes by model, before the default service's: a call
     whose Host names no service reaches the service whose `model` or `aliases` its body names
-    (the classify filter's x-meshlm-model, compared case-insensitively), by that service's own
+    (the classify filter's x-meshlm-model, compared ignoring case), by that service's own
     routes (quarantines, pins, split, retries). A model no service declares gets a 404
     (OpenAI `model_not_found`; gRPC NOT_FOUND) and reaches no runtime, except an OpenAI call
     where the mesh's default service declares no model: its runtime's own names are not the
@@ -128,20 +127,24 @@ def model_routes(mesh: m.Mesh) -> list[rc.Route]:
     routes = [*_models_list(mesh)]
     for svc in modelled:
         fault = faults.caller_fault(mesh.faults.values(), svc.name)
-        for route in _service_routes(mesh, svc, "/"):
-            route.name = f"{MODEL_ROUTE_PREFIX}{route.name}"
-            route.match.headers.append(_names_model(svc.model_names))
-            if route.HasField("route"):  # the runtime's sidecar sees the service's name
-                route.route.host_rewrite_literal = svc.name
-            if svc.stall is not None:  # what its own virtual host tells the caller library
-                route.response_headers_to_add.append(
-                    _header(headers.STALL_HEADER, svc.stall.header_value())
-                )
-            if fault is not None:  # its callers' fault, as on its own virtual host
-                route.typed_per_filter_config[faults.FILTER_NAME].CopyFrom(
-                    pack(faults.http_fault(fault))
-                )
-            routes.append(route)
+        # One copy of the service's routes per name: a header matches one StringMatcher, and
+        # one RE2 alternation of every name outgrows Envoy's regex program size limit (100)
+        # at a few long names (the route config is NACKed).
+        for model in svc.model_names:
+            for route in _service_routes(mesh, svc, "/"):
+                route.name = f"{MODEL_ROUTE_PREFIX}{model}-{route.name}"
+                route.match.headers.append(_names_model(model))
+                if route.HasField("route"):  # the runtime's sidecar sees the service's name
+                    route.route.host_rewrite_literal = svc.name
+                if svc.stall is not None:  # what its own virtual host tells the caller library
+                    route.response_headers_to_add.append(
+                        _header(headers.STALL_HEADER, svc.stall.header_value())
+                    )
+                if fault is not None:  # its callers' fault, as on its own virtual host
+                    route.typed_per_filter_config[faults.FILTER_NAME].CopyFrom(
+                        pack(faults.http_fault(fault))
+                    )
+                routes.append(route)
     routes.append(_unknown_model(mesh, grpc=True))
     default = mesh.openai_default
     if default is None or mesh.services[default].model:
@@ -153,11 +156,10 @@ def mesh_model_names(mesh: m.Mesh) -> list[str]:
     return [n for s in mesh.services.values() for n in s.model_names]
 
 
-def _names_model(names_: tuple[str, ...]) -> rc.HeaderMatcher:
-    from envoy.type.matcher.v3 import regex_pb2, string_pb2
+def _names_model(name: str) -> rc.HeaderMatcher:
+    from envoy.type.matcher.v3 import string_pb2
 
-    regex = "^(?i)(" + "|".join(re.escape(n) for n in names_) + ")$"
-    match = string_pb2.StringMatcher(safe_regex=regex_pb2.RegexMatcher(regex=regex))
+    match = string_pb2.StringMatcher(exact=name, ignore_case=True)
     return rc.HeaderMatcher(name=headers.MODEL_HEADER, string_match=match)
 
 
