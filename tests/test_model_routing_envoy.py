@@ -5,6 +5,7 @@ int4 served as `smollm2-int4` (alias `smollm2-q4`) and bf16 served as `smollm2-b
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -212,8 +213,6 @@ def test_a_spoofed_model_header_does_not_override_the_body(rig: Rig) -> None:
 
 
 def test_many_long_aliases_are_accepted_by_envoy_and_route(rig: Rig) -> None:
-    import copy
-
     aliases = [f"org-{i}/smollm2-135m-instruct-alias-{i}:q4_1" for i in range(20)]
     doc = {"services": copy.deepcopy(rig.services)}
     doc["services"]["small"]["aliases"] = aliases
@@ -228,5 +227,33 @@ def test_many_long_aliases_are_accepted_by_envoy_and_route(rig: Rig) -> None:
                 assert "is not served here" in (e.value.details() or ""), e.value.details()
 
             assert rig.served_by(call) == "small"
+    finally:
+        assert rig.cp.update_mesh(parse_mesh({"services": rig.services}), timeout=20).ok
+
+
+def test_a_default_service_without_a_model_takes_openai_calls_for_names_the_mesh_lacks(
+    rig: Rig,
+) -> None:
+    # `plain` declares no model; its one host is the bf16 runtime's sidecar, reached as `plain`
+    doc = {"services": copy.deepcopy(rig.services), "default_service": "plain"}
+    doc["services"]["plain"] = {"versions": copy.deepcopy(rig.services["dense"]["versions"])}
+    try:
+        assert rig.cp.update_mesh(parse_mesh(doc), timeout=20).ok
+        with rig.sdk() as c:
+            # its runtime, not the caller sidecar, answers a name it does not serve
+            def unknown() -> None:
+                with pytest.raises(openai.NotFoundError) as e:
+                    c.chat.completions.create(model="gpt-4o", messages=HI, max_tokens=1)
+                assert "is not served here" in e.value.message, e.value.message
+
+            assert rig.served_by(unknown) == "dense"
+            # named models still go by name, and /v1/models is still the mesh's list
+            call = lambda: c.chat.completions.create(model="smollm2-q4", messages=HI, max_tokens=1)  # noqa: E731
+            assert rig.served_by(call) == "small"
+            assert [m.id for m in c.models.list().data] == [*MODELS["small"], *MODELS["dense"]]
+        with rig.grpc() as g, pytest.raises(grpc.RpcError) as ge:
+            # gRPC never goes to a default service: an unknown model is the mesh's NOT_FOUND
+            list(g.generate("Hi", model="gpt-4o", max_new_tokens=1, timeout=30))
+        assert "does not exist in this mesh" in (ge.value.details() or "")
     finally:
         assert rig.cp.update_mesh(parse_mesh({"services": rig.services}), timeout=20).ok
