@@ -103,6 +103,9 @@ def test_bodies_it_cannot_read_pass_without_a_model(host: WasmHost) -> None:
     assert model(host, frame(msg)[:-3]) is None  # the stream ended inside its frame
     assert model(host, b'["model", "mine"]', CHAT) is None
     assert model(host, b'{"model": "mine"', CHAT) is None
+    # Two "model" keys: the runtime's JSON reads the last, so neither may route the call.
+    assert model(host, b'{"model": "a", "messages": [], "model": "b"}', CHAT) is None
+    assert counts(host) == {"model_named": 0, "model_absent": 5, "model_malformed": 0}
 
 
 def test_a_model_past_max_body_bytes_is_not_read() -> None:
@@ -114,6 +117,7 @@ def test_a_model_past_max_body_bytes_is_not_read() -> None:
     assert (
         model(h, json.dumps({"model": "mine", "prompt": "P" * 6000}).encode(), COMPLETIONS) is None
     )
+    assert counts(h) == {"model_named": 1, "model_absent": 2, "model_malformed": 0}
 
 
 def test_hostile_frames_never_trap_and_never_set_a_malformed_name(host: WasmHost) -> None:

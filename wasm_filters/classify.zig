@@ -214,6 +214,7 @@ fn openAiBody(ctx: u32, kind: Body, body_size: usize, end_of_stream: u32, cfg: C
     if (body_size > cfg.max_body_bytes) {
         _ = pending.remove(ctx);
         bump(m_unkeyed);
+        bump(m_model_absent);
         return CONTINUE;
     }
     if (end_of_stream == 0) return abi.STOP_AND_BUFFER;
@@ -280,7 +281,10 @@ fn setPrefixKey(key: ?prefix_key.Key) void {
 
 /// A stream that ends in trailers before its frame was whole goes on unclassified.
 export fn proxy_on_request_trailers(ctx: u32, _: u32) u32 {
-    if (pending.fetchRemove(ctx)) |kv| bump(if (kv.value == .generate) m_invalid else m_unkeyed);
+    if (pending.fetchRemove(ctx)) |kv| {
+        bump(if (kv.value == .generate) m_invalid else m_unkeyed);
+        bump(m_model_absent);
+    }
     return CONTINUE;
 }
 
