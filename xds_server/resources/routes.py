@@ -78,9 +78,11 @@ def _faulted(mesh: m.Mesh, vhost: rc.VirtualHost) -> rc.VirtualHost:
 def _unmatched_vhost(mesh: m.Mesh) -> rc.VirtualHost:
     """Any :authority that names no service. A caller's call to `<service>-shadow` is refused
     (403: gRPC PERMISSION_DENIED) before it could reach a runtime as a shadow (uncharged by the
-    rate limits, out of the gates' figures). An OpenAI call (/v1/) goes to the mesh's default
-    service (the openai SDK names the model in the body, never a Host), by that service's own
-    routes. Anything else gets a 404 that names the services and how to pick one."""
+    rate limits, out of the gates' figures). A call whose body names a model goes by the model
+    (model_routes), where the mesh declares any. An OpenAI call (/v1/) goes to the mesh's
+    default service (the openai SDK names the model in the body, never a Host), by that
+    service's own routes. Anything else gets a 404 that names the services and how to pick
+    one."""
     routes = [_refuse_shadow("forged-shadow"), *model_routes(mesh)]
     default = mesh.openai_default
     if default is not None:
