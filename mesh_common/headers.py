@@ -48,3 +48,8 @@ PROMPT_TOKENS_HEADER = "x-meshlm-prompt-tokens"
 
 # Envoy's XFCC: the verified client certificate of the mTLS hop, set by the callee's sidecar.
 CLIENT_CERT_HEADER = "x-forwarded-client-cert"
+
+# The model a request names (OpenAI JSON `model`, GenerateRequest.model), set by the caller-side
+# sidecar's classify filter for a well-formed name only; routes of a Host that names no service
+# pick the service by it. A client-sent copy is removed.
+MODEL_HEADER = "x-meshlm-model"

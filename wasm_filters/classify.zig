@@ -27,6 +27,12 @@
 //! (prefix.zig); it also reads OpenAI JSON bodies (/v1/chat/completions, /v1/completions) whole,
 //! up to `max_body_bytes`, for that key alone. A client-sent key is always removed; a body it
 //! cannot read passes unkeyed.
+//! The same pass sets `x-meshlm-model`, the model the request names: the top-level `"model"`
+//! string of an OpenAI body, or GenerateRequest.model (field 1). Only a name of OpenAI's model-id
+//! shape (1-128 of `A-Za-z0-9._:/-`) is set, as sent (routes compare it case-insensitively); a
+//! body without one, or one the filter cannot read (a string past `max_body_bytes`, bad JSON or
+//! offsets), passes without it. A client-sent `x-meshlm-model` is always removed, so a caller
+//! sidecar's route by model (a Host that names no service) follows the body, never a header.
 //! This is not an authz filter: it is deployed with failure_policy FAIL_OPEN (after a VM failure
 //! calls pass unclassified; Envoy fails the one call that was inside the VM with UNAVAILABLE; the
 //! listener strips client-sent class headers before this filter). See classify_xds.py.
@@ -42,6 +48,8 @@ const scratch = &abi.scratch;
 
 const CLASS_HEADER = "x-meshlm-class";
 const PREFIX_HEADER = "x-meshlm-prefix";
+const MODEL_HEADER = "x-meshlm-model";
+const MODEL_MAX = 128;
 const GENERATE_PATH = "/meshlm.inference.v1.Inference/Generate";
 const FRAME_PREFIX = 5; // gRPC: compressed flag (1) + message length (u32 big endian)
 
@@ -69,6 +77,9 @@ var m_invalid: u32 = 0;
 var m_no_body: u32 = 0;
 var m_keyed: u32 = 0;
 var m_unkeyed: u32 = 0;
+var m_model: u32 = 0;
+var m_model_absent: u32 = 0;
+var m_model_malformed: u32 = 0;
 var globals_defined = false;
 
 // ---- lifecycle (the ABI version, memory and VM start: proxy_wasm.zig) ----
@@ -99,6 +110,9 @@ export fn proxy_on_configure(root_id: u32, size: usize) u32 {
         m_no_body = abi.metric("meshlm_classify.unclassified.no_body");
         m_keyed = abi.metric("meshlm_classify.prefix_keyed");
         m_unkeyed = abi.metric("meshlm_classify.prefix_unkeyed");
+        m_model = abi.metric("meshlm_classify.model_named");
+        m_model_absent = abi.metric("meshlm_classify.model_absent");
+        m_model_malformed = abi.metric("meshlm_classify.model_malformed");
         globals_defined = true;
     }
     const slot = roots.getPtr(root_id) orelse return 0;
@@ -133,9 +147,10 @@ const header = abi.requestHeader;
 
 export fn proxy_on_request_headers(ctx: u32, _: u32, end_of_stream: u32) u32 {
     defer _ = scratch.reset(.{ .retain_with_limit = 16 * 1024 });
-    // The class and the prefix key are ours alone, whatever happens next.
+    // The class, the prefix key and the model are ours alone, whatever happens next.
     abi.removeRequestHeader(CLASS_HEADER);
     abi.removeRequestHeader(PREFIX_HEADER);
+    abi.removeRequestHeader(MODEL_HEADER);
     const kind = bodyKind() orelse return CONTINUE;
     if (end_of_stream != 0) {
         if (kind == .generate) bump(m_no_body);
@@ -169,13 +184,16 @@ export fn proxy_on_request_body(ctx: u32, body_size: usize, end_of_stream: u32) 
     _ = pending.remove(ctx);
     if (body_size < want) { // the stream ended inside its first frame
         bump(m_invalid);
+        bump(m_model_absent);
         return CONTINUE;
     }
     const n = @min(body_size, want);
     const body = (if (n == 0) null else abi.bufferBytes(abi.REQUEST_BODY, 0, n)) orelse {
         bump(m_invalid);
+        bump(m_model_absent);
         return CONTINUE;
     };
+    setModel(generateModel(body[0..@min(body.len, n)]));
     var key: [16]u8 = undefined;
     const by_prefix = classify(body[0..@min(body.len, n)], header(":authority") orelse "", cfg.prefix_bytes, &key) catch {
         bump(m_invalid);
@@ -196,17 +214,62 @@ fn openAiBody(ctx: u32, kind: Body, body_size: usize, end_of_stream: u32, cfg: C
     if (body_size > cfg.max_body_bytes) {
         _ = pending.remove(ctx);
         bump(m_unkeyed);
+        bump(m_model_absent);
         return CONTINUE;
     }
     if (end_of_stream == 0) return abi.STOP_AND_BUFFER;
     _ = pending.remove(ctx);
     const body = abi.bufferBytes(abi.REQUEST_BODY, 0, body_size) orelse {
         bump(m_unkeyed);
+        bump(m_model_absent);
         return CONTINUE;
     };
+    const root = std.json.parseFromSliceLeaky(std.json.Value, scratch.allocator(), body, .{}) catch {
+        bump(m_unkeyed);
+        bump(m_model_absent);
+        return CONTINUE;
+    };
+    setModel(jsonModel(root));
     const path = if (kind == .openai_chat) prefix_key.OPENAI_CHAT else prefix_key.OPENAI_COMPLETIONS;
-    setPrefixKey(prefix_key.ofOpenAi(scratch.allocator(), path, body, cfg.block_bytes, cfg.prefix_blocks));
+    setPrefixKey(prefix_key.ofOpenAiJson(path, root, cfg.block_bytes, cfg.prefix_blocks));
     return CONTINUE;
+}
+
+/// What a body says of its model: a name to route on, none, or one that cannot be a model id.
+const Model = union(enum) { name: []const u8, absent, malformed };
+
+fn setModel(m: Model) void {
+    switch (m) {
+        .name => |name| {
+            abi.setRequestHeader(MODEL_HEADER, name);
+            bump(m_model);
+        },
+        .absent => bump(m_model_absent),
+        .malformed => bump(m_model_malformed),
+    }
+}
+
+/// OpenAI's model-id shape; anything else (spaces, controls, non-ASCII) is never a header value.
+fn modelName(s: []const u8) Model {
+    if (s.len == 0) return .absent; // GenerateRequest's default: no model named
+    if (s.len > MODEL_MAX) return .malformed;
+    for (s) |c| {
+        const ok = std.ascii.isAlphanumeric(c) or c == '.' or c == '_' or c == ':' or c == '/' or c == '-';
+        if (!ok) return .malformed;
+    }
+    return .{ .name = s };
+}
+
+/// The top-level `"model"` of an OpenAI body: a string, or nothing to route on.
+fn jsonModel(root: std.json.Value) Model {
+    const obj = switch (root) {
+        .object => |o| o,
+        else => return .absent,
+    };
+    return switch (obj.get("model") orelse return .absent) {
+        .string => |s| modelName(s),
+        else => .malformed,
+    };
 }
 
 fn setPrefixKey(key: ?prefix_key.Key) void {
@@ -218,7 +281,10 @@ fn setPrefixKey(key: ?prefix_key.Key) void {
 
 /// A stream that ends in trailers before its frame was whole goes on unclassified.
 export fn proxy_on_request_trailers(ctx: u32, _: u32) u32 {
-    if (pending.fetchRemove(ctx)) |kv| bump(if (kv.value == .generate) m_invalid else m_unkeyed);
+    if (pending.fetchRemove(ctx)) |kv| {
+        bump(if (kv.value == .generate) m_invalid else m_unkeyed);
+        bump(m_model_absent);
+    }
     return CONTINUE;
 }
 
@@ -239,11 +305,27 @@ const Fb = flatbuf.Fb;
 const Seen = flatbuf.Seen;
 const seen = flatbuf.seen;
 
-// GenerateRequest fields (schemas/inference.fbs): prompt 2, prompt_token_ids 3, messages 4;
-// ChatMessage: role 0, content 1.
+// GenerateRequest fields (schemas/inference.fbs): model 1, prompt 2, prompt_token_ids 3,
+// messages 4; ChatMessage: role 0, content 1.
+const F_MODEL = 1;
 const F_PROMPT = 2;
 const F_IDS = 3;
 const F_MESSAGES = 4;
+
+/// GenerateRequest.model of the gRPC frame in `body` (maybe a prefix of it): only a string
+/// wholly inside the bytes held counts.
+fn generateModel(body: []const u8) Model {
+    @setRuntimeSafety(true);
+    if (body.len < FRAME_PREFIX or body[0] != 0) return .absent; // compressed: unreadable
+    const msg_len = std.mem.readInt(u32, body[1..5], .big);
+    const msg = body[FRAME_PREFIX..];
+    if (msg.len > msg_len) return .absent; // a second frame: not one unary request
+    const fb = Fb{ .buf = msg, .whole = msg.len == msg_len };
+    const root = fb.table(fb.u32At(0) catch return .absent) catch return .absent;
+    const name = (root.bytes(F_MODEL, 1) catch return .absent) orelse return .absent;
+    if (!name.complete) return .absent;
+    return modelName(name.data);
+}
 
 /// Fill `key` (16 hex chars) for the gRPC frame in `body`; true when classified by a prefix.
 fn classify(body: []const u8, authority: []const u8, prefix_bytes: u32, key: *[16]u8) Invalid!bool {

@@ -130,6 +130,11 @@ pub const OPENAI_COMPLETIONS = "/v1/completions";
 /// The key of an OpenAI request body (the whole of it); null for any shape it does not know.
 pub fn ofOpenAi(alloc: std.mem.Allocator, path: []const u8, body: []const u8, block_bytes: u32, max_blocks: u32) ?Key {
     const root = std.json.parseFromSliceLeaky(std.json.Value, alloc, body, .{}) catch return null;
+    return ofOpenAiJson(path, root, block_bytes, max_blocks);
+}
+
+/// The key of an OpenAI request body already parsed (the classify filter reads its `model` too).
+pub fn ofOpenAiJson(path: []const u8, root: std.json.Value, block_bytes: u32, max_blocks: u32) ?Key {
     const obj = switch (root) {
         .object => |o| o,
         else => return null,

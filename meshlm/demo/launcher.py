@@ -157,9 +157,10 @@ class LocalMesh:
 
     def serve_args(self, rt: Runtime) -> list[str]:
         """The `meshlm serve` command line of one replica (its faults included): gRPC, and the
-        OpenAI HTTP API serving the model as the service's name (a call's `model` is `llm`)."""
+        OpenAI HTTP API serving the model as the service's names (served_model_names)."""
+        names = served_model_names(self.mesh["services"][SERVICE], SERVICE)
         args = ["serve", "--precision", rt.precision, "--port", str(rt.port)]
-        args += ["--http-port", str(rt.http_port), "--served-model-name", SERVICE]
+        args += ["--http-port", str(rt.http_port), "--served-model-name", *names]
         args += ["--metrics-port", str(rt.metrics_port)]
         # Token budgets: mesh-wide ones through its sidecar; its own tier outlives a restart.
         args += ["--budget-service", f"127.0.0.1:{rt.budget_port}"]
@@ -334,6 +335,14 @@ class LocalMesh:
             proc.stop()
         if self.identity_dir is not None:  # the sidecars' private keys
             shutil.rmtree(self.identity_dir, ignore_errors=True)
+
+
+def served_model_names(service: dict[str, Any], name: str) -> list[str]:
+    """`meshlm serve --served-model-name` for a runtime of mesh service `name`: the service's
+    `model` and `aliases`, the names a caller sidecar routes to it by (so the runtime accepts
+    every one of them), else the service's name (a call's `model` is `llm`)."""
+    model = service.get("model")
+    return [model, *service.get("aliases", [])] if model else [name]
 
 
 def _serving(port: int) -> bool:

@@ -313,6 +313,15 @@ class Service:
     inbound_sidecars: int = 0
     # Zone preference and failover order for its callers; None: every zone alike.
     locality: Locality | None = None
+    # The model a request names in its `model` field to reach this service through a caller
+    # sidecar without naming the service (routes._unmatched_vhost), and its other names.
+    model: str | None = None
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The model and its aliases, as the mesh file spells them; () without a model."""
+        return (self.model, *self.aliases) if self.model else ()
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ from xds_server.mesh.resilience import (
     parse_stall,
 )
 from xds_server.mesh.rollout_spec import RolloutSpecError, parse_rollout
+from xds_server.mesh.served_models import check_unique_across, parse_model_names
 from xds_server.mesh.zoned_endpoint import parse_zoned_endpoint
 
 
@@ -91,6 +92,7 @@ def parse_mesh(raw: Any) -> Mesh:
     if not services_raw:
         raise MeshError("services: at least one service is required")
     services = {n: _service(n, v, f"services.{n}") for n, v in services_raw.items()}
+    check_unique_across(services)
     tenants = _tenants(top.get("tenants"), top.get("roles"))
     if tenants is not None:
         _check_allow_rules(top.get("tenants"), top.get("roles"), services)
@@ -292,8 +294,11 @@ def _service(name: str, raw: Any, path: str) -> Service:
             "service_account",
             "callers",
             "locality",
+            "model",
+            "aliases",
         },
     )
+    model, aliases = parse_model_names(d, path)
     vraw = read_mapping(d.get("versions"), f"{path}.versions")
     if not vraw:
         raise MeshError(f"{path}.versions: at least one version is required")
@@ -317,6 +322,8 @@ def _service(name: str, raw: Any, path: str) -> Service:
         service_account=_service_account(d.get("service_account"), name, path),
         callers=parse_callers(d.get("callers"), f"{path}.callers"),
         locality=read_optional(d, "locality", path, parse_locality),
+        model=model,
+        aliases=aliases,
     )
 
 

@@ -82,9 +82,9 @@ def _outbound(mesh: m.Mesh, node: NodeInfo, out: dict[str, dict[str, Message]]) 
         # The fault filter after the class filter: a faulted call is still classified; authz
         # runs on the inbound sidecar, so no fault can let a call past it.
         authz_filters=[*_classify_filters(), faults.fault_filter()],
-        # The class and the prefix key are the filter's alone; stripped first, so a failed VM
-        # can't pass a spoof.
-        strip_request_headers=(headers.CLASS_HEADER, headers.PREFIX_HEADER),
+        # The class, the prefix key and the model are the filter's alone; stripped first, so a
+        # failed VM can't pass a spoof.
+        strip_request_headers=(headers.CLASS_HEADER, headers.PREFIX_HEADER, headers.MODEL_HEADER),
     )
 
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from envoy.config.core.v3 import base_pb2
+import json
+
+from envoy.config.core.v3 import base_pb2, substitution_format_string_pb2
 from envoy.config.route.v3 import route_components_pb2 as rc
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
 from envoy.extensions.retry.priority.previous_priorities.v3 import previous_priorities_config_pb2
 from envoy.type.v3 import percent_pb2
-from google.protobuf import wrappers_pb2
+from google.protobuf import struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
 from mesh_common import headers
@@ -76,10 +78,12 @@ def _faulted(mesh: m.Mesh, vhost: rc.VirtualHost) -> rc.VirtualHost:
 def _unmatched_vhost(mesh: m.Mesh) -> rc.VirtualHost:
     """Any :authority that names no service. A caller's call to `<service>-shadow` is refused
     (403: gRPC PERMISSION_DENIED) before it could reach a runtime as a shadow (uncharged by the
-    rate limits, out of the gates' figures). An OpenAI call (/v1/) goes to the mesh's default
-    service (the openai SDK names the model in the body, never a Host), by that service's own
-    routes. Anything else gets a 404 that names the services and how to pick one."""
-    routes = [_refuse_shadow("forged-shadow")]
+    rate limits, out of the gates' figures). A call whose body names a model goes by the model
+    (model_routes), where the mesh declares any. An OpenAI call (/v1/) goes to the mesh's
+    default service (the openai SDK names the model in the body, never a Host), by that
+    service's own routes. Anything else gets a 404 that names the services and how to pick
+    one."""
+    routes = [_refuse_shadow("forged-shadow"), *model_routes(mesh)]
     default = mesh.openai_default
     if default is not None:
         svc = mesh.services[default]
@@ -102,6 +106,148 @@ def _unmatched_vhost(mesh: m.Mesh) -> rc.VirtualHost:
 
 # The default service's routes in the unmatched virtual host: its own route names, prefixed.
 DEFAULT_ROUTE_PREFIX = "default-service-"
+# A modelled service's routes there, by the request's model (x-meshlm-model): its names, prefixed.
+MODEL_ROUTE_PREFIX = "model-"
+UNKNOWN_MODEL_ROUTE = "unknown-model"
+MODELS_PATH = "/v1/models"
+GRPC_NOT_FOUND = "5"
+
+
+def model_routes(mesh: m.Mesh) -> list[rc.Route]:
+    """The unmatched virtual host's routes by model, before the default service's: a call
+    whose Host names no service reaches the service whose `model` or `aliases` its body names
+    (the classify filter's x-meshlm-model, compared ignoring case), by that service's own
+    routes (quarantines, pins, split, retries). A model no service declares gets a 404
+    (OpenAI `model_not_found`; gRPC NOT_FOUND) and reaches no runtime, except an OpenAI call
+    where the mesh's default service declares no model: its runtime's own names are not the
+    mesh's to know, so such calls go there as before. `GET /v1/models` (and
+    `/v1/models/{id}`) lists the mesh's models at the caller sidecar, in place of the default
+    service's own list. None of this exists in a mesh without models."""
+    modelled = [s for s in mesh.services.values() if s.model]
+    if not modelled:
+        return []
+    routes = [*_models_list(mesh)]
+    for svc in modelled:
+        fault = faults.caller_fault(mesh.faults.values(), svc.name)
+        # One copy of the service's routes per name: a header matches one StringMatcher, and
+        # one RE2 alternation of every name outgrows Envoy's regex program size limit (100)
+        # at a few long names (the route config is NACKed).
+        for model in svc.model_names:
+            for route in _service_routes(mesh, svc, "/"):
+                route.name = f"{MODEL_ROUTE_PREFIX}{model}-{route.name}"
+                route.match.headers.append(_names_model(model))
+                if route.HasField("route"):  # the runtime's sidecar sees the service's name
+                    route.route.host_rewrite_literal = svc.name
+                if svc.stall is not None:  # what its own virtual host tells the caller library
+                    route.response_headers_to_add.append(
+                        _header(headers.STALL_HEADER, svc.stall.header_value())
+                    )
+                if fault is not None:  # its callers' fault, as on its own virtual host
+                    route.typed_per_filter_config[faults.FILTER_NAME].CopyFrom(
+                        pack(faults.http_fault(fault))
+                    )
+                routes.append(route)
+    routes.append(_unknown_model(mesh, grpc=True))
+    default = mesh.openai_default
+    if default is None or mesh.services[default].model:
+        routes.append(_unknown_model(mesh, grpc=False))
+    return routes
+
+
+def mesh_model_names(mesh: m.Mesh) -> list[str]:
+    return [n for s in mesh.services.values() for n in s.model_names]
+
+
+def _names_model(name: str) -> rc.HeaderMatcher:
+    from envoy.type.matcher.v3 import string_pb2
+
+    match = string_pb2.StringMatcher(exact=name, ignore_case=True)
+    return rc.HeaderMatcher(name=headers.MODEL_HEADER, string_match=match)
+
+
+def _model_present() -> rc.HeaderMatcher:
+    return rc.HeaderMatcher(name=headers.MODEL_HEADER, present_match=True)
+
+
+def _unknown_model(mesh: m.Mesh, *, grpc: bool) -> rc.Route:
+    """404 for a model no service declares, naming it (Envoy formats the request's header into
+    the body). gRPC: Envoy turns a local reply's 404 into UNIMPLEMENTED unless the reply
+    already carries a grpc-status, which this route adds (NOT_FOUND), the body becoming its
+    grpc-message. OpenAI: the error JSON the SDKs read `code` from; its content type is JSON
+    before the listener's OpenAI local-reply mappers look, so they leave it alone
+    (listeners.OPENAI_LOCAL_REPLY). Both checked on Envoy 1.40."""
+    models = ", ".join(mesh_model_names(mesh))
+    said = f"The model `%REQ({headers.MODEL_HEADER})%` does not exist in this mesh"
+    match = rc.RouteMatch(prefix="/", headers=[_model_present()])
+    if grpc:
+        match.grpc.SetInParent()
+        body = substitution_format_string_pb2.SubstitutionFormatString(
+            text_format_source=base_pb2.DataSource(inline_string=f"{said} (models: {models})")
+        )
+        added = [_header("grpc-status", GRPC_NOT_FOUND)]
+    else:
+        added = []
+        error = struct_pb2.Struct()
+        error.update({
+            "message": f"{said}; models: {models} (GET {MODELS_PATH} lists them)",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        })  # fmt: skip
+        doc = struct_pb2.Struct()
+        doc.fields["error"].struct_value.CopyFrom(error)
+        body = substitution_format_string_pb2.SubstitutionFormatString(
+            json_format=doc, content_type="application/json"
+        )
+    return rc.Route(
+        name=f"{UNKNOWN_MODEL_ROUTE}{'-grpc' if grpc else ''}",
+        match=match,
+        direct_response=rc.DirectResponseAction(status=404, body_format=body),
+        response_headers_to_add=added,
+    )
+
+
+def _models_list(mesh: m.Mesh) -> list[rc.Route]:
+    """`GET /v1/models`: every model and alias of the mesh, OpenAI-shaped (owned_by: the
+    service); `GET /v1/models/{id}`: one of them (any case), else 404 model_not_found."""
+    entries = {
+        n: {"id": n, "object": "model", "created": 0, "owned_by": s.name}
+        for s in mesh.services.values()
+        for n in s.model_names
+    }
+    get = rc.HeaderMatcher(name=":method", string_match=_exact("GET"))
+
+    def reply(name: str, match: rc.RouteMatch, status: int, doc: object) -> rc.Route:
+        return rc.Route(
+            name=name,
+            match=match,
+            direct_response=rc.DirectResponseAction(
+                status=status, body=base_pb2.DataSource(inline_string=json.dumps(doc))
+            ),
+            # JSON already: the listener's OpenAI local-reply mappers leave it as it is.
+            response_headers_to_add=[_header("content-type", "application/json")],
+        )
+
+    listed = {"object": "list", "data": list(entries.values())}
+    routes = [reply("models-list", rc.RouteMatch(path=MODELS_PATH, headers=[get]), 200, listed)]
+    for n, entry in entries.items():
+        one = rc.RouteMatch(path=f"{MODELS_PATH}/{n}", headers=[get])
+        one.case_sensitive.value = False
+        routes.append(reply(f"models-{n}", one, 200, entry))
+    missing = {
+        "error": {
+            "message": f"The model does not exist in this mesh; models: {', '.join(entries)}",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+    routes.append(
+        reply(
+            "models-unknown", rc.RouteMatch(prefix=f"{MODELS_PATH}/", headers=[get]), 404, missing
+        )
+    )
+    return routes
 
 
 def no_service_message(mesh: m.Mesh) -> str:
@@ -109,11 +255,13 @@ def no_service_message(mesh: m.Mesh) -> str:
     names_ = list(mesh.services)
     default = mesh.openai_default
     taken = f"; default_service {default} takes OpenAI /v1/ calls only" if default else ""
+    models = mesh_model_names(mesh)
+    by_model = f", or name one of its models in the request's model ({', '.join(models)})"
     return (
         f"the Host header (gRPC: :authority) names no service of this mesh (services: "
         f"{', '.join(names_)}{taken}): name one there (the openai SDK: "
         f'default_headers={{"Host": "{names_[0]}"}}), or name the service OpenAI /v1/ calls '
-        "go to as default_service in the mesh file"
+        f"go to as default_service in the mesh file{by_model if models else ''}"
     )
 
 
