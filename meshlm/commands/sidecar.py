@@ -72,8 +72,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-port", type=int, help="a loopback listener where the local runtime "
                    "reaches the control plane's token budgets (meshlm serve --budget-service "
                    "127.0.0.1:PORT), over this sidecar's way to the control plane")  # fmt: skip
-    p.add_argument("--delta", action="store_true", help="get config changes as deltas "
-                   "rather than whole sets (incremental xDS)")  # fmt: skip
+    p.add_argument("--xds-api", choices=("delta", "sotw"), default="delta", help="how config "
+                   "changes arrive: delta (incremental xDS, the default) sends only the resources "
+                   "that changed, and after a control plane restart nothing this sidecar already "
+                   "holds; sotw (state of the world) resends each changed type whole")  # fmt: skip
+    p.add_argument(
+        "--delta", action="store_const", const="delta", dest="xds_api", help=argparse.SUPPRESS
+    )  # the default now; kept for older command lines
     p.add_argument("--concurrency", type=int, default=1, help="Envoy worker threads")
     p.add_argument("--max-heap-mb", type=int, default=256, help="Envoy's memory limit: past it, "
                    "Envoy refuses new calls rather than run out of memory")  # fmt: skip
@@ -266,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
             local_http_endpoint=args.local_http_endpoint,
             listen_host=args.listen_host,
             host=f"{args.register[0]}:{args.register[1]}" if args.register else None,
-            api_type="DELTA_GRPC" if args.delta else "GRPC",
+            api_type="DELTA_GRPC" if args.xds_api == "delta" else "GRPC",
             admin_port=admin_port,
             zone=args.zone,
             budget_port=args.budget_port,

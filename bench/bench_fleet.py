@@ -1,0 +1,265 @@
+"""A control plane for a fleet: simulated sidecars by the thousand, state of the world and delta.
+
+For each size (1,000 / 5,000 / 10,000 sidecars; `--quick`: 500 / 2,000) and each ADS variant
+(SotW, Delta), in one run: connect every stream (the connection storm), then push weight changes
+and endpoint changes one at a time, each until every stream ACKed it, then weight changes while
+endpoints churn (100 adds or removes a second). Reported: push time to all ACKed (p50 / max),
+the control plane's CPU seconds per change and RSS per stream, and the streams the clients had
+to reopen. The control plane runs in this process (grpc.aio, one event loop); the simulated
+sidecars in client processes of up to 500 streams, each stream on its own HTTP/2 connection,
+ACKing every response as Envoy does. Clients and control plane share the machine's cores.
+
+Peer: istiod's published figure, 2,000 sidecars per vCPU and 1.5 GB (istio.io, Performance and
+Scalability), which is for a realistic mesh; this is one service, plaintext, one sidecar group,
+so it measures the ADS fan-out itself.
+
+    python -m bench fleet [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from statistics import median
+
+from bench.bench_xds import MESH, _client_errors, _cpu, _rss_mib
+from bench.machine import describe
+
+PER_PROCESS = 500
+CHURN_PER_S = 100
+
+_CLIENT = r"""
+import asyncio, random, sys
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+
+CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+EDS = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
+RDS = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+NAMES = {CDS: [], EDS: ["outbound|llm|v1", "outbound|llm|v2"], LDS: [], RDS: ["outbound"]}
+ERRORS = {}
+
+async def sidecar(i, target, api, first):
+    while True:  # reopen a failed stream after a jittered backoff, as Envoy does
+        try:
+            await (sotw if api == "sotw" else delta)(i, target, first)
+            return
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+            name = e.code().name if isinstance(e, grpc.aio.AioRpcError) else "finished"
+            ERRORS[name] = ERRORS.get(name, 0) + 1
+            await asyncio.sleep(0.1 + random.random() * 0.5)
+
+def node(i, first):
+    n = base_pb2.Node(id=f"sim-{first + i}")
+    n.metadata.update({"meshlm.outbound_port": 15001})
+    return n
+
+async def sotw(i, target, first):
+    async with grpc.aio.insecure_channel(target) as ch:
+        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch).StreamAggregatedResources()
+        for k, tu in enumerate((CDS, EDS, LDS, RDS)):
+            req = discovery_pb2.DiscoveryRequest(type_url=tu, resource_names=NAMES[tu])
+            if k == 0:
+                req.node.CopyFrom(node(i, first))
+            await call.write(req)
+        while True:
+            r = await call.read()
+            if r is grpc.aio.EOF:
+                return
+            await call.write(discovery_pb2.DiscoveryRequest(
+                type_url=r.type_url, version_info=r.version_info, response_nonce=r.nonce,
+                resource_names=NAMES[r.type_url]))
+
+async def delta(i, target, first):
+    async with grpc.aio.insecure_channel(target) as ch:
+        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch).DeltaAggregatedResources()
+        for k, tu in enumerate((CDS, EDS, LDS, RDS)):
+            req = discovery_pb2.DeltaDiscoveryRequest(
+                type_url=tu, resource_names_subscribe=NAMES[tu])
+            if k == 0:
+                req.node.CopyFrom(node(i, first))
+            await call.write(req)
+        while True:
+            r = await call.read()
+            if r is grpc.aio.EOF:
+                return
+            await call.write(discovery_pb2.DeltaDiscoveryRequest(
+                type_url=r.type_url, response_nonce=r.nonce))
+
+async def report():
+    while True:
+        await asyncio.sleep(1)
+        print("errors", ERRORS, flush=True)
+
+async def main(target, m, api, first):
+    asyncio.create_task(report())
+    await asyncio.gather(*(sidecar(i, target, api, first) for i in range(m)))
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])))
+"""
+
+
+def _clients(port: int, m: int, api: str) -> list[subprocess.Popen]:
+    procs = []
+    for first in range(0, m, PER_PROCESS):
+        argv = [sys.executable, "-c", _CLIENT, f"127.0.0.1:{port}",
+                str(min(PER_PROCESS, m - first)), api, str(first)]  # fmt: skip
+        procs.append(
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    return procs
+
+
+def _all_acked(cp, m: int, procs: list[subprocess.Popen], timeout: float) -> float:
+    """Seconds until `m` streams subscribed to the four types and ACKed each."""
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + timeout
+    n = 0
+    while time.monotonic() < deadline:
+        with cp.sync.cond:
+            n = sum(
+                1
+                for ns in cp.sync.nodes.values()
+                if ns.connected
+                and len(ns.types) == 4
+                and all(ts.acked_version for ts in ns.types.values())
+            )
+        if n >= m:
+            return time.perf_counter() - t0
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"simulated clients exited: {p.stderr.read()[-2000:]}")
+        time.sleep(0.2)
+    raise RuntimeError(f"only {n}/{m} simulated sidecars connected and ACKed")
+
+
+def _timed(changes: list, cp, m: int) -> tuple[list[float], list[float], int]:
+    """Each change in turn until every stream ACKed it: (seconds, CP CPU seconds, fully ACKed)."""
+    push, cpu, ok = [], [], 0
+    for change in changes:
+        c0, t0 = _cpu(), time.perf_counter()
+        r = change(cp)
+        push.append(time.perf_counter() - t0)
+        cpu.append(_cpu() - c0)
+        ok += r.ok and len(r.acked) >= m
+    return push, cpu, ok
+
+
+def _weights(k: int):
+    w = 10 + k % 80
+    return lambda cp: cp.set_weights("llm", {"v1": 100 - w, "v2": w}, timeout=600)
+
+
+def _endpoint(k: int):
+    host = f"127.0.0.2:{51000 + k}"
+    return lambda cp: cp.add_endpoint("llm", "v2", host, timeout=600)
+
+
+def _churn(cp, stop: threading.Event, counter: list[int]) -> None:
+    """Endpoints join and leave at CHURN_PER_S, without waiting for ACKs (registrations)."""
+    k = 0
+    while not stop.is_set():
+        t0 = time.monotonic()
+        host = f"127.0.0.3:{52000 + k % 50}"
+        if k % 100 < 50:
+            cp.add_endpoint("llm", "v1", host, timeout=0)
+        else:
+            cp.remove_endpoint("llm", "v1", host, timeout=0)
+        k += 1
+        counter[0] = k
+        stop.wait(max(0.0, 1 / CHURN_PER_S - (time.monotonic() - t0)))
+
+
+def fleet(m: int, api: str, changes: int) -> dict:
+    from xds_server.compose import build_server
+    from xds_server.mesh import parse_mesh
+
+    cp = build_server(parse_mesh(MESH), debounce=0.0).start()
+    rss0, cpu0 = _rss_mib(), _cpu()
+    procs = _clients(cp.grpc_port, m, api)
+    try:
+        connect_s = _all_acked(cp, m, procs, timeout=900)
+        rss1, connect_cpu = _rss_mib(), _cpu() - cpu0
+        weights = _timed([_weights(k) for k in range(changes)], cp, m)
+        endpoints = _timed([_endpoint(k) for k in range(changes)], cp, m)
+        stop, counter = threading.Event(), [0]
+        churn = threading.Thread(target=_churn, args=(cp, stop, counter), daemon=True)
+        t_churn = time.monotonic()
+        churn.start()
+        try:
+            under_churn = _timed([_weights(changes + k) for k in range(changes)], cp, m)
+        finally:
+            stop.set()
+            churn.join()
+        churn_rate = counter[0] / (time.monotonic() - t_churn)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        cp.stop()
+    return {
+        "m": m,
+        "api": api,
+        "connect_s": connect_s,
+        "connect_cpu_s": connect_cpu,
+        "rss_per_stream_kib": (rss1 - rss0) * 1024 / m,
+        "weights": weights,
+        "endpoints": endpoints,
+        "churn": under_churn,
+        "churn_per_s": churn_rate,
+        "reconnects": sum(_client_errors(p) for p in procs),
+    }
+
+
+def _row(r: dict, what: str) -> str:
+    push, cpu, ok = r[what]
+    return (
+        f"| {r['m']:,} | {r['api']} | {what} | {median(push):.2f} / {max(push):.2f} | "
+        f"{median(cpu):.2f} | {median(cpu) / r['m'] * 1e6:.0f} | {ok}/{len(push)} |"
+    )
+
+
+def main(quick: bool = False) -> str:
+    sizes = (500, 2000) if quick else (1000, 5000, 10000)
+    changes = 3 if quick else 5
+    load0 = os.getloadavg()[0]
+    runs = [fleet(m, api, changes) for m in sizes for api in ("sotw", "delta")]
+    lines = [
+        "## A control plane for a fleet (`python -m bench fleet`)",
+        "",
+        f"Machine: {describe()}. Load average at the start {load0:.1f}. Command: "
+        f"`python -m bench fleet{' --quick' if quick else ''}`. Peer: istiod's published "
+        "figure, 2,000 sidecars per vCPU and 1.5 GB (istio.io, Performance and Scalability; a "
+        "realistic mesh, so not like for like: this is one service, one sidecar group, "
+        "plaintext). The simulated sidecars run on the same cores as the control plane.",
+        "",
+        "| sidecars | ADS | connect all, s | CP CPU s to connect | RSS per stream KiB | "
+        "streams reopened | endpoint churn / s |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r['m']:,} | {r['api']} | {r['connect_s']:.1f} | {r['connect_cpu_s']:.1f} | "
+            f"{r['rss_per_stream_kib']:.0f} | {r['reconnects']} | {r['churn_per_s']:.0f} |"
+        )
+    lines += [
+        "",
+        "One change at a time until every stream ACKed it: a weight change (RDS), an endpoint "
+        f"added (EDS), and weight changes while endpoints churn at {CHURN_PER_S}/s.",
+        "",
+        "| sidecars | ADS | change | push to all ACKed, s (p50 / max) | CP CPU s per change | "
+        "CP CPU us per stream | fully ACKed |",
+        "|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        lines += [_row(r, what) for what in ("weights", "endpoints", "churn")]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(main(quick="--quick" in sys.argv))
