@@ -25,7 +25,7 @@ from xds_server.compose import build_server
 from xds_server.mesh import MeshError, parse_mesh
 from xds_server.server import XdsServer
 from xds_server.xds.node import NodeInfo
-from xds_server.xds.sync import Limits
+from xds_server.xds.sync import MAX_TRACKERS, Limits
 
 V1, V2 = "127.0.0.1:50051", "127.0.0.1:50052"
 
@@ -328,5 +328,24 @@ def test_a_nack_is_cleared_once_a_later_version_is_acked(cp: XdsServer) -> None:
         assert cds["nack_error"] == "" and cds["nack_version"] == ""
         assert r2.version_info in cds["recovered"] and "bad cluster" in cds["recovered"]
         assert "NACK" not in render(cp.syncz())  # meshlm status shows no stale error
+    finally:
+        c.close()
+
+
+def test_a_burst_of_changes_converges_on_the_acks_of_its_last(cp: XdsServer) -> None:
+    """Endpoint churn stages many changes before one push: at most MAX_TRACKERS of them are
+    timed, and the ACKs of the newest settle every older one (holding a generation holds the
+    ones before it), so none is left waiting and each is timed once."""
+    c = AdsClient(cp.grpc_port, "burst", auto_ack=True)
+    try:
+        boot(c, cp, "burst")
+        before = cp.syncz()["convergence"]["count"]
+        for k in range(3 * MAX_TRACKERS):
+            cp.add_endpoint("llm", "v1", f"127.0.0.3:{52000 + k}", timeout=0)
+            assert len(cp.sync._trackers) <= MAX_TRACKERS
+        eventually(lambda: cp.sync.state("burst", cp.cache.generation)[0] == "acked", 10)
+        eventually(lambda: not cp.sync._trackers, 10, "every timed change converged")
+        timed = cp.syncz()["convergence"]["count"] - before
+        assert 1 <= timed <= MAX_TRACKERS
     finally:
         c.close()

@@ -30,6 +30,9 @@ class SnapshotCache:
         self._errors: dict[NodeInfo, str] = {}
         # group -> type -> generations at which that type's content changed (ascending)
         self._changes: dict[NodeInfo, dict[str, list[int]]] = {}
+        # expected_generations' answers until the next change of the above: every ACK of
+        # thousands of sidecars of one group asks the same question.
+        self._expected: dict[tuple[NodeInfo, int], dict[str, int]] = {}
         self._watchers: set[Callable[[], None]] = set()
 
     # -- reads (any thread) ------------------------------------------------------------------
@@ -55,6 +58,7 @@ class SnapshotCache:
                     return None
                 self._snapshots[group] = snap
                 self._changes[group] = {tu: [snap.generation] for tu in snap.types}
+                self._expected.clear()
             return snap
 
     def error(self, group: NodeInfo) -> str | None:
@@ -68,6 +72,9 @@ class SnapshotCache:
         """For each type the group has: the generation whose version a sidecar must have ACKed
         (or later) to hold the state of `generation`."""
         with self._lock:
+            known = self._expected.get((group, generation))
+            if known is not None:
+                return known
             out = {}
             snap = self._snapshots.get(group)
             for tu, gens in self._changes.get(group, {}).items():
@@ -76,6 +83,9 @@ class SnapshotCache:
                 i = bisect.bisect_right(gens, generation)
                 if i:
                     out[tu] = gens[i - 1]
+            if len(self._expected) >= 4096:
+                self._expected.clear()
+            self._expected[(group, generation)] = out
             return out
 
     def changed_groups(self, generation: int) -> list[NodeInfo]:
@@ -120,6 +130,7 @@ class SnapshotCache:
             self._generation = gen
             self._staged_mesh = mesh
             self._staged = staged
+            self._expected.clear()
             return gen
 
     def check(self, mesh: m.Mesh, live: set[NodeInfo]) -> None:
@@ -154,6 +165,7 @@ class SnapshotCache:
                         self._changes[group].setdefault(tu, []).append(gen)
             self._snapshots.update(self._staged)
             self._staged = {}
+            self._expected.clear()
             self._published_generation = gen
             for group in [g for g in self._errors if g not in self._snapshots]:
                 del self._errors[group]  # groups that failed may build under the new mesh
@@ -169,6 +181,7 @@ class SnapshotCache:
                 del self._errors[g]
 
     def _drop(self, groups: list[NodeInfo]) -> None:
+        self._expected.clear()
         for g in groups:
             self._snapshots.pop(g, None)
             self._staged.pop(g, None)

@@ -92,6 +92,10 @@ class NodeSync:
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 
 
+# Convergence timers kept at once; older ones (superseded changes) are dropped untimed.
+MAX_TRACKERS = 16
+
+
 @dataclass
 class _Tracker:
     generation: int
@@ -137,6 +141,7 @@ class SyncStatus:
         self._latest = 0  # newest tracked generation
         self._next_sweep = 0.0
         self._trackers: dict[int, _Tracker] = {}
+        self._next_full_check = 0.0
         self._waiters: list[_Waiter] = []
         # Bumped by every connect, ACK, NACK and departure: replicas summarise their sidecars
         # for the others only when it moved (xds_server/replica/replication.py).
@@ -324,9 +329,19 @@ class SyncStatus:
             self._sweep(now)
             self._trackers[generation] = _Tracker(generation, now, set(nodes))
             for gen, tr in list(self._trackers.items()):
-                if now - tr.started > 120:  # a sidecar that went away; stop waiting
+                # A sidecar that went away, or a change long superseded (endpoint churn stages
+                # many before one push): stop timing it.
+                if now - tr.started > 120 or len(self._trackers) > MAX_TRACKERS:
                     del self._trackers[gen]
-            self._progress(None, now)
+            # Every tracker is re-checked (for sidecars that started to lag) at most once a
+            # second. A new one needs no check: its sidecars cannot hold a generation that is
+            # not published yet (ACKs settle them), so staging a change costs no per-sidecar
+            # work; one that no sidecar needs converged at once.
+            if now >= self._next_full_check:
+                self._next_full_check = now + 1.0
+                self._progress(None, now)
+            elif not nodes:
+                self._progress(None, now, only=generation)
 
     def state(self, node_id: str, generation: int) -> tuple[str, str]:
         """("acked" | "nacked" | "pending" | "lagging" | "disconnected", error) for one node."""
@@ -411,7 +426,9 @@ class SyncStatus:
             w.lagging.add(node_id)  # out of the quorum: one stuck sidecar holds nothing back
         w.remaining.discard(node_id)
 
-    def _progress(self, node_id: str | None, now: float) -> None:
+    def _progress(self, node_id: str | None, now: float, only: int | None = None) -> None:
+        """Settle waiters and convergence trackers on `node_id`'s news (None: every node, of
+        every tracker or of tracker `only`)."""
         self.changes += 1
         if node_id is not None:
             for w in list(self._waiters):
@@ -420,17 +437,28 @@ class SyncStatus:
                     if not w.remaining:
                         self._waiters.remove(w)
                         w.done.set()
-        for gen, tr in list(self._trackers.items()):
+        trackers = sorted(
+            (tr for gen, tr in self._trackers.items() if only is None or gen == only),
+            key=lambda tr: tr.generation,
+            reverse=True,
+        )
+        held = -1  # the newest tracked generation `node_id` holds: it holds every older one
+        for tr in trackers:
             check = tr.remaining if node_id is None else tr.remaining & {node_id}
             for n in list(check):
-                state, _, since = self._state(n, gen)
+                if tr.generation <= held:
+                    tr.remaining.discard(n)
+                    continue
+                state, _, since = self._state(n, tr.generation)
+                if state == "acked" and node_id is not None:
+                    held = tr.generation
                 if state in ("acked", "disconnected") or (
                     state == "pending" and self._lags(since, now)
                 ):
                     tr.remaining.discard(n)
             if not tr.remaining:
                 self._record(now - tr.started)
-                del self._trackers[gen]
+                del self._trackers[tr.generation]
 
     def _record(self, seconds: float) -> None:
         self.histogram[bisect.bisect_left(BUCKETS, seconds)] += 1
