@@ -164,7 +164,16 @@ class _Stream:
 
     async def run(self, requests: AsyncIterator) -> AsyncIterator:
         loop = asyncio.get_running_loop()
-        unwatch = self.cache.watch(lambda: loop.call_soon_threadsafe(self._wake.set))
+
+        def wake() -> None:
+            # A publish on the loop's own thread (the debouncer's) wakes the stream directly:
+            # call_soon_threadsafe writes to the loop's self-pipe once per stream.
+            if _running_loop() is loop:
+                self._wake.set()
+            else:
+                loop.call_soon_threadsafe(self._wake.set)
+
+        unwatch = self.cache.watch(wake)
         reader = asyncio.create_task(self._read(requests))
         try:
             while True:
@@ -462,6 +471,13 @@ class DeltaStream(_Stream):
             ts.sent_version, ts.outstanding = version, True
             self.sync.sent(self.node_id, tu, version)
         return out
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _transitional(version: str, kept: dict) -> str:

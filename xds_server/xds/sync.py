@@ -333,15 +333,17 @@ class SyncStatus:
                 # many before one push): stop timing it.
                 if now - tr.started > 120 or len(self._trackers) > MAX_TRACKERS:
                     del self._trackers[gen]
-            # Every tracker is re-checked (for sidecars that started to lag) at most once a
-            # second. A new one needs no check: its sidecars cannot hold a generation that is
-            # not published yet (ACKs settle them), so staging a change costs no per-sidecar
-            # work; one that no sidecar needs converged at once.
+            # A new tracker needs no check: its sidecars cannot hold a generation that is not
+            # published yet (ACKs settle them), so staging a change costs no per-sidecar work;
+            # one that no sidecar needs converged at once. Sidecars that stopped ACKing are
+            # looked for at most once a second, and only in trackers old enough for one to lag.
+            if not nodes:
+                self._progress(None, now, only=generation)
             if now >= self._next_full_check:
                 self._next_full_check = now + 1.0
-                self._progress(None, now)
-            elif not nodes:
-                self._progress(None, now, only=generation)
+                for gen, tr in list(self._trackers.items()):
+                    if now - tr.started >= self.limits.lagging_after:
+                        self._progress(None, now, only=gen)
 
     def state(self, node_id: str, generation: int) -> tuple[str, str]:
         """("acked" | "nacked" | "pending" | "lagging" | "disconnected", error) for one node."""
