@@ -29,6 +29,8 @@ from bench.bench_xds import MESH, _client_errors, _cpu, _rss_mib
 from bench.machine import describe
 
 PER_PROCESS = 500
+# MESHLM_FLEET_SIZES=1000,5000 measures those only (10,000 takes most of the run's time).
+SIZES = tuple(int(n) for n in os.environ.get("MESHLM_FLEET_SIZES", "1000,5000,10000").split(","))
 CHURN_PER_S = 100
 CHURN_DEBOUNCE_S = 0.1  # the mesh file's default control_plane.debounce
 
@@ -229,10 +231,19 @@ def _row(r: dict, what: str) -> str:
 
 
 def main(quick: bool = False) -> str:
-    sizes = (500, 2000) if quick else (1000, 5000, 10000)
+    sizes = (500, 2000) if quick else SIZES
     changes = 3
     load0 = os.getloadavg()[0]
-    runs = [fleet(m, api, changes) for m in sizes for api in ("sotw", "delta")]
+    runs = []
+    for m in sizes:
+        for api in ("sotw", "delta"):
+            runs.append(fleet(m, api, changes))
+            r = runs[-1]  # as it goes: a large size takes minutes
+            print(
+                f"{m} {api}: connect {r['connect_s']:.1f} s, {r['reconnects']} reopened", flush=True
+            )
+            for what in ("weights", "endpoints", "churn"):
+                print(_row(r, what), flush=True)
     lines = [
         "## A control plane for a fleet (`python -m bench fleet`)",
         "",

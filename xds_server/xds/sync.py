@@ -39,7 +39,8 @@ def _event(level: int, event: str, node_id: str, text: str, **fields: Any) -> No
 
 @dataclass(frozen=True)
 class Limits:
-    max_nodes: int = 10_000  # sidecars tracked, connected or recently departed
+    max_nodes: int = 20_000  # sidecars tracked, connected or recently departed: a 10,000 fleet
+    # and room for the ids it leaves behind while it reconnects
     max_node_id_bytes: int = 256
     max_metadata_bytes: int = 4096  # node.metadata, serialized (ours is under 1 KiB)
     max_resource_names: int = 10_000  # names one stream may subscribe to per type
