@@ -101,7 +101,7 @@ def test_xds_server_json_log_of_a_sidecar_and_admin_changes(tmp_path: Path, env:
     mine = [e for e in events if e.get("node") == "logs-1"]
     kinds = [e["event"] for e in mine]
     assert kinds[0] == "connect" and kinds[-1] == "disconnect", kinds
-    assert mine[0]["api"] == "sotw" and mine[0]["level"] == "info"
+    assert mine[0]["api"] == "delta" and mine[0]["level"] == "info"
     for kind in ("push", "ack"):
         assert {e["type"] for e in mine if e["event"] == kind} >= {"CDS", "LDS", "RDS", "EDS"}
     audits = [e for e in events if e.get("event") == "admin"]

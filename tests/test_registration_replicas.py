@@ -153,7 +153,7 @@ def test_a_vanished_host_leaves_every_replica_after_the_grace_period(etcd, tmp_p
                     )  # fmt: skip
                     return len(lost_at) == len(cps)
 
-                eventually(each_marked_lost, 10, "marked lost on every replica")
+                eventually(each_marked_lost, 30, "marked lost on every replica")
                 assert all(address in eds_hosts(e) for e in (e1, e2)), "kept for the grace period"
                 eventually(lambda: not any(address in cp.registered() for cp in cps), GRACE + 20,
                            "gone from every replica")  # fmt: skip
