@@ -395,11 +395,7 @@ class ControlPlane:
         return make_version(self.incarnation, gen), nodes
 
     def _affected(self, generation: int) -> list[str]:
-        groups = set(self.cache.changed_groups(generation))
-        with self.sync.cond:
-            return sorted(
-                n for n, ns in self.sync.nodes.items() if ns.connected and ns.group in groups
-            )
+        return self.sync.connected_in(set(self.cache.changed_groups(generation)))
 
     def wait_for_ack(
         self, version: str, nodes: list[str] | None = None, *, timeout: float = 10.0

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import grpc
-from envoy.service.discovery.v3 import ads_pb2_grpc
+from envoy.service.discovery.v3 import ads_pb2, discovery_pb2
 
 from mesh_common.listen import listen_error
 from mesh_common.loop_thread import LoopThread
@@ -30,7 +30,7 @@ from xds_server.ratelimit import shares as membership
 from xds_server.registry.table import Registry
 from xds_server.replica.replication import Replication
 from xds_server.slo.quarantine import Isolation, push_loop
-from xds_server.xds import health
+from xds_server.xds import health, wire
 from xds_server.xds.ads import AdsServicer
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.sync import SyncStatus
@@ -48,7 +48,23 @@ GRPC_OPTIONS = [
 
 
 def _add_ads(server: grpc.aio.Server, servicer: AdsServicer) -> None:
-    ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(servicer, server)
+    """As the generated `add_AggregatedDiscoveryServiceServicer_to_server`, with a serializer
+    that sends the streams' shared, already serialized responses as they are (xds/wire.py)."""
+    handlers = {
+        "StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(
+            servicer.StreamAggregatedResources,
+            request_deserializer=discovery_pb2.DiscoveryRequest.FromString,
+            response_serializer=wire.serialize,
+        ),
+        "DeltaAggregatedResources": grpc.stream_stream_rpc_method_handler(
+            servicer.DeltaAggregatedResources,
+            request_deserializer=discovery_pb2.DeltaDiscoveryRequest.FromString,
+            response_serializer=wire.serialize,
+        ),
+    }
+    name = ads_pb2.DESCRIPTOR.services_by_name["AggregatedDiscoveryService"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
 
 
 class Debouncer:

@@ -31,12 +31,12 @@ log = logging.getLogger(__name__)
 
 def inbound_sidecars(sync: SyncStatus) -> Counter[str]:
     """service -> connected sidecars with an inbound listener for it."""
+    counts: Counter[str] = Counter()
     with sync.cond:
-        return Counter(
-            ns.group.service
-            for ns in sync.nodes.values()
-            if ns.connected and ns.group.inbound_port is not None and ns.group.service
-        )
+        for group, ids in sync.connected.items():
+            if group.inbound_port is not None and group.service:
+                counts[group.service] += len(ids)
+    return counts
 
 
 def overlay(mesh: m.Mesh, counts: Counter[str]) -> m.Mesh:

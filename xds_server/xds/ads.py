@@ -1,16 +1,17 @@
 """ADS on grpc.aio: `StreamAggregatedResources` (state of the world) and
 `DeltaAggregatedResources` (incremental).
 
-One coroutine per stream: a reader task queues requests and wakes the writer, which also wakes
+One coroutine per stream: a reader task handles each request as it comes and wakes the writer
+only when the request may change what the stream is sent (an ACK does not); the writer also wakes
 when the cache publishes. The writer answers in push order (CDS, EDS, LDS, ECDS, RDS) and holds
 back the removal of clusters until the listeners and routes that stop using them are ACKed
-(make before break).
+(make before break). A response that many streams are sent alike is built and serialized once
+(xds/wire.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import hashlib
 import logging
 import time
@@ -25,8 +26,9 @@ from mesh_common import type_urls as t
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.node import NodeInfo
 from xds_server.xds.peer import Peer, claim_refused, peer_of
-from xds_server.xds.snapshot import Snapshot
+from xds_server.xds.snapshot import Resources, Snapshot
 from xds_server.xds.sync import NodeRejected, SyncStatus
+from xds_server.xds.wire import with_nonce
 
 log = logging.getLogger(__name__)
 # Types that must be ACKed at the snapshot's version before stale clusters are dropped.
@@ -34,6 +36,9 @@ _USERS_OF_CLUSTERS = (t.LISTENER, t.EXTENSION_CONFIG, t.ROUTE)
 # Delta nonces a stream remembers while they are neither ACKed nor NACKed; older ones are stale.
 _MAX_OUTSTANDING_NONCES = 64
 _STOPPING = "control plane stopping"
+# Shared responses kept per resource set (one per subscription a group's sidecars use).
+_MAX_SHARED = 64
+_KEEP = "~keep-"  # marks a transitional CDS version (make before break)
 
 
 class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
@@ -136,6 +141,10 @@ class _TypeState:
     wildcard: bool = False
     absent_told: set[str] = field(default_factory=set)
     nonces: dict[str, str] = field(default_factory=dict)  # nonce -> system version
+    subscription: frozenset[str] = frozenset()  # `subscribed`, frozen for the shared-response key
+    # The version whose resources (as far as subscribed) `known` holds exactly and only; None
+    # once anything else changed `known`. Streams in the same state get the same response.
+    synced: str | None = None
 
 
 class _Stream:
@@ -150,8 +159,12 @@ class _Stream:
         self.group: NodeInfo | None = None
         self.stream_id = 0
         self.types: dict[str, _TypeState] = {}
-        self._inbox: collections.deque = collections.deque()
         self._replies: list = []  # answers to requests for types this server does not serve
+        self._failure: NodeRejected | None = None  # a request the reader refused
+        # Bumped by each request that may change what is sent; with the snapshot answered, it
+        # tells the writer when there is nothing new to compute.
+        self._epoch = 0
+        self._answered: tuple[Snapshot | None, int] = (None, -1)
         self._error_shown = False
         self._wake = asyncio.Event()
         self._done = False
@@ -181,8 +194,8 @@ class _Stream:
                 self._wake.clear()
                 if self.closed:
                     break
-                while self._inbox:
-                    self._handle(self._inbox.popleft())
+                if self._failure is not None:
+                    raise self._failure
                 if self._done:
                     break
                 while self._replies:
@@ -198,13 +211,14 @@ class _Stream:
                 if self._error_shown:  # the group builds again: the old error is gone
                     self.sync.set_error(self.node_id, "")
                     self._error_shown = False
+                if self._answered == (snap, self._epoch):
+                    continue
+                self._answered = (snap, self._epoch)
                 for resp in self._responses(snap):
                     yield resp
         finally:
             unwatch()
             reader.cancel()
-            # Let go of the requests now: a rejected stream's frames outlive it in a traceback.
-            self._inbox.clear()
             self.types.clear()
             if self.stream_id:  # a rejected stream never held its node id
                 self.sync.disconnect(self.node_id, self.stream_id)
@@ -212,8 +226,17 @@ class _Stream:
     async def _read(self, requests: AsyncIterator) -> None:
         try:
             async for req in requests:
-                self._inbox.append(req)
-                self._wake.set()
+                if self._failure is not None:
+                    continue  # refused: read and dropped until the writer ends the stream
+                try:
+                    changes = self._handle(req)
+                except NodeRejected as e:
+                    e.__traceback__ = None  # its frames hold the request: let go of it now
+                    self._failure = e
+                    changes = True
+                if changes:
+                    self._epoch += 1
+                    self._wake.set()
         except (grpc.RpcError, asyncio.CancelledError, grpc.aio.AioRpcError):
             pass
         finally:
@@ -287,6 +310,11 @@ class _Stream:
         self._nonce += 1
         return str(self._nonce)
 
+    def _holds_clusters(self) -> bool:
+        """True while clusters wait for ACKs before they go: an ACK may let them go."""
+        ts = self.types.get(t.CLUSTER)
+        return ts is not None and _KEEP in ts.sent_version
+
     def _ready_to_drop_clusters(self, snap: Snapshot) -> bool:
         for tu in _USERS_OF_CLUSTERS:
             ts = self.types.get(tu)
@@ -294,7 +322,8 @@ class _Stream:
                 return False
         return True
 
-    def _handle(self, req: object) -> None:
+    def _handle(self, req: object) -> bool:
+        """Take in one request; False when it cannot change what the stream is sent."""
         raise NotImplementedError
 
     def _responses(self, snap: Snapshot) -> list:
@@ -304,33 +333,39 @@ class _Stream:
 class SotwStream(_Stream):
     api = "sotw"
 
-    def _handle(self, req: discovery_pb2.DiscoveryRequest) -> None:
+    def _handle(self, req: discovery_pb2.DiscoveryRequest) -> bool:
         self._identify(req)
         if self.node_id is None:
-            return
+            return True
         tu = req.type_url
         if self._unknown_type(tu, first=not req.response_nonce):
-            return
+            return True
         self._check_names(tu, len(req.resource_names), req.resource_names)
         ts = self.types.setdefault(tu, _TypeState())
         # A request that answers an older response than our latest is stale: ignore it
         # (envoy#10363); the reply to the latest one follows.
         if req.response_nonce and req.response_nonce != ts.nonce:
             self.sync.stale(self.node_id, tu)
-            return
-        if req.response_nonce and ts.outstanding:
+            return False
+        answer = bool(req.response_nonce)
+        if answer and ts.outstanding:
             ts.outstanding = False
             if req.HasField("error_detail"):
                 # NACK: Envoy keeps its last good config. We keep sent_version, so the rejected
                 # version is never sent again; only a newer one is (go-control-plane #582).
                 self.sync.nack(self.node_id, tu, ts.sent_version, req.error_detail.message)
+                answer = False
             else:
                 ts.acked_version = ts.sent_version
                 self.sync.ack(self.node_id, tu, ts.sent_version)
-        ts.requested = True
         names = frozenset(req.resource_names)
         wildcard = tu in t.WILDCARD_TYPES and (not names or "*" in names)
-        ts.names = None if wildcard else names
+        names = None if wildcard else names
+        if answer and ts.requested and names == ts.names:  # an ACK: nothing else changed
+            return self._holds_clusters()
+        ts.requested = True
+        ts.names = names
+        return True
 
     def _empty_reply(self, tu: str) -> discovery_pb2.DiscoveryResponse:
         return discovery_pb2.DiscoveryResponse(type_url=tu, nonce=self._next_nonce())
@@ -341,56 +376,79 @@ class SotwStream(_Stream):
             ts = self.types.get(tu)
             if ts is None or not ts.requested:
                 continue
-            version, items = self._desired(tu, ts, snap)
+            version, items, shared = self._desired(tu, ts, snap)
             if version == ts.sent_version and ts.names == ts.sent_names:
                 continue
+            if shared is None:  # held-back clusters or their endpoints: this stream's own
+                body = self._sotw_body(tu, version, items)
+            else:
+                body, items = shared
             nonce = self._next_nonce()
-            out.append(
-                discovery_pb2.DiscoveryResponse(
-                    version_info=version, type_url=tu, resources=list(items.values()), nonce=nonce
-                )
-            )
+            out.append(with_nonce(body, nonce))
             ts.sent_version, ts.sent_names, ts.sent_items = version, ts.names, items
             ts.nonce, ts.outstanding = nonce, True
             self.sync.sent(self.node_id, tu, version)
         return out
 
-    def _desired(self, tu: str, ts: _TypeState, snap: Snapshot) -> tuple[str, dict]:
+    def _desired(
+        self, tu: str, ts: _TypeState, snap: Snapshot
+    ) -> tuple[str, dict, tuple[bytes, dict] | None]:
+        """(version, items, shared): `shared` is the (body, items) every stream with these
+        names is sent, or None when this stream's response is its own."""
         res = snap.get(tu)
-        items = dict(res.items)
-        version = res.version
         if tu == t.CLUSTER:
-            stale = {n: a for n, a in ts.sent_items.items() if n not in items}
+            stale = {n: a for n, a in ts.sent_items.items() if n not in res.items}
             if stale and not self._ready_to_drop_clusters(snap):
-                items.update(stale)
-                version = _transitional(res.version, stale)
-        elif tu == t.ENDPOINT:
+                items = dict(res.items) | stale
+                return _transitional(res.version, stale), self._named(ts, items), None
+        elif tu == t.ENDPOINT and any(n not in res.items for n in ts.sent_items):
             # Clusters kept for make-before-break still need their endpoints.
-            for n, a in ts.sent_items.items():
-                items.setdefault(n, a)
-        if ts.names is not None:
-            items = {n: a for n, a in items.items() if n in ts.names}
-        return version, items
+            items = dict(ts.sent_items) | res.items
+            return res.version, self._named(ts, items), None
+        shared = res.shared.get(ts.names)
+        if shared is None:
+            items = self._named(ts, res.items)
+            shared = (self._sotw_body(tu, res.version, items), items)
+            _share(res, ts.names, shared)
+        return res.version, shared[1], shared
+
+    @staticmethod
+    def _named(ts: _TypeState, items: dict) -> dict:
+        if ts.names is None:
+            return dict(items)
+        return {n: a for n, a in items.items() if n in ts.names}
+
+    @staticmethod
+    def _sotw_body(tu: str, version: str, items: dict) -> bytes:
+        return discovery_pb2.DiscoveryResponse(
+            version_info=version, type_url=tu, resources=list(items.values())
+        ).SerializeToString()
 
 
 class DeltaStream(_Stream):
     api = "delta"
 
-    def _handle(self, req: discovery_pb2.DeltaDiscoveryRequest) -> None:
+    def _handle(self, req: discovery_pb2.DeltaDiscoveryRequest) -> bool:
         self._identify(req)
         if self.node_id is None:
-            return
+            return True
         tu = req.type_url
         if self._unknown_type(tu, first=not req.response_nonce):
-            return
+            return True
+        ts = self.types.get(tu)
+        if ts is not None and not (
+            req.resource_names_subscribe or req.resource_names_unsubscribe
+        ):  # an ACK or NACK, nothing else
+            self._answer(tu, ts, req)
+            return not req.response_nonce or self._holds_clusters()
         self._check_names(tu, len(req.resource_names_subscribe), req.resource_names_subscribe)
         self._check_names(tu, len(req.initial_resource_versions), req.initial_resource_versions)
-        ts = self.types.get(tu)
         if ts is None:
             ts = self.types[tu] = _TypeState()
             ts.known = dict(req.initial_resource_versions)
             ts.wildcard = tu in t.WILDCARD_TYPES and not req.resource_names_subscribe
         ts.requested = True
+        ts.synced = None
         for n in req.resource_names_subscribe:
             if n == "*":
                 ts.wildcard = True
@@ -403,47 +461,47 @@ class DeltaStream(_Stream):
                 ts.subscribed.discard(n)
                 ts.known.pop(n, None)  # a later subscribe must send it again
                 ts.absent_told.discard(n)
+        ts.subscription = frozenset(ts.subscribed)
         self._check_names(tu, max(len(ts.subscribed), len(ts.known)), ())
-        if req.response_nonce:
-            version = ts.nonces.pop(req.response_nonce, None)
-            if version is None:
-                self.sync.stale(self.node_id, tu)
-            elif req.HasField("error_detail"):
-                # `known` already holds what we sent, so a NACKed resource is not resent
-                # until its content changes.
-                self.sync.nack(self.node_id, tu, version, req.error_detail.message)
-            else:
-                ts.acked_version = version
-                self.sync.ack(self.node_id, tu, version)
-            ts.outstanding = bool(ts.nonces)
+        self._answer(tu, ts, req)
+        return True
+
+    def _answer(self, tu: str, ts: _TypeState, req: discovery_pb2.DeltaDiscoveryRequest) -> None:
+        if not req.response_nonce:
+            return
+        version = ts.nonces.pop(req.response_nonce, None)
+        if version is None:
+            self.sync.stale(self.node_id, tu)
+        elif req.HasField("error_detail"):
+            # `known` already holds what we sent, so a NACKed resource is not resent
+            # until its content changes.
+            self.sync.nack(self.node_id, tu, version, req.error_detail.message)
+        else:
+            ts.acked_version = version
+            self.sync.ack(self.node_id, tu, version)
+        ts.outstanding = bool(ts.nonces)
 
     def _empty_reply(self, tu: str) -> discovery_pb2.DeltaDiscoveryResponse:
         return discovery_pb2.DeltaDiscoveryResponse(type_url=tu, nonce=self._next_nonce())
 
-    def _responses(self, snap: Snapshot) -> list[discovery_pb2.DeltaDiscoveryResponse]:
+    def _responses(self, snap: Snapshot) -> list[bytes]:
         out = []
         for tu in t.PUSH_ORDER:
             ts = self.types.get(tu)
             if ts is None or not ts.requested:
                 continue
             res = snap.get(tu)
-            changed = [
-                discovery_pb2.Resource(name=n, version=res.hashes[n], resource=a)
-                for n, a in res.items.items()
-                if (ts.wildcard or n in ts.subscribed) and ts.known.get(n) != res.hashes[n]
-            ]
-            removed = [n for n in ts.known if n not in res.items]
-            version = res.version
-            if tu == t.CLUSTER and removed and not self._ready_to_drop_clusters(snap):
-                version = _transitional(res.version, dict.fromkeys(removed))
-                removed = []
-            # Subscribed names that do not exist: say so, or Envoy waits for them.
-            absent = [
-                n
-                for n in ts.subscribed
-                if n not in res.items and n not in ts.known and n not in ts.absent_told
-            ]
-            if not changed and not removed and not absent:
+            diff = None
+            if ts.synced is not None:
+                diff = res.shared.get((ts.synced, ts.wildcard, ts.subscription))
+            if diff is None:
+                diff = self._diff(tu, ts, res, snap)
+            body, changed, removed, version, exact = diff
+            ts.known.update(changed)
+            for n in removed:
+                ts.known.pop(n, None)
+            ts.synced = version if exact else None
+            if body is None:
                 if version and version != ts.sent_version:
                     # Nothing this sidecar holds changed: it is at this version already.
                     ts.sent_version = ts.acked_version = version
@@ -451,26 +509,67 @@ class DeltaStream(_Stream):
                     self.sync.ack(self.node_id, tu, version)
                 continue
             nonce = self._next_nonce()
-            out.append(
-                discovery_pb2.DeltaDiscoveryResponse(
-                    system_version_info=version,
-                    type_url=tu,
-                    resources=changed,
-                    removed_resources=removed + absent,
-                    nonce=nonce,
-                )
-            )
-            for r in changed:
-                ts.known[r.name] = r.version
-            for n in removed:
-                del ts.known[n]
-            ts.absent_told.update(absent)
+            out.append(with_nonce(body, nonce))
             ts.nonces[nonce] = version
             if len(ts.nonces) > _MAX_OUTSTANDING_NONCES:
                 del ts.nonces[next(iter(ts.nonces))]
             ts.sent_version, ts.outstanding = version, True
             self.sync.sent(self.node_id, tu, version)
         return out
+
+    def _diff(self, tu: str, ts: _TypeState, res: Resources, snap: Snapshot) -> _Diff:
+        """What this stream is sent for `res`. Shared with every stream in the same state
+        (same version held exactly, same subscription) when nothing in it is this stream's
+        own: no held-back clusters, no names told absent, nothing held beyond the
+        subscription."""
+        visible = (lambda n: True) if ts.wildcard else ts.subscribed.__contains__
+        changed = {n: h for n, h in res.hashes.items() if visible(n) and ts.known.get(n) != h}
+        removed = [n for n in ts.known if n not in res.items]
+        version = res.version
+        if tu == t.CLUSTER and removed and not self._ready_to_drop_clusters(snap):
+            version = _transitional(res.version, dict.fromkeys(removed))
+            removed = []
+        # Subscribed names that do not exist: say so, or Envoy waits for them.
+        absent = [
+            n
+            for n in ts.subscribed
+            if n not in res.items and n not in ts.known and n not in ts.absent_told
+        ]
+        ts.absent_told.update(absent)
+        body = None
+        if changed or removed or absent:
+            body = discovery_pb2.DeltaDiscoveryResponse(
+                system_version_info=version,
+                type_url=tu,
+                resources=[
+                    discovery_pb2.Resource(name=n, version=h, resource=res.items[n])
+                    for n, h in changed.items()
+                ],
+                removed_resources=removed + absent,
+            ).SerializeToString()
+        exact = (
+            not absent
+            and _KEEP not in version
+            and not any(n in res.items and not visible(n) for n in ts.known)
+        )
+        diff = (body, changed, removed, version, exact)
+        if exact and ts.synced is not None:
+            _share(res, (ts.synced, ts.wildcard, ts.subscription), diff)
+        return diff
+
+
+# A delta stream's response for one type: (body without a nonce, or None when there is nothing
+# to send; changed name -> hash; removed names; version; whether the stream then holds exactly
+# that version).
+_Diff = tuple[bytes | None, dict[str, str], list[str], str, bool]
+
+
+def _share(res: Resources, key: object, value: object) -> None:
+    if not res.version:  # EMPTY: one object for every type and group, so nothing is shared
+        return
+    if len(res.shared) >= _MAX_SHARED:
+        res.shared.clear()
+    res.shared[key] = value
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -34,6 +34,7 @@ class SnapshotCache:
         # thousands of sidecars of one group asks the same question.
         self._expected: dict[tuple[NodeInfo, int], dict[str, int]] = {}
         self._watchers: set[Callable[[], None]] = set()
+        self._generations: dict[str, int] = {}  # version string -> generation, as parsed
 
     # -- reads (any thread) ------------------------------------------------------------------
     @property
@@ -100,7 +101,12 @@ class SnapshotCache:
             ]
 
     def generation_of(self, version: str) -> int:
-        return version_generation(version, self.incarnation)
+        gen = self._generations.get(version)
+        if gen is None:
+            if len(self._generations) >= 4096:
+                self._generations.clear()
+            gen = self._generations[version] = version_generation(version, self.incarnation)
+        return gen
 
     # -- writes --------------------------------------------------------------------------------
     def stage(self, mesh: m.Mesh, live: set[NodeInfo] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,14 @@ class NodeInfo:
     # Envoy's Node.locality.zone: the caller's zone, which orders its EDS priorities. Sidecars
     # of one zone share a snapshot, so snapshots scale with zones, not nodes.
     zone: str | None = None
+
+    def __hash__(self) -> int:
+        # Every ACK looks up its group's expected generations: hash the fields once.
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
 
     @classmethod
     def from_metadata(cls, md: dict[str, Any]) -> NodeInfo:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.listener.v3 import listener_pb2
@@ -34,6 +34,9 @@ class Resources:
     version: str
     items: dict[str, any_pb2.Any]
     hashes: dict[str, str]
+    # Responses built for this set, shared by every stream that is sent the same bytes: keyed
+    # by what the stream held before and subscribes to (xds_server/xds/ads.py).
+    shared: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 EMPTY = Resources(version="", items={}, hashes={})

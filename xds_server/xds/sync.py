@@ -137,6 +137,9 @@ class SyncStatus:
         self._membership_changed = membership_changed or (lambda: None)
         self.cond = threading.Condition()
         self.nodes: dict[str, NodeSync] = {}
+        # group -> ids of its connected sidecars: staging a change asks for these, and a scan
+        # of every node per change cost more than the change itself at fleet scale.
+        self.connected: dict[NodeInfo, set[str]] = {}
         self.rejected: collections.deque[dict[str, Any]] = collections.deque(maxlen=20)
         self._streams = 0
         self._latest = 0  # newest tracked generation
@@ -235,6 +238,7 @@ class SyncStatus:
                 for ts in ns.types.values():
                     ts.pending_since = 0.0
             self.nodes[node_id] = ns
+            self.connected.setdefault(group, set()).add(node_id)
             self.changes += 1
             self._membership_changed()
             self.cond.notify_all()
@@ -250,6 +254,10 @@ class SyncStatus:
             if mine:
                 ns.connected = False
                 ns.disconnected_at = time.time()
+                ids = self.connected[ns.group]
+                ids.discard(node_id)
+                if not ids:
+                    del self.connected[ns.group]
                 self._progress(node_id, ns.disconnected_at)
                 self._membership_changed()
             self.cond.notify_all()
@@ -440,15 +448,15 @@ class SyncStatus:
                     if not w.remaining:
                         self._waiters.remove(w)
                         w.done.set()
-        trackers = sorted(
-            (tr for gen, tr in self._trackers.items() if only is None or gen == only),
-            key=lambda tr: tr.generation,
-            reverse=True,
-        )
+        if node_id is not None:  # one node's news touches only the trackers that wait on it
+            trackers = [tr for tr in self._trackers.values() if node_id in tr.remaining]
+        else:
+            trackers = [tr for g, tr in self._trackers.items() if only is None or g == only]
+        if len(trackers) > 1:
+            trackers.sort(key=lambda tr: tr.generation, reverse=True)
         held = -1  # the newest tracked generation `node_id` holds: it holds every older one
         for tr in trackers:
-            check = tr.remaining if node_id is None else tr.remaining & {node_id}
-            for n in list(check):
+            for n in [node_id] if node_id is not None else list(tr.remaining):
                 if tr.generation <= held:
                     tr.remaining.discard(n)
                     continue
@@ -478,7 +486,12 @@ class SyncStatus:
     def live_groups(self) -> set[NodeInfo]:
         """The groups of the connected sidecars: only these may veto a change."""
         with self.cond:
-            return {ns.group for ns in self.nodes.values() if ns.connected}
+            return set(self.connected)
+
+    def connected_in(self, groups: set[NodeInfo]) -> list[str]:
+        """The ids of the connected sidecars of `groups`, sorted."""
+        with self.cond:
+            return sorted(n for g in groups for n in self.connected.get(g, ()))
 
     def sweep(self) -> None:
         """Forget sidecars departed more than `forget_after` ago (and groups nobody uses)."""
