@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -177,11 +178,13 @@ class _Stream:
 
     async def run(self, requests: AsyncIterator) -> AsyncIterator:
         loop = asyncio.get_running_loop()
+        loop_thread = threading.get_ident()
 
         def wake() -> None:
             # A publish on the loop's own thread (the debouncer's) wakes the stream directly:
-            # call_soon_threadsafe writes to the loop's self-pipe once per stream.
-            if _running_loop() is loop:
+            # call_soon_threadsafe writes to the loop's self-pipe once per stream. (The thread's
+            # id, not get_running_loop(), which makes a getpid call each time.)
+            if threading.get_ident() == loop_thread:
                 self._wake.set()
             else:
                 loop.call_soon_threadsafe(self._wake.set)
@@ -211,7 +214,7 @@ class _Stream:
                 if self._error_shown:  # the group builds again: the old error is gone
                     self.sync.set_error(self.node_id, "")
                     self._error_shown = False
-                if self._answered == (snap, self._epoch):
+                if self._answered[0] is snap and self._answered[1] == self._epoch:
                     continue
                 self._answered = (snap, self._epoch)
                 for resp in self._responses(snap):
@@ -252,7 +255,7 @@ class _Stream:
         self.sync.check_node(node_id, req.node.metadata.ByteSize())
         metadata = json_format.MessageToDict(req.node.metadata)
         try:
-            group = NodeInfo.from_metadata(metadata).with_locality(req.node)
+            group = NodeInfo.from_metadata(metadata).with_locality(req.node).interned()
         except ValueError as e:
             raise NodeRejected("INVALID_ARGUMENT", str(e)) from None
         self._check_claim(node_id, group)
@@ -570,13 +573,6 @@ def _share(res: Resources, key: object, value: object) -> None:
     if len(res.shared) >= _MAX_SHARED:
         res.shared.clear()
     res.shared[key] = value
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 def _transitional(version: str, kept: dict) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from mesh_common.node_metadata import (
     VERSION,
 )
 
+_INTERNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _ZONE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}\Z")
 
 
@@ -49,6 +51,11 @@ class NodeInfo:
     @functools.cached_property
     def _hash(self) -> int:
         return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+
+    def interned(self) -> NodeInfo:
+        """The one live instance equal to this: thousands of sidecars of a group then look up
+        its snapshot by identity, not by comparing every field."""
+        return _INTERNED.setdefault(self, self)
 
     @classmethod
     def from_metadata(cls, md: dict[str, Any]) -> NodeInfo:

@@ -280,8 +280,9 @@ class SyncStatus:
             ts.pending_since = ts.pending_since or ts.sent_at
             ts.pushes += 1
             self.pushes[type_url] += 1
-        _event(logging.INFO, "push", node_id, f"{t.SHORT[type_url]} {version}",
-               type=t.SHORT[type_url], version=version)  # fmt: skip
+        if log.isEnabledFor(logging.INFO):  # once per sidecar per push: no text built for nothing
+            _event(logging.INFO, "push", node_id, f"{t.SHORT[type_url]} {version}",
+                   type=t.SHORT[type_url], version=version)  # fmt: skip
 
     def stale(self, node_id: str, type_url: str) -> None:
         with self.cond:
@@ -311,8 +312,9 @@ class SyncStatus:
                 ts.nack_version, ts.nack_error, ts.nack_at = "", "", 0.0
             self._progress(node_id, now)
             self.cond.notify_all()
-        _event(logging.INFO, "ack", node_id, f"{t.SHORT[type_url]} {version}",
-               type=t.SHORT[type_url], version=version)  # fmt: skip
+        if log.isEnabledFor(logging.INFO):
+            _event(logging.INFO, "ack", node_id, f"{t.SHORT[type_url]} {version}",
+                   type=t.SHORT[type_url], version=version)  # fmt: skip
 
     def nack(self, node_id: str, type_url: str, version: str, error: str) -> None:
         with self.cond:
@@ -480,7 +482,11 @@ class SyncStatus:
     def _type(self, node_id: str, type_url: str) -> TypeSync | None:
         if type_url not in t.SHORT:  # only known types are kept
             return None
-        return self.nodes[node_id].types.setdefault(type_url, TypeSync())
+        types = self.nodes[node_id].types
+        ts = types.get(type_url)
+        if ts is None:
+            ts = types[type_url] = TypeSync()
+        return ts
 
     # -- forgetting departed sidecars ---------------------------------------------------------
     def live_groups(self) -> set[NodeInfo]:
