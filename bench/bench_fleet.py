@@ -1,7 +1,8 @@
 """A control plane for a fleet: simulated sidecars by the thousand, state of the world and delta.
 
 For each size (1,000 / 5,000 / 10,000 sidecars; `--quick`: 500 / 2,000) and each ADS variant
-(SotW, Delta), in one run: connect every stream (the connection storm), then push weight changes
+(SotW, Delta), in one run: the gRPC floor (the same clients and one response each from a server
+that does nothing else), then connect every stream (the connection storm), push weight changes
 and endpoint changes one at a time, each until every stream ACKed it, then weight changes while
 endpoints churn (100 adds or removes a second). Reported: push time to all ACKed (p50 / max),
 the control plane's CPU seconds per change and RSS per stream, and the streams the clients had
@@ -18,6 +19,7 @@ so it measures the ADS fan-out itself.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -25,12 +27,19 @@ import threading
 import time
 from statistics import median
 
+import grpc
+from envoy.service.discovery.v3 import ads_pb2, discovery_pb2
+
 from bench.bench_xds import MESH, _client_errors, _cpu, _rss_mib
 from bench.machine import describe
+from mesh_common.loop_thread import LoopThread
+from xds_server.server import GRPC_OPTIONS
 
 PER_PROCESS = 500
-# MESHLM_FLEET_SIZES=1000,5000 measures those only (10,000 takes most of the run's time).
+# MESHLM_FLEET_SIZES=1000,5000 measures those only (10,000 takes most of the run's time);
+# MESHLM_FLEET_APIS=delta one variant only.
 SIZES = tuple(int(n) for n in os.environ.get("MESHLM_FLEET_SIZES", "1000,5000,10000").split(","))
+APIS = tuple(os.environ.get("MESHLM_FLEET_APIS", "sotw,delta").split(","))
 CHURN_PER_S = 100
 CHURN_DEBOUNCE_S = 0.1  # the mesh file's default control_plane.debounce
 
@@ -46,6 +55,9 @@ LDS = "type.googleapis.com/envoy.config.listener.v3.Listener"
 RDS = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
 NAMES = {CDS: [], EDS: ["outbound|llm|v1", "outbound|llm|v2"], LDS: [], RDS: ["outbound"]}
 ERRORS = {}
+# Channels to one target share one connection unless told not to; each Envoy has its own.
+# Waiting for the connection, as Envoy does, rather than failing while it is made.
+OWN = [("grpc.use_local_subchannel_pool", 1)]
 
 async def sidecar(i, target, api, first):
     while True:  # reopen a failed stream after a jittered backoff, as Envoy does
@@ -63,8 +75,9 @@ def node(i, first):
     return n
 
 async def sotw(i, target, first):
-    async with grpc.aio.insecure_channel(target) as ch:
-        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch).StreamAggregatedResources()
+    async with grpc.aio.insecure_channel(target, options=OWN) as ch:
+        stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch)
+        call = stub.StreamAggregatedResources(wait_for_ready=True)
         for k, tu in enumerate((CDS, EDS, LDS, RDS)):
             req = discovery_pb2.DiscoveryRequest(type_url=tu, resource_names=NAMES[tu])
             if k == 0:
@@ -79,8 +92,9 @@ async def sotw(i, target, first):
                 resource_names=NAMES[r.type_url]))
 
 async def delta(i, target, first):
-    async with grpc.aio.insecure_channel(target) as ch:
-        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch).DeltaAggregatedResources()
+    async with grpc.aio.insecure_channel(target, options=OWN) as ch:
+        stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch)
+        call = stub.DeltaAggregatedResources(wait_for_ready=True)
         for k, tu in enumerate((CDS, EDS, LDS, RDS)):
             req = discovery_pb2.DeltaDiscoveryRequest(
                 type_url=tu, resource_names_subscribe=NAMES[tu])
@@ -178,6 +192,100 @@ def _churn(cp, stop: threading.Event, counter: list[int]) -> None:
         stop.wait(max(0.0, 1 / CHURN_PER_S - (time.monotonic() - t0)))
 
 
+class _Floor:
+    """The transport's floor: a delta ADS server that only sends the same bytes to every
+    stream and counts ACKs, with nothing of a control plane behind it (grpc.aio, one event
+    loop, as the control plane's). What is left per stream is gRPC's and the kernel's."""
+
+    BODY = discovery_pb2.DeltaDiscoveryResponse(
+        type_url="type.googleapis.com/envoy.config.route.v3.RouteConfiguration",
+        system_version_info="floor",
+    ).SerializeToString()
+
+    def __init__(self) -> None:
+        self.thread = LoopThread("floor")
+        self.wakes: list[asyncio.Event] = []
+        self.acks = 0
+        self.want = 0
+        self.done = threading.Event()
+        self.server, self.port = self.thread.start(self._start)
+
+    async def _start(self):
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        handler = grpc.stream_stream_rpc_method_handler(
+            self._stream,
+            request_deserializer=discovery_pb2.DeltaDiscoveryRequest.FromString,
+            response_serializer=None,
+        )
+        service = ads_pb2.DESCRIPTOR.services_by_name["AggregatedDiscoveryService"].full_name
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, {"DeltaAggregatedResources": handler}),)
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    async def _stream(self, requests, context):
+        wake = asyncio.Event()
+        self.wakes.append(wake)
+
+        async def read() -> None:
+            async for r in requests:
+                if r.response_nonce:
+                    self.acks += 1
+                    if self.acks >= self.want:
+                        self.done.set()
+
+        reader = asyncio.ensure_future(read())
+        try:
+            n = 0
+            wake.set()  # the first response: the client waits for one per type it asked for
+            while True:
+                await wake.wait()
+                wake.clear()
+                n += 1
+                yield self.BODY + _nonce(n)
+        finally:
+            reader.cancel()
+
+    def push(self) -> None:
+        """Send one response to every stream; returns when each ACKed it."""
+        self.done.clear()
+        self.want = self.acks + len(self.wakes)
+        self.thread.loop.call_soon_threadsafe(lambda: [w.set() for w in self.wakes])
+        self.done.wait(600)
+
+    def stop(self) -> None:
+        self.thread.stop(lambda: self.server.stop(None))
+
+
+def _nonce(n: int) -> bytes:
+    raw = str(n).encode()
+    return b"\x2a" + bytes([len(raw)]) + raw  # field 5 (nonce), length-delimited
+
+
+def floor(m: int, changes: int) -> dict:
+    """One push to `m` streams until every one ACKed, on the transport alone."""
+    f = _Floor()
+    procs = _clients(f.port, m, "delta")
+    try:
+        deadline = time.monotonic() + 900
+        while f.acks < m and time.monotonic() < deadline:  # each ACKed its first response
+            time.sleep(0.2)
+        push, cpu = [], []
+        for _ in range(changes):
+            c0, t0 = _cpu(), time.perf_counter()
+            f.push()
+            push.append(time.perf_counter() - t0)
+            cpu.append(_cpu() - c0)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        f.stop()
+    return {"m": m, "push": push, "cpu": cpu}
+
+
 def fleet(m: int, api: str, changes: int) -> dict:
     from xds_server.compose import build_server
     from xds_server.mesh import parse_mesh
@@ -234,9 +342,12 @@ def main(quick: bool = False) -> str:
     sizes = (500, 2000) if quick else SIZES
     changes = 3
     load0 = os.getloadavg()[0]
-    runs = []
+    runs, floors = [], []
     for m in sizes:
-        for api in ("sotw", "delta"):
+        floors.append(floor(m, changes))
+        f = floors[-1]
+        print(f"{m} floor: {median(f['push']):.2f} s, {median(f['cpu']):.2f} CPU s", flush=True)
+        for api in APIS:
             runs.append(fleet(m, api, changes))
             r = runs[-1]  # as it goes: a large size takes minutes
             print(
@@ -273,8 +384,20 @@ def main(quick: bool = False) -> str:
         "CP CPU us per stream | fully ACKed |",
         "|---:|---|---|---:|---:|---:|---:|",
     ]
+    for f in floors:
+        cpu = median(f["cpu"])
+        lines.append(
+            f"| {f['m']:,} | gRPC floor | one response | {median(f['push']):.2f} / "
+            f"{max(f['push']):.2f} | {cpu:.2f} | {cpu / f['m'] * 1e6:.0f} | - |"
+        )
     for r in runs:
         lines += [_row(r, what) for what in ("weights", "endpoints", "churn")]
+    lines += [
+        "",
+        "gRPC floor: the same simulated sidecars against a delta ADS server that only sends "
+        "every stream the same bytes and counts the ACKs (grpc.aio, one event loop, requests "
+        "parsed): what one change costs before any control-plane work.",
+    ]
     return "\n".join(lines) + "\n"
 
 

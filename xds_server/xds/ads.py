@@ -52,6 +52,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self.sync = sync
         self.trust_domain = trust_domain
         self._streams: set[_Stream] = set()
+        self._admission = Admission()
         self._closing = False
         self._all_closed: asyncio.Event | None = None
 
@@ -89,6 +90,7 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     async def _serve(
         self, kind: type[_Stream], requests: AsyncIterator, context: grpc.aio.ServicerContext
     ) -> AsyncIterator:
+        await self._admission.wait(self.sync.limits.admit_per_s)
         if self._closing:
             await context.abort(grpc.StatusCode.UNAVAILABLE, _STOPPING)
         stream = kind(self.cache, self.sync, self._peer(context))
@@ -107,6 +109,22 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
 
     def _peer(self, context: grpc.aio.ServicerContext) -> Peer | None:
         return peer_of(context, self.trust_domain) if self.trust_domain else None
+
+
+class Admission:
+    """New streams taken up at most `rate` a second, after a burst of as many: each takes the
+    next free slot of a schedule that runs at most a second behind the clock, and waits for
+    it. O(1) a stream, and a stream that waits holds nothing but its coroutine."""
+
+    def __init__(self) -> None:
+        self._next = 0.0
+
+    async def wait(self, rate: float) -> None:
+        now = time.monotonic()
+        slot = max(self._next, now - 1.0)
+        self._next = slot + 1.0 / rate
+        if slot > now:
+            await asyncio.sleep(slot - now)
 
 
 _last_warning = 0.0

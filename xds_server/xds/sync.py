@@ -48,6 +48,9 @@ class Limits:
     max_error_chars: int = 1024  # of a NACK's error_detail kept in status
     forget_after: float = 600.0  # seconds a departed sidecar stays in status
     lagging_after: float = 30.0  # seconds un-ACKed before a sidecar no longer holds changes back
+    # New streams served a second (as many at once after a quiet second): in a connection storm
+    # the rest wait their turn, open, and the streams already served keep their pushes.
+    admit_per_s: float = 2_000.0
 
 
 class NodeRejected(Exception):
