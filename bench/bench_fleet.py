@@ -4,9 +4,10 @@ For each size (1,000 / 5,000 / 10,000 sidecars; `--quick`: 500 / 2,000) and each
 (SotW, Delta), in one run: the gRPC floor (the same clients and one response each from a server
 that does nothing else), then connect every stream (the connection storm), push weight changes
 and endpoint changes one at a time, each until every stream ACKed it, then weight changes while
-endpoints churn (100 adds or removes a second). Reported: push time to all ACKed (p50 / max),
-the control plane's CPU seconds per change and RSS per stream, and the streams the clients had
-to reopen. The control plane runs in this process (grpc.aio, one event loop); the simulated
+hosts register and deregister through the registry (100 a second). Reported: push time to all
+ACKed (p50 / max), the control plane's CPU seconds per change and RSS per stream, and the
+streams the clients had to reopen. Each run's control plane has a process of its own (grpc.aio,
+one event loop), so memory one run freed does not hide the next one's; the simulated
 sidecars in client processes of up to 500 streams, each stream on its own HTTP/2 connection,
 ACKing every response as Envoy does. Clients and control plane share the machine's cores.
 
@@ -20,6 +21,7 @@ so it measures the ADS fan-out itself.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -178,15 +180,23 @@ def _endpoint(k: int):
 
 
 def _churn(cp, stop: threading.Event, counter: list[int]) -> None:
-    """Endpoints join and leave at CHURN_PER_S, without waiting for ACKs (registrations)."""
-    k = 0
+    """Hosts register and deregister at CHURN_PER_S through the control plane's registry, each
+    change staged as the registration service stages it (the registering host's wait for its
+    callers' ACKs is its own, so none here)."""
+    from xds_server.mesh.model import Endpoint
+    from xds_server.registry.request import Register
+
+    k, live = 0, {}
     while not stop.is_set():
         t0 = time.monotonic()
-        host = f"127.0.0.3:{52000 + k % 50}"
-        if k % 100 < 50:
-            cp.add_endpoint("llm", "v1", host, timeout=0)
+        slot = k % 50
+        if slot in live:
+            cp.registry.remove(live.pop(slot))
         else:
-            cp.remove_endpoint("llm", "v1", host, timeout=0)
+            reg = Register(f"churn-{slot}", Endpoint("127.0.0.3", 52000 + slot), "llm", "v1")
+            cp.registry.add(reg, token=1_000_000 + k, spiffe_id=None, mesh=cp.mesh)
+            live[slot] = 1_000_000 + k
+        cp.push_registrations(timeout=0)
         k += 1
         counter[0] = k
         stop.wait(max(0.0, 1 / CHURN_PER_S - (time.monotonic() - t0)))
@@ -330,6 +340,15 @@ def fleet(m: int, api: str, changes: int) -> dict:
     }
 
 
+def _alone(fn: str, *args: object) -> dict:
+    """`fn(*args)` of this module in a process of its own; its result."""
+    code = f"import json; from bench.bench_fleet import {fn}; print(json.dumps({fn}{args!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{fn}{args}: {out.stderr[-3000:]}")
+    return json.loads(out.stdout.splitlines()[-1])
+
+
 def _row(r: dict, what: str) -> str:
     push, cpu, ok = r[what]
     return (
@@ -344,11 +363,11 @@ def main(quick: bool = False) -> str:
     load0 = os.getloadavg()[0]
     runs, floors = [], []
     for m in sizes:
-        floors.append(floor(m, changes))
+        floors.append(_alone("floor", m, changes))
         f = floors[-1]
         print(f"{m} floor: {median(f['push']):.2f} s, {median(f['cpu']):.2f} CPU s", flush=True)
         for api in APIS:
-            runs.append(fleet(m, api, changes))
+            runs.append(_alone("fleet", m, api, changes))
             r = runs[-1]  # as it goes: a large size takes minutes
             print(
                 f"{m} {api}: connect {r['connect_s']:.1f} s, {r['reconnects']} reopened", flush=True
@@ -365,7 +384,7 @@ def main(quick: bool = False) -> str:
         "plaintext). The simulated sidecars run on the same cores as the control plane.",
         "",
         "| sidecars | ADS | connect all, s | CP CPU s to connect | RSS per stream KiB | "
-        "streams reopened | endpoint churn / s |",
+        "streams reopened | registrations / s |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
@@ -376,8 +395,9 @@ def main(quick: bool = False) -> str:
     lines += [
         "",
         "One change at a time until every stream ACKed it: a weight change (RDS), an endpoint "
-        f"added (EDS), both pushed at once (debounce 0), and weight changes while endpoints "
-        f"churn at {CHURN_PER_S}/s, with the default debounce of {CHURN_DEBOUNCE_S * 1000:.0f} "
+        f"added (EDS), both pushed at once (debounce 0), and weight changes while hosts "
+        f"register and deregister through the registry at {CHURN_PER_S}/s, with the default "
+        f"debounce of {CHURN_DEBOUNCE_S * 1000:.0f} "
         "ms (a burst goes out at least once a second).",
         "",
         "| sidecars | ADS | change | push to all ACKed, s (p50 / max) | CP CPU s per change | "

@@ -16,8 +16,9 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
@@ -40,6 +41,7 @@ _STOPPING = "control plane stopping"
 # Shared responses kept per resource set (one per subscription a group's sidecars use).
 _MAX_SHARED = 64
 _KEEP = "~keep-"  # marks a transitional CDS version (make before break)
+_NOTHING: Mapping = MappingProxyType({})
 
 
 class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
@@ -111,6 +113,32 @@ class AdsServicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         return peer_of(context, self.trust_domain) if self.trust_domain else None
 
 
+class _Wake:
+    """An asyncio.Event for its one waiter, cleared as it returns, without the Event's deque
+    of waiters (one per stream: thousands). Made and used on the loop's thread."""
+
+    __slots__ = ("_loop", "_set", "_waiter")
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._set = False
+        self._waiter: asyncio.Future | None = None
+
+    def set(self) -> None:
+        self._set = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self) -> None:
+        if not self._set:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        self._set = False
+
+
 class Admission:
     """New streams taken up at most `rate` a second, after a burst of as many: each takes the
     next free slot of a schedule that runs at most a second behind the clock, and waits for
@@ -143,7 +171,7 @@ async def _close(context: grpc.aio.ServicerContext, e: NodeRejected) -> None:
     await context.abort(grpc.StatusCode[e.code], str(e))
 
 
-@dataclass
+@dataclass(slots=True)  # one per type per stream: thousands
 class _TypeState:
     requested: bool = False
     sent_version: str = ""
@@ -152,15 +180,16 @@ class _TypeState:
     # SotW
     names: frozenset[str] | None = None  # None: wildcard
     sent_names: frozenset[str] | None = None
-    sent_items: dict[str, any_pb2.Any] = field(default_factory=dict)
+    sent_items: Mapping[str, any_pb2.Any] = field(default_factory=lambda: _NOTHING)  # replaced
     nonce: str = ""
     # Delta
     known: dict[str, str] = field(default_factory=dict)  # what the client holds: name -> hash
-    subscribed: set[str] = field(default_factory=set)
+    # Frozen (replaced on each change, which is rare): the shared-response key as it is, and an
+    # empty one costs nothing per stream.
+    subscribed: frozenset[str] = frozenset()
     wildcard: bool = False
-    absent_told: set[str] = field(default_factory=set)
+    absent_told: frozenset[str] = frozenset()
     nonces: dict[str, str] = field(default_factory=dict)  # nonce -> system version
-    subscription: frozenset[str] = frozenset()  # `subscribed`, frozen for the shared-response key
     # The version whose resources (as far as subscribed) `known` holds exactly and only; None
     # once anything else changed `known`. Streams in the same state get the same response.
     synced: str | None = None
@@ -168,6 +197,12 @@ class _TypeState:
 
 class _Stream:
     api = ""
+    # One per sidecar: no instance dict.
+    __slots__ = (
+        "_answered", "_claim_checked", "_done", "_epoch", "_error_shown", "_failure", "_nonce",
+        "_replies", "_wake", "cache", "closed", "group", "node_id", "peer", "stream_id", "sync",
+        "types",
+    )  # fmt: skip
 
     def __init__(self, cache: SnapshotCache, sync: SyncStatus, peer: Peer | None = None) -> None:
         self.cache = cache
@@ -185,7 +220,7 @@ class _Stream:
         self._epoch = 0
         self._answered: tuple[Snapshot | None, int] = (None, -1)
         self._error_shown = False
-        self._wake = asyncio.Event()
+        self._wake = _Wake()
         self._done = False
         self.closed = False  # ended by close(): the control plane is stopping
         self._nonce = 0
@@ -212,7 +247,6 @@ class _Stream:
         try:
             while True:
                 await self._wake.wait()
-                self._wake.clear()
                 if self.closed:
                     break
                 if self._failure is not None:
@@ -258,6 +292,7 @@ class _Stream:
                 if changes:
                     self._epoch += 1
                     self._wake.set()
+                req = None  # not held while the next one is awaited
         except (grpc.RpcError, asyncio.CancelledError, grpc.aio.AioRpcError):
             pass
         finally:
@@ -353,6 +388,7 @@ class _Stream:
 
 class SotwStream(_Stream):
     api = "sotw"
+    __slots__ = ()
 
     def _handle(self, req: discovery_pb2.DiscoveryRequest) -> bool:
         self._identify(req)
@@ -448,6 +484,7 @@ class SotwStream(_Stream):
 
 class DeltaStream(_Stream):
     api = "delta"
+    __slots__ = ()
 
     def _handle(self, req: discovery_pb2.DeltaDiscoveryRequest) -> bool:
         self._identify(req)
@@ -470,19 +507,21 @@ class DeltaStream(_Stream):
             ts.wildcard = tu in t.WILDCARD_TYPES and not req.resource_names_subscribe
         ts.requested = True
         ts.synced = None
+        subscribed = set(ts.subscribed)
         for n in req.resource_names_subscribe:
             if n == "*":
                 ts.wildcard = True
             else:
-                ts.subscribed.add(n)
+                subscribed.add(n)
         for n in req.resource_names_unsubscribe:
             if n == "*":
                 ts.wildcard = False
             else:
-                ts.subscribed.discard(n)
+                subscribed.discard(n)
                 ts.known.pop(n, None)  # a later subscribe must send it again
-                ts.absent_told.discard(n)
-        ts.subscription = frozenset(ts.subscribed)
+                if n in ts.absent_told:
+                    ts.absent_told = ts.absent_told - {n}
+        ts.subscribed = frozenset(subscribed)
         self._check_names(tu, max(len(ts.subscribed), len(ts.known)), ())
         self._answer(tu, ts, req)
         return True
@@ -514,7 +553,7 @@ class DeltaStream(_Stream):
             res = snap.get(tu)
             diff = None
             if ts.synced is not None:
-                diff = res.shared.get((ts.synced, ts.wildcard, ts.subscription))
+                diff = res.shared.get((ts.synced, ts.wildcard, ts.subscribed))
             if diff is None:
                 diff = self._diff(tu, ts, res, snap)
             body, changed, removed, version, exact = diff
@@ -556,7 +595,8 @@ class DeltaStream(_Stream):
             for n in ts.subscribed
             if n not in res.items and n not in ts.known and n not in ts.absent_told
         ]
-        ts.absent_told.update(absent)
+        if absent:
+            ts.absent_told = ts.absent_told | frozenset(absent)
         body = None
         if changed or removed or absent:
             body = discovery_pb2.DeltaDiscoveryResponse(
@@ -575,7 +615,7 @@ class DeltaStream(_Stream):
         )
         diff = (body, changed, removed, version, exact)
         if exact and ts.synced is not None:
-            _share(res, (ts.synced, ts.wildcard, ts.subscription), diff)
+            _share(res, (ts.synced, ts.wildcard, ts.subscribed), diff)
         return diff
 
 

@@ -9,6 +9,7 @@ answer came, ERROR when it was NACKed (error_state carries the NACK's detail).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -100,7 +101,7 @@ class CsdsServicer(csds_pb2_grpc.ClientStatusDiscoveryServiceServicer):
 
 
 def _copy_types(ns: NodeSync) -> dict[str, TypeSync]:
-    return {tu: TypeSync(**vars(ts)) for tu, ts in ns.types.items() if ts.sent_version}
+    return {tu: copy.copy(ts) for tu, ts in ns.types.items() if ts.sent_version}
 
 
 def _node(node_id: str, metadata: dict) -> base_pb2.Node:

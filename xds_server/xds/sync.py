@@ -61,7 +61,7 @@ class NodeRejected(Exception):
         self.code = code
 
 
-@dataclass
+@dataclass(slots=True)  # one per type per sidecar: thousands
 class TypeSync:
     sent_version: str = ""
     sent_at: float = 0.0
@@ -77,7 +77,7 @@ class TypeSync:
     pending_since: float = 0.0  # oldest push not yet ACKed or NACKed; 0: none
 
 
-@dataclass
+@dataclass(slots=True)
 class NodeSync:
     node_id: str
     group: NodeInfo
