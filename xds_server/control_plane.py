@@ -306,7 +306,7 @@ class ControlPlane:
                 return None
             version, nodes = self._stage(self.isolation.overlay(mesh))
         if timeout == 0:
-            return ApplyResult(version=version, ok=False, missing=nodes)
+            return ApplyResult(version=version, ok=False, missing=sorted(nodes))
         return self.wait_for_ack(version, nodes, timeout=timeout)
 
     def _change_replicated(
@@ -364,6 +364,8 @@ class ControlPlane:
                 version, nodes = self._stage(self.mesh)
             else:
                 version, nodes = make_version(self.incarnation, self.cache.generation), None
+        if timeout == 0 and nodes is not None:  # as a change's: staged, nothing waited for
+            return ApplyResult(version=version, ok=False, missing=nodes)
         return self.wait_for_ack(version, nodes, timeout=timeout)
 
     def _push_registrations_replicated(self, timeout: float) -> ApplyResult:

@@ -498,9 +498,13 @@ class SyncStatus:
             return set(self.connected)
 
     def connected_in(self, groups: set[NodeInfo]) -> list[str]:
-        """The ids of the connected sidecars of `groups`, sorted."""
+        """The ids of the connected sidecars of `groups`, in no order (sorting 10,000 ids for
+        each registration under churn cost more than staging it)."""
         with self.cond:
-            return sorted(n for g in groups for n in self.connected.get(g, ()))
+            out: list[str] = []
+            for g in groups:
+                out.extend(self.connected.get(g, ()))
+            return out
 
     def sweep(self) -> None:
         """Forget sidecars departed more than `forget_after` ago (and groups nobody uses)."""
