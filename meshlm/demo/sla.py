@@ -46,3 +46,18 @@ def sla(calls: Iterable[Call]) -> dict[str, Any]:
         "ttft_ms": latency(c.ttft_ms for c in ok if c.ttft_ms is not None),
         "e2e_ms": latency(c.latency_ms for c in ok),
     }
+
+
+def ttft(calls: Iterable[Call]) -> dict[str, float | None]:
+    """TTFT p50 and p99 (ms) of the calls that ended OK."""
+    lat = latency(c.ttft_ms for c in calls if c.status == "OK" and c.ttft_ms is not None)
+    return {"p50": lat["p50"], "p99": lat["p99"]}
+
+
+def tenant_summary(calls: Iterable[Call]) -> dict[str, Any]:
+    """One tenant's calls: how many, by status, and their TTFT."""
+    calls = list(calls)
+    by_status: dict[str, int] = {}
+    for c in calls:
+        by_status[c.status] = by_status.get(c.status, 0) + 1
+    return {"requests": len(calls), "by_status": by_status, "ttft_ms": ttft(calls)}

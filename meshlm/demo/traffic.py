@@ -282,3 +282,14 @@ def _ms(v: float | None) -> float | None:
 def _p50_p99(values: list[float | None]) -> dict[str, float | None]:
     vals = [v for v in values if v is not None]
     return {"p50": percentile(vals, 50), "p99": percentile(vals, 99)}
+
+
+def tenant_traffic(
+    target: str, tenant: str, key: str, rate: float, tokens: int, prompts: Any = None
+) -> Traffic:
+    """One tenant's open-loop calls to the demo service at `target`, with the bare client: a
+    caller that resumes slow streams elsewhere would hide what the runtime's scheduler did."""
+    from meshlm.demo.launcher import SERVICE
+
+    load = TenantLoad(tenant, key, rate=rate, prompts=prompts or PROMPTS)
+    return Traffic(target, [load], authority=SERVICE, max_new_tokens=tokens, resume=False)

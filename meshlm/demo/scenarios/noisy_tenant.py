@@ -131,12 +131,9 @@ def _flood_tokens(mesh: Any, version: str, say: Any) -> int:
 
 
 def _traffic(target: str, tenant: str, rate: float, tokens: int, prompts: Any = None) -> Any:
-    from meshlm.demo.launcher import SERVICE
-    from meshlm.demo.traffic import PROMPTS, TenantLoad, Traffic
+    from meshlm.demo.traffic import tenant_traffic
 
-    load = TenantLoad(tenant, KEYS[tenant], rate=rate, prompts=prompts or PROMPTS)
-    # the bare client: a caller that resumes slow streams elsewhere would hide the scheduler
-    return Traffic(target, [load], authority=SERVICE, max_new_tokens=tokens, resume=False)
+    return tenant_traffic(target, tenant, KEYS[tenant], rate, tokens, prompts)
 
 
 def _phases(
@@ -144,7 +141,7 @@ def _phases(
 ) -> dict[str, Any]:
     """On one runtime, through its inbound sidecar: warm-up, the quiet tenant alone, then the
     quiet tenant beside the flood (its first seconds left out while the backlog builds)."""
-    from meshlm.demo.sla import latency, sla
+    from meshlm.demo.sla import sla, tenant_summary, ttft
 
     alone_s, flood_s, settle_s = durations
     target = f"127.0.0.1:{mesh.runtimes[version].inbound_port}"
@@ -164,16 +161,6 @@ def _phases(
     beside = [o for o in quiet.outcomes if o.at >= t_flood + settle_s]
     flood = [o for o in noisy.outcomes if o.at >= t_flood + settle_s]
 
-    def ttft(calls: list[Any]) -> dict[str, Any]:
-        lat = latency(o.ttft_ms for o in calls if o.status == "OK" and o.ttft_ms is not None)
-        return {"p50": lat["p50"], "p99": lat["p99"]}
-
-    def tenant(calls: list[Any]) -> dict[str, Any]:
-        by_status: dict[str, int] = {}
-        for o in calls:
-            by_status[o.status] = by_status.get(o.status, 0) + 1
-        return {"requests": len(calls), "by_status": by_status, "ttft_ms": ttft(calls)}
-
     alone_p99, beside_p99 = ttft(alone)["p99"], ttft(beside)["p99"]
     degradation = None
     if alone_p99 is not None and beside_p99 is not None:
@@ -183,7 +170,7 @@ def _phases(
         "runtime": version,
         "isolation": version != "v1",
         "quiet_alone_ttft_ms": ttft(alone),
-        "tenants": {"quiet": tenant(beside), "noisy": tenant(flood)},
+        "tenants": {"quiet": tenant_summary(beside), "noisy": tenant_summary(flood)},
         "quiet_ttft_p99_degradation_ms": degradation,
         "sla": sla([*beside, *flood]),
     }

@@ -110,11 +110,9 @@ def _mesh_doc(base: dict[str, Any], budget: dict[str, int] | None) -> dict[str, 
 
 
 def _traffic(target: str, tenant: str, rate: float, tokens: int, prompts: Any = None) -> Any:
-    from meshlm.demo.launcher import SERVICE
-    from meshlm.demo.traffic import PROMPTS, TenantLoad, Traffic
+    from meshlm.demo.traffic import tenant_traffic
 
-    load = TenantLoad(tenant, KEYS[tenant], rate=rate, prompts=prompts or PROMPTS)
-    return Traffic(target, [load], authority=SERVICE, max_new_tokens=tokens, resume=False)
+    return tenant_traffic(target, tenant, KEYS[tenant], rate, tokens, prompts)
 
 
 def _billed(metrics_url: str, tenant: str) -> float:
@@ -137,7 +135,7 @@ def _billed(metrics_url: str, tenant: str) -> float:
 def _phases(mesh: Any, noisy_tokens: int, durations: tuple[float, float], say: Any) -> dict:
     """Through the runtime's inbound sidecar: warm-up, the quiet tenant alone, then beside the
     flood; the noisy tenant's billed tokens counted over the flood."""
-    from meshlm.demo.sla import latency, sla
+    from meshlm.demo.sla import sla, tenant_summary, ttft
 
     alone_s, flood_s = durations
     rt = mesh.runtimes[VERSION]
@@ -161,23 +159,13 @@ def _phases(mesh: Any, noisy_tokens: int, durations: tuple[float, float], say: A
     alone = [o for o in quiet.outcomes if t_alone <= o.at < t_flood]
     beside = [o for o in quiet.outcomes if o.at >= t_flood]
 
-    def ttft(calls: list[Any]) -> dict[str, Any]:
-        lat = latency(o.ttft_ms for o in calls if o.status == "OK" and o.ttft_ms is not None)
-        return {"p50": lat["p50"], "p99": lat["p99"]}
-
-    def tenant(calls: list[Any]) -> dict[str, Any]:
-        by_status: dict[str, int] = {}
-        for o in calls:
-            by_status[o.status] = by_status.get(o.status, 0) + 1
-        return {"requests": len(calls), "by_status": by_status, "ttft_ms": ttft(calls)}
-
     alone_p99, beside_p99 = ttft(alone)["p99"], ttft(beside)["p99"]
     ratio = round(beside_p99 / alone_p99, 3) if alone_p99 and beside_p99 else None
     say(f"quiet TTFT p99 alone {alone_p99} ms, beside the flood {beside_p99} ms")
     return {
         "flood_s": spent,
-        "quiet_alone": tenant(alone),
-        "tenants": {"quiet": tenant(beside), "noisy": tenant(noisy.outcomes)},
+        "quiet_alone": tenant_summary(alone),
+        "tenants": {"quiet": tenant_summary(beside), "noisy": tenant_summary(noisy.outcomes)},
         "quiet_ttft_p99_ratio": ratio,
         "noisy_billed_tokens": round(billed),
         "sla": sla([*beside, *noisy.outcomes]),
