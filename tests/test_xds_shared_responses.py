@@ -4,6 +4,8 @@ difference. Real control plane, real gRPC streams on loopback (no Envoy)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -15,6 +17,7 @@ from tests.test_xds_support import AdsClient, sotw
 from xds_server.compose import build_server
 from xds_server.mesh import parse_mesh
 from xds_server.server import XdsServer
+from xds_server.xds.node import NodeInfo
 from xds_server.xds.wire import with_nonce
 
 V1, V2 = "outbound|llm|v1", "outbound|llm|v2"
@@ -111,3 +114,15 @@ def test_a_nonce_appended_to_shared_bytes_reads_as_the_field(nonce: str) -> None
         body = kind(type_url=t.CLUSTER).SerializeToString()
         r = kind.FromString(with_nonce(body, nonce))
         assert r.nonce == nonce and r.type_url == t.CLUSTER
+
+
+def test_a_groups_shared_instance_goes_with_its_last_user() -> None:
+    """Streams of one group share one NodeInfo; the table of shared instances keeps none alive
+    (inbound groups are one per host, so a long-lived control plane sees many come and go)."""
+    a = NodeInfo(service="llm", version="v9", inbound_port=1).interned()
+    b = NodeInfo(service="llm", version="v9", inbound_port=1).interned()
+    assert a is b
+    gone = weakref.ref(a)
+    del a, b
+    gc.collect()
+    assert gone() is None

@@ -49,13 +49,18 @@ class NodeInfo:
         return self._hash
 
     @functools.cached_property
+    def _fields(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    @functools.cached_property
     def _hash(self) -> int:
-        return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        return hash(self._fields)
 
     def interned(self) -> NodeInfo:
         """The one live instance equal to this: thousands of sidecars of a group then look up
-        its snapshot by identity, not by comparing every field."""
-        return _INTERNED.setdefault(self, self)
+        its snapshot by identity, not by comparing every field. Keyed by the field values, not
+        the instance, so an entry goes when its last user does."""
+        return _INTERNED.setdefault(self._fields, self)
 
     @classmethod
     def from_metadata(cls, md: dict[str, Any]) -> NodeInfo:
