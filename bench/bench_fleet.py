@@ -36,6 +36,7 @@ from bench.bench_xds import MESH, _client_errors, _cpu, _rss_mib
 from bench.machine import describe
 from mesh_common.loop_thread import LoopThread
 from xds_server.server import GRPC_OPTIONS
+from xds_server.xds.wire import with_nonce
 
 PER_PROCESS = 500
 # MESHLM_FLEET_SIZES=1000,5000 measures those only (10,000 takes most of the run's time);
@@ -249,12 +250,12 @@ class _Floor:
         reader = asyncio.ensure_future(read())
         try:
             n = 0
-            wake.set()  # the first response: the client waits for one per type it asked for
+            wake.set()  # a first response, ACKed by each client: the floor's connect phase
             while True:
                 await wake.wait()
                 wake.clear()
                 n += 1
-                yield self.BODY + _nonce(n)
+                yield with_nonce(self.BODY, str(n))
         finally:
             reader.cancel()
 
@@ -267,11 +268,6 @@ class _Floor:
 
     def stop(self) -> None:
         self.thread.stop(lambda: self.server.stop(None))
-
-
-def _nonce(n: int) -> bytes:
-    raw = str(n).encode()
-    return b"\x2a" + bytes([len(raw)]) + raw  # field 5 (nonce), length-delimited
 
 
 def floor(m: int, changes: int) -> dict:
