@@ -65,7 +65,7 @@ OWN = [("grpc.use_local_subchannel_pool", 1)]
 async def sidecar(i, target, api, first):
     while True:  # reopen a failed stream after a jittered backoff, as Envoy does
         try:
-            await (sotw if api == "sotw" else delta)(i, target, first)
+            await stream(i, target, api, first)
             return
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
             name = e.code().name if isinstance(e, grpc.aio.AioRpcError) else "finished"
@@ -77,39 +77,33 @@ def node(i, first):
     n.metadata.update({"meshlm.outbound_port": 15001})
     return n
 
-async def sotw(i, target, first):
-    async with grpc.aio.insecure_channel(target, options=OWN) as ch:
-        stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch)
-        call = stub.StreamAggregatedResources(wait_for_ready=True)
-        for k, tu in enumerate((CDS, EDS, LDS, RDS)):
-            req = discovery_pb2.DiscoveryRequest(type_url=tu, resource_names=NAMES[tu])
-            if k == 0:
-                req.node.CopyFrom(node(i, first))
-            await call.write(req)
-        while True:
-            r = await call.read()
-            if r is grpc.aio.EOF:
-                return
-            await call.write(discovery_pb2.DiscoveryRequest(
-                type_url=r.type_url, version_info=r.version_info, response_nonce=r.nonce,
-                resource_names=NAMES[r.type_url]))
+def subscribe(api, tu):
+    if api == "sotw":
+        return discovery_pb2.DiscoveryRequest(type_url=tu, resource_names=NAMES[tu])
+    return discovery_pb2.DeltaDiscoveryRequest(type_url=tu, resource_names_subscribe=NAMES[tu])
 
-async def delta(i, target, first):
+def ack(api, r):
+    if api == "sotw":
+        return discovery_pb2.DiscoveryRequest(
+            type_url=r.type_url, version_info=r.version_info, response_nonce=r.nonce,
+            resource_names=NAMES[r.type_url])
+    return discovery_pb2.DeltaDiscoveryRequest(type_url=r.type_url, response_nonce=r.nonce)
+
+async def stream(i, target, api, first):
     async with grpc.aio.insecure_channel(target, options=OWN) as ch:
         stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(ch)
-        call = stub.DeltaAggregatedResources(wait_for_ready=True)
+        rpc = stub.StreamAggregatedResources if api == "sotw" else stub.DeltaAggregatedResources
+        call = rpc(wait_for_ready=True)
         for k, tu in enumerate((CDS, EDS, LDS, RDS)):
-            req = discovery_pb2.DeltaDiscoveryRequest(
-                type_url=tu, resource_names_subscribe=NAMES[tu])
+            req = subscribe(api, tu)
             if k == 0:
                 req.node.CopyFrom(node(i, first))
             await call.write(req)
-        while True:
+        while True:  # ACK every response, as Envoy does
             r = await call.read()
             if r is grpc.aio.EOF:
                 return
-            await call.write(discovery_pb2.DeltaDiscoveryRequest(
-                type_url=r.type_url, response_nonce=r.nonce))
+            await call.write(ack(api, r))
 
 async def report():
     while True:

@@ -6,30 +6,18 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator
 
 import pytest
 from envoy.service.discovery.v3 import discovery_pb2
 
 from mesh_common import type_urls as t
-from tests.test_xds_protocol import MESH
+from tests.test_xds_protocol import cp  # noqa: F401  (the fixture)
 from tests.test_xds_support import AdsClient, sotw
-from xds_server.compose import build_server
-from xds_server.mesh import parse_mesh
 from xds_server.server import XdsServer
 from xds_server.xds.node import NodeInfo
 from xds_server.xds.wire import with_nonce
 
 V1, V2 = "outbound|llm|v1", "outbound|llm|v2"
-
-
-@pytest.fixture
-def cp() -> Iterator[XdsServer]:
-    plane = build_server(parse_mesh(MESH), debounce=0.0).start()
-    try:
-        yield plane
-    finally:
-        plane.stop()
 
 
 def _without_nonce(r) -> bytes:
@@ -38,8 +26,8 @@ def _without_nonce(r) -> bytes:
     return r.SerializeToString(deterministic=True)
 
 
-def _delta_eds(cp: XdsServer, node: str, names: list[str], initial: dict | None = None):
-    c = AdsClient(cp.grpc_port, node, delta=True)
+def _delta_eds(plane: XdsServer, node: str, names: list[str], initial: dict | None = None):
+    c = AdsClient(plane.grpc_port, node, delta=True)
     c.send(
         discovery_pb2.DeltaDiscoveryRequest(
             type_url=t.ENDPOINT,
@@ -54,7 +42,9 @@ def _ack(c: AdsClient, r) -> None:
     c.send(discovery_pb2.DeltaDiscoveryRequest(type_url=r.type_url, response_nonce=r.nonce))
 
 
-def test_delta_streams_in_one_state_get_one_response_and_others_their_own(cp: XdsServer) -> None:
+def test_delta_streams_in_one_state_get_one_response_and_others_their_own(
+    cp: XdsServer,  # noqa: F811
+) -> None:
     both = [_delta_eds(cp, f"both-{i}", [V1, V2]) for i in range(3)]
     only_v1 = _delta_eds(cp, "only-v1", [V1])
     streams = [*both, only_v1]
@@ -91,7 +81,7 @@ def test_delta_streams_in_one_state_get_one_response_and_others_their_own(cp: Xd
             c.close()
 
 
-def test_sotw_streams_with_the_same_names_share_a_response(cp: XdsServer) -> None:
+def test_sotw_streams_with_the_same_names_share_a_response(cp: XdsServer) -> None:  # noqa: F811
     streams = [AdsClient(cp.grpc_port, f"s-{i}") for i in range(3)]
     try:
         for c in streams:
